@@ -1,0 +1,38 @@
+# VENV may point outside the clone (CI reuses one under ~/.cache: the venv is ~6 GB).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+DEMO_OUT ?= runs/demo
+# DeepSpeed JIT-builds its C++ ops once; keep them beside the venv so every run reuses them.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
+export DS_ACCELERATOR ?= cpu
+export TOKENIZERS_PARALLELISM ?= false
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: venv demo test test-unit test-dist bench clean
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+venv: $(VENV)/.installed
+
+demo: venv
+	$(PY) -m shardtrain make-data multimodal data/multimodal
+	$(PY) -m shardtrain train --config configs/multimodal_tiny.yaml --strategy fsdp --device cpu \
+		--nproc $(NPROC) --data-dir data/multimodal --output-dir $(DEMO_OUT) --resume none
+
+test: venv
+	$(PY) -m pytest -q tests
+
+test-unit: venv
+	$(PY) -m pytest -q tests/unit
+
+test-dist: venv
+	$(PY) -m pytest -q tests/dist
+
+clean:
+	rm -rf runs data .pytest_cache
