@@ -1,0 +1,361 @@
+"""One typed config: YAML file + command-line overrides, validated before any heavy work.
+
+Sections exist only to keep YAML files readable; every field name is unique across sections,
+so each one is also a flat command-line flag (`train.per_device_batch_size` <-> `--per-device-batch-size`).
+Errors name the flag or the YAML key, and show the arithmetic where there is some.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """A usage, config or data problem: one line, exit code 2, no traceback."""
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["multimodal", "longformer"] = "multimodal"
+    # Hub name or local folder. With pretrained=false the architecture alone is used (random init).
+    text_model: str = "roberta-base"
+    pretrained: bool = True
+    # Overrides of the text model's HF config; tiny test models are built from these.
+    text_config: dict = field(default_factory=dict)
+    image_model: Literal["resnet50", "resnet18", "densenet121"] = "resnet50"
+    # None: random init; a torchvision weights name (e.g. IMAGENET1K_V2) or a local .pth/.safetensors file.
+    image_weights: Optional[str] = None
+    # Overrides of the torchvision constructor (e.g. {layers: [1,1,1,1]} or DenseNet's block_config).
+    image_config: dict = field(default_factory=dict)
+    fusion: Literal["concat", "gated"] = "concat"
+    fusion_hidden: int = 512
+    dropout: float = 0.1
+    num_labels: int = 3
+    freeze_layers: int = 0
+    unfreeze_at_step: Optional[int] = None
+    attention_window: int = 512
+
+
+@dataclass
+class DataConfig:
+    data_dir: str = "data/multimodal"
+    # Hub name or folder; None trains a byte-level BPE on the training text (only for pretrained=false).
+    tokenizer: Optional[str] = None
+    tokenizer_vocab_size: int = 2000
+    max_length: int = 128
+    image_size: int = 224
+    num_workers: int = 4
+    pin_memory: bool = True
+    skip_bad_samples: bool = False
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    per_device_batch_size: int = 32
+    eval_batch_size: Optional[int] = None
+    grad_accum: int = 1
+    lr: float = 3e-5
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    activation_checkpointing: bool = False
+    eval_every: int = 0
+    log_every: int = 10
+    nan_policy: Literal["skip", "abort"] = "skip"
+    max_bad_steps: int = 5
+    oom_recovery: bool = True
+    # Test-only fault injection: raise a real torch.OutOfMemoryError on rank 0 while the
+    # micro-batch is above this size. None disables it.
+    inject_oom_above: Optional[int] = None
+
+
+@dataclass
+class ParallelConfig:
+    strategy: Literal["ddp", "fsdp", "deepspeed", "auto"] = "ddp"
+    ds: Optional[str] = None
+    fsdp_policy: str = "fsdp_policies/default.yaml"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Processes to start when `shardtrain train` is run as one plain process: "auto" = one per visible GPU.
+    nproc: str = "auto"
+    memory_budget_gb: Optional[float] = None
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str = "runs/default"
+    save_every: int = 0
+    keep_last: int = 2
+    resume: str = "auto"
+
+
+@dataclass
+class LogConfig:
+    report_to: Literal["none", "wandb"] = "none"
+    wandb_project: Optional[str] = None
+    wandb_entity: Optional[str] = None
+    wandb_run_name: Optional[str] = None
+    verbose: bool = False
+    debug: bool = False
+    report: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.train.eval_batch_size or self.train.per_device_batch_size
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+
+# Hugging Face TrainingArguments spellings accepted as aliases of ours.
+FLAG_ALIASES = {
+    "per_device_batch_size": ["--per-device-train-batch-size"],
+    "grad_accum": ["--gradient-accumulation-steps"],
+    "lr": ["--learning-rate"],
+    "save_every": ["--save-steps"],
+    "eval_every": ["--eval-steps"],
+    "log_every": ["--logging-steps"],
+    "lr_scheduler": ["--lr-scheduler-type"],
+    "activation_checkpointing": ["--gradient-checkpointing"],
+    "max_length": ["--max-seq-length"],
+}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+def _field_index() -> dict[str, tuple[str, dataclasses.Field, Any]]:
+    """field name -> (section, field, resolved type)."""
+    index = {}
+    for section, cls in _section_classes().items():
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            assert f.name not in index, f"duplicate config field {f.name}"
+            index[f.name] = (section, f, hints[f.name])
+    return index
+
+
+FIELDS = _field_index()
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def key_of(name: str) -> str:
+    return f"{FIELDS[name][0]}.{name}"
+
+
+def where(name: str) -> str:
+    """How to name a setting in an error: both its flag and its YAML key."""
+    return f"{flag_of(name)} ({key_of(name)})"
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
+    """Check/convert one value against its annotated type; error names the key or flag."""
+    origin = get_origin(typ)
+    if origin is Union:
+        args = [a for a in get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and str not in args):
+            return None
+        return _coerce(name, value, args[0], origin_desc)
+    if origin is Literal:
+        choices = get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{origin_desc}: '{value}' is not one of {', '.join(map(str, choices))}"
+                              f"{_suggest(str(value), map(str, choices))}")
+        return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{origin_desc}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{origin_desc}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{origin_desc}: expected an integer, got {value!r}") from None
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{origin_desc}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{origin_desc}: expected a number, got {value!r}") from None
+    if typ is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{origin_desc}: expected a string, got {value!r}")
+        return str(value)
+    if typ is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{origin_desc}: expected a JSON object, {e.msg} at column {e.colno}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{origin_desc}: expected a mapping, got {value!r}")
+        return value
+    raise AssertionError(f"unhandled type {typ} for {name}")
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        loc = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config {p}:{loc}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {p}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    return data
+
+
+def from_dict(data: dict, source: str = "config") -> Config:
+    cfg = Config()
+    section_objs = {name: getattr(cfg, name) for name in SECTIONS}
+    for section, values in data.items():
+        if section not in section_objs:
+            raise ConfigError(f"{source}: unknown section '{section}'{_suggest(section, SECTIONS)}"
+                              f" (sections: {', '.join(SECTIONS)})")
+        if values is None:
+            continue
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping")
+        obj = section_objs[section]
+        own = {f.name for f in fields(obj)}
+        for key, value in values.items():
+            if key not in own:
+                hint = _suggest(key, own)
+                if not hint and key in FIELDS:
+                    hint = f"; it belongs in section '{FIELDS[key][0]}'"
+                raise ConfigError(f"{source}: unknown key '{section}.{key}'{hint}")
+            typ = FIELDS[key][2]
+            setattr(obj, key, _coerce(key, value, typ, f"{source}: {section}.{key}"))
+    return cfg
+
+
+def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Train with DDP, FSDP or DeepSpeed ZeRO.",
+                                     allow_abbrev=False)
+    parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
+    for name, (section, f, typ) in FIELDS.items():
+        names = [flag_of(name)] + FLAG_ALIASES.get(name, [])
+        if typ is bool:
+            # `--activation-checkpointing` alone means true; `--activation-checkpointing false` also works.
+            parser.add_argument(*names, dest=name, nargs="?", const="true", default=None,
+                                metavar="{true,false}", help=f"{section}.{name}")
+        else:
+            parser.add_argument(*names, dest=name, default=None, help=f"{section}.{name}")
+    return parser
+
+
+def parse_cli(argv: list[str]) -> Config:
+    parser = build_arg_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0]
+        known = [flag_of(n) for n in FIELDS] + [a for v in FLAG_ALIASES.values() for a in v] + ["--config"]
+        raise ConfigError(f"unknown argument '{flag}'{_suggest(flag.split('=')[0], known)}")
+    data = load_yaml(args.config) if args.config else {}
+    cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")
+    for name, (section, f, typ) in FIELDS.items():
+        value = getattr(args, name)
+        if value is not None:
+            setattr(getattr(cfg, section), name, _coerce(name, value, typ, flag_of(name)))
+    # `--ds FILE` alone means DeepSpeed; combined with another explicit strategy it is a contradiction.
+    if cfg.parallel.ds:
+        explicit = args.strategy is not None or "strategy" in (data.get("parallel") or {})
+        if explicit and cfg.parallel.strategy not in ("deepspeed",):
+            raise ConfigError(f"--ds {cfg.parallel.ds} selects DeepSpeed, but --strategy is "
+                              f"'{cfg.parallel.strategy}': drop one of them")
+        cfg.parallel.strategy = "deepspeed"
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no process group, model or data; each error names its flag and key."""
+    t, m, d, p, c = cfg.train, cfg.model, cfg.data, cfg.parallel, cfg.checkpoint
+    positive = {"max_steps": t.max_steps, "per_device_batch_size": t.per_device_batch_size,
+                "grad_accum": t.grad_accum, "max_length": d.max_length, "image_size": d.image_size,
+                "num_labels": m.num_labels, "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
+                "keep_last": c.keep_last, "attention_window": m.attention_window}
+    if t.eval_batch_size is not None:
+        positive["eval_batch_size"] = t.eval_batch_size
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{where(name)} must be positive, got {value}")
+    if not t.lr > 0:
+        raise ConfigError(f"{where('lr')} must be positive, got {t.lr}")
+    for name in ("weight_decay", "warmup_steps", "max_grad_norm", "eval_every", "save_every",
+                 "freeze_layers", "num_workers", "dropout"):
+        value = getattr(getattr(cfg, FIELDS[name][0]), name)
+        if value < 0:
+            raise ConfigError(f"{where(name)} must be >= 0, got {value}")
+    if m.unfreeze_at_step is not None:
+        if m.freeze_layers == 0:
+            raise ConfigError(f"{where('unfreeze_at_step')} is set but {where('freeze_layers')} is 0: nothing to unfreeze")
+        if not 0 < m.unfreeze_at_step <= t.max_steps:
+            raise ConfigError(f"{where('unfreeze_at_step')}={m.unfreeze_at_step} is outside 1..max_steps "
+                              f"({t.max_steps}): the frozen layers would never train")
+    if m.name == "longformer" and d.max_length > 16384:
+        raise ConfigError(f"{where('max_length')}={d.max_length} is beyond what Longformer positions support")
+    if p.strategy == "deepspeed" and not p.ds:
+        raise ConfigError(f"--strategy deepspeed needs {where('ds')}, e.g. --ds ds_configs/zero2.json")
+    if p.ds and not Path(p.ds).is_file():
+        raise ConfigError(f"{where('ds')}: file not found: {p.ds}")
+    if p.nproc != "auto":
+        try:
+            if int(p.nproc) < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{where('nproc')} must be 'auto' or a positive integer, got {p.nproc!r}") from None
+    if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
+        raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
+    if c.resume not in ("auto", "none") and not Path(c.resume).exists():
+        raise ConfigError(f"{where('resume')}: checkpoint not found: {c.resume} (use 'auto', 'none' or a path)")
+    if not m.pretrained and m.name == "multimodal" and m.image_weights is None:
+        pass  # random init everywhere: the test and CPU path
+    if m.pretrained and d.tokenizer is None:
+        # A pretrained text model needs the tokenizer it was trained with; default to its own.
+        d.tokenizer = m.text_model
