@@ -1,0 +1,38 @@
+"""Model construction: `build_model(mcfg, dcfg, vocab_size)` and its inverse for exports.
+
+Every model is an nn.Module with forward(input_ids, attention_mask, pixel_values=None) -> logits,
+block_classes(), freezable_parameter_names(n), export_config() and batch_keys (docs/ARCHITECTURE.md).
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from shardtrain.config import ConfigError, DataConfig, ModelConfig
+from shardtrain.models.archs import KNOWN_TEXT_ARCHS, text_config_for
+
+__all__ = ["build_model", "build_model_from_export", "batchnorm_modules", "text_config_for", "KNOWN_TEXT_ARCHS"]
+
+
+def build_model(mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None = None) -> nn.Module:
+    text_cfg = text_config_for(mcfg, dcfg, vocab_size)
+    if mcfg.name == "longformer":
+        from shardtrain.models.longformer import LongformerClassifier
+        return LongformerClassifier(mcfg, text_cfg)
+    from shardtrain.models.multimodal import MultimodalClassifier
+    return MultimodalClassifier(mcfg, text_cfg)
+
+
+def build_model_from_export(d: dict) -> nn.Module:
+    """Rebuild the architecture (random init, no hub access) from `model.export_config()`; load weights after."""
+    if d.get("name") == "longformer":
+        from shardtrain.models.longformer import rebuild
+    elif d.get("name") == "multimodal":
+        from shardtrain.models.multimodal import rebuild
+    else:
+        raise ConfigError(f"exported model config: unknown model name {d.get('name')!r}")
+    return rebuild(d)
+
+
+def batchnorm_modules(model: nn.Module) -> list[nn.Module]:
+    """BatchNorm layers, which the precision code keeps in fp32 (bf16 BN fails under FSDP2 / DeepSpeed)."""
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
