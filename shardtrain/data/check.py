@@ -1,0 +1,31 @@
+"""`check-data`: every problem in a data folder, not just the first, so one pass fixes them all."""
+from __future__ import annotations
+
+from shardtrain.config import ConfigError
+from shardtrain.data.images import image_problem
+from shardtrain.data.records import iter_split, normalize_kind, split_path
+
+
+def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
+    """Scan both splits: each record, and each image fully decoded. Returns `file:line: message` strings."""
+    kind = normalize_kind(kind)
+    problems = []
+    for split in ("train", "validation"):
+        try:
+            path = split_path(data_dir, split)
+        except ConfigError as e:
+            problems.append(str(e))
+            continue
+        n_good = 0
+        for rec, problem in iter_split(path, kind, num_labels):
+            if rec is not None and kind == "multimodal":
+                err = image_problem(path.parent / rec.image)
+                if err:
+                    problem = f"{path}:{rec.line}: cannot decode image {rec.image}: {err}"
+            if problem:
+                problems.append(problem)
+            else:
+                n_good += 1
+        if n_good == 0:
+            problems.append(f"{path}: no usable records")
+    return problems

@@ -1,0 +1,177 @@
+"""DataLoaders: a resumable infinite training stream and an exactly-once evaluation shard.
+
+Training order is DistributedSampler's (permutation seeded by seed + epoch, strided over ranks, tail dropped
+so every rank has the same number of samples), then whole micro-batches only: every rank takes the same
+number of steps per epoch and no collective waits on a rank that ran out.
+
+The position is kept in *samples consumed by this rank within the epoch*, not in batches, so the micro-batch
+size can change mid-epoch (OOM recovery halves it) and a resume still continues at the exact next sample.
+Resuming skips by slicing the sampler's index list: no batch is loaded just to be thrown away.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from shardtrain.config import Config, ConfigError, where
+from shardtrain.data.splits import make_collator
+
+
+def seed_worker(worker_id: int) -> None:
+    # torch gives each worker base_seed + id (base_seed from the loader's generator); make numpy and
+    # `random` follow it, so any augmentation in a worker is reproducible too.
+    seed = torch.initial_seed() % 2**32
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+class _Positions(Sampler[int]):
+    """A sampler over an index list that TrainStream replaces before each `iter(loader)` (sampling runs in
+    the main process, so persistent workers keep running across epochs)."""
+
+    def __init__(self):
+        self.indices: list[int] = []
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class TrainStream:
+    """Endless micro-batches across epochs, with a restorable position. `next_batch()` is all the loop needs."""
+
+    def __init__(self, dataset: Dataset, collate: Callable, micro_batch_size: int, rank: int, world_size: int,
+                 seed: int, loader_kwargs: dict):
+        self.dataset, self.collate, self.loader_kwargs = dataset, collate, loader_kwargs
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
+                                          seed=seed, drop_last=True)
+        self.samples_per_rank = len(self.sampler)  # same on every rank (drop_last)
+        self.epoch = 0
+        self.samples_in_epoch = 0
+        self._positions = _Positions()
+        self._iter: Optional[Iterator] = None
+        self.micro_batch_size = 0
+        self.set_micro_batch_size(micro_batch_size)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        return self.samples_per_rank // self.micro_batch_size
+
+    def set_micro_batch_size(self, n: int) -> None:
+        """Rebuild the loader for a new per-device batch size; the next batch starts at the same sample."""
+        if n == self.micro_batch_size:
+            return
+        if n > self.samples_per_rank:
+            raise ConfigError(f"{where('per_device_batch_size')}={n} is larger than this rank's share of the "
+                              f"training set ({len(self.dataset)} examples // world size {self.world_size} = "
+                              f"{self.samples_per_rank}): an epoch would have no batch")
+        self.micro_batch_size = n
+        self._roll_over()  # the new size may not fit in what is left of the epoch
+        self._iter = None  # drops the old loader's iterator (and its workers) before new ones start
+        self._loader = DataLoader(self.dataset, batch_size=n, sampler=self._positions, drop_last=True,
+                                  collate_fn=self.collate, **self.loader_kwargs)
+
+    def _start(self) -> None:
+        # Same permutation as an uninterrupted run: DistributedSampler seeds with seed + epoch.
+        self.sampler.set_epoch(self.epoch)
+        self._positions.indices = list(self.sampler)[self.samples_in_epoch:]
+        self._iter = iter(self._loader)
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        if self._iter is None:
+            self._start()
+        try:
+            batch = next(self._iter)  # never exhausted: _roll_over() ends the epoch before that
+        except ConfigError as e:
+            # From a worker, the DataLoader re-raises with the worker's traceback in the message; the CLI
+            # promises one line, which is the traceback's last: "shardtrain.config.ConfigError: file:line: ...".
+            raise ConfigError(str(e).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]) from None
+        self.samples_in_epoch += self.micro_batch_size
+        self._roll_over()
+        return batch
+
+    def _roll_over(self) -> None:
+        # Move to the next epoch as soon as no whole batch is left (the tail is dropped), so a checkpoint
+        # taken here reads (epoch + 1, 0) rather than "the end of epoch".
+        if self.samples_per_rank - self.samples_in_epoch < self.micro_batch_size:
+            self.epoch += 1
+            self.samples_in_epoch = 0
+            self._iter = None
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.samples_in_epoch // self.micro_batch_size,
+                "samples_in_epoch": self.samples_in_epoch, "micro_batch_size": self.micro_batch_size,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch = int(state["epoch"])
+        samples = state.get("samples_in_epoch")
+        if samples is None:  # a (epoch, batch_in_epoch)-only state: batches of the size it was saved with
+            samples = int(state["batch_in_epoch"]) * int(state.get("micro_batch_size", self.micro_batch_size))
+        old_world = int(state.get("world_size", self.world_size))
+        if old_world != self.world_size:
+            # Different rank count: the strided split differs, so only the global count of samples seen
+            # carries over. Best effort: same epoch, same fraction of it; exactness needs the same world size.
+            samples = samples * old_world // self.world_size
+        self.samples_in_epoch = min(int(samples), self.samples_per_rank)
+        self._iter = None
+        self._roll_over()
+
+
+def eval_shard(n: int, rank: int, world_size: int) -> range:
+    """This rank's contiguous slice; sizes differ by at most one, every example in exactly one slice."""
+    return range(rank * n // world_size, (rank + 1) * n // world_size)
+
+
+def even_batches(shard: range, n_batches: int) -> list[list[int]]:
+    """Split a shard into `n_batches` near-equal consecutive batches (fewer only if the shard is smaller)."""
+    n_batches = min(n_batches, len(shard))
+    bounds = [i * len(shard) // n_batches for i in range(n_batches + 1)] if n_batches else [0]
+    return [list(shard[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
+@dataclass
+class Loaders:
+    train: TrainStream
+    eval: DataLoader
+    steps_per_epoch: int   # optimizer steps per epoch (micro-batches // grad_accum, at least 1)
+    train_size: int        # examples in the training set (all ranks)
+    eval_size: int         # examples in the validation set (all ranks)
+    # Eval batches every rank yields. Ranks normally all yield exactly this many, so collectives inside forward
+    # (FSDP all-gathers, ZeRO-3) stay matched; a rank with fewer examples than this (tiny sets, batch size 1)
+    # yields fewer and must run extra throw-away forwards to keep the others company.
+    eval_batches: int
+
+
+def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Dataset, rank: int, world_size: int,
+                  device_type: str) -> Loaders:
+    collate = make_collator(cfg, tokenizer)
+    workers = cfg.data.num_workers
+
+    def loader_kwargs(salt: int) -> dict:
+        return dict(num_workers=workers, pin_memory=cfg.data.pin_memory and device_type == "cuda",
+                    persistent_workers=workers > 0, worker_init_fn=seed_worker if workers > 0 else None,
+                    # Only seeds the workers (shuffling is the sampler's): per rank, so ranks differ.
+                    generator=torch.Generator().manual_seed(cfg.train.seed * 1000 + rank * 10 + salt))
+
+    train = TrainStream(train_ds, collate, cfg.train.per_device_batch_size, rank, world_size,
+                        cfg.train.seed, loader_kwargs(0))
+
+    n_eval = len(eval_ds)
+    per_rank_max = -(-n_eval // world_size)
+    eval_batches = -(-per_rank_max // cfg.eval_batch_size)
+    # A batch sampler (a list of index lists) instead of Subset + batch_size: batches balanced so that every
+    # rank yields the same number of them, with no padding and no duplicated example.
+    eval_loader = DataLoader(eval_ds, batch_sampler=even_batches(eval_shard(n_eval, rank, world_size), eval_batches),
+                             collate_fn=collate, **loader_kwargs(1))
+    return Loaders(train=train, eval=eval_loader,
+                   steps_per_epoch=max(1, train.batches_per_epoch // cfg.train.grad_accum),
+                   train_size=len(train_ds), eval_size=n_eval, eval_batches=eval_batches)

@@ -1,0 +1,108 @@
+"""Reading and validating the jsonl splits: the user-facing data contract.
+
+Multimodal folder: `train.jsonl` / `validation.jsonl`, one `{"text": str, "image": "rel/path.png", "label": int}`
+per line, images relative to the folder. Long-document folder: the same without "image".
+Every problem is reported as `file:line: message` so the user can jump straight to it.
+Only cheap checks happen here; decoding images is `images.py`'s job.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from shardtrain.config import ConfigError, where
+
+SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
+KINDS = ("multimodal", "longdoc")
+
+
+def data_kind(model_name: str) -> str:
+    """The data format follows the model: the multimodal model reads images, Longformer reads long documents."""
+    return "multimodal" if model_name == "multimodal" else "longdoc"
+
+
+def normalize_kind(kind: str) -> str:
+    # Accept the model name too, so `check-data --kind longformer` does what the user means.
+    kind = {"longformer": "longdoc"}.get(kind, kind)
+    if kind not in KINDS:
+        raise ConfigError(f"data kind '{kind}' is not one of {', '.join(KINDS)}")
+    return kind
+
+
+def split_path(data_dir: str | Path, split: str) -> Path:
+    """The split file, or a ConfigError naming --data-dir and the path that is missing."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise ConfigError(f"{where('data_dir')}: folder not found: {root}")
+    path = root / SPLIT_FILES[split]
+    if not path.is_file():
+        raise ConfigError(f"{where('data_dir')}: split file not found: {path}")
+    return path
+
+
+@dataclass
+class Record:
+    line: int                    # 1-based line in the jsonl file, kept for messages raised later
+    text: str
+    label: int
+    image: Optional[str] = None  # as written in the file: relative to the data folder
+
+
+def check_record(obj, kind: str, num_labels: int, root: Path) -> Optional[str]:
+    """None if the parsed line is a valid record, else what is wrong with it (without the file:line prefix)."""
+    if not isinstance(obj, dict):
+        return f"expected a JSON object, got {type(obj).__name__}"
+    fields = ("text", "label", "image") if kind == "multimodal" else ("text", "label")
+    for name in fields:
+        if name not in obj:
+            return f"missing field '{name}'"
+    text, label = obj["text"], obj["label"]
+    if not isinstance(text, str):
+        return f"field 'text' must be a string, got {type(text).__name__}"
+    if not text.strip():
+        return "empty text"
+    # bool is an int subclass in Python; `true` as a label is a mistake, not class 1.
+    if isinstance(label, bool) or not isinstance(label, int):
+        return f"label {json.dumps(label)} is not an integer"
+    if not 0 <= label < num_labels:
+        return f"label {label} is outside 0..{num_labels - 1} (model.num_labels={num_labels})"
+    if kind == "multimodal":
+        image = obj["image"]
+        if not isinstance(image, str) or not image:
+            return f"field 'image' must be a non-empty path string, got {json.dumps(image)}"
+        if not (root / image).is_file():
+            return f"image not found: {image} (looked for {root / image})"
+    return None
+
+
+def iter_split(path: Path, kind: str, num_labels: int) -> Iterator[tuple[Optional[Record], Optional[str]]]:
+    """Yield (record, None) for good lines and (None, 'file:line: message') for bad ones; blank lines are skipped."""
+    root = path.parent
+    with open(path, encoding="utf-8") as f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError as e:
+                yield None, f"{path}:{lineno}: invalid JSON: {e.msg} at column {e.colno}"
+                continue
+            problem = check_record(obj, kind, num_labels, root)
+            if problem:
+                yield None, f"{path}:{lineno}: {problem}"
+            else:
+                yield Record(lineno, obj["text"], obj["label"], obj.get("image") if kind == "multimodal" else None), None
+
+
+def read_texts(path: Path) -> Iterator[str]:
+    """Just the text of every line that has one (tokenizer training; validation happens in build_datasets)."""
+    with open(path, encoding="utf-8") as f:
+        for raw in f:
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(obj, dict) and isinstance(obj.get("text"), str) and obj["text"].strip():
+                yield obj["text"]

@@ -1,0 +1,122 @@
+"""Train/validation datasets built from the validated records, and the collate function that tokenizes.
+
+The text side lives in a `datasets.Dataset` (Arrow: compact, picklable to DataLoader workers, no cache files
+since it is built in memory). Images are decoded lazily in __getitem__.
+
+Bad data policy:
+- skip_bad_samples=False: the first bad record raises ConfigError `file:line: message` before training starts.
+  A corrupt image (one that exists but does not decode) is only found when it is loaded, and raises the
+  same kind of error from __getitem__ (inside a worker process the DataLoader re-raises it in the main process).
+- skip_bad_samples=True: every record is checked up front, images fully decoded once, so a bad sample never
+  reaches training and nothing has to be substituted mid-epoch (which would break deterministic resume).
+  The messages are kept in `dataset.skipped`. Cost: one decode of every image at start-up.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from shardtrain.config import Config, ConfigError, where
+from shardtrain.data.images import image_problem, load_image
+from shardtrain.data.records import Record, data_kind, iter_split, split_path
+
+
+class JsonlDataset(Dataset):
+    """Items: {"text": str, "label": int} (+ "image": float tensor [3, S, S] for multimodal)."""
+
+    def __init__(self, path: Path, kind: str, records: list[Record], image_size: int, skipped: list[str]):
+        import datasets  # heavy import, only when data is actually built
+
+        self.path, self.kind, self.image_size = path, kind, image_size
+        self.root = path.parent
+        self.skipped = skipped
+        rows = {"line": [r.line for r in records], "text": [r.text for r in records],
+                "label": [r.label for r in records]}
+        if kind == "multimodal":
+            rows["image"] = [r.image for r in records]
+        self.table = datasets.Dataset.from_dict(rows)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i: int) -> dict:
+        row = self.table[int(i)]
+        item = {"text": row["text"], "label": row["label"]}
+        if self.kind == "multimodal":
+            try:
+                item["image"] = load_image(self.root / row["image"], self.image_size)
+            except Exception as e:
+                raise ConfigError(f"{self.path}:{row['line']}: cannot decode image {row['image']}: "
+                                  f"{type(e).__name__}: {e}") from None
+        return item
+
+
+def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Optional[int]):
+    """(records, skipped messages). Raises on the first problem unless skip_bad. Stops at `limit` good records."""
+    records, skipped = [], []
+    for rec, problem in iter_split(path, kind, num_labels):
+        if rec is not None and skip_bad and kind == "multimodal":
+            err = image_problem(path.parent / rec.image)
+            if err:
+                rec, problem = None, f"{path}:{rec.line}: cannot decode image {rec.image}: {err}"
+        if problem:
+            if not skip_bad:
+                raise ConfigError(problem)
+            skipped.append(problem)
+            continue
+        records.append(rec)
+        if limit is not None and len(records) >= limit:
+            break
+    return records, skipped
+
+
+def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlDataset]:
+    """(train_ds, eval_ds), validated. `tokenizer` is unused here (tokenization happens in collate), kept for the API."""
+    kind = data_kind(cfg.model.name)
+    out = []
+    for split, limit, flag in (("train", cfg.data.max_train_samples, "max_train_samples"),
+                               ("validation", cfg.data.max_eval_samples, "max_eval_samples")):
+        path = split_path(cfg.data.data_dir, split)
+        records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit)
+        if not records:
+            why = f" ({len(skipped)} bad records skipped)" if skipped else ""
+            raise ConfigError(f"{where('data_dir')}: no usable records in {path}{why}")
+        out.append(JsonlDataset(path, kind, records, cfg.data.image_size, skipped))
+    return out[0], out[1]
+
+
+class Collator:
+    """Tokenizes a list of items into a padded batch. A class, not a closure, so DataLoader workers can pickle it.
+
+    Padding is dynamic (to the longest in the batch), truncation at max_length. For Longformer the length is
+    rounded up to a multiple of the attention window: Longformer would otherwise pad inside forward, on every step.
+    """
+
+    def __init__(self, tokenizer, max_length: int, multimodal: bool, pad_to_multiple_of: Optional[int] = None):
+        self.tokenizer, self.max_length = tokenizer, max_length
+        self.multimodal, self.pad_to_multiple_of = multimodal, pad_to_multiple_of
+
+    def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
+        enc = self.tokenizer([it["text"] for it in items], padding="longest", truncation=True,
+                             max_length=self.max_length, return_tensors="pt")
+        ids, mask = enc["input_ids"], enc["attention_mask"]
+        if self.pad_to_multiple_of:
+            # Padded here, not with the tokenizer's pad_to_multiple_of: transformers refuses that unless
+            # max_length is itself a multiple, and max_length should stay a limit on content, as the user set it.
+            extra = -ids.shape[1] % self.pad_to_multiple_of
+            ids = torch.nn.functional.pad(ids, (0, extra), value=self.tokenizer.pad_token_id)
+            mask = torch.nn.functional.pad(mask, (0, extra), value=0)
+        batch = {"input_ids": ids, "attention_mask": mask,
+                 "labels": torch.tensor([it["label"] for it in items], dtype=torch.long)}
+        if self.multimodal:
+            batch["pixel_values"] = torch.stack([it["image"] for it in items])
+        return batch
+
+
+def make_collator(cfg: Config, tokenizer) -> Collator:
+    longdoc = data_kind(cfg.model.name) == "longdoc"
+    return Collator(tokenizer, cfg.data.max_length, multimodal=not longdoc,
+                    pad_to_multiple_of=cfg.model.attention_window if longdoc else None)

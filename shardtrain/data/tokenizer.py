@@ -1,0 +1,79 @@
+"""The tokenizer: a pretrained one by name/folder, or a byte-level BPE trained on the training text.
+
+Training is for random-init models (tests, CPU demo). Rank 0 trains and saves to `run_dir/tokenizer/`;
+every rank then loads that folder, so all ranks (and a resumed run) use byte-identical vocabularies.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Callable
+
+from shardtrain.config import Config, ConfigError, where
+from shardtrain.data.records import split_path, read_texts
+
+# RoBERTa's order, so a randomly initialised RobertaModel's pad_token_id=1 default is right.
+SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+
+
+def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callable[[], None]):
+    """-> PreTrainedTokenizerFast (in transformers 5 that is `TokenizersBackend`)."""
+    from transformers import AutoTokenizer
+
+    if cfg.data.tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.data.tokenizer)
+        except Exception as e:  # OSError, ValueError, HFValidationError...: all mean "not usable"
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"{where('tokenizer')}: cannot load tokenizer '{cfg.data.tokenizer}': {first}") from None
+        if tok.pad_token is None:
+            # GPT-style tokenizers have no pad token; batching needs one and the mask hides it anyway.
+            if tok.eos_token is None:
+                raise ConfigError(f"{where('tokenizer')}: '{cfg.data.tokenizer}' has no pad or eos token")
+            tok.pad_token = tok.eos_token
+        return tok
+
+    tok_dir = Path(run_dir) / "tokenizer"
+    # A resumed run reuses the saved tokenizer: retraining could renumber the vocabulary under the checkpoint.
+    if is_rank0 and not (tok_dir / "tokenizer.json").is_file():
+        texts = list(read_texts(split_path(cfg.data.data_dir, "train")))
+        _save_atomically(train_bpe(texts, cfg.data.tokenizer_vocab_size), tok_dir)
+    barrier()
+    return AutoTokenizer.from_pretrained(str(tok_dir))
+
+
+def train_bpe(texts: list[str], vocab_size: int):
+    """Byte-level BPE with RoBERTa special tokens and post-processing (`<s> ... </s>`)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if not texts:
+        raise ConfigError(f"{where('data_dir')}: no usable text in the training split to train a tokenizer on")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        # All 256 byte symbols up front: any text is encodable, <unk> never needed.
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    # tokenizers 0.23 rejects keywords here (`cls=`): the order is (sep, cls).
+    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
+        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+    )
+
+
+def _save_atomically(tok, tok_dir: Path) -> None:
+    # Write beside, then rename: a crash mid-save must not leave a half tokenizer that a resume would trust.
+    tmp = tok_dir.with_name(tok_dir.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tok.save_pretrained(str(tmp))
+    shutil.rmtree(tok_dir, ignore_errors=True)
+    tok_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, tok_dir)

@@ -1,0 +1,291 @@
+"""shardtrain.data: formats, tokenizer, collate, resumable stream, eval sharding, bad-data errors."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardtrain.config import Config, ConfigError
+from shardtrain.data import build_datasets, build_loaders, build_tokenizer, check_data, make_data
+
+
+def make_cfg(data_dir, name="multimodal", **data):
+    cfg = Config()
+    cfg.model.name = name
+    cfg.model.num_labels = 3
+    cfg.model.attention_window = 16
+    cfg.model.pretrained = False
+    cfg.data.data_dir = str(data_dir)
+    cfg.data.max_length = 64
+    cfg.data.image_size = 32
+    cfg.data.num_workers = 0
+    cfg.data.pin_memory = False
+    cfg.train.per_device_batch_size = 4
+    for k, v in data.items():
+        setattr(cfg.data, k, v)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def mm_dir(tmp_path_factory):
+    return make_data("multimodal", tmp_path_factory.mktemp("mm") / "data", n_train=40, n_val=10)
+
+
+@pytest.fixture(scope="module")
+def ld_dir(tmp_path_factory):
+    return make_data("longdoc", tmp_path_factory.mktemp("ld") / "data", n_train=24, n_val=7,
+                     min_words=30, max_words=80)
+
+
+@pytest.fixture(scope="module")
+def mm_tok(mm_dir, tmp_path_factory):
+    return build_tokenizer(make_cfg(mm_dir), tmp_path_factory.mktemp("run"), True, lambda: None)
+
+
+def mm_setup(mm_dir, tok, world_size=1, rank=0, **train):
+    cfg = make_cfg(mm_dir)
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    train_ds, eval_ds = build_datasets(cfg, tok)
+    return build_loaders(cfg, tok, train_ds, eval_ds, rank, world_size, "cpu")
+
+
+def same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- make-data -----------------------------------------------------------------------------------------
+
+def test_make_data_formats(mm_dir, ld_dir):
+    mm = [json.loads(line) for line in (mm_dir / "train.jsonl").read_text().splitlines()]
+    assert len(mm) == 40 and set(mm[0]) == {"text", "image", "label"}
+    assert all((mm_dir / r["image"]).is_file() and r["label"] in (0, 1, 2) for r in mm)
+    ld = [json.loads(line) for line in (ld_dir / "validation.jsonl").read_text().splitlines()]
+    assert len(ld) == 7 and set(ld[0]) == {"text", "label"}
+    assert all(30 <= len(r["text"].split()) <= 80 for r in ld)
+    assert check_data(mm_dir, "multimodal") == [] and check_data(ld_dir, "longdoc") == []
+
+
+def test_make_data_refuses_non_empty_folder(mm_dir):
+    with pytest.raises(ConfigError, match=str(mm_dir)):
+        make_data("multimodal", mm_dir)
+
+
+def test_make_data_is_deterministic(tmp_path):
+    a = make_data("longdoc", tmp_path / "a", n_train=5, n_val=2, min_words=20, max_words=30)
+    b = make_data("longdoc", tmp_path / "b", n_train=5, n_val=2, min_words=20, max_words=30)
+    assert (a / "train.jsonl").read_text() == (b / "train.jsonl").read_text()
+
+
+# ---- tokenizer -----------------------------------------------------------------------------------------
+
+def test_tokenizer_trains_saves_and_reloads(mm_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    calls = []
+    tok = build_tokenizer(make_cfg(mm_dir), tmp_path, True, lambda: calls.append(1))
+    assert calls == [1]
+    again = AutoTokenizer.from_pretrained(str(tmp_path / "tokenizer"))
+    assert again.pad_token_id == 1 and tok.pad_token_id == 1
+    assert [again.convert_tokens_to_ids(t) for t in ("<s>", "<pad>", "</s>", "<unk>", "<mask>")] == [0, 1, 2, 3, 4]
+    ids = again("excellent film").input_ids
+    assert ids[0] == 0 and ids[-1] == 2 and ids == tok("excellent film").input_ids
+    # A second rank (or a resumed run) loads the saved one instead of training.
+    other = build_tokenizer(make_cfg(tmp_path / "no-data-needed"), tmp_path, False, lambda: None)
+    assert other.get_vocab() == tok.get_vocab()
+
+
+def test_tokenizer_bad_name_names_the_flag(mm_dir, tmp_path):
+    cfg = make_cfg(mm_dir, tokenizer=str(tmp_path / "missing-tokenizer"))
+    with pytest.raises(ConfigError, match=r"--tokenizer \(data.tokenizer\)"):
+        build_tokenizer(cfg, tmp_path, True, lambda: None)
+
+
+# ---- datasets + collate --------------------------------------------------------------------------------
+
+def test_multimodal_batches(mm_dir, mm_tok):
+    loaders = mm_setup(mm_dir, mm_tok)
+    b = loaders.train.next_batch()
+    assert set(b) == {"input_ids", "attention_mask", "labels", "pixel_values"}
+    assert b["pixel_values"].shape == (4, 3, 32, 32) and b["pixel_values"].dtype == torch.float32
+    assert b["input_ids"].shape == b["attention_mask"].shape and b["input_ids"].shape[0] == 4
+    assert b["labels"].dtype == torch.long
+    assert loaders.train_size == 40 and loaders.eval_size == 10 and loaders.steps_per_epoch == 10
+
+
+def test_longdoc_pads_to_attention_window(ld_dir, tmp_path):
+    cfg = make_cfg(ld_dir, name="longformer", max_length=50)
+    tok = build_tokenizer(cfg, tmp_path, True, lambda: None)
+    train_ds, eval_ds = build_datasets(cfg, tok)
+    b = build_loaders(cfg, tok, train_ds, eval_ds, 0, 1, "cpu").train.next_batch()
+    assert set(b) == {"input_ids", "attention_mask", "labels"}
+    assert b["input_ids"].shape[1] % 16 == 0 and b["input_ids"].shape[1] <= 64  # truncated at 50, padded to 64
+    assert (b["input_ids"][b["attention_mask"] == 0] == 1).all()
+
+
+def test_max_samples_caps(mm_dir, mm_tok):
+    train_ds, eval_ds = build_datasets(make_cfg(mm_dir, max_train_samples=7, max_eval_samples=3), mm_tok)
+    assert len(train_ds) == 7 and len(eval_ds) == 3
+
+
+# ---- resumable train stream ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("k", [3, 10, 12])  # 10 batches/epoch: mid-epoch, exactly at and past the boundary
+def test_resume_gives_the_next_batch(mm_dir, mm_tok, k):
+    ref = mm_setup(mm_dir, mm_tok).train
+    expected = [ref.next_batch() for _ in range(k + 2)][k:]
+    first = mm_setup(mm_dir, mm_tok).train
+    for _ in range(k):
+        first.next_batch()
+    state = first.state_dict()
+    assert state["epoch"] == k // 10 and state["batch_in_epoch"] == k % 10
+    resumed = mm_setup(mm_dir, mm_tok).train
+    resumed.load_state_dict(state)
+    assert same(resumed.next_batch(), expected[0]) and same(resumed.next_batch(), expected[1])
+
+
+def test_epochs_are_reshuffled_and_ranks_disjoint(mm_dir, mm_tok):
+    s = mm_setup(mm_dir, mm_tok, world_size=2).train
+    assert s.batches_per_epoch == 5
+    e0 = [seq for _ in range(5) for seq in unpadded(s.next_batch())]
+    e1 = [seq for _ in range(5) for seq in unpadded(s.next_batch())]
+    assert s.state_dict()["epoch"] == 2 and e0 != e1
+    ranks = [mm_setup(mm_dir, mm_tok, world_size=2, rank=r).train for r in (0, 1)]
+    for r in ranks:
+        r.sampler.set_epoch(0)
+    assert not set(ranks[0].sampler) & set(ranks[1].sampler)
+
+
+def unpadded(batch):
+    return [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"], batch["attention_mask"])]
+
+
+def test_set_micro_batch_size_keeps_sample_position(mm_dir, mm_tok):
+    ref = mm_setup(mm_dir, mm_tok).train
+    ref.next_batch()
+    want = ref.next_batch()
+    s = mm_setup(mm_dir, mm_tok).train
+    s.next_batch()
+    s.set_micro_batch_size(2)
+    a, b = s.next_batch(), s.next_batch()
+    assert unpadded(a) + unpadded(b) == unpadded(want)
+    assert torch.equal(torch.cat([a["labels"], b["labels"]]), want["labels"])
+    assert torch.equal(torch.cat([a["pixel_values"], b["pixel_values"]]), want["pixel_values"])
+    assert s.state_dict()["epoch"] == 0 and s.state_dict()["samples_in_epoch"] == 8
+
+
+def test_workers_give_the_same_stream(mm_dir, mm_tok):
+    cfg = make_cfg(mm_dir, num_workers=1)
+    train_ds, eval_ds = build_datasets(cfg, mm_tok)
+    s = build_loaders(cfg, mm_tok, train_ds, eval_ds, 0, 1, "cpu").train
+    ref = mm_setup(mm_dir, mm_tok).train
+    for _ in range(12):  # across an epoch boundary with persistent workers
+        assert same(s.next_batch(), ref.next_batch())
+
+
+# ---- eval sharding -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("eval_batch_size", [1, 2, 4])
+def test_eval_shards_cover_every_example_once(mm_dir, mm_tok, eval_batch_size):
+    seen, counts = [], []
+    for rank in range(3):
+        loaders = mm_setup(mm_dir, mm_tok, world_size=3, rank=rank, eval_batch_size=eval_batch_size)
+        batches = list(loaders.eval)
+        counts.append(len(batches))
+        for b in batches:
+            assert len(b["labels"]) <= eval_batch_size
+            seen += unpadded(b)
+    _, eval_ds = build_datasets(make_cfg(mm_dir), mm_tok)
+    every = [mm_tok(eval_ds[i]["text"]).input_ids for i in range(len(eval_ds))]
+    assert sorted(seen) == sorted(every) and len(seen) == 10
+    if eval_batch_size > 1:  # 10 over 3 ranks = 4/3/3: batch counts still match, for FSDP's collectives
+        assert len(set(counts)) == 1 and counts[0] == loaders.eval_batches
+
+
+# ---- bad data ------------------------------------------------------------------------------------------
+
+def write_split(folder: Path, name: str, lines: list[str]):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("\n".join(lines) + "\n")
+
+
+@pytest.fixture
+def bad_dir(tmp_path, mm_dir):
+    """A multimodal folder whose train split has one bad record of each kind, at known lines."""
+    d = tmp_path / "bad"
+    (d / "img").mkdir(parents=True)
+    good = (mm_dir / "images" / "train" / "000000.png").read_bytes()
+    (d / "img" / "ok.png").write_bytes(good)
+    (d / "img" / "corrupt.png").write_bytes(good[:40])  # header intact, pixel data truncated
+    ok = {"text": "great film", "image": "img/ok.png", "label": 0}
+    lines = [json.dumps(ok)] * 3 + [
+        '{"text": "broken", ',                                          # 4: JSON
+        json.dumps({"text": "no label", "image": "img/ok.png"}),         # 5: missing field
+        json.dumps({**ok, "label": 5}),                                  # 6: label out of range
+        json.dumps({**ok, "label": "1"}),                                # 7: label not an int
+        json.dumps({**ok, "text": "  "}),                                # 8: empty text
+        json.dumps({**ok, "image": "img/missing.png"}),                  # 9: image missing
+        json.dumps({**ok, "image": "img/corrupt.png"}),                  # 10: corrupt image
+    ] + [json.dumps(ok)] * 2
+    write_split(d, "train.jsonl", lines)
+    write_split(d, "validation.jsonl", [json.dumps(ok)] * 2)
+    return d
+
+
+EXPECTED = {4: "invalid JSON", 5: "missing field 'label'", 6: r"label 5 is outside 0\.\.2 \(model.num_labels=3\)",
+            7: "label \"1\" is not an integer", 8: "empty text", 9: "image not found: img/missing.png",
+            10: "cannot decode image img/corrupt.png"}
+
+
+@pytest.mark.parametrize("line", sorted(EXPECTED))
+def test_each_bad_record_raises_with_file_and_line(bad_dir, mm_tok, line):
+    lines = (bad_dir / "train.jsonl").read_text().splitlines()
+    good = lines[0]
+    # Keep only the one bad line (at its own line number), so each case is checked on its own.
+    write_split(bad_dir, "train.jsonl", [l if i + 1 == line else good for i, l in enumerate(lines)])
+    cfg = make_cfg(bad_dir)
+    path = f"{bad_dir / 'train.jsonl'}:{line}: "
+    with pytest.raises(ConfigError, match=path.replace(".", r"\.") + EXPECTED[line]):
+        train_ds, eval_ds = build_datasets(cfg, mm_tok)
+        # A corrupt (existing) image is only found when it is decoded.
+        for i in range(len(train_ds)):
+            train_ds[i]
+
+
+def test_skip_bad_samples_counts_them(bad_dir, mm_tok):
+    train_ds, eval_ds = build_datasets(make_cfg(bad_dir, skip_bad_samples=True), mm_tok)
+    assert len(train_ds) == 5 and len(train_ds.skipped) == 7 and eval_ds.skipped == []
+    assert [m.split(f"{bad_dir / 'train.jsonl'}:")[1].split(":")[0] for m in train_ds.skipped] == \
+        [str(n) for n in sorted(EXPECTED)]
+    for i in range(len(train_ds)):
+        assert train_ds[i]["image"].shape == (3, 32, 32)
+
+
+def test_check_data_lists_every_problem(bad_dir):
+    problems = check_data(bad_dir, "multimodal", 3)
+    assert len(problems) == 7
+    for problem, (line, pattern) in zip(problems, sorted(EXPECTED.items())):
+        assert problem.startswith(f"{bad_dir / 'train.jsonl'}:{line}: ")
+        assert pytest.importorskip("re").search(pattern, problem)
+
+
+def test_missing_split_and_folder_name_the_flag(bad_dir, mm_tok, tmp_path):
+    write_split(bad_dir, "train.jsonl", (bad_dir / "train.jsonl").read_text().splitlines()[:3])
+    (bad_dir / "validation.jsonl").unlink()
+    with pytest.raises(ConfigError, match=r"--data-dir \(data.data_dir\).*validation\.jsonl"):
+        build_datasets(make_cfg(bad_dir), mm_tok)
+    with pytest.raises(ConfigError, match=r"--data-dir \(data.data_dir\).*nowhere"):
+        build_datasets(make_cfg(tmp_path / "nowhere"), mm_tok)
+    assert any("validation.jsonl" in p for p in check_data(bad_dir, "multimodal", 3))
+
+
+def test_corrupt_image_in_a_worker_is_still_one_line(bad_dir, mm_tok):
+    lines = (bad_dir / "train.jsonl").read_text().splitlines()
+    write_split(bad_dir, "train.jsonl", [lines[0], lines[9]] * 2)  # the corrupt image at lines 2 and 4
+    cfg = make_cfg(bad_dir, num_workers=1)
+    cfg.train.per_device_batch_size = 4
+    train_ds, eval_ds = build_datasets(cfg, mm_tok)
+    stream = build_loaders(cfg, mm_tok, train_ds, eval_ds, 0, 1, "cpu").train
+    with pytest.raises(ConfigError) as e:
+        stream.next_batch()
+    assert "\n" not in str(e.value) and "train.jsonl:" in str(e.value) and "cannot decode image" in str(e.value)
