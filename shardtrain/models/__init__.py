@@ -5,16 +5,23 @@ block_classes(), freezable_parameter_names(n), export_config() and batch_keys (d
 """
 from __future__ import annotations
 
+import dataclasses
+
 from torch import nn
 
 from shardtrain.config import ConfigError, DataConfig, ModelConfig
 from shardtrain.models.archs import KNOWN_TEXT_ARCHS, text_config_for
 
-__all__ = ["build_model", "build_model_from_export", "batchnorm_modules", "text_config_for", "KNOWN_TEXT_ARCHS"]
+__all__ = ["build_model", "uses_batchnorm", "build_model_from_export", "batchnorm_modules", "text_config_for", "KNOWN_TEXT_ARCHS"]
 
 
-def build_model(mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None = None) -> nn.Module:
+def build_model(mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None = None,
+                load_weights: bool = True) -> nn.Module:
+    """`load_weights=False` gives the same architecture (hub config included) with nothing loaded:
+    what ranks that receive their weights from rank 0 build, usually on the meta device."""
     text_cfg = text_config_for(mcfg, dcfg, vocab_size)
+    if not load_weights:
+        mcfg = dataclasses.replace(mcfg, pretrained=False, image_weights=None)
     if mcfg.name == "longformer":
         from shardtrain.models.longformer import LongformerClassifier
         return LongformerClassifier(mcfg, text_cfg)
@@ -36,3 +43,8 @@ def build_model_from_export(d: dict) -> nn.Module:
 def batchnorm_modules(model: nn.Module) -> list[nn.Module]:
     """BatchNorm layers, which the precision code keeps in fp32 (bf16 BN fails under FSDP2 / DeepSpeed)."""
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+def uses_batchnorm(mcfg: ModelConfig) -> bool:
+    """Known from the config alone, before anything is built (the DeepSpeed fp16 check needs it)."""
+    return mcfg.name == "multimodal"

@@ -1,0 +1,41 @@
+"""A plain `python -m shardtrain train` on a machine with several GPUs would use only GPU 0.
+Instead it re-launches itself under torch's elastic launcher with one process per GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from shardtrain.config import Config
+
+
+def under_launcher() -> bool:
+    env = os.environ
+    return "RANK" in env or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+def resolve_nproc(cfg: Config) -> int:
+    if cfg.parallel.nproc != "auto":
+        return int(cfg.parallel.nproc)
+    wants_gpu = cfg.parallel.device in ("auto", "cuda") and torch.cuda.is_available()
+    return torch.cuda.device_count() if wants_gpu else 1
+
+
+def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
+    """None: carry on in this process. Otherwise the launcher's exit code."""
+    if under_launcher():
+        return None
+    nproc = resolve_nproc(cfg)
+    if nproc <= 1:
+        return None
+    main_py = Path(__file__).with_name("main.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           str(main_py), *argv, "--nproc", "1"]
+    if os.environ.get("RANK", "0") == "0":
+        print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} "
+              f"shardtrain/main.py {' '.join(argv)}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, env=env)

@@ -1,0 +1,58 @@
+"""Activation checkpointing by module class, non-reentrant, without renaming any parameter.
+
+Wrapping `forward` in place (instead of torch's CheckpointWrapper module) keeps parameter names stable,
+so checkpoints, freezing and FSDP policies see the same names with checkpointing on or off.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+@contextlib.contextmanager
+def _batchnorm_stats_frozen(module: nn.Module):
+    """Recomputing a BatchNorm block in train mode would update its running stats a second time
+    per step. Momentum 0 leaves them exactly as they are; the batch counter is restored after."""
+    norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    saved = [(m, m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
+             for m in norms]
+    for m in norms:
+        m.momentum = 0.0
+    try:
+        yield
+    finally:
+        for m, momentum, tracked in saved:
+            m.momentum = momentum
+            if tracked is not None:
+                m.num_batches_tracked.copy_(tracked)
+
+
+def _checkpointed_forward(module: nn.Module, forward):
+    has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+    def contexts():
+        return contextlib.nullcontext(), (_batchnorm_stats_frozen(module) if has_batchnorm
+                                          else contextlib.nullcontext())
+
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    return run
+
+
+def apply_activation_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
+    """Checkpoint every module that is an instance of `classes`; returns how many were wrapped."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, classes) and not getattr(module, "_shardtrain_recompute", False):
+            module.forward = _checkpointed_forward(module, module.forward)
+            module._shardtrain_recompute = True
+            count += 1
+    return count

@@ -1,0 +1,143 @@
+"""The one interface every memory strategy implements.
+
+The loop calls, per optimizer step:
+    for each micro-batch:  with strategy.micro_step(is_last): loss = model(...); strategy.backward(loss)
+    result = strategy.step(skip=...)
+and `save` / `load` for checkpoints. Everything backend-specific lives behind these methods.
+"""
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, ContextManager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtrain.config import Config, ConfigError, where
+from shardtrain.distributed import DistInfo
+from shardtrain.optim import adamw, build_scheduler, param_groups
+from shardtrain.recompute import apply_activation_checkpointing
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepResult:
+    grad_norm: torch.Tensor  # 0-dim; read with .item() only when logging
+    applied: bool
+    overflow: bool = False   # fp16: the loss scaler found inf/nan and skipped the update
+
+
+class Strategy(ABC):
+    name: str = "base"
+
+    def __init__(self, cfg: Config, dist_info: DistInfo):
+        self.cfg = cfg
+        self.dist = dist_info
+        self.device = dist_info.device
+        self.precision = cfg.train.precision
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self._is_last = True
+        check_precision_supported(self.precision, self.device)
+
+    # ---- the interface -------------------------------------------------------------------------
+    @abstractmethod
+    def setup(self, build_model: Callable[[], nn.Module], frozen_names: set[str]):
+        """Build, wrap and move the model, then the optimizer and scheduler (after wrapping).
+        `build_model` returns the full, initialised model; strategies decide on which ranks and
+        devices it is materialised. Returns (model, optimizer, scheduler)."""
+
+    def micro_step(self, is_last: bool) -> ContextManager:
+        """Context for one micro-batch's forward + backward; gradients sync only on the last."""
+        self._is_last = is_last
+        return self.autocast()
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None: ...
+
+    @abstractmethod
+    def step(self, skip: bool = False) -> StepResult:
+        """Clip, apply (unless `skip` or an fp16 overflow), advance the schedule, zero the grads."""
+
+    @abstractmethod
+    def save(self, ckpt_dir: Path) -> None: ...
+
+    @abstractmethod
+    def load(self, ckpt_dir: Path) -> None: ...
+
+    def set_frozen(self, names: set[str], frozen: bool) -> None:
+        for name, p in self.named_parameters():
+            if name in names:
+                p.requires_grad_(not frozen)
+
+    def describe(self) -> dict:
+        return {"strategy": self.name, "offload": False}
+
+    # ---- shared helpers --------------------------------------------------------------------------
+    @property
+    def unwrapped(self) -> nn.Module:
+        return self.model
+
+    def named_parameters(self):
+        return self.unwrapped.named_parameters()
+
+    def train(self) -> None:
+        self.model.train()
+
+    def eval(self) -> None:
+        self.sync_buffers()
+        self.model.eval()
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        inputs = {k: batch[k] for k in self.unwrapped.batch_keys if k in batch}
+        return self.model(**inputs)
+
+    def sync_buffers(self) -> None:
+        """BatchNorm running stats drift apart per rank where the backend does not broadcast them
+        (FSDP, ZeRO). Rank 0's copy wins, as under DDP, before eval and before saving."""
+        if self.dist.world_size == 1:
+            return
+        for buf in self.unwrapped.buffers():
+            if buf.is_floating_point() or buf.dtype in (torch.int64, torch.long):
+                dist.broadcast(buf.data, src=0)
+
+    def autocast(self) -> ContextManager:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
+
+    def _apply_recompute(self, model: nn.Module, classes: tuple[type, ...]) -> int:
+        if not self.cfg.train.activation_checkpointing:
+            return 0
+        return apply_activation_checkpointing(model, classes)
+
+    def _optimizer_and_scheduler(self, named_params, frozen_names: set[str]):
+        groups = param_groups(named_params, self.cfg.train.weight_decay, frozen_names)
+        optimizer = adamw(groups, self.cfg.train.lr, self.device)
+        scheduler = build_scheduler(optimizer, self.cfg.train, self.cfg.model.unfreeze_at_step)
+        return optimizer, scheduler
+
+
+def check_precision_supported(precision: str, device: torch.device) -> None:
+    if device.type != "cuda" or precision != "bf16":
+        return
+    if not torch.cuda.is_bf16_supported(including_emulation=False):
+        name = torch.cuda.get_device_name(device)
+        raise ConfigError(f"{where('precision')}=bf16: {name} has no bf16 support "
+                          f"(compute capability < 8.0); use --precision fp16")
+
+
+def clip_and_norm(params, max_norm: float) -> torch.Tensor:
+    """Total gradient norm before clipping; clipping only when max_norm > 0."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
+                                          foreach=True)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -1,0 +1,48 @@
+"""DistributedDataParallel: every rank holds the whole model, optimizer and gradients."""
+from __future__ import annotations
+
+import contextlib
+
+from torch.nn.parallel import DistributedDataParallel
+
+from shardtrain.strategies.native import NativeStrategy
+
+
+class DDPStrategy(NativeStrategy):
+    name = "ddp"
+
+    def setup(self, build_model, frozen_names):
+        # Every rank builds the model; DDP broadcasts rank 0's weights when it wraps.
+        self.inner = build_model().to(self.device)
+        for name, p in self.inner.named_parameters():
+            p.requires_grad_(name not in frozen_names)
+        self.recompute_count = self._apply_recompute(self.inner, self.inner.block_classes())
+        self.model = self._wrap()
+        return self._finish_setup(frozen_names)
+
+    def _wrap(self):
+        if self.dist.world_size == 1:
+            return self.inner
+        return DistributedDataParallel(
+            self.inner, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
+            gradient_as_bucket_view=True)
+
+    @property
+    def unwrapped(self):
+        return self.inner
+
+    def micro_step(self, is_last):
+        stack = contextlib.ExitStack()
+        if not is_last and isinstance(self.model, DistributedDataParallel):
+            # no_sync must cover the forward too: DDP prepares its reducer there.
+            stack.enter_context(self.model.no_sync())
+        stack.enter_context(super().micro_step(is_last))
+        return stack
+
+    def set_frozen(self, names, frozen):
+        super().set_frozen(names, frozen)
+        # DDP fixes the set of parameters it reduces when it is built; re-wrap to include them.
+        self.model = self._wrap()
+
+    def describe(self):
+        return {"strategy": "ddp", "offload": False, "recompute_blocks": self.recompute_count}

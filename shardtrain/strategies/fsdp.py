@@ -1,0 +1,170 @@
+"""FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded across ranks.
+
+The wrap policy is data (`fsdp_policies/*.yaml`). Rank 0 alone materialises the model; the other ranks
+build it on the meta device, and the weights reach them shard by shard from rank 0, so host RAM holds one
+full copy per job rather than one per rank.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+from shardtrain.config import ConfigError, where
+from shardtrain.strategies.base import DTYPES
+from shardtrain.strategies.native import NativeStrategy
+
+# Block classes of the built-in models; a policy may name any of them even if this model lacks some.
+KNOWN_BLOCK_CLASSES = {"RobertaLayer", "LongformerLayer", "Bottleneck", "BasicBlock", "_DenseBlock",
+                       "_DenseLayer", "_Transition", "BertLayer"}
+
+
+@dataclass
+class FSDPPolicy:
+    wrap_classes: list = field(default_factory=list)
+    min_params: int | None = None
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+    mixed_precision: bool = False
+    activation_checkpointing: list = field(default_factory=list)
+    path: str = ""
+
+    @property
+    def sharding(self) -> str:
+        return "FULL_SHARD" if self.reshard_after_forward else "SHARD_GRAD_OP"
+
+
+def load_policy(path: str) -> FSDPPolicy:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"{where('fsdp_policy')}: file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        loc = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        raise ConfigError(f"{where('fsdp_policy')} {p}:{loc} invalid YAML: {getattr(e, 'problem', e)}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where('fsdp_policy')} {p}: expected a mapping of policy keys")
+    known = {f.name for f in fields(FSDPPolicy)} - {"path"}
+    for key in data:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            raise ConfigError(f"{where('fsdp_policy')} {p}: unknown key '{key}'"
+                              + (f"; did you mean '{close[0]}'?" if close else f" (keys: {', '.join(sorted(known))})"))
+    policy = FSDPPolicy(**data, path=str(p))
+    for key in ("wrap_classes", "activation_checkpointing"):
+        if not isinstance(getattr(policy, key), list):
+            raise ConfigError(f"{where('fsdp_policy')} {p}: '{key}' must be a list of class names")
+    if not policy.wrap_classes and not policy.min_params:
+        raise ConfigError(f"{where('fsdp_policy')} {p}: names neither wrap_classes nor min_params: "
+                          f"the whole model would be one giant unit")
+    return policy
+
+
+def _classes_by_name(model: nn.Module, names: list[str], what: str, policy: FSDPPolicy) -> tuple[type, ...]:
+    present = {type(m).__name__: type(m) for m in model.modules()}
+    for name in names:
+        if name not in present and name not in KNOWN_BLOCK_CLASSES:
+            close = difflib.get_close_matches(name, list(present), n=1)
+            raise ConfigError(f"{where('fsdp_policy')} {policy.path}: {what} names unknown class '{name}'"
+                              + (f"; did you mean '{close[0]}'?" if close else ""))
+    return tuple(present[n] for n in names if n in present)
+
+
+def _units(model: nn.Module, policy: FSDPPolicy) -> list[nn.Module]:
+    """Modules to shard as their own units, innermost first (fully_shard must go bottom-up)."""
+    classes = _classes_by_name(model, policy.wrap_classes, "wrap_classes", policy)
+    units, covered = [], set()
+    for module in reversed(list(model.modules())):
+        if module is model:
+            continue
+        own = [p for p in module.parameters() if id(p) not in covered]
+        by_class = classes and isinstance(module, classes)
+        by_size = policy.min_params and sum(p.numel() for p in own) >= policy.min_params
+        if (by_class or by_size) and own:
+            units.append(module)
+            covered.update(id(p) for p in module.parameters())
+    if not units:
+        model_classes = sorted({type(m).__name__ for m in model.modules()})
+        looked = policy.wrap_classes or [f"modules with >= {policy.min_params} parameters"]
+        raise ConfigError(f"{where('fsdp_policy')} {policy.path} wraps nothing in this model: looked for "
+                          f"{', '.join(map(str, looked))}; the model has {', '.join(model_classes)}")
+    return units
+
+
+class FSDPStrategy(NativeStrategy):
+    name = "fsdp"
+
+    def __init__(self, cfg, dist_info):
+        super().__init__(cfg, dist_info)
+        self.policy = load_policy(cfg.parallel.fsdp_policy)
+        if self.policy.cpu_offload and self.device.type == "cpu":
+            pass  # CPUOffloadPolicy(pin_memory=False) works on CPU (measured); pinning needs CUDA.
+
+    def _make_scaler(self):
+        return ShardedGradScaler(self.device.type)
+
+    def setup(self, build_model, frozen_names):
+        rank0 = self.dist.is_rank0
+        model = build_model(on_meta=not rank0)
+        full_sd = {k: v.detach().cpu() for k, v in model.state_dict().items()} if rank0 else {}
+        buffers = {n: b.detach().clone().cpu() for n, b in model.named_buffers()} if rank0 else {}
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in frozen_names)
+
+        ac_names = self.policy.activation_checkpointing
+        ac_classes = (_classes_by_name(model, ac_names, "activation_checkpointing", self.policy)
+                      if ac_names else model.block_classes())
+        self.recompute_count = self._apply_recompute(model, ac_classes)
+
+        mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
+        common = {"mesh": mesh, "reshard_after_forward": self.policy.reshard_after_forward}
+        if self.policy.cpu_offload:
+            common["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+        low = DTYPES[self.precision]
+        mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
+              if self.policy.mixed_precision and self.precision != "fp32" else None)
+        units = _units(model, self.policy)
+        if mp:
+            # BatchNorm must see fp32 weights; its own unit keeps them so and hands back low precision.
+            bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)
+            for m in model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    fully_shard(m, mp_policy=bn_mp, **common)
+        for unit in units:
+            fully_shard(unit, **({"mp_policy": mp} if mp else {}), **common)
+        fully_shard(model, **({"mp_policy": mp} if mp else {}), **common)
+        self.unit_count = len(units)
+
+        model.to_empty(device="cpu" if self.policy.cpu_offload else self.device)
+        set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True,
+                                                                     broadcast_from_rank0=True))
+        # Non-persistent buffers (e.g. position ids) are not in the state dict; send every buffer.
+        for name, buf in model.named_buffers():
+            if rank0:
+                buf.copy_(buffers[name])
+            if self.dist.world_size > 1:
+                dist.broadcast(buf, src=0)
+        del full_sd, buffers
+        self.model = model
+        return self._finish_setup(frozen_names)
+
+    def micro_step(self, is_last):
+        self.model.set_requires_gradient_sync(is_last)
+        return super().micro_step(is_last)
+
+    def describe(self):
+        return {"strategy": "fsdp", "offload": self.policy.cpu_offload, "policy": self.policy.path,
+                "sharding": self.policy.sharding, "units": self.unit_count,
+                "mixed_precision_params": self.policy.mixed_precision, "recompute_blocks": self.recompute_count}

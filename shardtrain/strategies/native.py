@@ -1,0 +1,65 @@
+"""What DDP and FSDP share: PyTorch's own optimizer step, loss scaling and DCP checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from shardtrain.strategies.base import Strategy, StepResult, clip_and_norm
+from shardtrain.strategies.dcp_state import load_dcp, save_dcp
+
+
+class NativeStrategy(Strategy):
+    scaler = None
+
+    def _make_scaler(self):
+        return torch.amp.GradScaler(self.device.type)
+
+    def _finish_setup(self, frozen_names):
+        self.optimizer, self.scheduler = self._optimizer_and_scheduler(self.unwrapped.named_parameters(),
+                                                                       frozen_names)
+        self.scaler = self._make_scaler() if self.precision == "fp16" else None
+        return self.model, self.optimizer, self.scheduler
+
+    def backward(self, loss):
+        loss = loss / self.cfg.train.grad_accum
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, skip=False):
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = clip_and_norm(self.unwrapped.parameters(), self.cfg.train.max_grad_norm)
+        overflow = False
+        if self.scaler:
+            overflow = not bool(torch.isfinite(norm))
+            if not skip:
+                self.scaler.step(self.optimizer)  # skips the update itself on inf/nan
+            self.scaler.update()
+        elif not skip:
+            self.optimizer.step()
+        applied = not skip and not overflow
+        if applied:
+            self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(grad_norm=norm.detach(), applied=applied, overflow=overflow)
+
+    def save(self, ckpt_dir: Path):
+        self.sync_buffers()
+        save_dcp(ckpt_dir, self.unwrapped, self.optimizer, self._extra_state(), self.dist.is_rank0)
+
+    def load(self, ckpt_dir: Path, load_optimizer: bool = True):
+        self._load_extra_state(load_dcp(ckpt_dir, self.unwrapped, self.optimizer, load_optimizer))
+
+    def _extra_state(self) -> dict:
+        state = {"scheduler": {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}}
+        if self.scaler:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def _load_extra_state(self, extra: dict) -> None:
+        if "scheduler" in extra:
+            sd = self.scheduler.state_dict()
+            sd.update(extra["scheduler"])
+            self.scheduler.load_state_dict(sd)
+        if self.scaler and "scaler" in extra:
+            self.scaler.load_state_dict(extra["scaler"])

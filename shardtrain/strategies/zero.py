@@ -1,0 +1,127 @@
+"""DeepSpeed ZeRO stage 2/3 (optionally with optimizer and parameter offload to CPU).
+
+(Named zero.py: a module called deepspeed.py would shadow the library when this folder is on sys.path.)
+The engine owns accumulation: it scales the loss by 1/accum, counts micro-steps in `engine.step()` and
+reduces gradients only at the boundary, so there is no no_sync here.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardtrain.ds_config import describe_ds, resolve_ds_config
+from shardtrain.strategies.base import Strategy, StepResult
+
+TAG = "engine"
+EXTRA_FILE = "strategy_state.json"
+
+
+class ZeroStrategy(Strategy):
+    def __init__(self, cfg, dist_info, has_batchnorm: bool):
+        super().__init__(cfg, dist_info)
+        # Resolved before any model is built: a contradiction in the JSON costs nothing.
+        self.ds_config = resolve_ds_config(cfg, dist_info.world_size, has_batchnorm)
+        self.info = describe_ds(self.ds_config)
+        self.stage = self.info["stage"]
+        self.name = f"zero{self.stage}"
+        self.offload = self.info["offload_optimizer"] != "none" or self.info["offload_param"] != "none"
+
+    def autocast(self):
+        # The engine applies torch.autocast itself from the "torch_autocast" section.
+        import contextlib
+        return contextlib.nullcontext()
+
+    def setup(self, build_model, frozen_names):
+        import deepspeed
+
+        rank0 = self.dist.is_rank0
+        # Attach deepspeed.comm to our process group; zero.Init reads its world size from there.
+        deepspeed.init_distributed(dist_backend=self.dist.backend)
+        if self.stage == 3:
+            # zero.Init patches torch.Tensor.__new__; torch._dynamo, imported lazily inside it, rejects
+            # the patched signature. Import it first.
+            import torch._dynamo  # noqa: F401
+            # Rank 0 alone materialises the weights; every rank then builds a partitioned copy under
+            # zero.Init (no rank ever holds the full model on the device) and rank 0 fills it in.
+            source = build_model(on_meta=False) if rank0 else None
+            # Its weights come from rank 0, so skip initialisation (HF's would index empty partitions).
+            from transformers.initialization import no_init_weights
+            with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=self.ds_config,
+                                                        remote_device=self._param_device()):
+                model = build_model(on_meta=False)
+            _copy_from_rank0(model, source, rank0, deepspeed)
+            del source
+        else:
+            model = build_model(on_meta=False)  # the engine broadcasts rank 0's weights
+        # DeepSpeed partitions only parameters that require grad at initialize time, so frozen ones
+        # keep requires_grad and are frozen by their zero learning rate (optim.build_scheduler).
+        self.recompute_count = self._apply_recompute(model, model.block_classes())
+        optimizer, scheduler = self._optimizer_and_scheduler(model.named_parameters(), frozen_names)
+        engine, optimizer, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+        self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
+        self._inner = model
+        return self.model, self.optimizer, self.scheduler
+
+    def _param_device(self):
+        return "cpu" if self.info["offload_param"] == "cpu" else None
+
+    @property
+    def unwrapped(self) -> nn.Module:
+        return self._inner
+
+    def backward(self, loss):
+        self.engine.backward(loss)
+        if not self._is_last:
+            self.engine.step()  # only advances DeepSpeed's micro-step counter off the boundary
+
+    def step(self, skip=False):
+        # ZeRO checks the global gradient norm itself and skips the update when it is inf/nan, in every
+        # precision; `skip` from the loop (a non-finite loss) implies exactly such gradients.
+        self.engine.step()
+        applied = self.engine.was_step_applied()
+        norm = self.engine.get_global_grad_norm()
+        norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32).detach()
+        overflow = not applied and self.precision == "fp16"
+        return StepResult(grad_norm=norm, applied=applied and not skip, overflow=overflow)
+
+    def set_frozen(self, names, frozen):
+        pass  # the learning rate of the frozen groups carries freezing here (see setup)
+
+    def save(self, ckpt_dir: Path):
+        self.sync_buffers()
+        self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+        if self.dist.is_rank0:
+            (ckpt_dir / EXTRA_FILE).write_text(json.dumps({"ds_config": self.ds_config}))
+
+    def load(self, ckpt_dir: Path, load_optimizer: bool = True):
+        self.engine.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=load_optimizer,
+                                    load_lr_scheduler_states=load_optimizer)
+
+    def describe(self):
+        return {"strategy": self.name, "offload": self.offload, **self.info,
+                "recompute_blocks": self.recompute_count}
+
+
+def _copy_from_rank0(model: nn.Module, source: nn.Module | None, rank0: bool, deepspeed) -> None:
+    import torch.distributed as dist
+
+    src_params = dict(source.named_parameters()) if rank0 else {}
+    for name, module in model.named_modules():
+        params = list(module.named_parameters(prefix=name, recurse=False))
+        if not params:
+            continue
+        with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=0):
+            if rank0:
+                with torch.no_grad():
+                    for pname, p in params:
+                        p.copy_(src_params[pname])
+    src_buffers = dict(source.named_buffers()) if rank0 else {}
+    for name, buf in model.named_buffers():
+        if rank0:
+            buf.copy_(src_buffers[name])
+        if dist.get_world_size() > 1:
+            dist.broadcast(buf, src=0)

@@ -1,0 +1,233 @@
+"""The training loop. One file, top to bottom; the memory strategy hides behind `strategy`.
+
+    torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy fsdp
+    torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy ddp
+    deepspeed --num_gpus 4 shardtrain/main.py --config configs/longformer_4096.yaml --ds ds_configs/zero2.json
+    python -m shardtrain train --config configs/multimodal_tiny.yaml --device cpu --nproc 2
+"""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from shardtrain import checkpoint
+from shardtrain.config import Config
+from shardtrain.data import build_datasets, build_loaders, build_tokenizer
+from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from shardtrain.models import build_model
+from shardtrain.strategies import make_strategy
+from shardtrain.tracking import Console, MetricsLog, Throughput, library_versions, now, write_summary
+
+
+class StopFlag:
+    """Set by SIGUSR1/SIGTERM (preemption). The handler only sets a flag: no I/O, no collective.
+    The loop folds it into its one per-step all-reduce, so every rank stops at the same step."""
+
+    def __init__(self):
+        self.raised = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.raised = True
+
+
+def train(cfg: Config) -> dict:
+    dist_info = init_distributed(cfg.parallel.device)
+    console = Console(dist_info.rank, cfg.log.verbose)
+    out = Path(cfg.checkpoint.output_dir)
+    stop = StopFlag()
+    t_start = now()
+
+    # ---- strategy first: a bad DeepSpeed JSON or FSDP policy fails before any data or model work
+    strategy = make_strategy(cfg, dist_info)
+
+    # ---- data
+    tokenizer = build_tokenizer(cfg, out, dist_info.is_rank0, barrier)
+    train_ds, eval_ds = build_datasets(cfg, tokenizer)
+    loaders = build_loaders(cfg, tokenizer, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
+                            dist_info.device.type)
+
+    # ---- model, optimizer, schedule (built by the strategy: it decides where weights materialise)
+    vocab_size = None if cfg.model.pretrained else len(tokenizer)
+
+    def model_factory(on_meta: bool = False):
+        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and strategy
+        if on_meta:
+            with torch.device("meta"):
+                return build_model(cfg.model, cfg.data, vocab_size, load_weights=False)
+        return build_model(cfg.model, cfg.data, vocab_size)
+
+    frozen = (set(model_factory(on_meta=True).freezable_parameter_names(cfg.model.freeze_layers))
+              if cfg.model.freeze_layers else set())
+    strategy.setup(model_factory, frozen)
+
+    # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
+    step = 0
+    resume_dir = checkpoint.find_resume_dir(cfg.checkpoint.resume, out)
+    if resume_dir is not None:
+        state = checkpoint.read_trainer_state(resume_dir)
+        strategy.load(resume_dir)
+        loaders.train.load_state_dict(state["data"])
+        checkpoint.load_rng(resume_dir / "rng", dist_info.rank)
+        step = state["step"]
+        console.info(f"resumed from {resume_dir} at step {step}")
+    unfreeze_at = cfg.model.unfreeze_at_step
+    if frozen and unfreeze_at is not None and step >= unfreeze_at:
+        strategy.set_frozen(frozen, False)
+
+    t, world = cfg.train, dist_info.world_size
+    global_batch = t.per_device_batch_size * t.grad_accum * world
+    run_info = {**strategy.describe(), "world_size": world, "precision": t.precision,
+                "micro_batch_size": t.per_device_batch_size, "grad_accum": t.grad_accum,
+                "global_batch_size": global_batch, "train_examples": loaders.train_size,
+                "eval_examples": loaders.eval_size, "steps_per_epoch": loaders.steps_per_epoch,
+                "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen)}
+    console.info(f"shardtrain: {run_info['strategy']} on {world} x {dist_info.device.type} | "
+                 f"batch {t.per_device_batch_size} x accum {t.grad_accum} x world {world} = {global_batch} | "
+                 f"{t.precision} | params {run_info['params_total']:,} ({run_info['params_frozen']:,} frozen)")
+
+    # ---- the loop
+    metrics = MetricsLog(out, dist_info.rank, resume_step=step)
+    throughput = Throughput()
+    bad_steps = skipped = 0
+    eval_result: dict = {}
+    preempted = False
+    batch = None
+    strategy.train()
+    while step < t.max_steps:
+        if frozen and unfreeze_at is not None and step == unfreeze_at:
+            strategy.set_frozen(frozen, False)
+            console.info(f"step {step}: unfroze {len(frozen)} parameter tensors")
+        t0 = now()
+        loss_sum = torch.zeros((), device=dist_info.device)
+        for micro in range(t.grad_accum):
+            batch = to_device(loaders.train.next_batch(), dist_info.device)
+            with strategy.micro_step(is_last=micro == t.grad_accum - 1):
+                logits = strategy.forward(batch)
+                loss = F.cross_entropy(logits.float(), batch["labels"])
+                strategy.backward(loss)
+            loss_sum += loss.detach()
+
+        # The one collective (and host sync) per optimizer step: the mean loss over ranks, which also
+        # tells every rank whether any rank saw a non-finite loss or a preemption signal.
+        totals = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(float(stop.raised),
+                                             dtype=torch.float64, device=dist_info.device)]),
+                                dist_info.device).tolist()
+        loss_mean = totals[0] / (t.grad_accum * world)
+        finite = bool(torch.isfinite(torch.tensor(loss_mean)))
+        result = strategy.step(skip=not finite)
+        grad_norm = float(result.grad_norm)
+        step += 1
+
+        if not result.applied:
+            skipped += 1
+            bad = not result.overflow  # fp16 overflow skips are the scaler's normal business
+            bad_steps = bad_steps + 1 if bad else 0
+            if bad:
+                console.warn(f"step {step}: non-finite loss/grad norm (loss {loss_mean}, grad norm {grad_norm}); "
+                             f"update skipped ({bad_steps} in a row)")
+            if bad and (t.nan_policy == "abort" or bad_steps >= t.max_bad_steps):
+                raise FloatingPointError(f"{bad_steps} consecutive non-finite steps at step {step} "
+                                         f"(--nan-policy {t.nan_policy}, --max-bad-steps {t.max_bad_steps})")
+        else:
+            bad_steps = 0
+
+        seconds = now() - t0
+        throughput.add(global_batch, seconds)
+        record = {"step": step, "loss": loss_mean, "lr": strategy.optimizer.param_groups[0]["lr"],
+                  "grad_norm": grad_norm, "samples_per_sec": global_batch / seconds,
+                  "step_seconds": seconds, "skipped_steps": skipped, "epoch": loaders.train.state_dict()["epoch"]}
+        metrics.write(record)
+        if step % t.log_every == 0 or step == t.max_steps:
+            console.info(f"step {step}/{t.max_steps} | loss {loss_mean:.4f} | lr {record['lr']:.2e} | "
+                         f"grad norm {grad_norm:.3f} | {record['samples_per_sec']:.1f} samples/s")
+
+        if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
+            eval_result = evaluate(strategy, loaders, cfg, dist_info, batch)
+            console.info(f"step {step} eval | accuracy {eval_result['accuracy']:.4f} | "
+                         f"macro-F1 {eval_result['macro_f1']:.4f}")
+        preempted = totals[1] > 0
+        if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or preempted:
+            path = checkpoint.save_checkpoint(strategy, trainer_state(step, loaders, cfg),
+                                              out, cfg.checkpoint.keep_last)
+            console.info(f"step {step}: saved {path}")
+        if preempted:
+            console.info(f"step {step}: stopping on a preemption signal; resume with --resume auto")
+            break
+
+    # ---- the end: evaluate, summarise
+    if not preempted:
+        eval_result = evaluate(strategy, loaders, cfg, dist_info, batch)
+        console.info(f"eval | accuracy {eval_result['accuracy']:.4f} | macro-F1 {eval_result['macro_f1']:.4f} | "
+                     f"{eval_result['n_examples']} examples")
+    summary = {**run_info, "train_loss": metrics.losses() if dist_info.is_rank0 else [],
+               "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
+               "wall_seconds": now() - t_start, "final_step": step, "skipped_steps": skipped,
+               "preempted": preempted, "versions": library_versions(), "config": cfg.to_dict()}
+    metrics.close()
+    if dist_info.is_rank0:
+        write_summary(out, summary)
+    return summary
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def trainer_state(step: int, loaders, cfg: Config) -> dict:
+    return {"step": step, "data": loaders.train.state_dict(), "config": cfg.to_dict()}
+
+
+def parameter_counts(strategy, frozen: set[str]) -> dict:
+    """Counts of the full (unsharded) model; DTensor shards report their global shape."""
+    total = trainable = 0
+    for name, p in strategy.named_parameters():
+        n = getattr(p, "ds_numel", None) or p.numel()
+        total += n
+        if name not in frozen:
+            trainable += n
+    return {"params_total": total, "params_trainable": trainable, "params_frozen": total - trainable}
+
+
+@torch.no_grad()
+def evaluate(strategy, loaders, cfg: Config, dist_info: DistInfo, spare_batch: dict) -> dict:
+    """Accuracy and macro-F1 over every validation example exactly once across ranks.
+
+    Sharded strategies gather parameters collectively in each forward, so every rank runs the same
+    number of forwards; a rank whose shard ran out repeats its last batch and counts nothing from it.
+    """
+    strategy.eval()
+    n = cfg.model.num_labels
+    confusion = torch.zeros(n * n, dtype=torch.float64, device=dist_info.device)
+    batches = iter(loaders.eval)
+    last = spare_batch  # a rank with no validation example at all still joins every forward
+    for _ in range(loaders.eval_batches):
+        batch = next(batches, None)
+        real = batch is not None
+        batch = batch if real else last
+        last = batch
+        batch = to_device(batch, dist_info.device)
+        with strategy.autocast():
+            preds = strategy.forward(batch).argmax(dim=-1)
+        if real:
+            idx = batch["labels"] * n + preds
+            confusion.index_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
+    confusion = all_reduce_sum(confusion, dist_info.device).view(n, n).cpu()
+    strategy.train()
+    if dist_info.device.type == "cuda":
+        torch.cuda.empty_cache()  # eval activations are a different shape: give their blocks back
+    return classification_metrics(confusion)
+
+
+def classification_metrics(confusion: torch.Tensor) -> dict:
+    total = confusion.sum().item()
+    tp = confusion.diag()
+    precision = tp / confusion.sum(0).clamp(min=1)
+    recall = tp / confusion.sum(1).clamp(min=1)
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall),
+                     torch.zeros_like(tp))
+    return {"accuracy": tp.sum().item() / max(total, 1), "macro_f1": f1.mean().item(), "n_examples": int(total)}
