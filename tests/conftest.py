@@ -1,0 +1,28 @@
+"""Session-wide fixtures: the synthetic datasets are made once and shared (read-only) by every test."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@pytest.fixture(scope="session")
+def mm_data(tmp_path_factory) -> Path:
+    from shardtrain.data import make_data
+    return make_data("multimodal", tmp_path_factory.mktemp("data") / "multimodal", n_train=256, n_val=64, seed=0)
+
+
+@pytest.fixture(scope="session")
+def ld_data(tmp_path_factory) -> Path:
+    from shardtrain.data import make_data
+    return make_data("longdoc", tmp_path_factory.mktemp("data") / "longdoc", n_train=128, n_val=32, seed=0,
+                     min_words=60, max_words=300)
+
+
+@pytest.fixture(scope="session")
+def data_dirs(mm_data, ld_data) -> dict:
+    return {"multimodal": mm_data, "longformer": ld_data}

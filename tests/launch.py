@@ -1,0 +1,107 @@
+"""The one way tests start shardtrain: real processes through the entry points users run.
+
+Nothing is retried: a failed launch fails the test with the tail of its output.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN = REPO / "shardtrain" / "main.py"
+BIN = Path(sys.executable).parent
+DEFAULT_TIMEOUT = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
+        # DeepSpeed's JIT-built ops (shm_comm, cpu_adam) are cached once beside the venv.
+        "TORCH_EXTENSIONS_DIR": env.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")),
+        "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    })
+    env.pop("RANK", None)
+    env.pop("LOCAL_RANK", None)
+    env.pop("WORLD_SIZE", None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+@dataclass
+class Run:
+    cmd: list[str]
+    returncode: int
+    output: str
+    output_dir: Path | None
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.output.splitlines()[-n:])
+
+    def check(self) -> "Run":
+        assert self.returncode == 0, f"exit {self.returncode}: {' '.join(self.cmd)}\n{self.tail()}"
+        return self
+
+    @property
+    def summary(self) -> dict:
+        return json.loads((self.output_dir / "summary.json").read_text())
+
+    @property
+    def metrics(self) -> list[dict]:
+        lines = (self.output_dir / "metrics.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def _output_dir(args: list[str]) -> Path | None:
+    if "--output-dir" in args:
+        return Path(args[args.index("--output-dir") + 1])
+    return None
+
+
+def run(cmd: list[str], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None, cwd: Path = REPO,
+        check: bool = True) -> Run:
+    try:
+        proc = subprocess.run(cmd, cwd=cwd, env=env or test_env(), capture_output=True, text=True,
+                              timeout=timeout)
+        result = Run(cmd, proc.returncode, proc.stdout + proc.stderr, _output_dir(cmd))
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        raise AssertionError(f"timed out after {timeout}s (a hang?): {' '.join(cmd)}\n{out[-4000:]}") from None
+    return result.check() if check else result
+
+
+def torchrun(args: list[str], nproc: int = 2, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
+             env: dict | None = None, extra_launcher_args: list[str] = ()) -> Run:
+    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", *extra_launcher_args, str(MAIN), *args]
+    return run(cmd, timeout=timeout, env=env, check=check)
+
+
+def deepspeed_launcher(args: list[str], nproc: int = 2, check: bool = True,
+                       timeout: float = DEFAULT_TIMEOUT, env: dict | None = None) -> Run:
+    # Without --num_gpus the launcher counts NUMA nodes on a CPU machine and starts one process.
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(MAIN), *args]
+    return run(cmd, timeout=timeout, env=env, check=check)
+
+
+def cli(args: list[str], check: bool = True, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None) -> Run:
+    """`python -m shardtrain <args>`: the console-script entry."""
+    return run([sys.executable, "-m", "shardtrain", *args], timeout=timeout, env=env, check=check)
+
+
+def tiny_args(workload: str, data_dir: Path, output_dir: Path, *extra: str) -> list[str]:
+    config = {"multimodal": "configs/multimodal_tiny.yaml", "longformer": "configs/longformer_tiny.yaml"}[workload]
+    return ["--config", str(REPO / config), "--data-dir", str(data_dir), "--output-dir", str(output_dir),
+            "--resume", "none", *extra]
