@@ -136,6 +136,20 @@ def broadcast_object(obj, src: int = 0):
     return box[0]
 
 
+def gather_rank_info(info: DistInfo) -> list[dict]:
+    """Every rank's (host, local rank, device), gathered on all ranks: the banner and the idle-GPU
+    guard read the same table."""
+    own = {"rank": info.rank, "host": socket.gethostname(), "local_rank": info.local_rank,
+           "device": str(info.device),
+           "device_name": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
+           "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [own]
+    table = [None] * dist.get_world_size()
+    dist.all_gather_object(table, own)
+    return table
+
+
 def teardown_and_exit(code: int) -> None:
     """Leave without the gloo SIGABRT seen here in ~1 of 8-30 runs at interpreter shutdown.
 
