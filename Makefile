@@ -8,6 +8,8 @@ export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
+# The venv may be shared by many clones (CI), so this checkout is put on the path rather than installed into it.
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: venv demo test test-unit test-dist bench clean
 
@@ -15,13 +17,12 @@ $(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
-	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 venv: $(VENV)/.installed
 
 demo: venv
-	$(PY) -m shardtrain make-data multimodal data/multimodal
+	test -f data/multimodal/validation.jsonl || $(PY) -m shardtrain make-data multimodal data/multimodal
 	$(PY) -m shardtrain train --config configs/multimodal_tiny.yaml --strategy fsdp --device cpu \
 		--nproc $(NPROC) --data-dir data/multimodal --output-dir $(DEMO_OUT) --resume none
 
