@@ -32,10 +32,25 @@ def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
     if nproc <= 1:
         return None
     main_py = Path(__file__).with_name("main.py")
+    # The workers see RANK and never relaunch; torchrun's own parser would also reject `--nproc`
+    # anywhere on its command line as an ambiguous prefix of --nproc-per-node.
+    argv = without_flag(argv, "--nproc")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           str(main_py), *argv, "--nproc", "1"]
+           str(main_py), *argv]
     if os.environ.get("RANK", "0") == "0":
         print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} "
               f"shardtrain/main.py {' '.join(argv)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     return subprocess.call(cmd, env=env)
+
+
+def without_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
