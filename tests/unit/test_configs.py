@@ -1,0 +1,140 @@
+"""The shipped configs parse and validate; DeepSpeed JSON contradictions and strategy contradictions are
+one-line ConfigErrors that name both sides (checked before any process group or deepspeed.initialize)."""
+import json
+from pathlib import Path
+
+import pytest
+import torchvision
+
+from shardtrain.config import ConfigError, parse_cli
+from shardtrain.ds_config import resolve_ds_config
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+DS_CONFIGS = sorted((REPO / "ds_configs").glob("*.json"))
+
+
+def test_every_shipped_config_is_tested():
+    names = {p.name for p in CONFIGS}
+    assert {"multimodal_sentiment.yaml", "multimodal_densenet.yaml", "longformer_4096.yaml",
+            "multimodal_tiny.yaml", "longformer_tiny.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_config_parses_and_validates(path):
+    cfg = parse_cli(["--config", str(path)])
+    if cfg.model.image_weights and cfg.model.name == "multimodal":
+        # The torchvision weights name must exist (resolving the enum downloads nothing).
+        torchvision.models.get_model_weights(cfg.model.image_model)[cfg.model.image_weights]
+    if cfg.model.unfreeze_at_step is not None:
+        assert cfg.model.freeze_layers > 0
+
+
+def test_production_configs_say_what_the_issue_asks():
+    mm = parse_cli(["--config", str(REPO / "configs/multimodal_sentiment.yaml")])
+    assert (mm.model.text_model, mm.model.image_model, mm.model.pretrained) == ("roberta-base", "resnet50", True)
+    assert (mm.train.per_device_batch_size, mm.train.grad_accum, mm.train.precision) == (32, 2, "bf16")
+    assert (mm.data.num_workers, mm.data.pin_memory, mm.data.max_length, mm.data.image_size) == (4, True, 128, 224)
+    dn = parse_cli(["--config", str(REPO / "configs/multimodal_densenet.yaml")])
+    assert dn.model.image_model == "densenet121"
+    lf = parse_cli(["--config", str(REPO / "configs/longformer_4096.yaml"), "--ds", str(REPO / "ds_configs/zero2.json")])
+    assert (lf.model.text_model, lf.data.max_length, lf.model.attention_window) == \
+        ("allenai/longformer-base-4096", 4096, 512)
+    assert lf.train.precision == "fp16" and lf.train.activation_checkpointing
+    assert lf.parallel.strategy == "deepspeed"
+
+
+@pytest.mark.parametrize("ds", DS_CONFIGS, ids=lambda p: p.name)
+def test_shipped_ds_configs_resolve(ds):
+    cfg = parse_cli(["--config", str(REPO / "configs/longformer_tiny.yaml"), "--ds", str(ds), "--grad-accum", "3"])
+    out = resolve_ds_config(cfg, world_size=2)
+    assert out["train_batch_size"] == 8 * 3 * 2
+    assert out["train_micro_batch_size_per_gpu"] == 8 and out["gradient_accumulation_steps"] == 3
+    assert out["zero_optimization"]["stage"] in (2, 3)
+
+
+def test_ds_with_another_strategy_is_a_contradiction():
+    with pytest.raises(ConfigError, match=r"--ds .*zero2.json selects DeepSpeed, but --strategy is 'fsdp'"):
+        parse_cli(["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--strategy", "fsdp",
+                   "--ds", str(REPO / "ds_configs/zero2.json")])
+    # --strategy deepspeed without a JSON has nothing to run
+    with pytest.raises(ConfigError, match="--strategy deepspeed needs --ds"):
+        parse_cli(["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--strategy", "deepspeed"])
+
+
+def _resolve(tmp_path, ds: dict | str, *flags, world_size=2, precision="fp32", config="longformer_tiny"):
+    path = tmp_path / "ds.json"
+    path.write_text(ds if isinstance(ds, str) else json.dumps(ds))
+    cfg = parse_cli(["--config", str(REPO / f"configs/{config}.yaml"), "--ds", str(path),
+                     "--precision", precision, *flags])
+    return resolve_ds_config(cfg, world_size, has_batchnorm=config.startswith("multimodal"))
+
+
+STAGE2 = {"zero_optimization": {"stage": 2}}
+
+
+def test_explicit_micro_batch_contradiction_names_both_values(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _resolve(tmp_path, {**STAGE2, "train_micro_batch_size_per_gpu": 16}, "--per-device-batch-size", "4")
+    msg = str(e.value)
+    assert "train_micro_batch_size_per_gpu" in msg and "16" in msg and "--per-device-batch-size=4" in msg
+    assert "\n" not in msg
+
+
+def test_agreeing_explicit_values_are_accepted(tmp_path):
+    out = _resolve(tmp_path, {**STAGE2, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+                              "train_batch_size": 16}, "--per-device-batch-size", "4", "--grad-accum", "2")
+    assert out["train_batch_size"] == 16
+
+
+def test_train_batch_size_mismatch_shows_the_arithmetic(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        _resolve(tmp_path, {**STAGE2, "train_batch_size": 100}, "--per-device-batch-size", "4", "--grad-accum", "2",
+                 world_size=3)
+    assert "100" in str(e.value) and "4 x grad accum 2 x world size 3 = 24" in str(e.value)
+
+
+def test_grad_accum_contradiction(tmp_path):
+    with pytest.raises(ConfigError, match=r'"gradient_accumulation_steps": 8 contradicts --grad-accum=2'):
+        _resolve(tmp_path, {**STAGE2, "gradient_accumulation_steps": 8}, "--grad-accum", "2")
+
+
+@pytest.mark.parametrize("stage", [0, 4, "two"])
+def test_unknown_stage(tmp_path, stage):
+    with pytest.raises(ConfigError, match=r"zero_optimization.stage=.* is not one of 1, 2, 3"):
+        _resolve(tmp_path, {"zero_optimization": {"stage": stage}})
+
+
+def test_offload_param_needs_stage3(tmp_path):
+    ds = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}
+    with pytest.raises(ConfigError, match="offload_param needs stage 3 .*stage 2"):
+        _resolve(tmp_path, ds)
+
+
+def test_invalid_json_names_line_and_column(tmp_path):
+    text = '{\n  "zero_optimization": {"stage": 2},\n  "train_batch_size": auto\n}\n'
+    with pytest.raises(ConfigError, match=r"invalid JSON at line 3, column 23"):
+        _resolve(tmp_path, text)
+
+
+@pytest.mark.parametrize("section", ["optimizer", "scheduler"])
+def test_optimizer_and_scheduler_sections_refused(tmp_path, section):
+    ds = {**STAGE2, section: {"type": "AdamW", "params": {"lr": 1e-3}}}
+    with pytest.raises(ConfigError, match=f'remove the "{section}" section'):
+        _resolve(tmp_path, ds)
+
+
+def test_precision_contradiction(tmp_path):
+    with pytest.raises(ConfigError, match=r'"fp16" is enabled but --precision is bf16'):
+        _resolve(tmp_path, {**STAGE2, "fp16": {"enabled": True}}, precision="bf16")
+
+
+def test_ds_fp16_refused_on_batchnorm_model(tmp_path):
+    with pytest.raises(ConfigError, match="--precision fp16 .* BatchNorm"):
+        _resolve(tmp_path, STAGE2, precision="fp16", config="multimodal_tiny")
+
+
+def test_bf16_uses_torch_autocast_not_deepspeed_bf16(tmp_path):
+    # DeepSpeed's own bf16 mode casts BatchNorm too (measured failure); autocast keeps it fp32.
+    out = _resolve(tmp_path, {**STAGE2, "bf16": {"enabled": "auto"}}, precision="bf16", config="multimodal_tiny")
+    assert out["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and out["bf16"]["enabled"] is False
