@@ -55,6 +55,8 @@ class DataConfig:
     skip_bad_samples: bool = False
     max_train_samples: Optional[int] = None
     max_eval_samples: Optional[int] = None
+    # Folder holding validation.jsonl when it is not data_dir (SageMaker's separate validation channel).
+    eval_data_dir: Optional[str] = None
 
 
 @dataclass
@@ -79,6 +81,11 @@ class TrainConfig:
     # Test-only fault injection: raise a real torch.OutOfMemoryError on rank 0 while the
     # micro-batch is above this size. None disables it.
     inject_oom_above: Optional[int] = None
+    # Walk every tensor each rank holds (memory accounting) on steps 1, 2 and every this many steps; 0: only 1, 2.
+    memory_every: int = 100
+    # Test-only fault injection: the last rank's loss becomes NaN at these optimizer steps (1-based),
+    # e.g. `--inject-nan-at-steps 3,4`. Exercises --nan-policy and the ranks' agreement to skip.
+    inject_nan_at_steps: list = field(default_factory=list)
 
 
 @dataclass
@@ -98,6 +105,8 @@ class CheckpointConfig:
     save_every: int = 0
     keep_last: int = 2
     resume: str = "auto"
+    # At the end, rank 0 writes the consolidated model here (SageMaker: SM_MODEL_DIR, uploaded as model.tar.gz).
+    final_model_dir: Optional[str] = None
 
 
 @dataclass
@@ -228,6 +237,12 @@ def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
         if not isinstance(value, dict):
             raise ConfigError(f"{origin_desc}: expected a mapping, got {value!r}")
         return value
+    if typ is list:
+        if isinstance(value, str):  # from a flag: comma-separated
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{origin_desc}: expected a list, got {value!r}")
+        return value
     raise AssertionError(f"unhandled type {typ} for {name}")
 
 
@@ -289,9 +304,18 @@ def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
     return parser
 
 
+def _dashed_flag(arg: str) -> str:
+    """`--per_device_batch_size[=8]` -> `--per-device-batch-size[=8]`; values are left alone."""
+    if not arg.startswith("--") or "_" not in arg.split("=", 1)[0]:
+        return arg
+    name, sep, value = arg.partition("=")
+    return "--" + name[2:].replace("_", "-") + sep + value
+
+
 def parse_cli(argv: list[str]) -> Config:
     parser = build_arg_parser()
-    args, unknown = parser.parse_known_args(argv)
+    # SageMaker passes hyperparameter names verbatim: `--per_device_batch_size 8` must work too.
+    args, unknown = parser.parse_known_args([_dashed_flag(a) for a in argv])
     if unknown:
         flag = unknown[0]
         known = [flag_of(n) for n in FIELDS] + [a for v in FLAG_ALIASES.values() for a in v] + ["--config"]
@@ -302,6 +326,9 @@ def parse_cli(argv: list[str]) -> Config:
         value = getattr(args, name)
         if value is not None:
             setattr(getattr(cfg, section), name, _coerce(name, value, typ, flag_of(name)))
+    # SageMaker's channels and folders fill in what neither a flag nor a hyperparameter set.
+    from shardtrain.sagemaker_env import apply_sagemaker_env
+    apply_sagemaker_env(cfg, explicit={name for name in FIELDS if getattr(args, name) is not None})
     # `--ds FILE` alone means DeepSpeed; combined with another explicit strategy it is a contradiction.
     if cfg.parallel.ds:
         explicit = args.strategy is not None or "strategy" in (data.get("parallel") or {})
@@ -338,6 +365,11 @@ def validate(cfg: Config) -> None:
         if not 0 < m.unfreeze_at_step <= t.max_steps:
             raise ConfigError(f"{where('unfreeze_at_step')}={m.unfreeze_at_step} is outside 1..max_steps "
                               f"({t.max_steps}): the frozen layers would never train")
+    try:
+        t.inject_nan_at_steps = sorted({int(v) for v in t.inject_nan_at_steps})
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where('inject_nan_at_steps')} must be step numbers, e.g. 3,4; "
+                          f"got {t.inject_nan_at_steps!r}") from None
     if m.name == "longformer" and d.max_length > 16384:
         raise ConfigError(f"{where('max_length')}={d.max_length} is beyond what Longformer positions support")
     if p.strategy == "deepspeed" and not p.ds:
@@ -350,8 +382,16 @@ def validate(cfg: Config) -> None:
                 raise ValueError
         except ValueError:
             raise ConfigError(f"{where('nproc')} must be 'auto' or a positive integer, got {p.nproc!r}") from None
+    if t.memory_every < 0:
+        raise ConfigError(f"{where('memory_every')} must be >= 0, got {t.memory_every}")
+    if t.inject_oom_above is not None and t.inject_oom_above < 1:
+        raise ConfigError(f"{where('inject_oom_above')} must be >= 1, got {t.inject_oom_above}")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
+    if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
+        raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
+    if c.final_model_dir is not None and Path(c.final_model_dir).is_file():
+        raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
         raise ConfigError(f"{where('resume')}: checkpoint not found: {c.resume} (use 'auto', 'none' or a path)")
     if not m.pretrained and m.name == "multimodal" and m.image_weights is None:
@@ -359,3 +399,23 @@ def validate(cfg: Config) -> None:
     if m.pretrained and d.tokenizer is None:
         # A pretrained text model needs the tokenizer it was trained with; default to its own.
         d.tokenizer = m.text_model
+    check_output_dir(c.output_dir)
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Fail now, not after the model and data are built, if the run could not write its outputs.
+    Creates nothing: an anonymous temporary file in the nearest existing folder is the probe."""
+    import tempfile
+
+    probe = Path(output_dir).absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{where('output_dir')} {output_dir}: {probe} is a file, not a folder; "
+                          f"choose another --output-dir")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{where('output_dir')} {output_dir}: cannot write in {probe} ({e.strerror}); "
+                          f"choose a writable --output-dir") from None

@@ -55,6 +55,10 @@ def adopt_launcher_env() -> None:
         # A port derived from the job id lets concurrent jobs on a shared node avoid each other.
         env.setdefault("MASTER_PORT", str(15000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
         return
+    if int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" not in env:
+        # Rank 0 of WORLD_SIZE would wait for peers that never start: a hang, not an error, otherwise.
+        raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: start one process per GPU "
+                          f"with torchrun --nproc_per_node=N (it sets both), or unset WORLD_SIZE")
     env.setdefault("RANK", "0")
     env.setdefault("WORLD_SIZE", "1")
     env.setdefault("LOCAL_RANK", "0")
@@ -142,7 +146,8 @@ def gather_rank_info(info: DistInfo) -> list[dict]:
     own = {"rank": info.rank, "host": socket.gethostname(), "local_rank": info.local_rank,
            "device": str(info.device),
            "device_name": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
-           "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+           "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+           "device_uuid": str(torch.cuda.get_device_properties(info.device).uuid) if info.device.type == "cuda" else ""}
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [own]
     table = [None] * dist.get_world_size()

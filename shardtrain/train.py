@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -16,10 +17,13 @@ import torch.nn.functional as F
 from shardtrain import checkpoint
 from shardtrain.config import Config
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
-from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, init_distributed
+from shardtrain.memory import MemoryMonitor, construction_memory, format_table
+from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
+from shardtrain.gpu_guard import check_devices
 from shardtrain.models import build_model
 from shardtrain.strategies import make_strategy
-from shardtrain.tracking import Console, MetricsLog, Throughput, library_versions, now, write_summary
+from shardtrain.banner import memory_prediction
+from shardtrain.tracking import Console, Throughput, Tracker, library_versions, now
 
 
 class StopFlag:
@@ -38,6 +42,8 @@ class StopFlag:
 def train(cfg: Config) -> dict:
     dist_info = init_distributed(cfg.parallel.device)
     console = Console(dist_info.rank, cfg.log.verbose)
+    rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
+    check_devices(rank_table, dist_info.is_rank0, console.warn)
     out = Path(cfg.checkpoint.output_dir)
     stop = StopFlag()
     t_start = now()
@@ -45,9 +51,9 @@ def train(cfg: Config) -> dict:
     # ---- strategy first: a bad DeepSpeed JSON or FSDP policy fails before any data or model work
     strategy = make_strategy(cfg, dist_info)
 
-    # ---- data
+    # ---- data: records validated before the tokenizer is trained and saved into the output dir
+    train_ds, eval_ds = build_datasets(cfg)
     tokenizer = build_tokenizer(cfg, out, dist_info.is_rank0, barrier)
-    train_ds, eval_ds = build_datasets(cfg, tokenizer)
     loaders = build_loaders(cfg, tokenizer, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
                             dist_info.device.type)
 
@@ -63,10 +69,11 @@ def train(cfg: Config) -> dict:
 
     frozen = (set(model_factory(on_meta=True).freezable_parameter_names(cfg.model.freeze_layers))
               if cfg.model.freeze_layers else set())
-    strategy.setup(model_factory, frozen)
+    with construction_memory(dist_info) as built:  # peak host RSS while the strategy materialises the model
+        strategy.setup(model_factory, frozen)
 
     # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
-    step = 0
+    step, state = 0, {}
     resume_dir = checkpoint.find_resume_dir(cfg.checkpoint.resume, out)
     if resume_dir is not None:
         state = checkpoint.read_trainer_state(resume_dir)
@@ -85,15 +92,21 @@ def train(cfg: Config) -> dict:
                 "micro_batch_size": t.per_device_batch_size, "grad_accum": t.grad_accum,
                 "global_batch_size": global_batch, "train_examples": loaders.train_size,
                 "eval_examples": loaders.eval_size, "steps_per_epoch": loaders.steps_per_epoch,
-                "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen)}
-    console.info(f"shardtrain: {run_info['strategy']} on {world} x {dist_info.device.type} | "
-                 f"batch {t.per_device_batch_size} x accum {t.grad_accum} x world {world} = {global_batch} | "
-                 f"{t.precision} | params {run_info['params_total']:,} ({run_info['params_frozen']:,} frozen)")
+                "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
+                "bad_samples_skipped": {"train": len(train_ds.skipped), "validation": len(eval_ds.skipped)},
+                "max_steps": t.max_steps, "ranks": rank_table, "strategy_settings": strategy.describe(),
+                "memory_prediction": memory_prediction(cfg, world) if dist_info.is_rank0 else {}}
+    for split, ds in (("train", train_ds), ("validation", eval_ds)):
+        if ds.skipped:
+            console.info(f"--skip-bad-samples: skipped {len(ds.skipped)} bad {split} records, "
+                         f"e.g. {ds.skipped[0]} (shardtrain check-data lists them all)")
+    # Prints the banner, opens the W&B run (continuing the checkpoint's one), starts the progress display.
+    tracker = Tracker(cfg, dist_info, console, out, step, run_info, state, model_factory)
 
     # ---- the loop
-    metrics = MetricsLog(out, dist_info.rank, resume_step=step)
     throughput = Throughput()
-    bad_steps = skipped = 0
+    mem = MemoryMonitor(strategy, dist_info, every=t.memory_every)
+    bad_steps = skipped = nonfinite_steps = overflow_steps = 0
     eval_result: dict = {}
     preempted = False
     batch = None
@@ -104,32 +117,45 @@ def train(cfg: Config) -> dict:
             console.info(f"step {step}: unfroze {len(frozen)} parameter tensors")
         t0 = now()
         loss_sum = torch.zeros((), device=dist_info.device)
+        mem.begin_step(step + 1)
         for micro in range(t.grad_accum):
             batch = to_device(loaders.train.next_batch(), dist_info.device)
             with strategy.micro_step(is_last=micro == t.grad_accum - 1):
-                logits = strategy.forward(batch)
-                loss = F.cross_entropy(logits.float(), batch["labels"])
+                with mem.forward(first_micro=micro == 0):
+                    logits = strategy.forward(batch)
+                    loss = F.cross_entropy(logits.float(), batch["labels"])
+                if micro == 0 and step + 1 in t.inject_nan_at_steps and dist_info.rank == world - 1:
+                    loss = loss * float("nan")  # test-only fault (train.inject_nan_at_steps): one rank only
                 strategy.backward(loss)
             loss_sum += loss.detach()
+        mem.mark("after_backward")
 
         # The one collective (and host sync) per optimizer step: the mean loss over ranks, which also
         # tells every rank whether any rank saw a non-finite loss or a preemption signal.
-        totals = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(float(stop.raised),
-                                             dtype=torch.float64, device=dist_info.device)]),
+        # Each rank also sets its own slot if its loss was non-finite, so the warning can name the ranks.
+        own_bad = torch.zeros(world, dtype=torch.float64, device=dist_info.device)
+        own_bad[dist_info.rank] = (~torch.isfinite(loss_sum)).double()
+        totals = all_reduce_sum(torch.cat([torch.stack([loss_sum.double(), torch.tensor(
+                                    float(stop.raised), dtype=torch.float64, device=dist_info.device)]), own_bad]),
                                 dist_info.device).tolist()
         loss_mean = totals[0] / (t.grad_accum * world)
         finite = bool(torch.isfinite(torch.tensor(loss_mean)))
         result = strategy.step(skip=not finite)
         grad_norm = float(result.grad_norm)
         step += 1
+        mem_table = mem.end_step(step)  # on a few steps only: a tensor walk and a gather to rank 0
 
         if not result.applied:
             skipped += 1
             bad = not result.overflow  # fp16 overflow skips are the scaler's normal business
             bad_steps = bad_steps + 1 if bad else 0
-            if bad:
-                console.warn(f"step {step}: non-finite loss/grad norm (loss {loss_mean}, grad norm {grad_norm}); "
-                             f"update skipped ({bad_steps} in a row)")
+            nonfinite_steps += bad
+            overflow_steps += not bad
+            if bad and dist_info.is_rank0:
+                ranks = [r for r, v in enumerate(totals[2:]) if v > 0]
+                what = f"loss on rank {', '.join(map(str, ranks))}" if ranks else "grad norm"
+                console.warn(f"step {step}: non-finite {what} (loss {loss_mean}, grad norm {grad_norm}); "
+                             f"update skipped on every rank ({bad_steps} in a row, {nonfinite_steps} in all)")
             if bad and (t.nan_policy == "abort" or bad_steps >= t.max_bad_steps):
                 raise FloatingPointError(f"{bad_steps} consecutive non-finite steps at step {step} "
                                          f"(--nan-policy {t.nan_policy}, --max-bad-steps {t.max_bad_steps})")
@@ -140,19 +166,22 @@ def train(cfg: Config) -> dict:
         throughput.add(global_batch, seconds)
         record = {"step": step, "loss": loss_mean, "lr": strategy.optimizer.param_groups[0]["lr"],
                   "grad_norm": grad_norm, "samples_per_sec": global_batch / seconds,
-                  "step_seconds": seconds, "skipped_steps": skipped, "epoch": loaders.train.state_dict()["epoch"]}
-        metrics.write(record)
-        if step % t.log_every == 0 or step == t.max_steps:
-            console.info(f"step {step}/{t.max_steps} | loss {loss_mean:.4f} | lr {record['lr']:.2e} | "
-                         f"grad norm {grad_norm:.3f} | {record['samples_per_sec']:.1f} samples/s")
+                  "step_seconds": seconds, "skipped_steps": skipped, "nonfinite_steps": nonfinite_steps,
+                  "overflow_steps": overflow_steps, "epoch": loaders.train.state_dict()["epoch"],
+                  # Wall clock at the same point of every step: lets tools (benchmarks/overhead.py) time the
+                  # whole loop period, logging and metrics writes included, which step_seconds leaves out.
+                  "wall_time": time.time()}
+        if mem_table is not None:
+            record["mem"] = mem_table
+        tracker.step(record, batch)  # metrics.jsonl, progress bar / log line, W&B
 
         if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
             eval_result = evaluate(strategy, loaders, cfg, dist_info, batch)
-            console.info(f"step {step} eval | accuracy {eval_result['accuracy']:.4f} | "
-                         f"macro-F1 {eval_result['macro_f1']:.4f}")
+            tracker.evaluated(step, eval_result)
         preempted = totals[1] > 0
         if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or preempted:
-            path = checkpoint.save_checkpoint(strategy, trainer_state(step, loaders, cfg),
+            path = checkpoint.save_checkpoint(strategy, {**trainer_state(step, loaders, cfg),
+                                                         **tracker.checkpoint_state()},
                                               out, cfg.checkpoint.keep_last)
             console.info(f"step {step}: saved {path}")
         if preempted:
@@ -162,15 +191,16 @@ def train(cfg: Config) -> dict:
     # ---- the end: evaluate, summarise
     if not preempted:
         eval_result = evaluate(strategy, loaders, cfg, dist_info, batch)
-        console.info(f"eval | accuracy {eval_result['accuracy']:.4f} | macro-F1 {eval_result['macro_f1']:.4f} | "
-                     f"{eval_result['n_examples']} examples")
-    summary = {**run_info, "train_loss": metrics.losses() if dist_info.is_rank0 else [],
+        tracker.evaluated(step, eval_result, final=True)
+    summary = {**run_info, "train_loss": tracker.metrics.losses() if dist_info.is_rank0 else [],
                "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
                "wall_seconds": now() - t_start, "final_step": step, "skipped_steps": skipped,
-               "preempted": preempted, "versions": library_versions(), "config": cfg.to_dict()}
-    metrics.close()
-    if dist_info.is_rank0:
-        write_summary(out, summary)
+               "nonfinite_steps": nonfinite_steps, "overflow_steps": overflow_steps,
+               "preempted": preempted, "versions": library_versions(), "config": cfg.to_dict(),
+               "memory": {**mem.summary(), "construction": built.per_rank}}
+    if mem.last:
+        console.info(format_table(mem.last, mem.last_step))
+    tracker.finish(summary)  # summary.json (with `run`), W&B summary, report.html
     return summary
 
 

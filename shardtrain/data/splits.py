@@ -79,7 +79,8 @@ def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlData
     out = []
     for split, limit, flag in (("train", cfg.data.max_train_samples, "max_train_samples"),
                                ("validation", cfg.data.max_eval_samples, "max_eval_samples")):
-        path = split_path(cfg.data.data_dir, split)
+        folder = cfg.data.eval_data_dir if split == "validation" and cfg.data.eval_data_dir else cfg.data.data_dir
+        path = split_path(folder, split)
         records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit)
         if not records:
             why = f" ({len(skipped)} bad records skipped)" if skipped else ""
