@@ -1,0 +1,100 @@
+"""What the hand-written and Accelerate contenders share with shardtrain: the config, the data and the model,
+so that in benchmarks/overhead.py only the training loop differs.
+
+Every contender (shardtrain included, through metrics.jsonl's `wall_time`) stamps the wall clock once per
+optimizer step, at the same point: after the step's host sync. overhead.py derives steady-state samples/s
+from those stamps alone, so loader time, logging and per-step bookkeeping all count, for everyone alike.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from shardtrain.config import Config, parse_cli  # noqa: E402
+from shardtrain.data import build_datasets, build_tokenizer  # noqa: E402
+from shardtrain.data.splits import make_collator  # noqa: E402
+from shardtrain.models import build_model  # noqa: E402
+
+
+def load_config(argv: list[str]) -> Config:
+    """The same flags and YAML shardtrain reads (--config, --data-dir, --output-dir, ...)."""
+    return parse_cli(argv)
+
+
+def data_and_model(cfg: Config, rank: int, world: int, barrier, shard: bool = True
+                   ) -> tuple[DataLoader, torch.nn.Module]:
+    """A plain DataLoader + DistributedSampler over shardtrain's dataset and collator (what users write),
+    and the model built exactly as shardtrain builds it (same seed, so the same initial weights).
+    shard=False: an unsharded shuffling loader, for frameworks that shard it themselves (Accelerate)."""
+    out = Path(cfg.checkpoint.output_dir)
+    tok = build_tokenizer(cfg, out, rank == 0, barrier)
+    train_ds, _ = build_datasets(cfg, tok)
+    sampler = (DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.train.seed,
+                                  drop_last=True) if shard else
+               torch.utils.data.RandomSampler(train_ds, generator=torch.Generator().manual_seed(cfg.train.seed)))
+    w = cfg.data.num_workers
+    loader = DataLoader(train_ds, batch_size=cfg.train.per_device_batch_size, sampler=sampler, drop_last=True,
+                        collate_fn=make_collator(cfg, tok), num_workers=w, persistent_workers=w > 0,
+                        pin_memory=cfg.data.pin_memory and torch.cuda.is_available())
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, cfg.data, None if cfg.model.pretrained else len(tok))
+    return loader, model
+
+
+def warmup_linear(cfg: Config):
+    t = cfg.train
+    return lambda s: (s + 1) / (t.warmup_steps + 1) if s < t.warmup_steps else \
+        max(0.0, 1 - (s - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+
+
+def batches(loader: DataLoader):
+    """Endless epochs, reshuffled each one."""
+    epoch = 0
+    while True:
+        if isinstance(loader.sampler, DistributedSampler):
+            loader.sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+class StepLog:
+    """Rank 0 appends {"step", "loss", "wall_time"} per step to OUT/metrics.jsonl (the loss is read, which
+    syncs, only every log_every steps: the way a careful hand-written loop logs)."""
+
+    def __init__(self, cfg: Config, rank: int):
+        self.rank, self.every = rank, cfg.train.log_every
+        out = Path(cfg.checkpoint.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.file = open(out / "metrics.jsonl", "w") if rank == 0 else None
+
+    def step(self, step: int, loss: torch.Tensor) -> None:
+        if self.file is None:
+            return
+        record = {"step": step, "wall_time": time.time()}
+        if step % self.every == 0:
+            record["loss"] = loss.item()
+            print(f"step {step} loss {record['loss']:.4f}", flush=True)
+        self.file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+def finish() -> None:
+    """Same exit as shardtrain (distributed.teardown_and_exit): barrier, destroy, os._exit, no gloo abort."""
+    from shardtrain.distributed import teardown_and_exit
+    teardown_and_exit(0)
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
