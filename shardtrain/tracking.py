@@ -1,6 +1,8 @@
-"""What a run tells people: rank-0 console lines, metrics.jsonl, summary.json.
+"""What a run tells people: rank-0 console lines and progress, metrics.jsonl, eval.jsonl, summary.json,
+the W&B run and the end-of-run report.
 
-Only rank 0 writes; other ranks print warnings and errors, prefixed with their rank.
+Only rank 0 writes; other ranks print warnings and errors, prefixed with their rank. The loop talks to
+one `Tracker`: `step()` once per optimizer step, `evaluated()` after an eval, `finish()` at the end.
 """
 from __future__ import annotations
 
@@ -14,9 +16,16 @@ class Console:
     def __init__(self, rank: int, verbose: bool = False):
         self.rank = rank
         self.verbose = verbose
+        self.progress = None  # while a progress bar is up, lines go above it instead of through it
+        from shardtrain.chatter import quiet_libraries
+        quiet_libraries(verbose)
 
     def info(self, msg: str) -> None:
-        if self.rank == 0:
+        if self.rank != 0:
+            return
+        if self.progress is not None:
+            self.progress.write(msg)
+        else:
             print(msg, flush=True)
 
     def warn(self, msg: str) -> None:
@@ -27,13 +36,12 @@ class Console:
 class MetricsLog:
     """One JSON line per optimizer step, appended so a resumed run continues the same file."""
 
-    def __init__(self, output_dir: Path, rank: int, resume_step: int):
+    def __init__(self, output_dir: Path, rank: int, resume_step: int, name: str = "metrics.jsonl"):
         self.enabled = rank == 0
-        self.path = output_dir / "metrics.jsonl"
+        self.path = output_dir / name
+        self.resume_step, self.file = resume_step, None
         if self.enabled:
             output_dir.mkdir(parents=True, exist_ok=True)
-            self._truncate_after(resume_step)
-            self.file = open(self.path, "a")
 
     def _truncate_after(self, step: int) -> None:
         # Steps after the checkpoint we resume from were never committed: they will be redone.
@@ -45,6 +53,11 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         if self.enabled:
+            if self.file is None:
+                # Truncated at the first record, not at start-up: a run that fails before its first step
+                # leaves the previous run's lines as they were.
+                self._truncate_after(self.resume_step)
+                self.file = open(self.path, "a")
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
@@ -54,7 +67,7 @@ class MetricsLog:
         return [json.loads(line)["loss"] for line in self.path.read_text().splitlines() if line.strip()]
 
     def close(self) -> None:
-        if self.enabled:
+        if self.enabled and self.file is not None:
             self.file.close()
 
 
@@ -110,3 +123,103 @@ def _own_version() -> str:
 
 def now() -> float:
     return time.perf_counter()
+
+
+class Tracker:
+    """Everything the loop reports, behind three calls. Rank 0 does the work; other ranks only count."""
+
+    def __init__(self, cfg, dist_info, console: Console, output_dir: Path, resume_step: int, run_info: dict,
+                 resume_state: dict | None = None, model_factory=None):
+        from shardtrain.banner import format_banner
+        from shardtrain.progress import Progress
+        from shardtrain.wandb_run import WandbRun
+
+        self.cfg, self.dist, self.console, self.out = cfg, dist_info, console, output_dir
+        self.rank0 = dist_info.is_rank0
+        self.run_info = run_info
+        self.model_factory = model_factory
+        self.flops_per_sample: float | None = None
+        self.peak_flops: float | None = None
+        self.metrics = MetricsLog(output_dir, dist_info.rank, resume_step)
+        self.evals = MetricsLog(output_dir, dist_info.rank, resume_step, name="eval.jsonl")
+        console.info(format_banner(run_info))
+        wandb_config = {"config": cfg.to_dict(), "run": run_info, "versions": library_versions()}
+        log = cfg.log
+        self.wandb = WandbRun(log.report_to == "wandb" and self.rank0, console.warn, output_dir,
+                              (resume_state or {}).get("wandb_run_id"), wandb_config, project=log.wandb_project,
+                              entity=log.wandb_entity, name=log.wandb_run_name, quiet=not log.verbose)
+        self.progress = None
+        if self.rank0:
+            self.progress = Progress(cfg.train.max_steps, resume_step, cfg.train.log_every)
+            console.progress = self.progress
+
+    def checkpoint_state(self) -> dict:
+        """Merged into the checkpoint's trainer_state: a resumed job continues the same W&B run."""
+        return {"wandb_run_id": self.wandb.run_id}
+
+    def step(self, record: dict, batch: dict) -> None:
+        """Once per optimizer step, after the step's one host sync: only host arithmetic and rank-0 I/O."""
+        if not self.rank0:
+            return
+        from shardtrain.progress import peak_memory_gb
+
+        t = self.cfg.train
+        if "input_ids" in batch:
+            # Padded tokens, from shapes alone (no sync); ranks see equally shaped micro-batches.
+            tokens = batch["input_ids"].numel() * t.grad_accum * self.dist.world_size
+            record["tokens_per_sec"] = tokens / record["step_seconds"]
+        mfu = self._mfu(record, batch)
+        if mfu is not None:
+            record["mfu"] = mfu
+        self.metrics.write(record)
+        self.progress.update(record, peak_memory_gb(self.dist.device))
+        self.wandb.log(record["step"], self._wandb_values(record))
+
+    def evaluated(self, step: int, result: dict, final: bool = False) -> None:
+        if not self.rank0:
+            return
+        where = "eval" if final else f"step {step} eval"
+        self.console.info(f"{where} | accuracy {result['accuracy']:.4f} | macro-F1 {result['macro_f1']:.4f} | "
+                          f"{result['n_examples']} examples")
+        self.evals.write({"step": step, "final": final, **result})
+        self.wandb.log(step, {"eval/accuracy": result["accuracy"], "eval/macro_f1": result["macro_f1"]})
+
+    def finish(self, summary: dict) -> None:
+        """Close the bar, write summary.json (with `run`), close W&B, write the report. Rank 0 only."""
+        self.metrics.close()
+        self.evals.close()
+        if not self.rank0:
+            return
+        self.progress.close()
+        self.console.progress = None
+        summary["run"] = self.run_info
+        write_summary(self.out, summary)
+        self.wandb.finish({"final_loss": (summary.get("train_loss") or [None])[-1],
+                           **{f"eval/{k}": v for k, v in (summary.get("eval") or {}).items()},
+                           "samples_per_sec": summary.get("samples_per_sec")})
+        if self.cfg.log.report:
+            try:
+                from shardtrain.report import write_report
+                path = write_report(self.out)
+                self.console.info(f"report: {path}")
+            except Exception as e:  # noqa: BLE001 - the run is done and saved; a plot must not fail it
+                self.console.warn(f"report not written ({type(e).__name__}: {e}); "
+                                  f"retry with: shardtrain report {self.out}")
+
+    def _mfu(self, record: dict, batch: dict) -> float | None:
+        if self.dist.device.type != "cuda" or self.model_factory is None:
+            return None
+        from shardtrain import flops
+
+        if self.flops_per_sample is None:  # counted once, on the first step's batch shapes
+            import torch
+            self.peak_flops = flops.peak_flops(torch.cuda.get_device_name(self.dist.device),
+                                               self.cfg.train.precision)
+            self.flops_per_sample = flops.train_flops_per_sample(self.model_factory, batch,
+                                                                 self.run_info["params_trainable"])
+        return flops.mfu(self.flops_per_sample, record["samples_per_sec"], self.dist.world_size, self.peak_flops)
+
+    @staticmethod
+    def _wandb_values(record: dict) -> dict:
+        from shardtrain.wandb_run import wandb_values
+        return wandb_values(record)

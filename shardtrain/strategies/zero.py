@@ -103,7 +103,65 @@ class ZeroStrategy(Strategy):
 
     def describe(self):
         return {"strategy": self.name, "offload": self.offload, **self.info,
-                "recompute_blocks": self.recompute_count}
+                "recompute_blocks": self.recompute_count, "ds_config": self.ds_config}
+
+    def memory_tensors(self):
+        opt = self.engine.optimizer
+        for p in self._inner.parameters():
+            yield "params", getattr(p, "ds_tensor", None)  # ZeRO-3: this rank's partition
+            # ZeRO-2: a view of the flat fp32/16-bit buffer; ZeRO-3: empty unless gathered or persistent
+            # (stage3_param_persistence_threshold keeps small parameters whole on every rank).
+            yield "params", p.data
+        for b in self._inner.buffers():
+            yield "buffers", b
+        # fp32 master partitions (ZeRO-3 reuses the parameter partition itself when it is already fp32:
+        # the storage was counted above) and the gradient partitions the optimizer steps on.
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            for t in getattr(opt, name, None) or []:
+                yield "optimizer", t
+                yield "grads", t.grad
+        for name in ("grads_in_partition", "grad_partitions_flat_buffer"):
+            yield "grads", getattr(opt, name, None)
+        yield from (("grads", t) for t in _tensors(getattr(opt, "averaged_gradients", None)))
+        for bucket in (getattr(opt, "ipg_buckets", None) or {}).values():
+            yield from (("comm", t) for t in _tensors(getattr(bucket, "buffer", None)))
+        for state in opt.optimizer.state.values():
+            for v in state.values():
+                yield "optimizer", v
+
+    def set_batch_geometry(self, micro_batch_size, grad_accum):
+        super().set_batch_geometry(micro_batch_size, grad_accum)
+        engine = self.engine
+        engine.set_train_micro_batch_size(micro_batch_size)
+        engine.set_train_batch_size(micro_batch_size * grad_accum * self.dist.world_size)
+        # The engine finds the accumulation boundary from micro_steps % gas: restart the count at a boundary.
+        engine.micro_steps = engine.global_steps * grad_accum
+
+    def discard_gradients(self):
+        engine, opt = self.engine, self.engine.optimizer
+        engine.zero_grad()
+        # Reduced partitions of the abandoned step: the next boundary rebuilds them from fresh gradients.
+        if isinstance(getattr(opt, "averaged_gradients", None), (list, dict)):
+            keys = range(len(opt.averaged_gradients)) if isinstance(opt.averaged_gradients, list) \
+                else list(opt.averaged_gradients)
+            for k in keys:
+                opt.averaged_gradients[k] = None
+        if getattr(opt, "grad_partitions_flat_buffer", None) is not None:
+            opt.grad_partitions_flat_buffer.zero_()
+        if hasattr(opt, "grads_in_partition_offset"):
+            opt.grads_in_partition_offset = 0
+
+
+def _tensors(obj):
+    """Tensors inside DeepSpeed's nested lists/dicts of gradient partitions."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 def _copy_from_rank0(model: nn.Module, source: nn.Module | None, rank0: bool, deepspeed) -> None:

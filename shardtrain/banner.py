@@ -1,0 +1,63 @@
+"""The startup banner: what is about to run, on which devices, at what batch size and memory.
+
+Built once on rank 0 from the run-info dict train.py assembles (the same dict goes into
+summary.json under `run`), so the log and the summary never disagree.
+"""
+from __future__ import annotations
+
+import json
+
+
+def memory_prediction(cfg, world_size: int) -> dict:
+    """The `plan` prediction for this run's strategy, if the planner offers one.
+
+    The planner is optional here: the banner reports why there is no prediction instead of failing.
+    Contract: shardtrain.planner.predict_run(cfg, world_size) -> dict of per-rank GiB figures."""
+    try:
+        from shardtrain import planner
+    except ImportError:
+        return {"note": "no prediction: shardtrain.planner is not available in this build"}
+    predict = getattr(planner, "predict_run", None)
+    if predict is None:
+        return {"note": "no prediction: shardtrain.planner has no predict_run(cfg, world_size)"}
+    try:
+        return dict(predict(cfg, world_size))
+    except Exception as e:  # noqa: BLE001 - a prediction is advice; it must not stop a run
+        return {"note": f"no prediction: planner failed ({type(e).__name__}: {str(e)[:120]})"}
+
+
+def _strategy_lines(info: dict) -> list[str]:
+    skip = {"strategy", "ds_config"}
+    settings = ", ".join(f"{k}={v}" for k, v in info.get("strategy_settings", {}).items() if k not in skip)
+    lines = [f"  strategy    {info['strategy']} ({settings})" if settings else f"  strategy    {info['strategy']}"]
+    ds = info.get("strategy_settings", {}).get("ds_config")
+    if ds:
+        lines.append("  ds config   " + json.dumps(ds, sort_keys=True, default=str))
+    return lines
+
+
+def format_banner(info: dict) -> str:
+    ranks = info.get("ranks", [])
+    lines = ["=" * 78, f"shardtrain run: {info['strategy']} on {info['world_size']} process(es)"]
+    lines.append("  rank  host                      local  device       name")
+    for r in ranks:
+        lines.append(f"  {r['rank']:>4}  {r['host'][:24]:<24}  {r['local_rank']:>5}  {r['device']:<11}  "
+                     f"{r.get('device_name', '')}")
+    lines += _strategy_lines(info)
+    lines.append(f"  precision   {info['precision']} | activation checkpointing "
+                 f"{'on' if info['activation_checkpointing'] else 'off'}"
+                 f" ({info.get('strategy_settings', {}).get('recompute_blocks', 0)} blocks)")
+    lines.append(f"  params      {info['params_total']:,} total | {info['params_trainable']:,} trainable | "
+                 f"{info['params_frozen']:,} frozen")
+    lines.append(f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
+                 f"{info['world_size']} = global {info['global_batch_size']}")
+    lines.append(f"  data        {info['train_examples']:,} train | {info['eval_examples']:,} eval | "
+                 f"{info['steps_per_epoch']:,} steps/epoch | {info.get('max_steps', '?')} steps")
+    mem = info.get("memory_prediction") or {}
+    if "note" in mem and len(mem) == 1:
+        lines.append(f"  memory      {mem['note']}")
+    else:
+        lines.append("  memory      predicted per rank: " +
+                     ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in mem.items()))
+    lines.append("=" * 78)
+    return "\n".join(lines)

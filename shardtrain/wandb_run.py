@@ -1,0 +1,93 @@
+"""The Weights & Biases run of a job: opened by rank 0 only, continued after a resume.
+
+The run id travels in the checkpoint's trainer_state, so a resumed or requeued job logs into the
+same run (resume="allow"). W&B is an observer: its absence or any failure inside it is one warning
+and training goes on.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+
+# Logged against this axis (define_metric) rather than W&B's own step: after a resume the steps
+# between the checkpoint and the crash are logged again, which W&B's monotonic step would drop.
+STEP_METRIC = "train/step"
+METRIC_GROUPS = ("train/*", "perf/*", "mem/*", "eval/*")
+
+
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+class WandbRun:
+    def __init__(self, enabled: bool, warn, output_dir, run_id: str | None, config: dict,
+                 project: str | None = None, entity: str | None = None, name: str | None = None,
+                 quiet: bool = True):
+        self.warn = warn
+        self.run = None
+        self.run_id = run_id or new_run_id()
+        if not enabled:
+            return
+        try:
+            import wandb
+        except ImportError:
+            warn("--report-to wandb: the wandb package is not installed (pip install wandb); continuing without W&B")
+            return
+        try:
+            os.makedirs(output_dir, exist_ok=True)
+            # console="off": W&B would otherwise wrap our stdout to upload it; stats are off because
+            # the sampler thread competes with data loading for CPU.
+            settings = wandb.Settings(console="off", quiet=quiet, silent=quiet, x_disable_stats=True)
+            self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "shardtrain",
+                                  entity=entity, name=name, id=self.run_id, resume="allow", dir=str(output_dir),
+                                  config=config, settings=settings)
+            self.run.define_metric(STEP_METRIC)
+            for group in METRIC_GROUPS:
+                self.run.define_metric(group, step_metric=STEP_METRIC)
+        except Exception as e:  # noqa: BLE001 - W&B must never take training down
+            self._fail("init", e)
+
+    @property
+    def active(self) -> bool:
+        return self.run is not None
+
+    def log(self, step: int, values: dict) -> None:
+        if self.run is None:
+            return
+        try:
+            self.run.log({STEP_METRIC: step, **values})
+        except Exception as e:  # noqa: BLE001
+            self._fail("log", e)
+
+    def finish(self, summary: dict) -> None:
+        if self.run is None:
+            return
+        try:
+            for key, value in summary.items():
+                self.run.summary[key] = value
+            self.run.finish()
+        except Exception as e:  # noqa: BLE001
+            self._fail("finish", e)
+        self.run = None
+
+    def _fail(self, what: str, e: Exception) -> None:
+        first = (str(e).splitlines() or [""])[0][:200]
+        self.warn(f"W&B {what} failed ({type(e).__name__}: {first}); continuing without W&B")
+        if self.run is not None:
+            try:
+                self.run.finish(exit_code=1)
+            except Exception:  # noqa: BLE001
+                pass
+        self.run = None
+
+
+def wandb_values(record: dict) -> dict:
+    """metrics.jsonl record -> W&B names grouped for dashboards."""
+    names = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+             "skipped_steps": "train/skipped_steps", "samples_per_sec": "perf/samples_per_sec",
+             "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "step_seconds": "perf/step_seconds"}
+    values = {names[k]: v for k, v in record.items() if k in names and v is not None}
+    # The memory monitor's {rank: {key: bytes}} on measured steps -> mem/rank{r}/{key} in MiB.
+    for rank, rec in (record.get("mem") or {}).items():
+        values.update({f"mem/rank{rank}/{k}": v / 2**20 for k, v in rec.items() if isinstance(v, (int, float))})
+    return values
