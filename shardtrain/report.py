@@ -1,0 +1,155 @@
+"""`shardtrain report OUT` and `shardtrain compare OUT1 OUT2 ...`: HTML + PNG from run directories.
+
+Both read only what a run wrote (metrics.jsonl, eval.jsonl, summary.json), so they work on runs from
+another machine and on runs that were killed part-way.
+"""
+from __future__ import annotations
+
+import argparse
+import html
+from pathlib import Path
+
+from shardtrain.runlog import MEMORY_PARTS, MIB, RunLog, load_run
+
+COLUMNS = ("run", "strategy", "world", "memory/rank MiB", "samples/s", "final loss", "accuracy", "macro-F1")
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_rows(runs: list[RunLog]) -> list[list[str]]:
+    rows = []
+    for run in runs:
+        info = run.summary.get("run") or run.summary
+        ev = run.eval_result
+        rows.append([run.label, run.strategy, str(info.get("world_size", "-")),
+                     _fmt(run.memory_per_rank_mib(), ".1f"), _fmt(run.samples_per_sec, ".1f"),
+                     _fmt(run.final_loss, ".4f"), _fmt(ev.get("accuracy"), ".4f"), _fmt(ev.get("macro_f1"), ".4f")])
+    return rows
+
+
+def text_table(rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
+    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
+                                   for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def verdict(runs: list[RunLog]) -> list[str]:
+    """The answer to "which strategy should I use?" from what was measured: fastest, and leanest per rank."""
+    lines = []
+    timed = [r for r in runs if r.samples_per_sec]
+    if timed:
+        best = max(timed, key=lambda r: r.samples_per_sec)
+        lines.append(f"fastest: {best.label} ({best.strategy}, {best.samples_per_sec:.1f} samples/s)")
+    sized = [r for r in runs if r.memory_per_rank_mib() is not None]
+    if sized:
+        lean = min(sized, key=lambda r: r.memory_per_rank_mib())
+        lines.append(f"least memory per rank: {lean.label} ({lean.strategy}, {lean.memory_per_rank_mib():.1f} MiB)")
+    losses = [r.final_loss for r in runs if r.final_loss is not None]
+    if len(losses) > 1:
+        lines.append(f"final losses differ by at most {max(losses) - min(losses):.2e} "
+                     f"(use `shardtrain parity` for a step-by-step check)")
+    return lines
+
+
+def _html_table(header, rows) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}"
+         "td,th{border:1px solid #bbb;padding:4px 8px;text-align:right}th{background:#eee}"
+         "img{max-width:100%;border:1px solid #ddd;margin:6px 0}</style>")
+
+
+def _figures(runs: list[RunLog], out: Path) -> list[Path]:
+    from shardtrain import plots
+    return [plots.curves(runs, out / "curves.png"), plots.throughput(runs, out / "throughput.png"),
+            plots.memory(runs, out / "memory.png")]
+
+
+def _memory_rows(run: RunLog) -> list[list[str]]:
+    return [[r, *(f"{run.memory[r].get(k, 0) / MIB:.2f}" for k in MEMORY_PARTS)]
+            for r in sorted(run.memory, key=int)]
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    run = load_run(run_dir)
+    out = Path(out) if out else run.path
+    out.mkdir(parents=True, exist_ok=True)
+    figures = _figures([run], out)
+    info = run.summary.get("run") or {}
+    settings = {k: v for k, v in info.items() if k not in ("ranks", "strategy_settings", "ds_config")}
+    parts = [f"<h1>shardtrain run: {html.escape(run.label)}</h1>", _html_table(COLUMNS, table_rows([run]))]
+    if info.get("ranks"):
+        parts += ["<h2>ranks</h2>", _html_table(["rank", "host", "local rank", "device", "name"],
+                  [[r["rank"], r["host"], r["local_rank"], r["device"], r.get("device_name", "")]
+                   for r in info["ranks"]])]
+    parts += ["<h2>run</h2>", _html_table(["setting", "value"], [[k, v] for k, v in settings.items()])]
+    parts.append("<h2>memory per rank (MiB)</h2>")
+    parts.append(_html_table(["rank", *MEMORY_PARTS], _memory_rows(run)) if run.memory
+                 else "<p>no memory records in this run</p>")
+    parts += ["<h2>plots</h2>", *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures)]
+    path = out / "report.html"
+    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>shardtrain report</title>{STYLE}"
+                    f"</head><body>{''.join(parts)}</body></html>\n")
+    return path
+
+
+def write_compare(run_dirs: list[str], out: str | Path) -> tuple[Path, str]:
+    runs = [load_run(d) for d in run_dirs]
+    labels = [r.label for r in runs]
+    for run in runs:  # runs/a/out and runs/b/out would both be called "out"
+        if labels.count(run.path.name) > 1:
+            run.alias = f"{run.path.parent.name}/{run.path.name}"
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = table_rows(runs)
+    text = text_table(rows) + "\n\n" + "\n".join(verdict(runs))
+    figures = _figures(runs, out)
+    parts = ["<h1>shardtrain: strategy comparison</h1>", _html_table(COLUMNS, rows),
+             "<ul>" + "".join(f"<li>{html.escape(v)}</li>" for v in verdict(runs)) + "</ul>",
+             *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures)]
+    path = out / "compare.html"
+    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>shardtrain compare</title>{STYLE}"
+                    f"</head><body>{''.join(parts)}</body></html>\n")
+    return path, text
+
+
+def main(argv: list[str]) -> int:
+    from shardtrain.cli import run_guarded
+
+    parser = argparse.ArgumentParser(prog="shardtrain report", description="OUT/report.html with plots")
+    parser.add_argument("run_dir", help="a training run's --output-dir")
+    parser.add_argument("--out", help="where to write (default: the run directory)")
+    parser.add_argument("--debug", action="store_true")
+    args = parser.parse_args(argv)
+
+    def run(_):
+        path = write_report(args.run_dir, args.out)
+        print(f"wrote {path}")
+        return 0
+
+    return run_guarded(run, argv)
+
+
+def compare_main(argv: list[str]) -> int:
+    from shardtrain.cli import run_guarded
+
+    parser = argparse.ArgumentParser(prog="shardtrain compare",
+                                     description="several runs in one table and plot: which strategy to use")
+    parser.add_argument("run_dirs", nargs="+", help="training runs' --output-dir")
+    parser.add_argument("--out", default="compare", help="folder for compare.html and its PNGs")
+    parser.add_argument("--debug", action="store_true")
+    args = parser.parse_args(argv)
+
+    def run(_):
+        path, text = write_compare(args.run_dirs, args.out)
+        print(text)
+        print(f"wrote {path}")
+        return 0
+
+    return run_guarded(run, argv)
