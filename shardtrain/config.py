@@ -40,6 +40,10 @@ class ModelConfig:
     freeze_layers: int = 0
     unfreeze_at_step: Optional[int] = None
     attention_window: int = 512
+    # Channels-last memory layout for the CNN and its input: faster convolutions on tensor cores.
+    channels_last: bool = False
+    # The HF text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls.
+    attention: Literal["sdpa", "eager"] = "sdpa"
 
 
 @dataclass
@@ -83,6 +87,11 @@ class TrainConfig:
     inject_oom_above: Optional[int] = None
     # Walk every tensor each rank holds (memory accounting) on steps 1, 2 and every this many steps; 0: only 1, 2.
     memory_every: int = 100
+    # torch.compile backend for the model; none = eager mode. "inductor" generates fused kernels (the GPU
+    # choice); "aot_eager" / "eager" only trace, which tests use to exercise the path cheaply on CPU.
+    compile: Literal["none", "inductor", "aot_eager", "eager"] = "none"
+    # Fused AdamW kernels on CUDA (one launch for all parameters); CPU always uses the foreach implementation.
+    fused_adamw: bool = True
     # Test-only fault injection: the last rank's loss becomes NaN at these optimizer steps (1-based),
     # e.g. `--inject-nan-at-steps 3,4`. Exercises --nan-policy and the ranks' agreement to skip.
     inject_nan_at_steps: list = field(default_factory=list)
@@ -384,6 +393,12 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{where('nproc')} must be 'auto' or a positive integer, got {p.nproc!r}") from None
     if t.memory_every < 0:
         raise ConfigError(f"{where('memory_every')} must be >= 0, got {t.memory_every}")
+    if t.compile != "none" and p.strategy == "deepspeed":
+        raise ConfigError(f"{where('compile')}={t.compile} is wired up for --strategy ddp and fsdp only, "
+                          f"not DeepSpeed; drop --compile or use ddp/fsdp")
+    if m.attention != "sdpa" and m.name == "longformer":
+        raise ConfigError(f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
+                          f"the setting applies to the multimodal model's RoBERTa only")
     if t.inject_oom_above is not None and t.inject_oom_above < 1:
         raise ConfigError(f"{where('inject_oom_above')} must be >= 1, got {t.inject_oom_above}")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:

@@ -14,13 +14,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardtrain import checkpoint
+from shardtrain import checkpoint, faults
 from shardtrain.config import Config
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
 from shardtrain.memory import MemoryMonitor, construction_memory, format_table
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.gpu_guard import check_devices
 from shardtrain.models import build_model
+from shardtrain.preemption import requeue_if_slurm
 from shardtrain.strategies import make_strategy
 from shardtrain.banner import memory_prediction
 from shardtrain.tracking import Console, Throughput, Tracker, library_versions, now
@@ -77,11 +78,15 @@ def train(cfg: Config) -> dict:
     resume_dir = checkpoint.find_resume_dir(cfg.checkpoint.resume, out)
     if resume_dir is not None:
         state = checkpoint.read_trainer_state(resume_dir)
-        strategy.load(resume_dir)
+        strategy.load(resume_dir, state)  # a foreign strategy's checkpoint goes through the portable form
         loaders.train.load_state_dict(state["data"])
         checkpoint.load_rng(resume_dir / "rng", dist_info.rank)
         step = state["step"]
         console.info(f"resumed from {resume_dir} at step {step}")
+    # Nothing new to save at the resume step when it is already a checkpoint of this output dir.
+    last_saved = (step if resume_dir is not None and
+                  resume_dir.parent.resolve() == checkpoint.checkpoints_root(out).resolve() else None)
+    save_seconds: list[float] = []
     unfreeze_at = cfg.model.unfreeze_at_step
     if frozen and unfreeze_at is not None and step >= unfreeze_at:
         strategy.set_frozen(frozen, False)
@@ -129,6 +134,7 @@ def train(cfg: Config) -> dict:
                 strategy.backward(loss)
             loss_sum += loss.detach()
         mem.mark("after_backward")
+        faults.maybe_kill("step", step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT); a no-op otherwise
 
         # The one collective (and host sync) per optimizer step: the mean loss over ranks, which also
         # tells every rank whether any rank saw a non-finite loss or a preemption signal.
@@ -180,13 +186,15 @@ def train(cfg: Config) -> dict:
             tracker.evaluated(step, eval_result)
         preempted = totals[1] > 0
         if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or preempted:
-            path = checkpoint.save_checkpoint(strategy, {**trainer_state(step, loaders, cfg),
-                                                         **tracker.checkpoint_state()},
-                                              out, cfg.checkpoint.keep_last)
-            console.info(f"step {step}: saved {path}")
+            last_saved = save(strategy, step, loaders, cfg, tracker, out, save_seconds, console)
         if preempted:
             console.info(f"step {step}: stopping on a preemption signal; resume with --resume auto")
+            if dist_info.is_rank0:
+                requeue_if_slurm(console.info)
             break
+    if cfg.checkpoint.save_every and not preempted and last_saved != step:
+        # The steps since the last multiple of save_every are work too (and what `export` should see).
+        last_saved = save(strategy, step, loaders, cfg, tracker, out, save_seconds, console)
 
     # ---- the end: evaluate, summarise
     if not preempted:
@@ -196,7 +204,7 @@ def train(cfg: Config) -> dict:
                "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
                "wall_seconds": now() - t_start, "final_step": step, "skipped_steps": skipped,
                "nonfinite_steps": nonfinite_steps, "overflow_steps": overflow_steps,
-               "preempted": preempted, "versions": library_versions(), "config": cfg.to_dict(),
+               "preempted": preempted, "checkpoint_save_seconds": save_seconds, "versions": library_versions(), "config": cfg.to_dict(),
                "memory": {**mem.summary(), "construction": built.per_rank}}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step))
@@ -206,6 +214,15 @@ def train(cfg: Config) -> dict:
 
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def save(strategy, step: int, loaders, cfg: Config, tracker, out: Path, seconds: list, console) -> int:
+    t0 = now()
+    path = checkpoint.save_checkpoint(strategy, {**trainer_state(step, loaders, cfg), **tracker.checkpoint_state()},
+                                      out, cfg.checkpoint.keep_last)
+    seconds.append(round(now() - t0, 3))
+    console.info(f"step {step}: saved {path} in {seconds[-1]:.2f}s")
+    return step
 
 
 def trainer_state(step: int, loaders, cfg: Config) -> dict:

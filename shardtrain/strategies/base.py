@@ -66,10 +66,14 @@ class Strategy(ABC):
         """Clip, apply (unless `skip` or an fp16 overflow), advance the schedule, zero the grads."""
 
     @abstractmethod
-    def save(self, ckpt_dir: Path) -> None: ...
+    def save(self, ckpt_dir: Path) -> None:
+        """Collective. Writes the strategy's own form plus, where that is not already it, the portable
+        FQN-keyed form (`model_optim/`, strategies/dcp_state.py) any other strategy can read."""
 
     @abstractmethod
-    def load(self, ckpt_dir: Path) -> None: ...
+    def load(self, ckpt_dir: Path, saved: dict | None = None) -> None:
+        """Collective. `saved` is the checkpoint's trainer_state.json (strategy, world size): a strategy
+        that cannot read its own form from it goes through the portable form."""
 
     def set_frozen(self, names: set[str], frozen: bool) -> None:
         for name, p in self.named_parameters():
@@ -78,6 +82,33 @@ class Strategy(ABC):
 
     def describe(self) -> dict:
         return {"strategy": self.name, "offload": False}
+
+    def _warn(self, msg: str) -> None:
+        if self.dist.is_rank0:
+            print(f"[shardtrain] warning: {msg}", flush=True)
+
+    def memory_tensors(self):
+        """(category, tensor) for every tensor this rank holds for training; shardtrain.memory dedupes
+        storages and sums them. Categories: params, grads, optimizer, buffers, comm. DTensors count their
+        local shard. Backends that keep state outside the module and the torch optimizer override this."""
+        for p in self.unwrapped.parameters():
+            yield "params", p
+        for p in self.unwrapped.parameters():
+            yield "grads", p.grad
+        for b in self.unwrapped.buffers():
+            yield "buffers", b
+        for state in self.optimizer.state.values():
+            for v in state.values():
+                yield "optimizer", v
+
+    def set_batch_geometry(self, micro_batch_size: int, grad_accum: int) -> None:
+        """Micro-batch and accumulation changed mid-run (OOM recovery); the global batch is unchanged."""
+        self.cfg.train.per_device_batch_size = micro_batch_size
+        self.cfg.train.grad_accum = grad_accum
+
+    def discard_gradients(self) -> None:
+        """Drop the partial gradients of an abandoned optimizer step, so it can be redone from scratch."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     # ---- shared helpers --------------------------------------------------------------------------
     @property
@@ -117,11 +148,39 @@ class Strategy(ABC):
             return 0
         return apply_activation_checkpointing(model, classes)
 
+    def _compile(self, module: nn.Module) -> nn.Module:
+        """torch.compile per --compile (train.compile); the module itself when that is 'none'."""
+        backend = self.cfg.train.compile
+        return module if backend == "none" else torch.compile(module, backend=backend)
+
     def _optimizer_and_scheduler(self, named_params, frozen_names: set[str]):
         groups = param_groups(named_params, self.cfg.train.weight_decay, frozen_names)
-        optimizer = adamw(groups, self.cfg.train.lr, self.device)
+        optimizer = adamw(groups, self.cfg.train.lr, self.device, fused=self.cfg.train.fused_adamw)
         scheduler = build_scheduler(optimizer, self.cfg.train, self.cfg.model.unfreeze_at_step)
         return optimizer, scheduler
+
+
+def extra_state(scheduler, optimizer, scaler=None) -> dict:
+    """Non-tensor training state, as JSON: the schedule position, each group's current learning rate
+    (set again on load: a LambdaLR only recomputes it at its next step) and the loss scaler."""
+    state = {"scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+             "lrs": [float(g["lr"]) for g in optimizer.param_groups]}
+    if scaler:
+        state["scaler"] = scaler.state_dict()
+    return state
+
+
+def load_extra_state(extra: dict, scheduler, optimizer, scaler=None) -> None:
+    if "scheduler" in extra:
+        sd = scheduler.state_dict()
+        sd.update(extra["scheduler"])
+        scheduler.load_state_dict(sd)
+    lrs = extra.get("lrs")
+    if lrs and len(lrs) == len(optimizer.param_groups):
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+    if scaler and "scaler" in extra:
+        scaler.load_state_dict(extra["scaler"])
 
 
 def check_precision_supported(precision: str, device: torch.device) -> None:

@@ -6,17 +6,18 @@ reduces gradients only at the boundary, so there is no no_sync here.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from shardtrain.config import ConfigError
 from shardtrain.ds_config import describe_ds, resolve_ds_config
-from shardtrain.strategies.base import Strategy, StepResult
+from shardtrain.strategies.base import Strategy, StepResult, extra_state
+from shardtrain.strategies.dcp_state import save_portable
+from shardtrain.unpickle_guard import check_torch_file
 
 TAG = "engine"
-EXTRA_FILE = "strategy_state.json"
 
 
 class ZeroStrategy(Strategy):
@@ -94,12 +95,52 @@ class ZeroStrategy(Strategy):
     def save(self, ckpt_dir: Path):
         self.sync_buffers()
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
-        if self.dist.is_rank0:
-            (ckpt_dir / EXTRA_FILE).write_text(json.dumps({"ds_config": self.ds_config}))
+        # The portable form beside the engine's: what FSDP/DDP (any world size) and `export` read.
+        model_sd, optim_state = self._portable_state()
+        extra = {**extra_state(self.scheduler, self.optimizer), "ds_config": self.ds_config}
+        save_portable(ckpt_dir, model_sd, optim_state, extra, self.dist.is_rank0)
 
-    def load(self, ckpt_dir: Path, load_optimizer: bool = True):
-        self.engine.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=load_optimizer,
-                                    load_lr_scheduler_states=load_optimizer)
+    def _portable_state(self) -> tuple[dict, dict]:
+        """Full fp32 weights and Adam moments per parameter name. Every rank gathers every tensor (the
+        gathers are collective); DCP then writes each once. Host memory: ~3x the fp32 model per rank."""
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        inner_state = getattr(getattr(self.optimizer, "optimizer", None), "state", {})
+        steps = [v["step"] for v in inner_state.values() if "step" in v]
+        step = torch.tensor(float(steps[0]) if steps else 0.0)
+        model_sd, optim_state = {}, {}
+        for name, p in self._inner.named_parameters():
+            model_sd[name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
+            moments = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
+            if all(v is not None for v in moments.values()):
+                optim_state[name] = {"step": step.clone(),
+                                     **{k: v.detach().float().cpu().clone() for k, v in moments.items()}}
+        for mod_name, mod in self._inner.named_modules():
+            for b_name, buf in mod.named_buffers(recurse=False):
+                if buf is not None and b_name not in mod._non_persistent_buffers_set:
+                    model_sd[f"{mod_name}.{b_name}" if mod_name else b_name] = buf.detach().cpu().clone()
+        return model_sd, optim_state
+
+    def load(self, ckpt_dir: Path, saved: dict | None = None, load_optimizer: bool = True):
+        saved = saved or {}
+        writer = (saved.get("strategy") or {}).get("strategy")
+        if writer != self.name or saved.get("world_size") != self.dist.world_size:
+            raise ConfigError(f"--resume {ckpt_dir}: written by {writer} on {saved.get('world_size')} ranks; "
+                              f"{self.name} resumes only its own checkpoints at the same world size "
+                              f"({self.dist.world_size}) for now. Continue under --strategy fsdp or ddp "
+                              f"(they read any checkpoint), or start fresh from `shardtrain export`")
+        engine_dir = ckpt_dir / TAG
+        if not engine_dir.is_dir():
+            raise ConfigError(f"--resume {ckpt_dir}: missing {TAG}/: the checkpoint is incomplete")
+        for f in sorted(engine_dir.glob("*.pt")):
+            check_torch_file(f)  # DeepSpeed itself reads them with torch.load(weights_only=False)
+        try:
+            self.engine.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=load_optimizer,
+                                        load_lr_scheduler_states=load_optimizer)
+        except (RuntimeError, OSError, KeyError, ValueError) as e:
+            msg = " ".join(str(e).split())[:300]
+            raise ConfigError(f"--resume {ckpt_dir}: DeepSpeed cannot load {TAG}/ (corrupt, or another "
+                              f"model?): {msg}") from None
 
     def describe(self):
         return {"strategy": self.name, "offload": self.offload, **self.info,
