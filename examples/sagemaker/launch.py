@@ -1,0 +1,103 @@
+"""Start configs/longformer_4096.yaml on one ml.p3.8xlarge (4x V100 16 GB), all four GPUs, on spot capacity.
+
+    pip install "sagemaker>=3,<4"
+    python examples/sagemaker/launch.py --role arn:aws:iam::123456789012:role/SageMakerRole \
+        --image <a PyTorch 2.x GPU training image URI> --bucket my-bucket \
+        --train s3://my-bucket/longdoc/train --validation s3://my-bucket/longdoc/validation
+
+Written against the SageMaker Python SDK v3 (`sagemaker.train.ModelTrainer`): v3 replaced v2's
+`sagemaker.pytorch.PyTorch(distribution={"torch_distributed": {"enabled": True}})` with
+`ModelTrainer(distributed=Torchrun())`, which likewise starts the entry script under torchrun, one
+process per GPU. Spot: `Compute(enable_managed_spot_training=True)`, a max wait in the StoppingCondition,
+and a CheckpointConfig whose local path, /opt/ml/checkpoints, is where shardtrain writes its run folder
+in SageMaker (shardtrain/sagemaker_env.py), so a restarted job resumes from the last checkpoint.
+
+`build_job()` returns plain data and needs neither the SDK nor AWS; `main()` turns it into SDK objects.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
+
+
+def build_job(role: str, image: str, bucket: str, train: str, validation: str | None = None,
+              instance_type: str = "ml.p3.8xlarge", instance_count: int = 1, spot: bool = True,
+              max_run_hours: float = 24, max_wait_hours: float = 48, job_name: str = "shardtrain-longformer",
+              hyperparameters: dict | None = None) -> dict:
+    """Everything the training job needs, as plain values (the SDK config classes take them as keywords)."""
+    if spot and max_wait_hours < max_run_hours:
+        raise ValueError(f"max_wait_hours ({max_wait_hours}) must be >= max_run_hours ({max_run_hours}): "
+                         f"SageMaker counts time spent waiting for spot capacity against it")
+    hp = {
+        "config": "configs/longformer_4096.yaml",
+        "ds": "ds_configs/zero2.json",
+        # A spot interruption loses at most this many steps; the save also runs on SIGTERM.
+        "save_every": 200,
+        "resume": "auto",
+        **(hyperparameters or {}),
+    }
+    stopping = {"max_runtime_in_seconds": int(max_run_hours * 3600)}
+    if spot:
+        stopping["max_wait_time_in_seconds"] = int(max_wait_hours * 3600)
+    channels = {"train": train, **({"validation": validation} if validation else {})}
+    return {
+        "trainer": {
+            "training_image": image,
+            "role": role,
+            "base_job_name": job_name,
+            "hyperparameters": hp,
+        },
+        # The repository root is uploaded; main.py is the same entry torchrun runs everywhere else.
+        "source_code": {"source_dir": str(REPO), "entry_script": "shardtrain/main.py",
+                        "requirements": "requirements.txt"},
+        "compute": {"instance_type": instance_type, "instance_count": instance_count,
+                    "volume_size_in_gb": 100, **({"enable_managed_spot_training": True} if spot else {})},
+        "stopping_condition": stopping,
+        # Torchrun() starts one process per GPU on each instance (4 on a p3.8xlarge).
+        "distributed": {"kind": "torchrun", "process_count_per_node": None},
+        "checkpoint_config": {"s3_uri": f"s3://{bucket}/{job_name}/checkpoints", "local_path": CHECKPOINT_LOCAL_PATH},
+        "output_data_config": {"s3_output_path": f"s3://{bucket}/{job_name}/output"},
+        "input_data": channels,
+    }
+
+
+def start(job: dict, wait: bool = False):
+    from sagemaker.train import ModelTrainer
+    from sagemaker.train.configs import (CheckpointConfig, Compute, InputData, OutputDataConfig, SourceCode,
+                                         StoppingCondition)
+    from sagemaker.train.distributed import Torchrun
+
+    dist = {k: v for k, v in job["distributed"].items() if k != "kind" and v is not None}
+    trainer = ModelTrainer(
+        **job["trainer"],
+        source_code=SourceCode(**job["source_code"]),
+        compute=Compute(**job["compute"]),
+        stopping_condition=StoppingCondition(**job["stopping_condition"]),
+        distributed=Torchrun(**dist),
+        checkpoint_config=CheckpointConfig(**job["checkpoint_config"]),
+        output_data_config=OutputDataConfig(**job["output_data_config"]),
+    )
+    inputs = [InputData(channel_name=name, data_source=uri) for name, uri in job["input_data"].items()]
+    trainer.train(input_data_config=inputs, wait=wait)
+    return trainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--role", required=True)
+    p.add_argument("--image", required=True, help="a PyTorch 2.x GPU training image (SageMaker DLC) URI")
+    p.add_argument("--bucket", required=True)
+    p.add_argument("--train", required=True, help="S3 prefix with train.jsonl (and validation.jsonl)")
+    p.add_argument("--validation", help="S3 prefix with validation.jsonl")
+    p.add_argument("--on-demand", action="store_true", help="no spot capacity")
+    p.add_argument("--wait", action="store_true")
+    args = p.parse_args(argv)
+    job = build_job(args.role, args.image, args.bucket, args.train, args.validation, spot=not args.on_demand)
+    start(job, wait=args.wait)
+
+
+if __name__ == "__main__":
+    main()
