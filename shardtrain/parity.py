@@ -1,0 +1,185 @@
+"""`shardtrain parity`: the same seed, data and steps under several strategies, compared step by step.
+
+    shardtrain parity --config configs/multimodal_tiny.yaml --strategies ddp,fsdp,zero2,zero3 --steps 10 --nproc 2
+
+Each strategy is one real `torchrun shardtrain/main.py` run, so what is compared is what users run.
+The first strategy is the reference. A step diverges when |loss - reference| / |reference| exceeds
+--tolerance; the gradient norm is checked too (--grad-norm-tolerance), because Adam hides a wrong
+gradient scale (an averaging or accumulation factor) from the loss. Exit 0: parity; 1: divergence;
+3: a run failed (its log is kept).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from shardtrain.config import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+MAIN = REPO / "shardtrain" / "main.py"
+
+# Strategy names -> the flags that select them. Paths are the repository's own configs.
+STRATEGIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "fsdp_shard_grad_op": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/shard_grad_op.yaml")],
+    "fsdp_offload": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/offload.yaml")],
+    "zero2": ["--ds", str(REPO / "ds_configs/zero2.json")],
+    "zero3": ["--ds", str(REPO / "ds_configs/zero3.json")],
+    "zero2_offload": ["--ds", str(REPO / "ds_configs/zero2_offload.json")],
+    "zero3_offload": ["--ds", str(REPO / "ds_configs/zero3_offload.json")],
+}
+
+
+def parse_strategies(spec: str) -> list[str]:
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in names if n not in STRATEGIES]
+    if unknown:
+        raise ConfigError(f"--strategies: unknown '{unknown[0]}' (choose from {', '.join(STRATEGIES)})")
+    if len(names) < 2:
+        raise ConfigError(f"--strategies: give at least two to compare, got '{spec}'")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"--strategies: '{spec}' names a strategy twice")
+    return names
+
+
+def parse_args_for(items: list[str], names: list[str]) -> dict[str, list[str]]:
+    """--args-for NAME='--flag value ...': extra flags for one strategy's run only."""
+    extra: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, flags = item.partition("=")
+        if not sep or name not in names:
+            raise ConfigError(f"--args-for {item!r}: expected NAME='--flag value' with NAME one of {', '.join(names)}")
+        extra[name] = extra.get(name, []) + shlex.split(flags)
+    return extra
+
+
+def run_one(name: str, args: argparse.Namespace, common: list[str], extra: list[str], out: Path) -> Path | None:
+    from shardtrain.distributed import free_port
+
+    run_dir = out / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(MAIN),
+           "--config", args.config, *STRATEGIES[name], "--max-steps", str(args.steps),
+           "--output-dir", str(run_dir), "--resume", "none", "--save-every", "0", "--eval-every", "0",
+           "--log-every", str(args.steps), "--report", "false", "--report-to", "none", *common, *extra]
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice; unset, the deepspeed path ran ~1.8x slower
+    log = run_dir / "parity.log"
+    with open(log, "w") as f:
+        f.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
+        f.flush()
+        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        print(f"parity: {name} failed (exit {code}); log: {log}\n{tail}", file=sys.stderr)
+        return None
+    return run_dir
+
+
+def read_steps(run_dir: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return {r["step"]: r for r in rows}
+
+
+def rel_diff(value: float, reference: float) -> float:
+    return abs(value - reference) / max(abs(reference), 1e-12)
+
+
+def compare(results: dict[str, dict[int, dict]], tolerance: float, grad_tolerance: float) -> dict:
+    """Per step: each strategy's loss and its relative differences from the first strategy's."""
+    names = list(results)
+    ref = results[names[0]]
+    steps = sorted(set.intersection(*(set(r) for r in results.values())))
+    rows, first_divergence = [], None
+    for step in steps:
+        row = {"step": step, "loss": {}, "loss_rel_diff": {}, "grad_norm_rel_diff": {}}
+        for name in names:
+            rec = results[name][step]
+            row["loss"][name] = rec["loss"]
+            if name == names[0]:
+                continue
+            dl = rel_diff(rec["loss"], ref[step]["loss"])
+            dg = rel_diff(rec["grad_norm"], ref[step]["grad_norm"])
+            row["loss_rel_diff"][name], row["grad_norm_rel_diff"][name] = dl, dg
+            if first_divergence is None and (dl > tolerance or dg > grad_tolerance):
+                first_divergence = {"step": step, "strategy": name, "loss_rel_diff": dl, "grad_norm_rel_diff": dg}
+        rows.append(row)
+    missing = {n: sorted(set(ref) ^ set(r)) for n, r in results.items() if set(r) != set(ref)}
+    return {"reference": names[0], "tolerance": tolerance, "grad_norm_tolerance": grad_tolerance,
+            "steps": rows, "first_divergence": first_divergence, "missing_steps": missing}
+
+
+def format_table(report: dict) -> str:
+    names = list(report["steps"][0]["loss"]) if report["steps"] else []
+    ref, others = names[:1], names[1:]
+    head = f"{'step':>4}  " + "  ".join(f"{n:>12}" for n in names) + "  " + \
+        "  ".join(f"{'Δloss ' + n:>18}  {'Δgnorm ' + n:>19}" for n in others)
+    lines = [f"relative differences from {''.join(ref)} (tolerance loss {report['tolerance']:g}, "
+             f"grad norm {report['grad_norm_tolerance']:g})", head]
+    for row in report["steps"]:
+        lines.append(f"{row['step']:>4}  " + "  ".join(f"{row['loss'][n]:12.6f}" for n in names) + "  " +
+                     "  ".join(f"{row['loss_rel_diff'][n]:18.2e}  {row['grad_norm_rel_diff'][n]:19.2e}"
+                               for n in others))
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    from shardtrain.cli import run_guarded
+
+    parser = argparse.ArgumentParser(prog="shardtrain parity", description=__doc__.split("\n\n")[0],
+                                     epilog="Other flags (e.g. --data-dir DIR) are passed to every run.")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--strategies", default="ddp,fsdp,zero2,zero3")
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--tolerance", type=float, default=1e-4, help="relative loss difference (default 1e-4)")
+    parser.add_argument("--grad-norm-tolerance", type=float, default=1e-3,
+                        help="relative gradient-norm difference (default 1e-3)")
+    parser.add_argument("--args-for", action="append", default=[], metavar="NAME='FLAGS'",
+                        help="extra flags for one strategy's run, e.g. --args-for fsdp='--lr 2e-3'")
+    parser.add_argument("--out", help="keep the runs here (default: a new temporary folder)")
+    parser.add_argument("--debug", action="store_true")
+    args, common = parser.parse_known_args(argv)
+    common = [a for a in common if a != "--debug"]
+
+    def run(_):
+        names = parse_strategies(args.strategies)
+        if args.steps < 1 or args.nproc < 1:
+            raise ConfigError(f"--steps and --nproc must be positive, got {args.steps} and {args.nproc}")
+        if not (args.tolerance >= 0 and args.grad_norm_tolerance >= 0):
+            raise ConfigError("--tolerance and --grad-norm-tolerance must be >= 0")
+        if not Path(args.config).is_file():
+            raise ConfigError(f"--config: file not found: {args.config}")
+        extra = parse_args_for(args.args_for, names)
+        out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="shardtrain-parity-"))
+        results = {}
+        for name in names:
+            print(f"parity: running {name} ({args.steps} steps x {args.nproc} processes)", flush=True)
+            run_dir = run_one(name, args, common, extra.get(name, []), out)
+            if run_dir is None:
+                return 3
+            results[name] = read_steps(run_dir)
+        report = compare(results, args.tolerance, args.grad_norm_tolerance)
+        (out / "parity.json").write_text(json.dumps(report, indent=2))
+        print(format_table(report))
+        div = report["first_divergence"]
+        if report["missing_steps"]:
+            print(f"parity: runs logged different steps: {report['missing_steps']}", file=sys.stderr)
+            return 1
+        if div:
+            print(f"parity: DIVERGED at step {div['step']}: {div['strategy']} vs {report['reference']} "
+                  f"(loss {div['loss_rel_diff']:.2e} relative, grad norm {div['grad_norm_rel_diff']:.2e}); "
+                  f"runs in {out}")
+            return 1
+        print(f"parity: OK, {', '.join(names)} agree over {len(report['steps'])} steps; runs in {out}")
+        return 0
+
+    return run_guarded(run, argv)
