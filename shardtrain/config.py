@@ -40,7 +40,7 @@ class ModelConfig:
     freeze_layers: int = 0
     unfreeze_at_step: Optional[int] = None
     attention_window: int = 512
-    # Channels-last memory layout for the CNN and its input: faster convolutions on tensor cores.
+    # Channels-last layout for the CNN's activations (its input is converted): faster convolutions on GPUs.
     channels_last: bool = False
     # The HF text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls.
     attention: Literal["sdpa", "eager"] = "sdpa"

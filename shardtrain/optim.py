@@ -60,8 +60,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, tcfg: TrainConfig,
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
-def adamw(groups: list[dict], lr: float, device: torch.device) -> torch.optim.AdamW:
-    # fused kernels exist on CUDA only; foreach is the fast path on CPU.
-    fused = device.type == "cuda"
+def adamw(groups: list[dict], lr: float, device: torch.device, fused: bool = True) -> torch.optim.AdamW:
+    # fused kernels exist on CUDA only; foreach is the fast path on CPU (and on CUDA with fused=False).
+    fused = fused and device.type == "cuda"
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=fused or None,
                              foreach=None if fused else True)

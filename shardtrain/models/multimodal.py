@@ -112,9 +112,9 @@ class MultimodalClassifier(nn.Module):
         self.mcfg, self.text_cfg = mcfg, text_cfg
         if mcfg.pretrained:
             self.text = load_pretrained(RobertaModel, mcfg.text_model, text_cfg, add_pooling_layer=False,
-                                        attn_implementation="sdpa")
+                                        attn_implementation=mcfg.attention)
         else:
-            text_cfg._attn_implementation = "sdpa"
+            text_cfg._attn_implementation = mcfg.attention
             self.text = RobertaModel(text_cfg, add_pooling_layer=False)
         self.image, img_dim = build_image_encoder(mcfg)
         self.head = FusionHead(mcfg.fusion, text_cfg.hidden_size, img_dim, mcfg.fusion_hidden,
@@ -125,6 +125,10 @@ class MultimodalClassifier(nn.Module):
             raise ValueError("the multimodal model needs pixel_values")
         # The <s> (CLS) hidden state; no pooler: its tanh layer is pretrained on NSP-like data RoBERTa never saw.
         t = self.text(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, 0]
+        if self.mcfg.channels_last:
+            # Only the input: a channels-last input makes every convolution run (and emit) channels-last.
+            # The weights stay contiguous: FSDP2 and DeepSpeed reject non-contiguous parameters (measured).
+            pixel_values = pixel_values.contiguous(memory_format=torch.channels_last)
         return self.head(t, self.image(pixel_values))
 
     def block_classes(self) -> tuple[type[nn.Module], ...]:

@@ -21,11 +21,12 @@ class DDPStrategy(NativeStrategy):
         return self._finish_setup(frozen_names)
 
     def _wrap(self):
-        if self.dist.world_size == 1:
-            return self.inner
-        return DistributedDataParallel(
+        self.ddp = self.inner if self.dist.world_size == 1 else DistributedDataParallel(
             self.inner, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
             gradient_as_bucket_view=True)
+        # Compiled after wrapping: dynamo then splits the graph at DDP's bucket boundaries, so the
+        # all-reduces still overlap the backward.
+        return self._compile(self.ddp)
 
     @property
     def unwrapped(self):
@@ -33,9 +34,9 @@ class DDPStrategy(NativeStrategy):
 
     def micro_step(self, is_last):
         stack = contextlib.ExitStack()
-        if not is_last and isinstance(self.model, DistributedDataParallel):
+        if not is_last and isinstance(self.ddp, DistributedDataParallel):
             # no_sync must cover the forward too: DDP prepares its reducer there.
-            stack.enter_context(self.model.no_sync())
+            stack.enter_context(self.ddp.no_sync())
         stack.enter_context(super().micro_step(is_last))
         return stack
 

@@ -142,6 +142,11 @@ class FSDPStrategy(NativeStrategy):
             for m in model.modules():
                 if isinstance(m, nn.modules.batchnorm._BatchNorm):
                     fully_shard(m, mp_policy=bn_mp, **common)
+        if self.cfg.train.compile != "none":
+            # Per block, before sharding (torchtitan's order): FSDP2's all-gather / reduce-scatter hooks stay
+            # outside the compiled regions and are scheduled as in eager mode.
+            for unit in units:
+                unit.compile(backend=self.cfg.train.compile)
         for unit in units:
             fully_shard(unit, **({"mp_policy": mp} if mp else {}), **common)
         fully_shard(model, **({"mp_policy": mp} if mp else {}), **common)
