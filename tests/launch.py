@@ -83,9 +83,11 @@ def run(cmd: list[str], timeout: float = DEFAULT_TIMEOUT, env: dict | None = Non
 
 
 def torchrun(args: list[str], nproc: int = 2, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
-             env: dict | None = None, extra_launcher_args: list[str] = ()) -> Run:
+             env: dict | None = None, extra_launcher_args: list[str] = (), script: Path = MAIN) -> Run:
+    # `script`: a test driver that calls shardtrain.train.train() for several configs in one process group
+    # (one launch instead of many); everything else goes through MAIN, the file users run.
     cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *extra_launcher_args, str(MAIN), *args]
+           f"--master_port={free_port()}", *extra_launcher_args, str(script), *args]
     return run(cmd, timeout=timeout, env=env, check=check)
 
 

@@ -1,0 +1,133 @@
+"""Many training configurations in ONE process group: the strategy x workload x precision matrix at a
+fraction of the cost of one launch each (imports, process-group start and DeepSpeed's op loading are paid once).
+
+    torchrun --nproc_per_node=2 tests/dist/matrix_driver.py PLAN.json OUT_DIR
+
+PLAN.json is a list of {"name", "args"} where args are exactly the command-line arguments of
+`shardtrain/main.py`; each goes through the same parse_cli() -> train() as main.py. Rank 0 rewrites
+OUT_DIR/results.json after every run, so a crash still leaves what ran before it. Optional per run:
+  "weights": true      also write the initial weights and the weights in every saved checkpoint (safetensors)
+  "expect_error": true a probe: an exception is recorded instead of ending the launch (keep probes last:
+                       after a failure inside a collective the process group is not trusted any more)
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from shardtrain.config import parse_cli  # noqa: E402
+from shardtrain.distributed import barrier, teardown_and_exit  # noqa: E402
+from shardtrain.train import train  # noqa: E402
+
+
+class BatchNormWatch:
+    """A global forward hook: the dtypes BatchNorm weights and inputs have in training forwards. It runs before
+    the modules' own hooks, so FSDP's unsharded (mixed-precision) parameters and ZeRO-3's gathered ones are what
+    it sees."""
+
+    def __init__(self):
+        self.weight_dtypes: set[str] = set()
+        self.input_dtypes: set[str] = set()
+        self.calls = 0
+
+    def __call__(self, module, args, output):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+            self.calls += 1
+            self.weight_dtypes.add(str(module.weight.dtype).replace("torch.", ""))
+            self.input_dtypes.add(str(args[0].dtype).replace("torch.", ""))
+
+
+def main(plan_path: str, out_dir: str) -> int:
+    plan = json.loads(Path(plan_path).read_text())
+    out = Path(out_dir)
+    results: dict[str, dict] = {}
+    rank0 = None
+    for entry in plan:
+        name = entry["name"]
+        cfg = parse_cli(entry["args"])
+        watch = BatchNormWatch()
+        handle = torch.nn.modules.module.register_module_forward_hook(watch)
+        t0 = time.perf_counter()
+        record: dict = {"args": entry["args"]}
+        try:
+            summary = train(cfg)
+            record["ok"] = True
+        except Exception as e:  # noqa: BLE001 - only for probes; anything else re-raises below
+            if not entry.get("expect_error"):
+                raise
+            record.update(ok=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+                          traceback=traceback.format_exc()[-3000:])
+            summary = None
+        finally:
+            handle.remove()
+        record["seconds"] = time.perf_counter() - t0
+        rank0 = dist.get_rank() == 0
+        run_dir = Path(cfg.checkpoint.output_dir)
+        if summary is not None and rank0:
+            metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            record.update(
+                losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
+                lrs=[m["lr"] for m in metrics], eval=summary["eval"], skipped_steps=summary["skipped_steps"],
+                describe={k: summary.get(k) for k in ("strategy", "offload", "sharding", "recompute_blocks",
+                                                      "precision", "grad_accum", "micro_batch_size",
+                                                      "global_batch_size", "params_frozen")},
+                bn_weight_dtypes=sorted(watch.weight_dtypes), bn_input_dtypes=sorted(watch.input_dtypes),
+                bn_calls=watch.calls)
+            if entry.get("weights"):
+                record["weights"] = write_weights(cfg, run_dir)
+        results[name] = record
+        if rank0:
+            (out / "results.json").write_text(json.dumps(results, indent=1))
+            print(f"[matrix] {name}: {'ok' if record['ok'] else record['error']} in {record['seconds']:.1f}s",
+                  flush=True)
+        barrier()
+    return 0
+
+
+def write_weights(cfg, run_dir: Path) -> dict:
+    """Rank 0: the initial weights (rebuilt exactly as train() builds them: same seed, same vocabulary) and the
+    weights inside every committed checkpoint, read with the backends' own offline tools, as safetensors."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from shardtrain.models import build_model
+
+    vocab = None if cfg.model.pretrained else len(AutoTokenizer.from_pretrained(str(run_dir / "tokenizer")))
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, cfg.data, vocab)
+    files = {"frozen": model.freezable_parameter_names(cfg.model.freeze_layers), "steps": {}}
+    save_file({k: v.detach().contiguous() for k, v in model.named_parameters()}, str(run_dir / "init.safetensors"))
+    files["init"] = str(run_dir / "init.safetensors")
+    for ckpt in sorted((run_dir / "checkpoints").glob("step-*")):
+        sd = read_checkpoint_weights(ckpt)
+        path = run_dir / f"weights-{ckpt.name}.safetensors"
+        save_file({k: v.contiguous() for k, v in sd.items() if k in dict(model.named_parameters())}, str(path))
+        files["steps"][int(ckpt.name.split("-")[1])] = str(path)
+    return files
+
+
+def read_checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    if (ckpt / "model_optim").is_dir():  # DDP / FSDP: torch.distributed.checkpoint
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        tmp = ckpt.parent / f".{ckpt.name}.pt"
+        dcp_to_torch_save(str(ckpt / "model_optim"), str(tmp))
+        sd = torch.load(tmp, weights_only=False)["model"]
+        tmp.unlink()
+        return {k: v.float() for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="engine")
+
+
+if __name__ == "__main__":
+    code = main(sys.argv[1], sys.argv[2])
+    teardown_and_exit(code)

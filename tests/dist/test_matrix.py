@@ -1,0 +1,200 @@
+"""The strategy matrix in one torchrun launch (tests/dist/matrix_driver.py calls the same parse_cli() ->
+train() as shardtrain/main.py, once per configuration, in one process group of 2 CPU ranks):
+
+- every strategy x both tiny workloads x activation checkpointing off (10 steps) and on (3 steps);
+- parity: fp32, dropout 0, same seed and data -> step-1 grad norm within 1e-5 relative, per-step losses within
+  1e-4 (text-only Longformer) / 1e-2 (multimodal with BatchNorm) relative, against DDP;
+- accumulation: micro 4 x accum 2 == micro 8 x accum 1 on every strategy;
+- freezing under DDP, FSDP and ZeRO-3: frozen weights bit-identical until unfreeze_at_step, changed after;
+- bf16 on every strategy (BatchNorm weights stay fp32 while its inputs are bf16), fp16 where CPU allows it.
+
+Each strategy also runs once through shardtrain/main.py itself: tests/dist/test_entry_points.py.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from launch import REPO, tiny_args, torchrun
+
+DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
+STRATEGIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/default.yaml")],
+    "fsdp_sgo": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/shard_grad_op.yaml")],
+    "zero2": ["--ds", str(REPO / "ds_configs/zero2.json")],
+    "zero2_offload": ["--ds", str(REPO / "ds_configs/zero2_offload.json")],
+    "zero3": ["--ds", str(REPO / "ds_configs/zero3.json")],
+    "zero3_offload": ["--ds", str(REPO / "ds_configs/zero3_offload.json")],
+}
+WORKLOADS = ("longformer", "multimodal")
+LOSS_RTOL = {"longformer": 1e-4, "multimodal": 1e-2}
+GRAD_NORM_RTOL = 1e-5
+PARITY_STEPS, AC_STEPS, ACCUM_STEPS = 10, 3, 5
+FREEZE_AT, FREEZE_STEPS = 3, 6
+FREEZE_STRATEGIES = ("ddp", "fsdp", "zero3")
+NATIVE = ("ddp", "fsdp")  # torch GradScaler / ShardedGradScaler: fp16 on CPU is theirs to try
+
+
+def _plan(data_dirs: dict, root: Path) -> list[dict]:
+    plan = []
+
+    def add(name, workload, strategy, *extra, **opts):
+        out = root / name.replace("/", "_")
+        args = tiny_args(workload, data_dirs[workload], out, *STRATEGIES[strategy], "--report", "false",
+                         "--max-eval-samples", "16", "--log-every", "100", *extra)
+        plan.append({"name": name, "args": args, **opts})
+
+    for workload in WORKLOADS:
+        for strategy in STRATEGIES:
+            add(f"{workload}/{strategy}/fp32", workload, strategy, "--max-steps", str(PARITY_STEPS))
+            add(f"{workload}/{strategy}/ac", workload, strategy, "--max-steps", str(AC_STEPS),
+                "--activation-checkpointing")
+    for strategy in STRATEGIES:  # longformer_tiny's micro-batch is 8; BatchNorm would see different batches
+        add(f"longformer/{strategy}/accum", "longformer", strategy, "--max-steps", str(ACCUM_STEPS),
+            "--per-device-batch-size", "4", "--grad-accum", "2")
+    for strategy in FREEZE_STRATEGIES:
+        add(f"multimodal/{strategy}/freeze", "multimodal", strategy, "--max-steps", str(FREEZE_STEPS),
+            "--freeze-layers", "1", "--unfreeze-at-step", str(FREEZE_AT), "--save-every", str(FREEZE_AT),
+            "--keep-last", "5", weights=True)
+    for strategy in STRATEGIES:
+        add(f"multimodal/{strategy}/bf16", "multimodal", strategy, "--max-steps", "2", "--precision", "bf16")
+    mp_policy = root / "fsdp_mixed_precision.yaml"
+    mp_policy.write_text((REPO / "fsdp_policies/default.yaml").read_text()
+                         .replace("mixed_precision: false", "mixed_precision: true"))
+    add("multimodal/fsdp_mp/bf16", "multimodal", "fsdp", "--max-steps", "2", "--precision", "bf16",
+        "--fsdp-policy", str(mp_policy))
+    for workload in WORKLOADS:
+        for strategy in NATIVE:
+            add(f"{workload}/{strategy}/fp16", workload, strategy, "--max-steps", "2", "--precision", "fp16")
+    # A probe, last: DeepSpeed's fp16 engine on the CPU accelerator (recorded, not required to work).
+    add("longformer/zero2/fp16", "longformer", "zero2", "--max-steps", "2", "--precision", "fp16",
+        expect_error=True)
+    return plan
+
+
+@pytest.fixture(scope="module")
+def matrix(data_dirs, tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("matrix")
+    plan = _plan(data_dirs, root)
+    (root / "plan.json").write_text(json.dumps(plan))
+    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=900, check=False)
+    results_file = root / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.exists() else {}
+    missing = [p["name"] for p in plan if p["name"] not in results]
+    assert run.returncode == 0 and not missing, f"exit {run.returncode}, did not run: {missing}\n{run.tail(80)}"
+    for p in plan:
+        if p.get("expect_error"):
+            r = results[p["name"]]
+            print(f"\nprobe {p['name']}: " + ("trains: losses " + str(r["losses"]) if r["ok"] else r["error"]))
+    print(f"\nmatrix: {len(plan)} configurations in one launch, "
+          f"{sum(r['seconds'] for r in results.values()):.0f}s of train() calls")
+    return results
+
+
+def rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def test_every_strategy_workload_and_checkpointing_mode_trains(matrix):
+    for workload in WORKLOADS:
+        for strategy in STRATEGIES:
+            for arm, steps in (("fp32", PARITY_STEPS), ("ac", AC_STEPS)):
+                r = matrix[f"{workload}/{strategy}/{arm}"]
+                assert len(r["losses"]) == steps and all(math.isfinite(x) for x in r["losses"]), (workload, strategy, arm)
+                assert r["eval"]["n_examples"] == 16
+                # checkpointing really wrapped blocks, and only when asked
+                assert (r["describe"]["recompute_blocks"] > 0) == (arm == "ac"), r["describe"]
+    assert matrix["multimodal/fsdp_sgo/fp32"]["describe"]["sharding"] == "SHARD_GRAD_OP"
+    assert matrix["multimodal/fsdp/fp32"]["describe"]["sharding"] == "FULL_SHARD"
+    for name in ("zero2_offload", "zero3_offload"):
+        assert matrix[f"longformer/{name}/fp32"]["describe"]["offload"] is True
+
+
+def parity_table(matrix) -> dict:
+    """max relative deviation from DDP (fp32, checkpointing off) per workload and run."""
+    table = {}
+    for workload in WORKLOADS:
+        ref = matrix[f"{workload}/ddp/fp32"]
+        for strategy in STRATEGIES:
+            for arm in ("fp32", "ac"):
+                r = matrix[f"{workload}/{strategy}/{arm}"]
+                n = len(r["losses"])
+                table[(workload, strategy, arm)] = (
+                    rel(r["grad_norms"][0], ref["grad_norms"][0]),
+                    max(rel(a, b) for a, b in zip(r["losses"], ref["losses"][:n])))
+    return table
+
+
+def test_parity_across_strategies(matrix):
+    table = parity_table(matrix)
+    print("\nparity against ddp (fp32, dropout 0, same seed/data): workload strategy arm | "
+          "step-1 grad-norm rel | max per-step loss rel")
+    for (workload, strategy, arm), (g, l) in table.items():
+        print(f"  {workload:<10} {strategy:<14} {arm:<4} | {g:.2e} | {l:.2e}")
+    for workload in WORKLOADS:
+        rows = {k: v for k, v in table.items() if k[0] == workload}
+        print(f"max {workload}: grad-norm {max(g for g, _ in rows.values()):.2e}, "
+              f"loss {max(l for _, l in rows.values()):.2e}")
+    bad = {k: v for k, v in table.items() if v[0] > GRAD_NORM_RTOL or v[1] > LOSS_RTOL[k[0]]}
+    assert not bad, f"beyond tolerance (grad norm {GRAD_NORM_RTOL}, loss {LOSS_RTOL}): {bad}"
+
+
+def test_accumulation_matches_a_bigger_micro_batch(matrix):
+    worst = (0.0, 0.0)
+    for strategy in STRATEGIES:
+        accum, whole = matrix[f"longformer/{strategy}/accum"], matrix[f"longformer/{strategy}/fp32"]
+        assert accum["describe"]["grad_accum"] == 2 and accum["describe"]["global_batch_size"] == 16
+        g = max(rel(a, b) for a, b in zip(accum["grad_norms"], whole["grad_norms"][:ACCUM_STEPS]))
+        l = max(rel(a, b) for a, b in zip(accum["losses"], whole["losses"][:ACCUM_STEPS]))
+        worst = (max(worst[0], g), max(worst[1], l))
+        assert rel(accum["grad_norms"][0], whole["grad_norms"][0]) <= GRAD_NORM_RTOL, (strategy, accum["grad_norms"],
+                                                                                      whole["grad_norms"])
+        # Later grad norms follow weights that Adam moved from slightly different sums: the loss tolerance.
+        assert g <= LOSS_RTOL["longformer"] and l <= LOSS_RTOL["longformer"], (strategy, g, l)
+    print(f"\naccumulation 4x2 vs 8x1, max rel over {ACCUM_STEPS} steps: grad norm {worst[0]:.2e}, loss {worst[1]:.2e}")
+
+
+@pytest.mark.parametrize("strategy", FREEZE_STRATEGIES)
+def test_frozen_layers_stay_bit_identical_until_unfrozen(matrix, strategy):
+    from safetensors.torch import load_file
+    import torch
+
+    r = matrix[f"multimodal/{strategy}/freeze"]
+    w = r["weights"]
+    init = load_file(w["init"])
+    frozen = set(w["frozen"])
+    assert any(n.startswith("text.") for n in frozen) and any(n.startswith("image.") for n in frozen)
+    trainable = set(init) - frozen
+    assert r["describe"]["params_frozen"] == sum(init[n].numel() for n in frozen)
+    at_unfreeze, end = (load_file(w["steps"][str(s)]) for s in (FREEZE_AT, FREEZE_STEPS))
+    assert set(at_unfreeze) == set(init) == set(end)
+    moved = sorted(n for n in frozen if not torch.equal(at_unfreeze[n], init[n]))
+    assert not moved, f"{strategy}: frozen parameters changed before step {FREEZE_AT}: {moved[:5]}"
+    still = sorted(n for n in trainable if torch.equal(at_unfreeze[n], init[n]))
+    assert not still, f"{strategy}: trainable parameters did not train before step {FREEZE_AT}: {still[:5]}"
+    stuck = sorted(n for n in frozen if torch.equal(end[n], at_unfreeze[n]))
+    assert not stuck, f"{strategy}: parameters still frozen after unfreeze_at_step {FREEZE_AT}: {stuck[:5]}"
+
+
+def test_bf16_on_every_strategy_keeps_batchnorm_fp32(matrix):
+    for name in [f"multimodal/{s}/bf16" for s in STRATEGIES] + ["multimodal/fsdp_mp/bf16"]:
+        r = matrix[name]
+        assert r["describe"]["precision"] == "bf16"
+        assert all(math.isfinite(x) for x in r["losses"]) and r["skipped_steps"] == 0, (name, r["losses"])
+        assert r["bn_calls"] > 0 and r["bn_weight_dtypes"] == ["float32"], (name, r["bn_weight_dtypes"])
+        # autocast is really on around the CNN: its convolutions hand BatchNorm bf16 activations
+        assert "bfloat16" in r["bn_input_dtypes"], (name, r["bn_input_dtypes"])
+
+
+@pytest.mark.parametrize("workload", WORKLOADS)
+@pytest.mark.parametrize("strategy", NATIVE)
+def test_fp16_with_grad_scaler_on_cpu(matrix, strategy, workload):
+    r = matrix[f"{workload}/{strategy}/fp16"]
+    assert r["describe"]["precision"] == "fp16"
+    assert all(math.isfinite(x) for x in r["losses"]), r["losses"]
+    if workload == "multimodal":
+        assert r["bn_weight_dtypes"] == ["float32"]
