@@ -45,29 +45,67 @@ def _available(module: str) -> bool:
 
 
 def run_guarded(fn, argv: list[str]) -> int:
-    """One line for problems a user can fix; the traceback only with --debug."""
+    """One line for every failure: exit 2 for problems a user can fix (ConfigError), 1 for the rest
+    (e.g. the FloatingPointError of --nan-policy abort); the traceback only with --debug."""
     debug = "--debug" in argv or os.environ.get("SHARDTRAIN_DEBUG") == "1"
     try:
         return fn(argv) or 0
-    except ConfigError as e:
-        if debug:
-            raise
-        # Every rank hits the same config/data error; rank 0 alone says it.
-        if os.environ.get("RANK", "0") == "0":
-            print(f"shardtrain: error: {e}", file=sys.stderr, flush=True)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - the user gets one line; --debug shows the rest
+        if debug:
+            raise
+        if isinstance(e, ConfigError):
+            report_once(str(e), secondary=False)
+            return 2
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        report_once(f"{type(e).__name__}: {first} (--debug shows the traceback)", secondary=_lost_peer(e))
+        return 1
+
+
+# How long a rank that is not the one to speak waits before it speaks anyway. torchrun (and the deepspeed
+# launcher) stop every worker within ~0.1 s of the first failed one, so within this delay a rank is only
+# still alive if it alone hit the error.
+QUIET_SECONDS = 3.0
+
+
+def report_once(msg: str, secondary: bool) -> None:
+    """One line per failed job, not one per rank.
+
+    Config and data errors, and the agreed --nan-policy abort, hit every rank at once: rank 0 says it and
+    the launcher stops the others while they wait. An error that only one rank hit (a corrupt image in its
+    shard) is still said, by that rank, after the wait. `secondary` errors (a collective failing because
+    another rank died) are only ever consequences, so rank 0 waits before saying those too.
+    """
+    rank = int(os.environ.get("RANK", "0"))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (rank != 0 or secondary):
+        import signal
+        import time
+
+        # The loop's preemption handler only sets a flag; the launcher's SIGTERM must end us here.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(QUIET_SECONDS)
+    where_from = "" if rank == 0 else f" (rank {rank})"
+    print(f"shardtrain: error{where_from}: {msg}", file=sys.stderr, flush=True)
+
+
+def _lost_peer(e: BaseException) -> bool:
+    names = {c.__name__ for c in type(e).__mro__}
+    text = str(e).lower()
+    return bool(names & {"DistError", "DistBackendError", "DistNetworkError"}) or any(
+        s in text for s in ("closed by peer", "connection reset", "broken pipe", "connection refused"))
 
 
 def train_main(argv: list[str]) -> int:
     from shardtrain.config import parse_cli
-    from shardtrain.distributed import teardown_and_exit
 
     argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]  # the deepspeed launcher adds it
 
     def run(args):
         cfg = parse_cli(args)
+        # The files the strategy reads (DeepSpeed JSON, FSDP policy) are checked before any process starts.
+        from shardtrain.strategies import check_strategy_config
+        check_strategy_config(cfg)
         from shardtrain.launch import maybe_relaunch
         code = maybe_relaunch(cfg, args)
         if code is not None:
@@ -78,8 +116,10 @@ def train_main(argv: list[str]) -> int:
 
     code = run_guarded(run, argv)
     # Inside a process group: leave through the abort-free path (see distributed.teardown_and_exit).
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
+    # Looked up, not imported: a config error must not pay seconds for importing torch just to exit.
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        from shardtrain.distributed import teardown_and_exit
         teardown_and_exit(code)
     return code
 

@@ -23,6 +23,8 @@ def read_json(path: str) -> dict:
         raise ConfigError(f"{where('ds')} {p}: invalid JSON at line {e.lineno}, column {e.colno}: {e.msg}") from None
     except OSError as e:
         raise ConfigError(f"{where('ds')} {p}: cannot read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where('ds')} {p}: not UTF-8 text (byte {e.start}): is this the JSON file?") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{where('ds')} {p}: the top level must be a JSON object")
     return data

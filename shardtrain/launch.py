@@ -35,7 +35,7 @@ def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
     # The workers see RANK and never relaunch; torchrun's own parser would also reject `--nproc`
     # anywhere on its command line as an ambiguous prefix of --nproc-per-node.
     argv = without_flag(argv, "--nproc")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+    cmd = [sys.executable, "-m", "shardtrain.launch", "--standalone", f"--nproc_per_node={nproc}",
            str(main_py), *argv]
     if os.environ.get("RANK", "0") == "0":
         print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} "
@@ -54,3 +54,27 @@ def without_flag(argv: list[str], flag: str) -> list[str]:
         elif not arg.startswith(flag + "="):
             out.append(arg)
     return out
+
+
+def quiet_torchrun(args: list[str]) -> int:
+    """torchrun, without its own traceback and failure report when a worker fails: the failed worker has
+    already said what went wrong in one line. Exits with the first failed worker's code (2 for a config
+    or data error), as a user's script would expect."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    try:
+        run(parse_args(args))
+    except ChildFailedError as e:
+        code = e.get_first_failure()[1].exitcode
+        return code if code > 0 else 1  # negative: killed by a signal
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(quiet_torchrun(sys.argv[1:]))

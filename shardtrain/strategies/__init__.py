@@ -21,4 +21,22 @@ def make_strategy(cfg: Config, dist_info: DistInfo) -> Strategy:
     raise AssertionError(f"strategy {kind!r} should have been resolved before make_strategy")
 
 
-__all__ = ["Strategy", "StepResult", "make_strategy"]
+def check_strategy_config(cfg: Config) -> None:
+    """Read and check the strategy's own file before any process group, process or model exists.
+    The checks that need the model (a policy that wraps nothing, fp16 with BatchNorm) come in setup."""
+    kind = cfg.parallel.strategy
+    if kind == "fsdp":
+        from shardtrain.strategies.fsdp import load_policy
+        load_policy(cfg.parallel.fsdp_policy)
+    elif kind == "deepspeed":
+        import os
+
+        from shardtrain.ds_config import resolve_ds_config
+        from shardtrain.launch import resolve_nproc, under_launcher
+        env = os.environ
+        world = (int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1) if under_launcher()
+                 else resolve_nproc(cfg))
+        resolve_ds_config(cfg, world)
+
+
+__all__ = ["Strategy", "StepResult", "make_strategy", "check_strategy_config"]

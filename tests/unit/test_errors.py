@@ -1,0 +1,93 @@
+"""Error reporting in one process: run_guarded's one line and exit codes, the checks no CPU run can reach
+(bf16 on an old GPU), the output-dir probe, and metrics.jsonl left alone until a run really writes."""
+import json
+
+import pytest
+import torch
+
+from shardtrain import cli
+from shardtrain.config import ConfigError, check_output_dir, parse_cli
+from shardtrain.strategies.base import check_precision_supported
+from shardtrain.tracking import MetricsLog
+
+
+def fail_with(exc):
+    def fn(argv):
+        raise exc
+    return fn
+
+
+def test_config_error_is_one_line_exit_2(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.run_guarded(fail_with(ConfigError("--lr (train.lr) must be positive, got 0.0")), []) == 2
+    err = capsys.readouterr().err
+    assert err == "shardtrain: error: --lr (train.lr) must be positive, got 0.0\n"
+
+
+def test_runtime_error_is_one_line_exit_1(capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    assert cli.run_guarded(fail_with(FloatingPointError("non-finite at step 3\nmore")), []) == 1
+    err = capsys.readouterr().err
+    assert err == "shardtrain: error: FloatingPointError: non-finite at step 3 (--debug shows the traceback)\n"
+
+
+def test_debug_shows_the_traceback():
+    with pytest.raises(FloatingPointError):
+        cli.run_guarded(fail_with(FloatingPointError("x")), ["--debug"])
+
+
+def test_other_ranks_speak_only_if_still_alive(capsys, monkeypatch):
+    """Rank 1 waits (the launcher normally stops it in that time) and then names itself."""
+    import signal
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(cli, "QUIET_SECONDS", 0.0)
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli.run_guarded(fail_with(ConfigError("data/train.jsonl:7: empty text")), []) == 2
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert capsys.readouterr().err == "shardtrain: error (rank 1): data/train.jsonl:7: empty text\n"
+
+
+def test_lost_peer_errors_are_secondary():
+    assert cli._lost_peer(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]"))
+    assert not cli._lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_bf16_on_a_gpu_without_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    with pytest.raises(ConfigError, match=r"--precision \(train.precision\)=bf16: Tesla V100-SXM2-32GB has no "
+                                          r"bf16 support .*use --precision fp16"):
+        check_precision_supported("bf16", torch.device("cuda", 0))
+    check_precision_supported("fp16", torch.device("cuda", 0))
+    check_precision_supported("bf16", torch.device("cpu"))
+
+
+def test_output_dir_probe(tmp_path):
+    check_output_dir(str(tmp_path / "new" / "run"))
+    assert not (tmp_path / "new").exists()  # the probe creates nothing
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match=r"--output-dir \(checkpoint.output_dir\) .* is a file, not a folder"):
+        check_output_dir(str(tmp_path / "f" / "run"))
+
+
+def test_inject_nan_steps_flag(tmp_path):
+    cfg = parse_cli(["--inject-nan-at-steps", "4,2", "--output-dir", str(tmp_path)])
+    assert cfg.train.inject_nan_at_steps == [2, 4]
+    with pytest.raises(ConfigError, match=r"--inject-nan-at-steps \(train.inject_nan_at_steps\)"):
+        parse_cli(["--inject-nan-at-steps", "2,x", "--output-dir", str(tmp_path)])
+
+
+def test_metrics_untouched_until_the_first_record(tmp_path):
+    old = "".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3))
+    (tmp_path / "metrics.jsonl").write_text(old)
+    log = MetricsLog(tmp_path, rank=0, resume_step=0)
+    log.close()  # a run that failed before its first step
+    assert (tmp_path / "metrics.jsonl").read_text() == old
+    log = MetricsLog(tmp_path, rank=0, resume_step=2)
+    log.write({"step": 3, "loss": 0.5})
+    log.close()
+    assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [1.0, 1.0, 0.5]
