@@ -163,8 +163,11 @@ def train(cfg: Config) -> dict:
                 console.warn(f"step {step}: non-finite {what} (loss {loss_mean}, grad norm {grad_norm}); "
                              f"update skipped on every rank ({bad_steps} in a row, {nonfinite_steps} in all)")
             if bad and (t.nan_policy == "abort" or bad_steps >= t.max_bad_steps):
-                raise FloatingPointError(f"{bad_steps} consecutive non-finite steps at step {step} "
-                                         f"(--nan-policy {t.nan_policy}, --max-bad-steps {t.max_bad_steps})")
+                if t.nan_policy == "abort":
+                    raise FloatingPointError(f"non-finite loss/grad norm at step {step} with --nan-policy abort; "
+                                             f"--nan-policy skip skips such steps (up to --max-bad-steps in a row)")
+                raise FloatingPointError(f"{bad_steps} consecutive non-finite steps up to step {step} reached "
+                                         f"--max-bad-steps {t.max_bad_steps}: lower --lr or check the data")
         else:
             bad_steps = 0
 

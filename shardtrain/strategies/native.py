@@ -30,6 +30,10 @@ class NativeStrategy(Strategy):
             self.scaler.unscale_(self.optimizer)
         norm = clip_and_norm(self.unwrapped.parameters(), self.cfg.train.max_grad_norm)
         overflow = False
+        if not self.scaler and not skip and not bool(torch.isfinite(norm)):
+            # A finite loss can still give inf/nan gradients; clipping would not save the weights. The norm
+            # is global (all-reduced gradients / DTensor full norm), so every rank skips together.
+            skip = True
         if self.scaler:
             overflow = not bool(torch.isfinite(norm))
             if not skip:
