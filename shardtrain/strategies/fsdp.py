@@ -46,6 +46,11 @@ def load_policy(path: str) -> FSDPPolicy:
     import yaml
 
     p = Path(path)
+    shipped = Path(__file__).resolve().parents[2] / p
+    if not p.is_file() and not p.is_absolute() and shipped.is_file():
+        # The default policy is implied, not typed: a run started outside the checkout (a Slurm or
+        # SageMaker working dir) still finds the shipped fsdp_policies/ beside the package.
+        p = shipped
     if not p.is_file():
         raise ConfigError(f"{where('fsdp_policy')}: file not found: {p}")
     try:
