@@ -15,8 +15,8 @@ The ZeRO paper's formulas (Rajbhandari et al. 2020; fp16 weights and grads, K=12
 printed beside ours: baseline (2+2+K)Ψ, stage 2 2Ψ+(2+K)Ψ/N, stage 3 (4+K)Ψ/N; DeepSpeed's own stage-2
 estimator uses 2Ψ+18Ψ/N.
 
-Activations come from a measurement: the real architecture with 1 and 2 encoder layers, batch 1, at three
-sequence lengths, forward + loss on CPU under saved-tensor hooks (shardtrain.memory.SavedActivations).
+Activations come from a measurement: the real architecture with 1 and 2 encoder layers, batch 2, at three
+sequence lengths, forward + loss on CPU (batch 2, halved) under saved-tensor hooks (shardtrain.memory.SavedActivations).
 Per layer and per length the bytes are fitted with a quadratic in the length (full attention may grow as L²;
 Longformer's sliding window is linear in L × window), then scaled to the layer count and the batch.
 With activation checkpointing the same measurement runs with the blocks checkpointed; backward then also
@@ -136,17 +136,18 @@ def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str) -> int:
     if recompute:
         apply_activation_checkpointing(model, model.block_classes())
     vocab = model.text_cfg.vocab_size
-    batch = {"input_ids": torch.randint(3, vocab, (1, seq_len)), "attention_mask": torch.ones(1, seq_len, dtype=torch.long)}
+    # Batch 2: BatchNorm in train mode rejects one value per channel (a small image pooled to 1x1).
+    batch = {"input_ids": torch.randint(3, vocab, (2, seq_len)), "attention_mask": torch.ones(2, seq_len, dtype=torch.long)}
     if "pixel_values" in model.batch_keys:
         size = cfg.data.image_size
-        batch["pixel_values"] = torch.randn(2, 3, size, size)[:1]  # BatchNorm in train mode accepts batch 1
+        batch["pixel_values"] = torch.randn(2, 3, size, size)
     amp = (torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32"
            else torch.autocast("cpu", enabled=False))
     with SavedActivations() as saved, amp:
         logits = model(**batch)
-        loss = F.cross_entropy(logits.float(), torch.zeros(1, dtype=torch.long))
+        loss = F.cross_entropy(logits.float(), torch.zeros(2, dtype=torch.long))
     del loss, logits, model
-    return saved.bytes
+    return saved.bytes / 2
 
 
 def _fit_quadratic(xs: list[int], ys: list[float]):
@@ -243,8 +244,10 @@ def model_states(variant: str, m: ModelCount, n: int, precision: str) -> dict:
             if variant == "zero3":
                 gpu.update(shard)
             else:
+                # Offloaded, the gradient partition buffer moves to host RAM and the CPU optimizer gets an
+                # fp32 gradient buffer of its own beside it (measured: 8Ψ/N of gradients per rank).
                 gpu["params"] = w * persistent
-                host = shard["params"] - w * persistent + shard["grads"] + shard["optimizer"]
+                host = shard["params"] - w * persistent + 2 * shard["grads"] + shard["optimizer"]
             gpu["overhead"] = gathered
     gpu["overhead"] += m.buffer_bytes
     return {"gpu": gpu, "host": host}
