@@ -17,8 +17,10 @@ import torch.nn.functional as F
 from shardtrain import checkpoint, faults
 from shardtrain.config import Config
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
+from shardtrain.autoplan import resolve_auto_strategy
 from shardtrain.memory import MemoryMonitor, construction_memory, format_table
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
+from shardtrain.final_model import write_final_model
 from shardtrain.gpu_guard import check_devices
 from shardtrain.models import build_model
 from shardtrain.preemption import requeue_if_slurm
@@ -49,7 +51,11 @@ def train(cfg: Config) -> dict:
     stop = StopFlag()
     t_start = now()
 
-    # ---- strategy first: a bad DeepSpeed JSON or FSDP policy fails before any data or model work
+    # ---- strategy first: a bad DeepSpeed JSON or FSDP policy fails before any data or model work.
+    # `--strategy auto` becomes a concrete strategy, batch geometry and checkpointing choice here.
+    auto_choice = resolve_auto_strategy(cfg, dist_info)
+    if auto_choice:
+        console.info(auto_choice)
     strategy = make_strategy(cfg, dist_info)
 
     # ---- data: records validated before the tokenizer is trained and saved into the output dir
@@ -153,7 +159,8 @@ def train(cfg: Config) -> dict:
 
         if not result.applied:
             skipped += 1
-            bad = not result.overflow  # fp16 overflow skips are the scaler's normal business
+            # A non-finite loss is bad in any precision; an fp16 overflow with a finite loss is the scaler's business.
+            bad = not finite or not result.overflow
             bad_steps = bad_steps + 1 if bad else 0
             nonfinite_steps += bad
             overflow_steps += not bad
@@ -212,6 +219,8 @@ def train(cfg: Config) -> dict:
     if mem.last:
         console.info(format_table(mem.last, mem.last_step))
     tracker.finish(summary)  # summary.json (with `run`), W&B summary, report.html
+    if cfg.checkpoint.final_model_dir and not preempted:
+        write_final_model(strategy, trainer_state(step, loaders, cfg), cfg, console)
     return summary
 
 

@@ -1,0 +1,34 @@
+"""The model a finished run hands over (`--final-model-dir`; SageMaker's SM_MODEL_DIR becomes model.tar.gz).
+
+Sharded strategies hold no full copy of the weights on any rank, so the consolidated model is made the
+one way that works for all of them: commit a checkpoint of the last step (every rank), then rank 0
+exports it with shardtrain.export, which reads any strategy's checkpoint in one process.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from shardtrain import checkpoint
+from shardtrain.distributed import barrier
+
+
+def write_final_model(strategy, trainer_state: dict, cfg, console) -> Path | None:
+    """Every rank calls this. Returns the folder written (on rank 0), else None."""
+    out = Path(cfg.checkpoint.output_dir)
+    ckpt = checkpoint.checkpoints_root(out) / checkpoint.step_dir_name(trainer_state["step"])
+    if not checkpoint.is_committed(ckpt):
+        ckpt = checkpoint.save_checkpoint(strategy, trainer_state, out, cfg.checkpoint.keep_last)
+    written = None
+    if strategy.dist.is_rank0:
+        target = Path(cfg.checkpoint.final_model_dir)
+        if importlib.util.find_spec("shardtrain.export") is None:
+            console.warn(f"--final-model-dir {target}: this build has no shardtrain.export; "
+                         f"the final model stays in checkpoint {ckpt}")
+        else:
+            from shardtrain.export import export_checkpoint
+            export_checkpoint(ckpt, target)
+            console.info(f"final model: {target} (from {ckpt})")
+            written = target
+    barrier()
+    return written
