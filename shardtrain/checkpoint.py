@@ -17,7 +17,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardtrain.distributed import barrier
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shardtrain import faults
+from shardtrain.distributed import any_rank, barrier
 
 FORMAT_VERSION = 1
 COMMIT_MARKER = "COMMITTED"
@@ -118,8 +121,24 @@ def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_
             shutil.rmtree(path)
         path.mkdir()
     barrier()
-    strategy.save(path)
-    save_rng(path / "rng", strategy.dist.rank)
+    step, rank = trainer_state["step"], strategy.dist.rank
+    failure = None
+    try:
+        strategy.save(path)
+        faults.maybe_disk_full(step, rank)  # here every rank is past the strategy's own collectives
+        save_rng(path / "rng", rank)
+    except (OSError, CheckpointException) as e:
+        failure = e
+    # Ranks agree before anything is committed: one rank's full disk must not leave the others waiting.
+    if any_rank(failure is not None, strategy.device):
+        _abandon(path, root, rank0)
+        from shardtrain.config import ConfigError
+        previous = latest_committed(root)
+        cause = _cause(failure) if failure else "another rank failed to write its shards"
+        raise ConfigError(f"saving checkpoint {path} failed ({cause}); "
+                          f"{'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'}"
+                          f"; free space under {root} and rerun with --resume auto")
+    faults.maybe_kill("save", step, rank)
     barrier()  # every rank's shards are on disk before the commit marker
     if rank0:
         state = {**trainer_state, "format_version": FORMAT_VERSION, "strategy": strategy.describe(),
@@ -131,6 +150,20 @@ def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_
         prune(root, keep_last, keep=path)
     barrier()
     return path
+
+
+def _abandon(path: Path, root: Path, rank0: bool) -> None:
+    """A failed save leaves no partial directory (a later start would also ignore it: no COMMITTED)."""
+    barrier()
+    if rank0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _cause(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = " ".join(str(e).split())
+    return ("No space left on device" if "No space left" in text else text[:200]) or type(e).__name__
 
 
 def prune(root: Path, keep_last: int, keep: Path) -> None:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from shardtrain.strategies.base import Strategy, StepResult, clip_and_norm
+from shardtrain.strategies.base import Strategy, StepResult, clip_and_norm, extra_state, load_extra_state
 from shardtrain.strategies.dcp_state import load_dcp, save_dcp
 
 
@@ -51,19 +51,14 @@ class NativeStrategy(Strategy):
         self.sync_buffers()
         save_dcp(ckpt_dir, self.unwrapped, self.optimizer, self._extra_state(), self.dist.is_rank0)
 
-    def load(self, ckpt_dir: Path, load_optimizer: bool = True):
-        self._load_extra_state(load_dcp(ckpt_dir, self.unwrapped, self.optimizer, load_optimizer))
+    def load(self, ckpt_dir: Path, saved: dict | None = None, load_optimizer: bool = True):
+        # Every checkpoint has the portable model_optim/ (DeepSpeed writes it too), so one path serves
+        # DDP, FSDP and foreign checkpoints at any world size.
+        extra = load_dcp(ckpt_dir, self.unwrapped, self.optimizer, load_optimizer, warn=self._warn)
+        self._load_extra_state(extra if load_optimizer else {})
 
     def _extra_state(self) -> dict:
-        state = {"scheduler": {k: v for k, v in self.scheduler.state_dict().items() if k != "lr_lambdas"}}
-        if self.scaler:
-            state["scaler"] = self.scaler.state_dict()
-        return state
+        return extra_state(self.scheduler, self.optimizer, self.scaler)
 
     def _load_extra_state(self, extra: dict) -> None:
-        if "scheduler" in extra:
-            sd = self.scheduler.state_dict()
-            sd.update(extra["scheduler"])
-            self.scheduler.load_state_dict(sd)
-        if self.scaler and "scaler" in extra:
-            self.scaler.load_state_dict(extra["scaler"])
+        load_extra_state(extra, self.scheduler, self.optimizer, self.scaler)

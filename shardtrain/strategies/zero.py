@@ -105,6 +105,12 @@ class ZeroStrategy(Strategy):
         gathers are collective); DCP then writes each once. Host memory: ~3x the fp32 model per rank."""
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
+        if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):
+            # ZeRO-1/2 link each parameter to its slice of the Adam state once, at the first step; measured
+            # on 0.19.8 the links come out empty (safe_get_full_optimizer_state: "exp_avg not found").
+            # Re-linking against the current state is what that call does when the flag is clear.
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
         inner_state = getattr(getattr(self.optimizer, "optimizer", None), "state", {})
         steps = [v["step"] for v in inner_state.values() if "step" in v]
         step = torch.tensor(float(steps[0]) if steps else 0.0)

@@ -1,0 +1,36 @@
+"""What happens after a preemption checkpoint: under Slurm, rank 0 puts the job back in the queue.
+
+The signal side lives in train.StopFlag (SIGUSR1/SIGTERM set a flag; the loop saves and exits 0).
+How the signal reaches the training processes under each launcher is in docs/readme/checkpoints.md.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+
+
+def slurm_job_to_requeue(env: dict | None = None) -> str | None:
+    """The id `scontrol requeue` needs: for an array task `<array job>_<task>`, else the job id."""
+    env = os.environ if env is None else env
+    array_job, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return env.get("SLURM_JOB_ID") or None
+
+
+def requeue_if_slurm(log=print) -> bool:
+    """Rank 0 only, after the checkpoint is committed. True when Slurm accepted the requeue."""
+    job = slurm_job_to_requeue()
+    if job is None:
+        return False
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        log(f"[shardtrain] warning: could not requeue Slurm job {job}: {e}")
+        return False
+    if proc.returncode != 0:
+        log(f"[shardtrain] warning: `scontrol requeue {job}` failed ({proc.returncode}): "
+            f"{(proc.stderr or proc.stdout).strip()[:300]}; resubmit the job to resume")
+        return False
+    log(f"requeued Slurm job {job}; it resumes from the checkpoint (--resume auto)")
+    return True
