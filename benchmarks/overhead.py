@@ -33,7 +33,7 @@ import launch  # noqa: E402  tests/launch.py: the one way this repo starts torch
 CONFIGS = {"tiny": REPO / "configs" / "multimodal_tiny.yaml",
            "mid": REPO / "benchmarks" / "configs" / "multimodal_mid.yaml"}
 # Steps per run and warm-up steps excluded, per config: enough kept steps for a few seconds of steady state.
-STEPS = {"tiny": (60, 10), "mid": (30, 6)}
+STEPS = {"tiny": (40, 8), "mid": (20, 5)}
 BENCH = REPO / "benchmarks"
 
 # strategy -> {contender: (script, extra args)}; None: not measured, with the reason.
@@ -77,24 +77,35 @@ def global_batch_of(config: Path, nproc: int) -> int:
     return t.per_device_batch_size * t.grad_accum * nproc
 
 
+def write(result: dict, out: str, t_start: float) -> None:
+    from shardtrain.tracking import library_versions
+    result["wall_seconds"] = time.time() - t_start
+    result["versions"] = library_versions()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(result, indent=2) + "\n")
+
+
 def ratio(a, b):
     return a / b if a and b else None
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--configs", default="tiny,mid")
-    ap.add_argument("--strategies", default="ddp,fsdp,zero2")
+    ap.add_argument("--cells", default="tiny:ddp,mid:ddp,tiny:fsdp,tiny:zero2,mid:fsdp,mid:zero2",
+                    help="config:strategy pairs, run in this order (the JSON is rewritten after each)")
+    ap.add_argument("--contenders", default="shardtrain,handwritten,accelerate")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--work", default="/tmp/shardtrain-bench/overhead", help="data and run folders (not committed)")
     ap.add_argument("--out", default=str(BENCH / "results" / "overhead.json"))
     ap.add_argument("--dry-run", action="store_true", help="tiny config, DDP, one rep of a few steps")
     a = ap.parse_args(argv)
-    configs, strategies = a.configs.split(","), a.strategies.split(",")
+    cells = [tuple(c.split(":")) for c in a.cells.split(",")]
     steps = dict(STEPS)
     if a.dry_run:
-        configs, strategies, a.reps, steps = ["tiny"], ["ddp"], 1, {"tiny": (8, 2)}
+        cells, a.reps, steps = [("tiny", "ddp")], 1, {"tiny": (6, 2)}
+    wanted = a.contenders.split(",")
+    assert "shardtrain" in wanted, "the ratios need shardtrain"
 
     from shardtrain.data import make_data
     work = Path(a.work)
@@ -108,41 +119,36 @@ def main(argv=None) -> int:
                         "stamps after warm-up (see benchmarks/overhead.py docstring); medians over repetitions",
               "reps": a.reps, "cells": []}
     t_start = time.time()
-    for cname in configs:
+    for cname, strategy in cells:
         total, warmup = steps[cname]
         gb = global_batch_of(CONFIGS[cname], a.nproc)
-        for strategy in strategies:
-            contenders = CONTENDERS[strategy]
-            runs = {c: [] for c in contenders}
-            for rep in range(a.reps):
-                for c, (script, extra) in contenders.items():
-                    out = work / "runs" / f"{cname}-{strategy}-{c}"
-                    run_one(script, extra, CONFIGS[cname], data, out, total, a.nproc)
-                    r = steady_rate(out / "metrics.jsonl", gb, warmup)
-                    if c == "shardtrain":  # its own figure (step_seconds: excludes logging) for reference
-                        r["self_reported_samples_per_sec"] = json.loads((out / "summary.json").read_text())[
-                            "samples_per_sec"]
-                    runs[c].append(r)
-                    print(f"{cname:5s} {strategy:6s} rep {rep + 1}/{a.reps} {c:12s} "
-                          f"{r['samples_per_sec']:8.1f} samples/s  (median step {r['median_step_ms']:.1f} ms)",
-                          flush=True)
-            med = {c: statistics.median(r["samples_per_sec"] for r in rs) for c, rs in runs.items()}
-            paired = {c: statistics.median(s["samples_per_sec"] / o["samples_per_sec"]
-                                           for s, o in zip(runs["shardtrain"], runs[c]))
-                      for c in runs if c != "shardtrain"}
-            cell = {"config": cname, "strategy": strategy, "global_batch": gb, "steps": total,
-                    "warmup_steps_excluded": warmup,
-                    "samples_per_sec_median": {**med, **{c: None for c in NOT_MEASURED.get(strategy, {})}},
-                    "ratio_vs_handwritten": ratio(med["shardtrain"], med.get("handwritten")),
-                    "ratio_vs_accelerate": ratio(med["shardtrain"], med.get("accelerate")),
-                    "paired_ratio_median": paired, "not_measured": NOT_MEASURED.get(strategy, {}),
-                    "runs": runs}
-            result["cells"].append(cell)
-    result["wall_seconds"] = time.time() - t_start
-    from shardtrain.tracking import library_versions
-    result["versions"] = library_versions()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+        contenders = {c: v for c, v in CONTENDERS[strategy].items() if c in wanted}
+        runs = {c: [] for c in contenders}
+        for rep in range(a.reps):
+            for c, (script, extra) in contenders.items():
+                out = work / "runs" / f"{cname}-{strategy}-{c}"
+                run_one(script, extra, CONFIGS[cname], data, out, total, a.nproc)
+                r = steady_rate(out / "metrics.jsonl", gb, warmup)
+                if c == "shardtrain":  # its own figure (step_seconds: excludes logging) for reference
+                    r["self_reported_samples_per_sec"] = json.loads((out / "summary.json").read_text())[
+                        "samples_per_sec"]
+                runs[c].append(r)
+                print(f"{cname:5s} {strategy:6s} rep {rep + 1}/{a.reps} {c:12s} "
+                      f"{r['samples_per_sec']:8.1f} samples/s  (median step {r['median_step_ms']:.1f} ms)",
+                      flush=True)
+        med = {c: statistics.median(r["samples_per_sec"] for r in rs) for c, rs in runs.items()}
+        paired = {c: statistics.median(s["samples_per_sec"] / o["samples_per_sec"]
+                                       for s, o in zip(runs["shardtrain"], runs[c]))
+                  for c in runs if c != "shardtrain"}
+        cell = {"config": cname, "strategy": strategy, "global_batch": gb, "steps": total,
+                "warmup_steps_excluded": warmup,
+                "samples_per_sec_median": {**med, **{c: None for c in NOT_MEASURED.get(strategy, {})}},
+                "ratio_vs_handwritten": ratio(med["shardtrain"], med.get("handwritten")),
+                "ratio_vs_accelerate": ratio(med["shardtrain"], med.get("accelerate")),
+                "paired_ratio_median": paired, "not_measured": NOT_MEASURED.get(strategy, {}),
+                "runs": runs}
+        result["cells"].append(cell)
+        write(result, a.out, t_start)  # after every cell: a long run interrupted keeps what it measured
     print(f"\n{'config':6s} {'strategy':8s} {'shardtrain':>11s} {'handwritten':>12s} {'accelerate':>11s} "
           f"{'vs hand':>8s} {'vs acc':>7s}")
     for c in result["cells"]:
