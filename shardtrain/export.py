@@ -1,0 +1,205 @@
+"""`shardtrain export CKPT OUT [--int8] [--eval]`: one consolidated model from any strategy's checkpoint.
+
+Runs in one process with no process group: it reads the checkpoint's portable `model_optim/` form
+(strategies/dcp_state.py), which DDP, FSDP and DeepSpeed checkpoints all hold.
+
+    OUT/model.safetensors + OUT/config.json
+        longformer: Hugging Face layout, LongformerForSequenceClassification.from_pretrained(OUT)
+        multimodal: config.json is model.export_config(); load with load_export(OUT)
+    OUT/tokenizer/            the run's tokenizer, when it trained its own
+    OUT/model_int8.safetensors (--int8) Linear weights as int8 + per-tensor scale, for CPU inference only
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardtrain import checkpoint
+from shardtrain.config import ConfigError, from_dict
+
+EXPORT_META = "shardtrain_export.json"
+
+
+def _resolve(ckpt: str | Path) -> Path:
+    path = Path(ckpt)
+    if not path.exists():
+        raise ConfigError(f"export: checkpoint not found: {path}")
+    found = checkpoint.find_resume_dir(str(path), path)
+    return found
+
+
+def _vocab_size(model_sd: dict) -> int | None:
+    for k, v in model_sd.items():
+        if k.endswith("embeddings.word_embeddings.weight"):
+            return v.shape[0]
+    return None
+
+
+def rebuild_from_checkpoint(ckpt_dir: Path):
+    """(model with the checkpoint's weights, Config of the run)."""
+    from shardtrain.models import build_model
+    from shardtrain.portable import read_portable
+
+    state = checkpoint.read_trainer_state(ckpt_dir)
+    cfg = from_dict(state["config"], source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
+    weights = read_portable(ckpt_dir)["model"]
+    model = build_model(cfg.model, cfg.data, _vocab_size(weights), load_weights=False)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    shapes = [k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape)]
+    if missing or unexpected or shapes:
+        raise ConfigError(f"export {ckpt_dir}: weights do not fit the model in its config: missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]}, shape mismatches {sorted(shapes)[:4]}")
+    model.load_state_dict(weights, strict=True)
+    return model.eval(), cfg
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False) -> dict:
+    ckpt_dir = _resolve(ckpt)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, cfg = rebuild_from_checkpoint(ckpt_dir)
+    info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config()}
+    if cfg.model.name == "longformer":
+        model.hf.save_pretrained(str(out), safe_serialization=True)  # config.json + model.safetensors
+    else:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(model.export_config(), indent=1))
+    tok = ckpt_dir.parent.parent / "tokenizer"
+    if (tok / "tokenizer.json").is_file():
+        shutil.copytree(tok, out / "tokenizer", dirs_exist_ok=True)
+    info["bytes_fp32"] = (out / "model.safetensors").stat().st_size
+    if int8:
+        save_int8(model, out / "model_int8.safetensors")
+        info["bytes_int8"] = (out / "model_int8.safetensors").stat().st_size
+        info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
+    (out / EXPORT_META).write_text(json.dumps(info, indent=1))
+    return info
+
+
+# ---- loading exports ---------------------------------------------------------------------------------
+def load_export(out: str | Path) -> nn.Module:
+    """The fp32 model of an export (either model), ready for eval."""
+    from safetensors.torch import load_file
+
+    from shardtrain.models import build_model_from_export
+
+    out = Path(out)
+    meta = json.loads((out / EXPORT_META).read_text())
+    model = build_model_from_export(meta["export_config"])
+    sd = load_file(str(out / "model.safetensors"))
+    if meta["model"] == "longformer":
+        sd = {f"hf.{k}": v for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
+def quantize(model: nn.Module) -> nn.Module:
+    """Dynamic INT8 quantization of every nn.Linear (weights int8, activations quantized per batch)."""
+    from torch.ao.quantization import quantize_dynamic
+    return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def save_int8(model: nn.Module, path: Path) -> None:
+    """Plain tensors only (safetensors): int8 Linear weights with their scale and zero point; the rest fp32."""
+    from safetensors.torch import save_file
+
+    q = quantize(model)
+    tensors = {}
+    for name, mod in q.named_modules():
+        if hasattr(mod, "_packed_params") and hasattr(mod, "weight") and callable(mod.weight):
+            w = mod.weight()
+            tensors[f"{name}.weight.int8"] = w.int_repr().contiguous()
+            tensors[f"{name}.weight.scale"] = torch.tensor(w.q_scale(), dtype=torch.float64)
+            tensors[f"{name}.weight.zero_point"] = torch.tensor(w.q_zero_point(), dtype=torch.int64)
+            if mod.bias() is not None:
+                tensors[f"{name}.bias"] = mod.bias().contiguous()
+    quantized = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for k, v in model.state_dict().items():
+        if k.rpartition(".")[0] not in quantized:
+            tensors[k] = v.contiguous()
+    save_file(tensors, str(path))
+
+
+def load_int8(out: str | Path) -> nn.Module:
+    """The INT8 model of an export with --int8: rebuild, quantize, then set the saved int8 weights."""
+    from safetensors.torch import load_file
+
+    out = Path(out)
+    model = load_export(out)  # fp32 weights for the layers that stay fp32 come from model.safetensors
+    saved = load_file(str(out / "model_int8.safetensors"))
+    q = quantize(model)
+    for name, mod in q.named_modules():
+        key = f"{name}.weight.int8"
+        if key in saved:
+            w = torch._make_per_tensor_quantized_tensor(saved[key], float(saved[f"{name}.weight.scale"]),
+                                                       int(saved[f"{name}.weight.zero_point"]))
+            mod.set_weight_bias(w, saved.get(f"{name}.bias"))
+    return q.eval()
+
+
+# ---- accuracy on the validation set -------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from shardtrain.data import build_datasets, build_loaders
+    from shardtrain.train import classification_metrics
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if cfg.data.tokenizer is None \
+        else AutoTokenizer.from_pretrained(cfg.data.tokenizer)
+    train_ds, eval_ds = build_datasets(cfg, tokenizer)
+    loaders = build_loaders(cfg, tokenizer, train_ds, eval_ds, 0, 1, "cpu")
+    n = cfg.model.num_labels
+    confusion = torch.zeros(n * n, dtype=torch.float64)
+    for batch in loaders.eval:
+        inputs = {k: batch[k] for k in model.batch_keys if k in batch}
+        preds = model(**inputs).argmax(dim=-1)
+        confusion.index_add_(0, batch["labels"] * n + preds, torch.ones(len(preds), dtype=torch.float64))
+    return classification_metrics(confusion.view(n, n))
+
+
+def main(argv: list[str]) -> int:
+    from shardtrain.cli import run_guarded
+
+    parser = argparse.ArgumentParser(prog="shardtrain export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a step directory, OUT/checkpoints or a run's OUT (its latest)")
+    parser.add_argument("out")
+    parser.add_argument("--int8", action="store_true",
+                        help="also write a dynamically quantized INT8 copy for CPU inference (not for training)")
+    parser.add_argument("--eval", action="store_true", help="report accuracy/macro-F1 on the validation set")
+    parser.add_argument("--data-dir", default=None, help="validation data (default: the run's data_dir)")
+    parser.add_argument("--debug", action="store_true")
+    args = parser.parse_args(argv)
+
+    def run(_):
+        info = export_checkpoint(args.checkpoint, args.out, int8=args.int8)
+        print(f"exported {info['checkpoint']} -> {args.out} ({info['bytes_fp32'] / 1e6:.2f} MB fp32)")
+        if args.int8:
+            print(f"int8 (dynamic, Linear layers; CPU inference only): {info['bytes_int8'] / 1e6:.2f} MB, "
+                  f"{100 * info['size_reduction']:.1f}% smaller")
+        if args.eval or args.int8:
+            ckpt_dir = Path(info["checkpoint"])
+            cfg = from_dict(checkpoint.read_trainer_state(ckpt_dir)["config"])
+            if args.data_dir:
+                cfg.data.data_dir = args.data_dir
+            tok = Path(args.out) / "tokenizer"
+            info["eval_fp32"] = evaluate_model(load_export(args.out), cfg, tok)
+            print(f"fp32 validation: accuracy {info['eval_fp32']['accuracy']:.4f}, "
+                  f"macro-F1 {info['eval_fp32']['macro_f1']:.4f} ({info['eval_fp32']['n_examples']} examples)")
+            if args.int8:
+                info["eval_int8"] = evaluate_model(load_int8(args.out), cfg, tok)
+                e8, e32 = info["eval_int8"], info["eval_fp32"]
+                print(f"int8 validation: accuracy {e8['accuracy']:.4f} ({e8['accuracy'] - e32['accuracy']:+.4f}), "
+                      f"macro-F1 {e8['macro_f1']:.4f} ({e8['macro_f1'] - e32['macro_f1']:+.4f})")
+            (Path(args.out) / EXPORT_META).write_text(json.dumps(info, indent=1))
+        return 0
+
+    return run_guarded(run, argv)
