@@ -91,6 +91,17 @@ def torchrun(args: list[str], nproc: int = 2, check: bool = True, timeout: float
     return run(cmd, timeout=timeout, env=env, check=check)
 
 
+def torchrun_background(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None,
+                        extra_launcher_args: list[str] = ()) -> subprocess.Popen:
+    """A torchrun launch the test signals or kills while it runs. Its own session (process group), so a
+    test can kill the whole job the way a scheduler does: os.killpg(proc.pid, SIGKILL)."""
+    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", *extra_launcher_args, str(MAIN), *args]
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen(cmd, cwd=REPO, env=env or test_env(), stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
 def deepspeed_launcher(args: list[str], nproc: int = 2, check: bool = True,
                        timeout: float = DEFAULT_TIMEOUT, env: dict | None = None) -> Run:
     # Without --num_gpus the launcher counts NUMA nodes on a CPU machine and starts one process.
