@@ -20,6 +20,7 @@ from shardtrain.config import Config
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
 from shardtrain.autoplan import resolve_auto_strategy
 from shardtrain.memory import MemoryMonitor, construction_memory, format_table
+from shardtrain.oom import OOMRecovery
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.final_model import write_final_model
 from shardtrain.gpu_guard import check_devices
@@ -118,6 +119,7 @@ def train(cfg: Config) -> dict:
     # ---- the loop
     throughput = Throughput()
     mem = MemoryMonitor(strategy, dist_info, every=t.memory_every)
+    oom = OOMRecovery(cfg, strategy, loaders.train, dist_info, console)
     bad_steps = skipped = nonfinite_steps = overflow_steps = 0
     eval_result: dict = {}
     preempted = False
@@ -130,16 +132,19 @@ def train(cfg: Config) -> dict:
         t0 = now()
         loss_sum = torch.zeros((), device=dist_info.device)
         mem.begin_step(step + 1)
+        oom.step_start()
         for micro in range(t.grad_accum):
             batch = to_device(loaders.train.next_batch(), dist_info.device)
-            with strategy.micro_step(is_last=micro == t.grad_accum - 1):
-                with mem.forward(first_micro=micro == 0):
-                    logits = strategy.forward(batch)
-                    loss = F.cross_entropy(logits.float(), batch["labels"])
-                if micro == 0 and step + 1 in t.inject_nan_at_steps and dist_info.rank == world - 1:
-                    loss = loss * float("nan")  # test-only fault (train.inject_nan_at_steps): one rank only
-                strategy.backward(loss)
-            loss_sum += loss.detach()
+            with oom.guard():  # an OOM is noted and this rank carries on: see shardtrain/oom.py
+                with strategy.micro_step(is_last=micro == t.grad_accum - 1):
+                    with mem.forward(first_micro=micro == 0):
+                        logits = strategy.forward(batch)
+                        loss = F.cross_entropy(logits.float(), batch["labels"])
+                    if micro == 0 and step + 1 in t.inject_nan_at_steps and dist_info.rank == world - 1:
+                        loss = loss * float("nan")  # test-only fault (train.inject_nan_at_steps): one rank only
+                    strategy.backward(loss)
+                    oom.inject()  # test-only (train.inject_oom_above); a no-op otherwise
+                loss_sum += loss.detach()
         mem.mark("after_backward")
         faults.maybe_kill("step", step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT); a no-op otherwise
 
@@ -149,8 +154,12 @@ def train(cfg: Config) -> dict:
         own_bad = torch.zeros(world, dtype=torch.float64, device=dist_info.device)
         own_bad[dist_info.rank] = (~torch.isfinite(loss_sum)).double()
         totals = all_reduce_sum(torch.cat([torch.stack([loss_sum.double(), torch.tensor(
-                                    float(stop.raised), dtype=torch.float64, device=dist_info.device)]), own_bad]),
+                                    float(stop.raised), dtype=torch.float64, device=dist_info.device)]), own_bad,
+                                    torch.tensor([float(oom.hit)], dtype=torch.float64, device=dist_info.device)]),
                                 dist_info.device).tolist()
+        ranks_oom = totals.pop()
+        if oom.recover(ranks_oom, step + 1):
+            continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
         loss_mean = totals[0] / (t.grad_accum * world)
         finite = math.isfinite(loss_mean)  # a host float already: no tensor round trip (~30 us/step)
         result = strategy.step(skip=not finite)
@@ -216,7 +225,7 @@ def train(cfg: Config) -> dict:
                "wall_seconds": now() - t_start, "final_step": step, "skipped_steps": skipped,
                "nonfinite_steps": nonfinite_steps, "overflow_steps": overflow_steps,
                "preempted": preempted, "checkpoint_save_seconds": save_seconds, "versions": library_versions(), "config": cfg.to_dict(),
-               "memory": {**mem.summary(), "construction": built.per_rank}}
+               "memory": {**mem.summary(), "construction": built.per_rank}, "oom_recovery": oom.summary()}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step))
     tracker.finish(summary)  # summary.json (with `run`), W&B summary, report.html

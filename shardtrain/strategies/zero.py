@@ -185,19 +185,25 @@ class ZeroStrategy(Strategy):
         engine.micro_steps = engine.global_steps * grad_accum
 
     def discard_gradients(self):
-        engine, opt = self.engine, self.engine.optimizer
-        engine.zero_grad()
-        # Reduced partitions of the abandoned step: the next boundary rebuilds them from fresh gradients.
-        if isinstance(getattr(opt, "averaged_gradients", None), (list, dict)):
-            keys = range(len(opt.averaged_gradients)) if isinstance(opt.averaged_gradients, list) \
-                else list(opt.averaged_gradients)
-            for k in keys:
-                opt.averaged_gradients[k] = None
+        # What the ZeRO optimizers do themselves when they skip an overflowed step, minus the loss-scale
+        # update; plus the micro-step id, so that the redone step's first backward copies (not adds) into
+        # the gradient partitions.
+        from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+        opt = self.engine.optimizer
+        opt.zero_grad(set_to_none=True)
+        if getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False):
+            opt.reset_cpu_buffers()
+        for name in ("averaged_gradients", "all_grad_tensors"):
+            grads = getattr(opt, name, None)
+            for k in (list(grads) if isinstance(grads, dict) else range(len(grads or []))):
+                grads[k] = None
+        release = getattr(opt, "_release_preflattened_grad_buffers", None)
+        if release is not None:
+            release()
         if getattr(opt, "grad_partitions_flat_buffer", None) is not None:
             opt.grad_partitions_flat_buffer.zero_()
-        if hasattr(opt, "grads_in_partition_offset"):
-            opt.grads_in_partition_offset = 0
-
+        opt.micro_step_id = INITIAL_MICRO_STEP_ID if self.stage < 3 else 0
 
 def _tensors(obj):
     """Tensors inside DeepSpeed's nested lists/dicts of gradient partitions."""
