@@ -6,7 +6,6 @@ exports it with shardtrain.export, which reads any strategy's checkpoint in one 
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 from shardtrain import checkpoint
@@ -21,14 +20,10 @@ def write_final_model(strategy, trainer_state: dict, cfg, console) -> Path | Non
         ckpt = checkpoint.save_checkpoint(strategy, trainer_state, out, cfg.checkpoint.keep_last)
     written = None
     if strategy.dist.is_rank0:
-        target = Path(cfg.checkpoint.final_model_dir)
-        if importlib.util.find_spec("shardtrain.export") is None:
-            console.warn(f"--final-model-dir {target}: this build has no shardtrain.export; "
-                         f"the final model stays in checkpoint {ckpt}")
-        else:
-            from shardtrain.export import export_checkpoint
-            export_checkpoint(ckpt, target)
-            console.info(f"final model: {target} (from {ckpt})")
-            written = target
+        from shardtrain.export import export_checkpoint
+
+        written = Path(cfg.checkpoint.final_model_dir)
+        export_checkpoint(ckpt, written)
+        console.info(f"final model: {written} (from {ckpt})")
     barrier()
     return written

@@ -46,10 +46,6 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "collections" and name == "OrderedDict":
             from collections import OrderedDict
             return OrderedDict
-        if module == "torch.serialization" and name == "_get_layout":
-            # DCP pickles torch.layout through this name -> layout lookup; it returns a layout, nothing else.
-            import torch.serialization
-            return torch.serialization._get_layout
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
             import pathlib
             return getattr(pathlib, name)  # a path object: building one does no I/O

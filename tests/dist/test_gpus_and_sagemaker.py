@@ -57,5 +57,6 @@ def test_sagemaker_plain_python_then_torchrun_resume(mm_data, tmp_path):
     steps = [json.loads(line)["step"] for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3]
     assert (ckpt / "checkpoints" / "step-000003" / "COMMITTED").is_file()
-    if (REPO / "shardtrain" / "export.py").is_file():
-        assert any(model.iterdir()), f"nothing exported to SM_MODEL_DIR:\n{second.tail()}"
+    # the consolidated model of the last step, on rank 0, where SageMaker packs model.tar.gz
+    assert (model / "model.safetensors").is_file() and (model / "config.json").is_file(), second.tail()
+    assert json.loads((model / "shardtrain_export.json").read_text())["checkpoint"].endswith("step-000003")
