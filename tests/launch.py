@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -72,13 +73,21 @@ def _output_dir(args: list[str]) -> Path | None:
 
 def run(cmd: list[str], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None, cwd: Path = REPO,
         check: bool = True) -> Run:
+    # Its own session, so a timeout can kill the whole tree: `shardtrain train --nproc 2` runs torchrun,
+    # which runs the workers, and killing only the first would leave the rest spinning (or hung) behind.
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or test_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=cwd, env=env or test_env(), capture_output=True, text=True,
-                              timeout=timeout)
-        result = Run(cmd, proc.returncode, proc.stdout + proc.stderr, _output_dir(cmd))
-    except subprocess.TimeoutExpired as e:
-        out = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        stdout, stderr = proc.communicate(timeout=timeout)
+        result = Run(cmd, proc.returncode, stdout + stderr, _output_dir(cmd))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        out = stdout + stderr
         raise AssertionError(f"timed out after {timeout}s (a hang?): {' '.join(cmd)}\n{out[-4000:]}") from None
+    except BaseException:  # Ctrl-C on pytest: the new session would not get it
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     return result.check() if check else result
 
 
