@@ -36,6 +36,7 @@ class ZeroStrategy(Strategy):
         return contextlib.nullcontext()
 
     def setup(self, build_model, frozen_names):
+        _use_own_ninja()
         import deepspeed
 
         rank0 = self.dist.is_rank0
@@ -215,6 +216,18 @@ def _tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
+
+
+def _use_own_ninja() -> None:
+    """DeepSpeed JIT-builds its ops with whichever `ninja` PATH finds first. ninja 1.11 (Debian) and 1.12+ (the
+    venv's) hash commands differently, so runs with different PATHs sharing one TORCH_EXTENSIONS_DIR rebuilt
+    shm_comm for each other every time (minutes under load). Always use the one installed beside this Python."""
+    import os
+    import sys
+
+    own = os.path.dirname(sys.executable)
+    if os.path.exists(os.path.join(own, "ninja")) and not os.environ.get("PATH", "").startswith(own + os.pathsep):
+        os.environ["PATH"] = own + os.pathsep + os.environ.get("PATH", "")
 
 
 def _copy_from_rank0(model: nn.Module, source: nn.Module | None, rank0: bool, deepspeed) -> None:
