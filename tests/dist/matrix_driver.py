@@ -33,18 +33,25 @@ from shardtrain.train import train  # noqa: E402
 class BatchNormWatch:
     """A global forward hook: the dtypes BatchNorm weights and inputs have in training forwards. It runs before
     the modules' own hooks, so FSDP's unsharded (mixed-precision) parameters and ZeRO-3's gathered ones are what
-    it sees."""
+    it sees. Other models built during a run (the banner's memory planner measures a throwaway copy) run one
+    forward each; only modules that ran at least once per micro-step are the training model's."""
 
     def __init__(self):
-        self.weight_dtypes: set[str] = set()
-        self.input_dtypes: set[str] = set()
-        self.calls = 0
+        self.seen: dict[int, tuple[nn.Module, list]] = {}  # holding the module keeps its id() unique
 
     def __call__(self, module, args, output):
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-            self.calls += 1
-            self.weight_dtypes.add(str(module.weight.dtype).replace("torch.", ""))
-            self.input_dtypes.add(str(args[0].dtype).replace("torch.", ""))
+            stats = self.seen.setdefault(id(module), (module, [0, set(), set()]))[1]
+            stats[0] += 1
+            stats[1].add(str(module.weight.dtype).replace("torch.", ""))
+            stats[2].add(str(args[0].dtype).replace("torch.", ""))
+
+    def report(self, forwards: int) -> dict:
+        trained = [stats for _, stats in self.seen.values() if stats[0] >= forwards]
+        self.seen.clear()
+        return {"bn_calls": sum(s[0] for s in trained), "bn_modules": len(trained),
+                "bn_weight_dtypes": sorted(set().union(*(s[1] for s in trained))),
+                "bn_input_dtypes": sorted(set().union(*(s[2] for s in trained)))}
 
 
 def main(plan_path: str, out_dir: str) -> int:
@@ -70,6 +77,7 @@ def main(plan_path: str, out_dir: str) -> int:
             summary = None
         finally:
             handle.remove()
+        bn = watch.report(forwards=cfg.train.max_steps * cfg.train.grad_accum)
         record["seconds"] = time.perf_counter() - t0
         rank0 = dist.get_rank() == 0
         run_dir = Path(cfg.checkpoint.output_dir)
@@ -81,8 +89,7 @@ def main(plan_path: str, out_dir: str) -> int:
                 describe={k: summary.get(k) for k in ("strategy", "offload", "sharding", "recompute_blocks",
                                                       "precision", "grad_accum", "micro_batch_size",
                                                       "global_batch_size", "params_frozen")},
-                bn_weight_dtypes=sorted(watch.weight_dtypes), bn_input_dtypes=sorted(watch.input_dtypes),
-                bn_calls=watch.calls)
+                **bn)
             if entry.get("weights"):
                 record["weights"] = write_weights(cfg, run_dir)
         results[name] = record
