@@ -37,11 +37,15 @@ class StopFlag:
 
     def __init__(self):
         self.raised = False
+        # Only SIGUSR1 (the `--signal=USR1@N` warning of the slurm/ scripts) asks for a requeue: SIGTERM is
+        # also what `scancel` sends, and a requeue then would bring back a job the user just cancelled.
+        self.requeue = False
         for sig in (signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.raised = True
+        self.requeue = self.requeue or signum == signal.SIGUSR1
 
 
 def train(cfg: Config) -> dict:
@@ -209,7 +213,7 @@ def train(cfg: Config) -> dict:
             last_saved = save(strategy, step, loaders, cfg, tracker, out, save_seconds, console)
         if preempted:
             console.info(f"step {step}: stopping on a preemption signal; resume with --resume auto")
-            if dist_info.is_rank0:
+            if dist_info.is_rank0 and stop.requeue:
                 requeue_if_slurm(console.info)
             break
     if cfg.checkpoint.save_every and not preempted and last_saved != step:
