@@ -298,9 +298,18 @@ def from_dict(data: dict, source: str = "config") -> Config:
     return cfg
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse would print the whole usage (70 lines) and exit; a ConfigError is one line, exit 2."""
+
+    def error(self, message):
+        hint = ("; for a negative value write it as --flag=-1e-3" if "expected one argument" in message
+                else "")
+        raise ConfigError(f"{message}{hint} (shardtrain train --help lists every flag)")
+
+
 def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Train with DDP, FSDP or DeepSpeed ZeRO.",
-                                     allow_abbrev=False)
+    parser = _OneLineParser(prog=prog, description="Train with DDP, FSDP or DeepSpeed ZeRO.",
+                            allow_abbrev=False)
     parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
     for name, (section, f, typ) in FIELDS.items():
         names = [flag_of(name)] + FLAG_ALIASES.get(name, [])
