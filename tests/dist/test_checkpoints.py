@@ -1,0 +1,149 @@
+"""Checkpoints that never lose work: exact resume after kill -9 (each strategy), torn saves, torchrun
+restarts, preemption by SIGUSR1, a full disk, cross-strategy handover and export. Real processes, gloo."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from launch import test_env, tiny_args, torchrun, torchrun_background
+from shardtrain.checkpoint import checkpoints_root, committed_steps, latest_committed
+from shardtrain.portable import read_portable
+
+STRATEGIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
+              "zero2": ["--ds", "ds_configs/zero2.json"], "zero3": ["--ds", "ds_configs/zero3.json"]}
+SMALL = ["--per-device-batch-size", "8", "--save-every", "2", "--keep-last", "3"]
+
+
+def args(data, out, strategy, *extra):
+    return tiny_args("multimodal", data, out, *SMALL, *STRATEGIES[strategy], *extra)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert set(a) == set(b), set(a) ^ set(b)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+def losses(out) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path):
+    """One torchrun launch with --max-restarts 3 dies three times: rank 1 SIGKILLed mid-step 3, rank 0
+    SIGKILLed after writing its step-4 shards but before COMMITTED, rank 0 SIGKILLed mid-step 5. Each
+    restart resumes by itself (--resume auto); the result equals an uninterrupted run."""
+    ref = torchrun(args(mm_data, tmp_path / "ref", strategy, "--max-steps", "6"))
+    out = tmp_path / "killed"
+    env = test_env(SHARDTRAIN_FAULT="step@3:1|save@4:0|step@5:0")
+    run = torchrun(args(mm_data, out, strategy, "--max-steps", "6", "--resume", "auto"), env=env,
+                   extra_launcher_args=["--max-restarts", "3"], timeout=900)
+    resumed = [line.split(" at step ")[1] for line in run.output.splitlines() if line.startswith("resumed from ")]
+    # The torn step-4 save is ignored: the second restart resumes from step 2 again, the third from 4.
+    assert resumed == ["2", "2", "4"], run.tail()
+    assert run.output.count("[fault injection]") == 3
+    assert [p.name for p in committed_steps(checkpoints_root(out))] == ["step-000002", "step-000004", "step-000006"]
+    assert not [p for p in checkpoints_root(out).iterdir() if p.name.startswith("step-")
+                and p not in committed_steps(checkpoints_root(out))], "a partial step directory was left"
+    ref_losses, got = losses(tmp_path / "ref"), losses(out)
+    assert len(got) == 6 and max(abs(a - b) for a, b in zip(ref_losses, got)) <= 1e-6, (ref_losses, got)
+    final_ref = read_portable(latest_committed(checkpoints_root(tmp_path / "ref")), optimizer=True)
+    final = read_portable(latest_committed(checkpoints_root(out)), optimizer=True)
+    assert max_diff(final_ref["model"], final["model"]) <= 1e-6
+    assert max_diff(final_ref["optim"], final["optim"]) <= 1e-6
+    print(f"\n{strategy}: max |loss diff| {max(abs(a - b) for a, b in zip(ref_losses, got)):.2e}, "
+          f"max |weight diff| {max_diff(final_ref['model'], final['model']):.2e}, "
+          f"save seconds {ref.summary['checkpoint_save_seconds']}")
+
+
+def _wait_for(pred, proc, timeout=120.0):
+    t0 = time.time()
+    while not pred():
+        assert proc.poll() is None, f"run ended early (exit {proc.returncode})"
+        assert time.time() - t0 < timeout, "timed out waiting"
+        time.sleep(0.05)
+
+
+def _steps_logged(out) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_sigusr1_to_workers_then_kill9_of_the_job_then_resume(mm_data, tmp_path):
+    """Preemption as documented for torchrun: SIGUSR1 to the agent's children (the workers; the agent
+    itself would die of it). Then a real external SIGKILL of the whole job, and a resume that completes."""
+    out = tmp_path / "run"
+    a = tiny_args("multimodal", mm_data, out, "--per-device-batch-size", "8", "--strategy", "ddp",
+                  "--max-steps", "200", "--save-every", "0", "--eval-every", "0")
+    proc = torchrun_background(a, log=tmp_path / "a.log")
+    _wait_for(lambda: _steps_logged(out) >= 3, proc)
+    subprocess.run(["pkill", "-USR1", "-P", str(proc.pid)], check=True)
+    assert proc.wait(timeout=120) == 0, (tmp_path / "a.log").read_text()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["preempted"] and summary["final_step"] < 200
+    ckpt = latest_committed(checkpoints_root(out))
+    assert ckpt is not None and ckpt.name == f"step-{summary['final_step']:06d}"
+
+    # Resume with periodic saves; SIGKILL every process of the job once a new checkpoint is committed.
+    b = [x if x != "none" else "auto" for x in a]
+    b[b.index("--save-every") + 1] = "2"
+    proc = torchrun_background(b, log=tmp_path / "b.log")
+    _wait_for(lambda: (latest_committed(checkpoints_root(out)) or ckpt).name > ckpt.name, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=60)
+    killed_at = latest_committed(checkpoints_root(out))
+    done = torchrun(b[:b.index("--max-steps") + 1] + [str(int(killed_at.name[5:]) + 2)]
+                    + b[b.index("--max-steps") + 2:])
+    assert f"resumed from {killed_at}" in done.output
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, int(killed_at.name[5:]) + 3)), steps
+
+
+def test_disk_full_while_saving_keeps_previous_checkpoint(mm_data, tmp_path):
+    """Simulated ENOSPC (fault injection, not a real full filesystem) on rank 1 at the step-4 save."""
+    out = tmp_path / "run"
+    run = torchrun(args(mm_data, out, "ddp", "--max-steps", "6"), env=test_env(SHARDTRAIN_FAULT="enospc@4:1"),
+                   check=False)
+    assert run.returncode != 0
+    errors = [line for line in run.output.splitlines() if "shardtrain: error:" in line]
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "step-000002 is intact" in errors[0], run.tail()
+    assert "Traceback" not in run.output
+    root = checkpoints_root(out)
+    assert [p.name for p in root.iterdir() if p.name.startswith("step-")] == ["step-000002"]
+    assert (root / "latest").read_text().strip() == "step-000002"
+
+
+def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
+    """ZeRO-2 on 2 ranks -> FSDP on 2 -> DDP on 1: weights and Adam moments identical at each handover.
+    Each handover run resumes at step 4 with --max-steps 4, so its only save is the converted checkpoint."""
+    z2, fs, dp = tmp_path / "zero2", tmp_path / "fsdp", tmp_path / "ddp1"
+    torchrun(args(mm_data, z2, "zero2", "--max-steps", "4"))
+    torchrun(args(mm_data, fs, "fsdp", "--max-steps", "4", "--resume", str(z2 / "checkpoints" / "step-000004")))
+    torchrun(args(mm_data, dp, "ddp", "--max-steps", "4", "--resume", str(fs / "checkpoints" / "step-000004")),
+             nproc=1)
+    states = [read_portable(d / "checkpoints" / "step-000004", optimizer=True) for d in (z2, fs, dp)]
+    for before, after in zip(states, states[1:]):
+        assert max_diff(before["model"], after["model"]) == 0.0
+        assert max_diff(before["optim"], after["optim"]) == 0.0
+    trainer = json.loads((dp / "checkpoints" / "step-000004" / "trainer_state.json").read_text())
+    assert trainer["strategy"]["strategy"] == "ddp" and trainer["world_size"] == 1
+
+    # Export from the DeepSpeed checkpoint, one process: the exported model reproduces the run's eval.
+    exp = tmp_path / "export"
+    from launch import cli
+    cli(["export", str(z2), str(exp), "--eval"])
+    info = json.loads((exp / "shardtrain_export.json").read_text())
+    run_eval = json.loads((z2 / "summary.json").read_text())["eval"]
+    assert info["eval_fp32"]["accuracy"] == run_eval["accuracy"]
+    assert info["eval_fp32"]["macro_f1"] == pytest.approx(run_eval["macro_f1"], abs=1e-12)
+    from shardtrain.export import load_export
+    model = load_export(exp)
+    from safetensors.torch import load_file
+    exported = load_file(str(exp / "model.safetensors"))
+    assert max_diff({k: exported[k] for k in states[0]["model"]}, states[0]["model"]) == 0.0
+    assert isinstance(model, torch.nn.Module)

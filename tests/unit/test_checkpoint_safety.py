@@ -1,0 +1,96 @@
+"""Checkpoint loading refuses code-carrying pickles and says clearly what is wrong with a checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from shardtrain import checkpoint
+from shardtrain.config import Config, ConfigError
+from shardtrain.preemption import slurm_job_to_requeue
+from shardtrain.strategies.dcp_state import check_model_fits
+from shardtrain.unpickle_guard import UnsafeCheckpoint, check_dcp_metadata, check_torch_file
+
+
+class Evil:
+    """Unpickling this runs a shell command that creates the marker file."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def fake_checkpoint(root, marker):
+    step = root / "checkpoints" / "step-000002"
+    (step / "model_optim").mkdir(parents=True)
+    with open(step / "model_optim" / ".metadata", "wb") as f:
+        pickle.dump({"state_dict_metadata": Evil(marker)}, f)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 2, "format_version": 1,
+                                                         "config": Config().to_dict()}))
+    (step / "COMMITTED").write_text("ok\n")
+    return step
+
+
+def test_malicious_dcp_metadata_is_refused_before_it_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    step = fake_checkpoint(tmp_path, marker)
+    with pytest.raises(UnsafeCheckpoint, match=r"contains a pickled object '(posix|os)\.system'.*refusing"):
+        check_dcp_metadata(step / "model_optim")
+    assert not marker.exists()
+
+
+def test_malicious_torch_file_is_refused_before_it_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": Evil(marker), "w": torch.ones(2)}, evil)
+    with pytest.raises(UnsafeCheckpoint, match="refusing to load"):
+        check_torch_file(evil)
+    assert not marker.exists()
+    plain = tmp_path / "plain.pt"
+    torch.save({"w": torch.ones(2), "n": 3}, plain)
+    check_torch_file(plain)  # tensors and plain data pass
+
+
+def test_export_cli_refuses_malicious_checkpoint_with_one_line(tmp_path):
+    marker = tmp_path / "pwned"
+    step = fake_checkpoint(tmp_path, marker)
+    env = {**os.environ, "PYTHONPATH": str(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))}
+    proc = subprocess.run([sys.executable, "-m", "shardtrain", "export", str(step), str(tmp_path / "out")],
+                          capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("shardtrain: error:")]
+    assert len(lines) == 1 and "refusing to load" in lines[0] and ".metadata" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert not marker.exists()
+
+
+def test_checkpoint_error_messages(tmp_path):
+    step = tmp_path / "checkpoints" / "step-000004"
+    step.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="not a committed checkpoint"):
+        checkpoint.find_resume_dir(str(step), tmp_path)
+    (step / "COMMITTED").write_text("ok\n")
+    (step / "trainer_state.json").write_text('{"step": 4,\n "data": ')
+    with pytest.raises(ConfigError, match=r"trainer_state.json: corrupt JSON at line 2"):
+        checkpoint.read_trainer_state(step)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 4, "format_version": 99}))
+    with pytest.raises(ConfigError, match="format 99 is newer"):
+        checkpoint.read_trainer_state(step)
+    with pytest.raises(ConfigError, match=r"another model: missing \(1\): head.b; unexpected \(1\): head.c; "
+                                          r"shape checkpoint vs model \(1\): head.w \[4, 2\] vs \[3, 2\]"):
+        check_model_fits(step, {"head.w": (3, 2), "head.b": (3,)},
+                         {"model.head.w": (4, 2), "model.head.c": (3,), "optim.state.head.w.exp_avg": (4, 2)})
+
+
+def test_slurm_requeue_id():
+    assert slurm_job_to_requeue({"SLURM_JOB_ID": "812"}) == "812"
+    assert slurm_job_to_requeue({"SLURM_JOB_ID": "813", "SLURM_ARRAY_JOB_ID": "800",
+                                 "SLURM_ARRAY_TASK_ID": "13"}) == "800_13"
+    assert slurm_job_to_requeue({}) is None
