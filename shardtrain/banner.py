@@ -13,8 +13,10 @@ def memory_prediction(cfg, world_size: int) -> dict:
 
     The planner is optional here: the banner reports why there is no prediction instead of failing.
     Contract: shardtrain.planner.predict_run(cfg, world_size) -> dict of per-rank GiB figures."""
+    import importlib
+
     try:
-        from shardtrain import planner
+        planner = importlib.import_module("shardtrain.planner")
     except ImportError:
         return {"note": "no prediction: shardtrain.planner is not available in this build"}
     predict = getattr(planner, "predict_run", None)
@@ -24,6 +26,13 @@ def memory_prediction(cfg, world_size: int) -> dict:
         return dict(predict(cfg, world_size))
     except Exception as e:  # noqa: BLE001 - a prediction is advice; it must not stop a run
         return {"note": f"no prediction: planner failed ({type(e).__name__}: {str(e)[:120]})"}
+
+
+def _size(key: str, value) -> str:
+    if key.endswith("_gib") and isinstance(value, (int, float)):
+        name = key[:-4]
+        return f"{name} {value:.2f} GiB" if value >= 1 else f"{name} {value * 1024:.1f} MiB"
+    return f"{key} {value}"
 
 
 def _strategy_lines(info: dict) -> list[str]:
@@ -57,7 +66,7 @@ def format_banner(info: dict) -> str:
     if "note" in mem and len(mem) == 1:
         lines.append(f"  memory      {mem['note']}")
     else:
-        lines.append("  memory      predicted per rank: " +
-                     ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in mem.items()))
+        lines.append("  memory      predicted per rank (shardtrain plan): " +
+                     ", ".join(_size(k, v) for k, v in mem.items()))
     lines.append("=" * 78)
     return "\n".join(lines)

@@ -1,0 +1,86 @@
+"""Issue 6 on real 2-process gloo runs: banner, plain log lines, quiet libraries, the offline W&B run
+(one per job, continued after a resume, no API key anywhere), the automatic report, and `shardtrain parity`."""
+from __future__ import annotations
+
+import json
+
+from launch import cli, test_env, tiny_args, torchrun
+from wandb_records import read_run
+
+from shardtrain.checkpoint import TRAINER_STATE, checkpoints_root, step_dir_name
+
+SECRET = "sk-test-0123456789abcdef-not-a-real-key"
+CHATTER = ("FutureWarning", "built successfully", "No CUDA runtime is found", "Setting ds_accelerator",
+           "Setting accelerator to CPU")
+
+
+def _no_secret(out, text: str) -> None:
+    assert SECRET not in text
+    for f in out.rglob("*"):
+        if f.is_file():
+            assert SECRET.encode() not in f.read_bytes(), f"API key written to {f}"
+
+
+def test_wandb_offline_run_banner_report_and_resume(ld_data, tmp_path):
+    out = tmp_path / "run"
+    env = test_env(WANDB_API_KEY=SECRET)
+    common = ["--ds", "ds_configs/zero2.json", "--report-to", "wandb", "--wandb-run-name", "obs-test",
+              "--log-every", "2", "--eval-every", "2", "--save-every", "2", "--max-eval-samples", "16"]
+    first = torchrun(tiny_args("longformer", ld_data, out, *common, "--max-steps", "4"), env=env)
+
+    # Banner: every rank, the batch arithmetic, the resolved DeepSpeed config; plain lines, no chatter.
+    text = first.output
+    assert "micro 8 x accum 1 x world 2 = global 16" in text
+    assert text.count("  cpu          cpu") == 2 and '"stage": 2' in text
+    assert "step 2/4 | loss" in text and "step 4/4 | loss" in text and "ETA" in text
+    assert "\r" not in text and "\x1b" not in text
+    assert not [c for c in CHATTER if c in text], text[-3000:]
+
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, runs
+    rec = read_run(next(runs[0].glob("run-*.wandb")))
+    losses = {h["train/step"]: h["train/loss"] for h in rec["history"] if "train/loss" in h}
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert [round(x, 6) for x in losses.values()] == [round(m["loss"], 6) for m in first.metrics]
+    assert all("perf/samples_per_sec" in h and "perf/tokens_per_sec" in h for h in rec["history"] if "train/loss" in h)
+    assert any("eval/accuracy" in h for h in rec["history"])
+    assert any(k.startswith("mem/rank1/") for h in rec["history"] for k in h)
+    assert rec["config"]["config"]["train"]["max_steps"] == 4
+    assert rec["config"]["run"]["strategy"] == "zero2" and "torch" in rec["config"]["versions"]
+    state = json.loads((checkpoints_root(out) / step_dir_name(4) / TRAINER_STATE).read_text())
+    assert state["wandb_run_id"] == rec["run_id"]
+
+    # The end-of-run report, written automatically, holds this run's numbers.
+    html = (out / "report.html").read_text()
+    assert f"{first.metrics[-1]['loss']:.4f}" in html and f"{first.summary['eval']['accuracy']:.4f}" in html
+    assert (out / "memory.png").read_bytes()[:4] == b"\x89PNG" and (out / "curves.png").stat().st_size > 10_000
+    assert first.summary["run"]["ranks"][1]["rank"] == 1 and first.summary["run"]["steps_per_epoch"] > 0
+
+    # A resumed job continues the same W&B run.
+    # tiny_args says --resume none; the later flag wins.
+    second = torchrun(tiny_args("longformer", ld_data, out, *common, "--max-steps", "6", "--resume", "auto"), env=env)
+    runs = sorted((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2
+    resumed = read_run(next(runs[-1].glob("run-*.wandb")))
+    assert resumed["run_id"] == rec["run_id"]
+    assert sorted(h["train/step"] for h in resumed["history"] if "train/loss" in h) == [5, 6]
+    _no_secret(out, first.output + second.output)
+
+
+def test_parity_agrees_across_strategies(ld_data, tmp_path):
+    run = cli(["parity", "--config", "configs/longformer_tiny.yaml", "--strategies", "ddp,fsdp", "--steps", "3",
+               "--nproc", "2", "--out", str(tmp_path), "--data-dir", str(ld_data)])
+    assert "parity: OK" in run.output
+    report = json.loads((tmp_path / "parity.json").read_text())
+    assert [r["step"] for r in report["steps"]] == [1, 2, 3] and report["first_divergence"] is None
+
+
+def test_parity_exits_nonzero_on_divergence(ld_data, tmp_path):
+    # A different learning rate changes nothing at step 1 (loss before any update) and everything after.
+    run = cli(["parity", "--config", "configs/longformer_tiny.yaml", "--strategies", "ddp,fsdp", "--steps", "2",
+               "--nproc", "2", "--out", str(tmp_path), "--data-dir", str(ld_data), "--args-for", "fsdp=--lr 5e-3"],
+              check=False)
+    assert run.returncode == 1, run.tail()
+    assert "DIVERGED at step 2: fsdp vs ddp" in run.output
+    report = json.loads((tmp_path / "parity.json").read_text())
+    assert report["steps"][0]["loss_rel_diff"]["fsdp"] == 0.0
