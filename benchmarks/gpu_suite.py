@@ -135,8 +135,10 @@ def flops_per_sample(cfg) -> float | None:
 
 def steady_rate(metrics_path: Path, global_batch: int, warmup: int) -> dict:
     stamps = [json.loads(line)["wall_time"] for line in metrics_path.read_text().splitlines() if line.strip()]
-    kept = stamps[min(warmup, len(stamps) - 2):]
+    kept = stamps[max(0, min(warmup, len(stamps) - 2)):]
     periods = [b - a for a, b in zip(kept, kept[1:])]
+    if not periods:  # the run stopped before a second step (e.g. a preemption signal)
+        return {"samples_per_sec": None, "step_ms_median": None, "steps_timed": 0}
     return {"samples_per_sec": global_batch * len(periods) / (kept[-1] - kept[0]),
             "step_ms_median": 1000 * statistics.median(periods), "steps_timed": len(periods)}
 

@@ -47,10 +47,12 @@ def make_jpeg_data(out: Path, n: int) -> Path:
 
 def config(data: Path, work: Path, workers: int, batch: int):
     from shardtrain.config import parse_cli
-    return parse_cli(["--config", str(SHIPPED), "--data-dir", str(data), "--output-dir", str(work / "run"),
-                      "--pretrained", "false", "--image-weights", "none", "--num-workers", str(workers),
-                      "--per-device-batch-size", str(batch), "--device", "cpu", "--precision", "fp32",
-                      "--freeze-layers", "0", "--unfreeze-at-step", "none", "--resume", "none"])
+    cfg = parse_cli(["--config", str(SHIPPED), "--data-dir", str(data), "--output-dir", str(work / "run"),
+                     "--pretrained", "false", "--num-workers", str(workers),
+                     "--per-device-batch-size", str(batch), "--device", "cpu", "--precision", "fp32",
+                     "--freeze-layers", "0", "--unfreeze-at-step", "none", "--resume", "none"])
+    cfg.model.image_weights = None  # random init: nothing to download (no flag spells None for a str option)
+    return cfg
 
 
 def loader_rate(cfg, tok, datasets, batches: int) -> float:

@@ -1,0 +1,47 @@
+"""The benchmarks' CPU dry-run modes (the benchmarks themselves are not part of `make test`): each script
+runs end to end through real processes and writes JSON of the documented shape."""
+from __future__ import annotations
+
+import json
+import sys
+
+from launch import REPO, run, test_env
+
+BENCH = REPO / "benchmarks"
+
+
+def test_overhead_dry_run(tmp_path):
+    out = tmp_path / "overhead.json"
+    # shardtrain and the hand-written loop: two 2-process torchrun jobs of 6 steps (Accelerate's loop is the
+    # same harness with one more contender; it runs in the full benchmark).
+    run([sys.executable, str(BENCH / "overhead.py"), "--dry-run", "--contenders", "shardtrain,handwritten",
+         "--work", str(tmp_path / "work"), "--out", str(out)], timeout=300)
+    result = json.loads(out.read_text())
+    assert result["dry_run"] is True and result["nproc"] == 2
+    (cell,) = result["cells"]
+    assert (cell["config"], cell["strategy"]) == ("tiny", "ddp")
+    medians = cell["samples_per_sec_median"]
+    assert medians["shardtrain"] > 0 and medians["handwritten"] > 0
+    assert cell["ratio_vs_handwritten"] == medians["shardtrain"] / medians["handwritten"]
+    assert cell["ratio_vs_accelerate"] is None  # not run here
+    assert all(r["steps_timed"] == 3 for rs in cell["runs"].values() for r in rs)  # 6 steps - 2 warm-up - 1
+
+
+def test_gpu_suite_dry_run(tmp_path):
+    out = tmp_path / "gpu_suite.json"
+    cases = "fusion_channels_last,longformer_4096_ac,strategy_fsdp,strategy_zero3"
+    run([sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--cases", cases,
+         "--work", str(tmp_path / "work"), "--out", str(out)], timeout=300, env=test_env())
+    result = json.loads(out.read_text())
+    assert result["dry_run"] is True and result["environment"]["cuda_available"] is False
+    assert {"fusion_mfu_min", "fusion_mfu_best", "met"} <= set(result["targets"])
+    rows = {r["name"]: r for r in result["cases"]}
+    assert list(rows) == cases.split(",")
+    for name, r in rows.items():
+        assert r["status"] == "ok", (name, r.get("error"))
+        assert r["samples_per_sec"] > 0 and r["flops_per_sample"] > 0, name
+        assert r["mfu"] is None and r["peak_allocated_gib"] is None  # CPU: no peak FLOPs, no CUDA allocator
+        assert "predicted_peak_gib" in r["planner"] and "note" in r["planner"]
+    assert rows["longformer_4096_ac"]["activation_checkpointing"] is True
+    assert rows["fusion_channels_last"]["channels_last"] is True
+    assert (rows["strategy_fsdp"]["strategy"], rows["strategy_zero3"]["strategy"]) == ("fsdp", "zero3")
