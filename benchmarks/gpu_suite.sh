@@ -14,21 +14,21 @@
 #   PLAT="--python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 #   python3 -m pip download --no-deps --only-binary=:all: $PLAT -d .whl datasets==5.2.0 dill==0.4.1 \
 #       multiprocess==0.70.19 hjson==3.1.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 \
-#       typing-inspection==0.4.5
+#       typing-inspection==0.4.5 transformers==5.24.0 tokenizers==0.23.3
 #   DS_BUILD_OPS=0 python3 -m pip wheel --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
 #
-# This script installs .whl/*.whl into /tmp/site when deepspeed or datasets is missing. Without deepspeed
-# the ZeRO cases fail (and say so in the JSON); the others still run.
+# transformers 5.24 (the version shardtrain is tested with) because the image's 5.17 may lack
+# transformers.initialization.no_init_weights, which the ZeRO-3 setup uses. Everything in .whl/ is installed
+# into /tmp/site; without deepspeed the ZeRO cases fail (and say so in the JSON), the others still run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-if ! "$PY" -c "import deepspeed, datasets" 2>/dev/null; then
-    if compgen -G ".whl/*.whl" > /dev/null; then
-        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-    else
-        echo "gpu_suite: deepspeed and/or datasets missing and no .whl/ to install from (see the top of $0)" >&2
-    fi
+if compgen -G ".whl/*.whl" > /dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! PYTHONPATH=${PYTHONPATH:-} "$PY" -c "import deepspeed, datasets" 2>/dev/null; then
+    echo "gpu_suite: deepspeed and/or datasets missing: carry them in .whl/ (see the top of $0)" >&2
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1

@@ -29,7 +29,8 @@ def test_overhead_dry_run(tmp_path):
 
 def test_gpu_suite_dry_run(tmp_path):
     out = tmp_path / "gpu_suite.json"
-    cases = "fusion_channels_last,longformer_4096_ac,strategy_fsdp,strategy_zero3"
+    # channels_last under FSDP and ZeRO is where the suite found real bugs (non-contiguous conv weights).
+    cases = "fusion_channels_last,longformer_4096_ac,strategy_fsdp,strategy_zero2"
     run([sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--cases", cases,
          "--work", str(tmp_path / "work"), "--out", str(out)], timeout=300, env=test_env())
     result = json.loads(out.read_text())
@@ -44,4 +45,4 @@ def test_gpu_suite_dry_run(tmp_path):
         assert "predicted_peak_gib" in r["planner"] and "note" in r["planner"]
     assert rows["longformer_4096_ac"]["activation_checkpointing"] is True
     assert rows["fusion_channels_last"]["channels_last"] is True
-    assert (rows["strategy_fsdp"]["strategy"], rows["strategy_zero3"]["strategy"]) == ("fsdp", "zero3")
+    assert (rows["strategy_fsdp"]["strategy"], rows["strategy_zero2"]["strategy"]) == ("fsdp", "zero2")
