@@ -33,6 +33,9 @@ def test_env(**extra) -> dict:
         # DeepSpeed's JIT-built ops (shm_comm, cpu_adam) are cached once beside the venv.
         "TORCH_EXTENSIONS_DIR": env.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")),
         "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+        # As if the venv were activated: DeepSpeed's JIT builds use the venv's ninja. Debian's ninja 1.11 and
+        # the venv's 1.13 hash build commands differently and rebuilt the shared op cache for each other.
+        "PATH": str(BIN) + os.pathsep + env.get("PATH", ""),
     })
     env.pop("RANK", None)
     env.pop("LOCAL_RANK", None)
