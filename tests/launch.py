@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -76,22 +75,37 @@ def _output_dir(args: list[str]) -> Path | None:
 
 def run(cmd: list[str], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None, cwd: Path = REPO,
         check: bool = True) -> Run:
-    # Its own session, so a timeout can kill the whole tree: `shardtrain train --nproc 2` runs torchrun,
-    # which runs the workers, and killing only the first would leave the rest spinning (or hung) behind.
     proc = subprocess.Popen(cmd, cwd=cwd, env=env or test_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+                            text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         result = Run(cmd, proc.returncode, stdout + stderr, _output_dir(cmd))
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
         out = stdout + stderr
         raise AssertionError(f"timed out after {timeout}s (a hang?): {' '.join(cmd)}\n{out[-4000:]}") from None
-    except BaseException:  # Ctrl-C on pytest: the new session would not get it
-        os.killpg(proc.pid, signal.SIGKILL)
+    except BaseException:
+        kill_tree(proc.pid)
         raise
     return result.check() if check else result
+
+
+def kill_tree(pid: int) -> None:
+    """The process and all its descendants. `shardtrain train --nproc 2` runs torchrun, which starts each
+    worker in a session of its own: killing the first process (or its group) would leave workers behind."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = root.children(recursive=True) + [root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def torchrun(args: list[str], nproc: int = 2, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
