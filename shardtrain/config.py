@@ -127,6 +127,8 @@ class LogConfig:
     verbose: bool = False
     debug: bool = False
     report: bool = True
+    # The banner's memory prediction measures activations on CPU at startup (seconds on rank 0); false skips it.
+    predict_memory: bool = True
 
 
 @dataclass
@@ -408,8 +410,8 @@ def validate(cfg: Config) -> None:
     if m.attention != "sdpa" and m.name == "longformer":
         raise ConfigError(f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
                           f"the setting applies to the multimodal model's RoBERTa only")
-    if t.inject_oom_above is not None and t.inject_oom_above < 1:
-        raise ConfigError(f"{where('inject_oom_above')} must be >= 1, got {t.inject_oom_above}")
+    if t.inject_oom_above is not None and t.inject_oom_above < 0:
+        raise ConfigError(f"{where('inject_oom_above')} must be >= 0, got {t.inject_oom_above}")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
     if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():

@@ -1,0 +1,84 @@
+"""shardtrain.memory counting rules and shardtrain.planner arithmetic, in one process."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from shardtrain.config import ConfigError, parse_cli
+from shardtrain.memory import SavedActivations, count_bytes
+from shardtrain.oom import smaller_micro_batch
+from shardtrain.planner import GIB, ModelCount, model_states, paper_formula, plan, resolve_gpu
+from launch import REPO
+
+
+def test_storages_are_counted_once_under_their_first_category():
+    flat = torch.zeros(100)
+    view_a, view_b = flat[:50], flat[50:]
+    other = torch.zeros(10, dtype=torch.float64)
+    out = count_bytes([("params", view_a), ("grads", view_b), ("optimizer", other), ("grads", None)],
+                      torch.device("cpu"))
+    assert out["params"] == 400 and out["grads"] == 0 and out["optimizer"] == 80
+    assert out["model_state"] == 480 and out["device"] == 480
+
+
+def test_saved_activations_exclude_weights_and_shrink_with_checkpointing():
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    with SavedActivations() as plain:
+        block(x).sum()
+    with SavedActivations() as ckpt:
+        checkpoint(block, x, use_reentrant=False).sum()
+    # x (8x64), the hidden pre-GELU and post-GELU (8x256 each): weights are parameters, not activations
+    assert plain.bytes == 4 * (8 * 64 + 2 * 8 * 256)
+    assert ckpt.bytes == 4 * 8 * 64  # only the checkpointed block's input stays
+
+
+def test_smaller_micro_batch_keeps_the_global_batch_whole():
+    assert [smaller_micro_batch(n) for n in (16, 6, 3, 2, 1)] == [8, 3, 1, 1, None]
+
+
+def test_model_state_formulas():
+    m = ModelCount(params=1_000_000, largest_unit=10_000, small_params=1_000, buffer_bytes=0, layers=2)
+    psi, n = m.params, 4
+    ddp = model_states("ddp", m, n, "fp32")["gpu"]
+    assert ddp["params"] + ddp["grads"] + ddp["optimizer"] == 16 * psi
+    fsdp = model_states("fsdp", m, n, "bf16")["gpu"]
+    assert fsdp["params"] + fsdp["grads"] + fsdp["optimizer"] == 16 * psi / n
+    z2 = model_states("zero2", m, n, "fp32")["gpu"]
+    assert z2["params"] + z2["grads"] + z2["optimizer"] == 4 * psi + 16 * psi / n
+    z2_fp16 = model_states("zero2", m, n, "fp16")["gpu"]
+    assert z2_fp16["params"] == 2 * psi  # DeepSpeed fp16 keeps 16-bit weights; master is in the optimizer
+    z3 = model_states("zero3", m, n, "fp32")
+    assert z3["gpu"]["params"] + z3["gpu"]["grads"] + z3["gpu"]["optimizer"] == 20 * psi / n + 4 * m.small_params
+    off = model_states("zero3_offload", m, n, "fp32")
+    assert off["gpu"]["grads"] == off["gpu"]["optimizer"] == 0 and off["host"] == 24 * psi / n
+    assert paper_formula("zero2", psi, n) == {"zero_paper": 2 * psi + 14 * psi / n,
+                                              "deepspeed_estimator": 2 * psi + 18 * psi / n}
+    assert paper_formula("zero3", psi, n)["zero_paper"] == 16 * psi / n
+    assert paper_formula("ddp", psi, n)["zero_paper"] == 16 * psi
+
+
+def test_unknown_gpu_is_a_config_error():
+    assert resolve_gpu("A100").memory_gib == 40 and not resolve_gpu("v100-16gb").bf16
+    with pytest.raises(ConfigError, match="--gpu h300: unknown GPU; known: a100-40gb"):
+        resolve_gpu("h300")
+
+
+def test_nothing_fits_gives_a_smaller_micro_batch_with_the_same_global_batch(tmp_path):
+    cfg = parse_cli(["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--output-dir", str(tmp_path),
+                     "--max-length", "16", "--per-device-batch-size", "16", "--grad-accum", "1"])
+    roomy = plan(cfg, 2, 1 * GIB, cuda=False)
+    assert roomy["recommendation"]["variant"] == "ddp" and roomy["recommendation"]["micro_batch_size"] == 16
+    assert len(roomy["rows"]) == 16  # 8 variants x checkpointing off/on
+    # Below every model-state footprint at micro-batch 16 but above fsdp_offload's at a smaller batch.
+    rows16 = {(r["variant"], r["activation_checkpointing"]): r["total_bytes"] for r in roomy["rows"]}
+    budget = min(rows16.values()) * 0.99 / 0.95
+    tight = plan(cfg, 2, budget, cuda=False)
+    rec = tight["recommendation"]
+    assert rec is not None and rec["micro_batch_size"] < 16
+    assert rec["micro_batch_size"] * rec["grad_accum"] * 2 == tight["global_batch_size"] == 32
+    assert "keeps global batch 32" in tight["note"]
