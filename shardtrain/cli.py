@@ -106,6 +106,9 @@ def train_main(argv: list[str]) -> int:
         # The files the strategy reads (DeepSpeed JSON, FSDP policy) are checked before any process starts.
         from shardtrain.strategies import check_strategy_config
         check_strategy_config(cfg)
+        # So are the data records: a typo on line 7 should not wait for N processes and a model.
+        from shardtrain.data.records import check_splits
+        check_splits(cfg)
         from shardtrain.launch import maybe_relaunch
         code = maybe_relaunch(cfg, args)
         if code is not None:

@@ -106,3 +106,25 @@ def read_texts(path: Path) -> Iterator[str]:
                 continue
             if isinstance(obj, dict) and isinstance(obj.get("text"), str) and obj["text"].strip():
                 yield obj["text"]
+
+
+def check_splits(cfg) -> None:
+    """Both splits' records, before any process, process group or model exists: the first bad one raises
+    `file:line: message`. Cheap (no torch, no image decoding; images are only checked to exist). With
+    --skip-bad-samples only the files must exist: the dataset skips and counts the bad records."""
+    kind = data_kind(cfg.model.name)
+    for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):
+        # The same folders as build_datasets (SageMaker's validation channel may be a folder of its own).
+        folder = cfg.data.eval_data_dir if split == "validation" and cfg.data.eval_data_dir else cfg.data.data_dir
+        path = split_path(folder, split)
+        if cfg.data.skip_bad_samples:
+            continue
+        good = 0
+        for rec, problem in iter_split(path, kind, cfg.model.num_labels):
+            if problem:
+                raise ConfigError(problem)
+            good += 1
+            if limit is not None and good >= limit:
+                break
+        if not good:
+            raise ConfigError(f"{where('data_dir')}: no usable records in {path}")
