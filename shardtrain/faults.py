@@ -6,9 +6,10 @@ POINT is where rank RANK fails while working on optimizer step STEP (1-based):
     step    SIGKILL itself after the step's backward, before the optimizer update (a mid-step crash)
     save    SIGKILL itself after writing its checkpoint shards, before COMMITTED (a torn save)
     enospc  its checkpoint write fails with "No space left on device" (a full disk, simulated)
-Groups separated by "|" apply to successive torchrun attempts (TORCHELASTIC_RESTART_COUNT), so one
-`torchrun --max-restarts N` launch can crash at several points and prove each restart resumes.
-Unset (always, outside tests) it costs one dictionary lookup per call.
+With SHARDTRAIN_FAULT_ONCE_DIR set, each fault fires once per job: it leaves a marker file there before
+killing, so one `torchrun --max-restarts N` launch can crash at several points in turn and prove that
+every restart resumes by itself (an extra restart, e.g. a slow rendezvous, does not shift the schedule).
+Unset (always, outside tests) it costs one set lookup per call.
 """
 from __future__ import annotations
 
@@ -21,15 +22,8 @@ POINTS = ("step", "save", "enospc")
 
 
 def _parse() -> set[tuple[str, int, int]]:
-    spec = os.environ.get(ENV, "").strip()
-    if not spec:
-        return set()
-    attempts = spec.split("|")
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt >= len(attempts):
-        return set()
     faults = set()
-    for item in filter(None, (x.strip() for x in attempts[attempt].split(","))):
+    for item in filter(None, (x.strip() for x in os.environ.get(ENV, "").split(","))):
         point, _, where = item.partition("@")
         step, _, rank = where.partition(":")
         if point not in POINTS:
@@ -42,7 +36,17 @@ _FAULTS = _parse()
 
 
 def armed(point: str, step: int, rank: int) -> bool:
-    return bool(_FAULTS) and (point, step, rank) in _FAULTS
+    if not _FAULTS or (point, step, rank) not in _FAULTS:
+        return False
+    once = os.environ.get("SHARDTRAIN_FAULT_ONCE_DIR")
+    if once:
+        marker = os.path.join(once, f"{point}@{step}:{rank}")
+        if os.path.exists(marker):
+            return False
+        os.makedirs(once, exist_ok=True)
+        with open(marker, "w"):
+            pass
+    return True
 
 
 def maybe_kill(point: str, step: int, rank: int) -> None:

@@ -6,6 +6,7 @@ reduces gradients only at the boundary, so there is no no_sync here.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from shardtrain.config import ConfigError
 from shardtrain.ds_config import describe_ds, resolve_ds_config
-from shardtrain.strategies.base import Strategy, StepResult, extra_state
+from shardtrain.strategies.base import Strategy, StepResult, extra_state, load_extra_state
 from shardtrain.strategies.dcp_state import save_portable
 from shardtrain.unpickle_guard import check_torch_file
 
@@ -132,10 +133,10 @@ class ZeroStrategy(Strategy):
         saved = saved or {}
         writer = (saved.get("strategy") or {}).get("strategy")
         if writer != self.name or saved.get("world_size") != self.dist.world_size:
-            raise ConfigError(f"--resume {ckpt_dir}: written by {writer} on {saved.get('world_size')} ranks; "
-                              f"{self.name} resumes only its own checkpoints at the same world size "
-                              f"({self.dist.world_size}) for now. Continue under --strategy fsdp or ddp "
-                              f"(they read any checkpoint), or start fresh from `shardtrain export`")
+            # The engine's own files only fit the same stage and world size; anything else is portable.
+            self._warn(f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
+                       f"({self.dist.world_size} ranks) through its portable form")
+            return self._load_portable(ckpt_dir, load_optimizer)
         engine_dir = ckpt_dir / TAG
         if not engine_dir.is_dir():
             raise ConfigError(f"--resume {ckpt_dir}: missing {TAG}/: the checkpoint is incomplete")
@@ -148,6 +149,81 @@ class ZeroStrategy(Strategy):
             msg = " ".join(str(e).split())[:300]
             raise ConfigError(f"--resume {ckpt_dir}: DeepSpeed cannot load {TAG}/ (corrupt, or another "
                               f"model?): {msg}") from None
+
+    def _load_portable(self, ckpt_dir: Path, load_optimizer: bool) -> None:
+        import deepspeed
+        import torch.distributed.checkpoint as dcp
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from shardtrain.strategies.dcp_state import EXTRA_FILE, MODEL_DIR, check_model_fits, read_metadata, tensor_shapes
+
+        shapes = tensor_shapes(read_metadata(ckpt_dir))
+        params = dict(self._inner.named_parameters())
+        full_shape = {n: tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in params.items()}
+        buffers = {}
+        for mod_name, mod in self._inner.named_modules():
+            for b_name, buf in mod.named_buffers(recurse=False):
+                if buf is not None and b_name not in mod._non_persistent_buffers_set:
+                    buffers[f"{mod_name}.{b_name}" if mod_name else b_name] = buf
+        check_model_fits(ckpt_dir, {**full_shape, **{n: tuple(b.shape) for n, b in buffers.items()}}, shapes)
+        state = {"model": {n: torch.empty(s) for n, s in full_shape.items()}}
+        state["model"].update({n: torch.empty_like(b, device="cpu") for n, b in buffers.items()})
+        keys = ("exp_avg", "exp_avg_sq", "step")
+        with_moments = [n for n in params if all(f"optim.state.{n}.{k}" in shapes for k in keys)]
+        if load_optimizer:
+            if len(with_moments) < len(params):
+                self._warn(f"optimizer state for {len(params) - len(with_moments)} of {len(params)} parameters "
+                           f"is not in {ckpt_dir}: they start with fresh Adam moments")
+            state["optim"] = {"state": {n: {"exp_avg": torch.empty(full_shape[n]), "exp_avg_sq":
+                                            torch.empty(full_shape[n]), "step": torch.empty(())}
+                                        for n in with_moments}}
+        try:
+            dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR))
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"--resume {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): "
+                              f"{' '.join(str(e).split())[:300]}") from None
+        if load_optimizer:
+            self._init_optimizer_state()
+        for name, p in params.items():
+            value = state["model"][name]
+            # The engine computes with the low-precision (here: model) copy and steps the fp32 master copy:
+            # both must hold the checkpoint's weights.
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=hasattr(p, "ds_id")):
+                with torch.no_grad():
+                    p.data.copy_(value.view(p.shape).to(p.dtype))
+            safe_set_full_fp32_param(p, value)
+            if load_optimizer and name in state["optim"]["state"]:
+                for k in ("exp_avg", "exp_avg_sq"):
+                    safe_set_full_optimizer_state(p, state["optim"]["state"][name][k], k)
+        for name, buf in buffers.items():
+            buf.copy_(state["model"][name])
+        if load_optimizer and with_moments:
+            step = float(state["optim"]["state"][with_moments[0]]["step"])
+            for v in self.optimizer.optimizer.state.values():
+                if "step" in v:
+                    v["step"] = torch.tensor(step, dtype=torch.float32) if torch.is_tensor(v["step"]) else int(step)
+        extra_file = ckpt_dir / EXTRA_FILE
+        if load_optimizer and extra_file.exists():
+            load_extra_state(json.loads(extra_file.read_text()), self.scheduler, self.optimizer)
+
+    def _init_optimizer_state(self) -> None:
+        """Adam's state exists only after a first step; make it with zero gradients and a zero learning
+        rate (no weight change), then let ZeRO-1/2 link parameters to it."""
+        inner = self.optimizer.optimizer
+        if not inner.state:
+            lrs = [g["lr"] for g in inner.param_groups]
+            for g in inner.param_groups:
+                g["lr"] = 0.0
+                for p in g["params"]:
+                    p.grad = torch.zeros_like(p)
+            inner.step()
+            for g, lr in zip(inner.param_groups, lrs):
+                g["lr"] = lr
+                for p in g["params"]:
+                    p.grad = None
+        if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):
+            self.optimizer._hp_optimizer_states_linked = False
+            self.optimizer._lazy_init_hp_params_optimizer_state()
 
     def describe(self):
         return {"strategy": self.name, "offload": self.offload, **self.info,

@@ -40,13 +40,14 @@ def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path):
     restart resumes by itself (--resume auto); the result equals an uninterrupted run."""
     ref = torchrun(args(mm_data, tmp_path / "ref", strategy, "--max-steps", "6"))
     out = tmp_path / "killed"
-    env = test_env(SHARDTRAIN_FAULT="step@3:1|save@4:0|step@5:0")
+    env = test_env(SHARDTRAIN_FAULT="step@3:1,save@4:0,step@5:0", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired")
+    # Spare restarts: on this shared machine a restarted rank occasionally misses gloo's connect window.
     run = torchrun(args(mm_data, out, strategy, "--max-steps", "6", "--resume", "auto"), env=env,
-                   extra_launcher_args=["--max-restarts", "3"], timeout=900)
+                   extra_launcher_args=["--max-restarts", "5"], timeout=900)
     resumed = [line.split(" at step ")[1] for line in run.output.splitlines() if line.startswith("resumed from ")]
-    # The torn step-4 save is ignored: the second restart resumes from step 2 again, the third from 4.
-    assert resumed == ["2", "2", "4"], run.tail()
-    assert run.output.count("[fault injection]") == 3
+    assert run.output.count("[fault injection]") == 3, run.tail()
+    # The torn step-4 save is ignored: the restart after it resumes from step 2 again; the last from 4.
+    assert resumed.count("2") >= 2 and resumed[-1] == "4" and resumed == sorted(resumed), run.tail()
     assert [p.name for p in committed_steps(checkpoints_root(out))] == ["step-000002", "step-000004", "step-000006"]
     assert not [p for p in checkpoints_root(out).iterdir() if p.name.startswith("step-")
                 and p not in committed_steps(checkpoints_root(out))], "a partial step directory was left"
