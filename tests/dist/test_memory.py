@@ -1,8 +1,14 @@
-"""Memory accounting (shardtrain.memory) against the planner's prediction (shardtrain.planner), every strategy,
-2 CPU ranks, in one launch (tests/dist/matrix_driver.py runs each configuration through parse_cli -> train).
+"""Memory accounting (shardtrain.memory) against the planner's prediction (shardtrain.planner), every strategy;
+--oom-recovery and --strategy auto. 2 CPU ranks, ONE launch (tests/dist/matrix_driver.py runs each
+configuration through parse_cli -> train).
 
 The planner predicts from the config alone (meta-device count, activations measured at batch 1 on a 1- and
 2-layer copy); the run measures by walking the tensors each rank holds. They must agree within 10%.
+
+OOM: rank 0 raises a real torch.OutOfMemoryError (--inject-oom-above 8) at micro-batch 16; the run must
+finish at micro-batch 8 x accum 2 with the same global batch and the same losses and gradient norms (fp32,
+1e-5) as a run started at micro-batch 8 x accum 2. At micro-batch 1 it must give up with a clear message.
+Auto: two --memory-budget-gb values lead to two different choices, each recorded in summary.json.
 """
 from __future__ import annotations
 
@@ -28,17 +34,46 @@ VARIANTS = {
 COMMON = ["--max-steps", "2", "--max-length", "16", "--max-eval-samples", "8", "--report", "false",
           "--log-every", "100"]
 TOLERANCE = 0.10
+OOM_STRATEGIES = ("ddp", "fsdp", "zero2")
+OOM_COMMON = ["--max-steps", "2", "--max-length", "16", "--max-eval-samples", "8", "--report", "false",
+              "--log-every", "100"]
+BUDGETS = {"roomy": "1.0", "tight": "0.06"}  # GiB per rank; the tiny model needs ~0.08 under DDP
 
 
 @pytest.fixture(scope="module")
-def runs(mm_data, tmp_path_factory) -> dict:
+def launched(mm_data, tmp_path_factory):
+    """ONE launch for every memory, OOM and auto configuration (imports and process-group start paid once)."""
     root = tmp_path_factory.mktemp("memory")
-    plan = [{"name": v, "args": tiny_args("multimodal", mm_data, root / v, *flags, *COMMON)}
-            for v, flags in VARIANTS.items()]
+    plan = []
+
+    def add(name, *flags, **opts):
+        plan.append({"name": name, "args": tiny_args("multimodal", mm_data, root / name, *flags), **opts})
+
+    for v, flags in VARIANTS.items():
+        add(v, *flags, *COMMON)
+    for s in OOM_STRATEGIES:
+        add(f"oom-{s}", *VARIANTS[s], *OOM_COMMON, "--per-device-batch-size", "16", "--inject-oom-above", "8")
+        add(f"ref-{s}", *VARIANTS[s], *OOM_COMMON, "--per-device-batch-size", "8", "--grad-accum", "2")
+    for name, gb in BUDGETS.items():
+        add(f"auto-{name}", "--strategy", "auto", "--memory-budget-gb", gb, *OOM_COMMON)
+    # Last: it ends in an error (every rank raises the same one, after the step's all-reduce). 64 px images:
+    # at micro-batch 1 the ResNet's BatchNorm needs more than one value per channel.
+    add("oom-gives-up", *VARIANTS["ddp"], *OOM_COMMON, "--image-size", "64", "--per-device-batch-size", "2",
+        "--inject-oom-above", "0", expect_error=True)
     (root / "plan.json").write_text(json.dumps(plan))
-    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=600, env=launch.test_env(), check=False)
+    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=600, env=launch.test_env(),
+                   check=False)
     assert run.returncode == 0, run.tail(80)
-    return {p["name"]: (p["args"], json.loads((root / p["name"] / "summary.json").read_text())) for p in plan}
+    results = json.loads((root / "results.json").read_text())
+    summaries = {p["name"]: json.loads((root / p["name"] / "summary.json").read_text())
+                 for p in plan if (root / p["name"] / "summary.json").exists()}
+    return {"plan": {p["name"]: p["args"] for p in plan}, "results": results, "summaries": summaries,
+            "output": run.output}
+
+
+@pytest.fixture(scope="module")
+def runs(launched) -> dict:
+    return {v: (launched["plan"][v], launched["summaries"][v]) for v in VARIANTS}
 
 
 def rel(a: float, b: float) -> float:
@@ -81,3 +116,36 @@ def test_each_rank_holds_its_share(runs):
         assert 0.6 < rec["model_state"] / ddp < 0.75, (rec["model_state"], ddp)
     construction = runs["zero3"][1]["memory"]["construction"]
     assert set(construction) == {"0", "1"} and all(r["peak_rss"] > 0 for r in construction.values())
+
+
+@pytest.mark.parametrize("strategy", OOM_STRATEGIES)
+def test_oom_recovery_keeps_global_batch_and_trajectory(launched, strategy):
+    results, summaries, output = launched["results"], launched["summaries"], launched["output"]
+    got, ref = results[f"oom-{strategy}"], results[f"ref-{strategy}"]
+    s = summaries[f"oom-{strategy}"]
+    assert s["oom_recovery"]["events"] == [{"step": 1, "ranks": 1, "from": [16, 1], "to": [8, 2]}]
+    assert (s["oom_recovery"]["micro_batch_size"], s["oom_recovery"]["grad_accum"]) == (8, 2)
+    assert s["global_batch_size"] == summaries[f"ref-{strategy}"]["global_batch_size"] == 32
+    assert len(got["losses"]) == 2
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert rel(a, b) < 1e-5, (strategy, got["losses"], ref["losses"])
+    for a, b in zip(got["grad_norms"], ref["grad_norms"]):
+        assert rel(a, b) < 1e-5, (strategy, got["grad_norms"], ref["grad_norms"])
+
+
+def test_oom_is_logged_once_per_event_and_gives_up_at_micro_batch_1(launched):
+    results, output = launched["results"], launched["output"]
+    assert output.count("out of memory on 1 rank(s) at micro-batch 16 x accum 1; redoing") == len(OOM_STRATEGIES)
+    r = results["oom-gives-up"]
+    assert not r["ok"] and r["error"].startswith("MemoryError: step 1: out of memory on 1 rank(s) at micro-batch 1")
+
+
+def test_auto_picks_differently_for_two_budgets(launched):
+    summaries, output = launched["summaries"], launched["output"]
+    roomy, tight = summaries["auto-roomy"], summaries["auto-tight"]
+    assert roomy["strategy"] == "ddp", roomy["strategy"]
+    assert tight["strategy"] != "ddp"
+    for s in (roomy, tight):  # the global batch of the config (16 x 1 x 2) is kept
+        assert s["global_batch_size"] == 32
+    assert output.count("--strategy auto: ") == 2
+    assert "--strategy auto: ddp" in output and "fits 1.00 GiB per rank" in output
