@@ -238,8 +238,9 @@ class ZeroStrategy(Strategy):
             yield "params", p.data
         for b in self._inner.buffers():
             yield "buffers", b
-        # fp32 master partitions (ZeRO-3 reuses the parameter partition itself when it is already fp32:
-        # the storage was counted above) and the gradient partitions the optimizer steps on.
+        # fp32 master partitions and the gradient partitions the optimizer steps on. ZeRO-3 means to reuse an
+        # fp32 parameter partition as its master, but compares a torch.device with a string, so it always
+        # copies (measured); were it reused, the storage would already be counted under params above.
         for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
             for t in getattr(opt, name, None) or []:
                 yield "optimizer", t
