@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from launch import BIN, REPO, test_env, tiny_args, torchrun
+import launch
+from launch import BIN, REPO, tiny_args, torchrun
 
 pytestmark = pytest.mark.slurm
 
@@ -37,7 +38,7 @@ def slurm_env() -> dict:
         pytest.skip(f"local Slurm unavailable (start.sh exit 3: packages cannot be installed): "
                     f"{start.stderr.strip()[-300:]}")
     assert start.returncode == 0, f"start.sh failed ({start.returncode}):\n{start.stdout}\n{start.stderr}"
-    env = test_env(SLURM_CONF=f"{STATE_DIR}/slurm.conf")
+    env = launch.test_env(SLURM_CONF=f"{STATE_DIR}/slurm.conf")
     # The jobs' `python` is this interpreter: through the scripts' site block (SHARDTRAIN_VENV) when it
     # lives in a venv, and through PATH in any case.
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -158,7 +159,7 @@ def test_multinode_two_tasks_deepspeed(slurm_env, mm_data, tmp_path):
 def test_preemption_requeue_resume(slurm_env, mm_data, tmp_path):
     """SIGUSR1 mid-run -> checkpoint at the next step -> `scontrol requeue` from rank 0 -> the requeued job
     (same id, SLURM_RESTART_COUNT=1) resumes and finishes with the losses of an uninterrupted run."""
-    steps = 16
+    steps = 12
     out = tmp_path / "out"
     train_args = f"--strategy fsdp --precision fp32 --device cpu --max-steps {steps}"
     job, _ = submit("train_3xa100.sbatch", tmp_path, slurm_env, {
