@@ -148,4 +148,4 @@ def test_auto_picks_differently_for_two_budgets(launched):
     for s in (roomy, tight):  # the global batch of the config (16 x 1 x 2) is kept
         assert s["global_batch_size"] == 32
     assert output.count("--strategy auto: ") == 2
-    assert "--strategy auto: ddp" in output and "fits 1.00 GiB per rank" in output
+    assert "--strategy auto: ddp" in output and "that fit 1.00 GiB per rank" in output
