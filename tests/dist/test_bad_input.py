@@ -270,7 +270,7 @@ def test_master_port_in_use(previous, mm_data):
                          ids=["fsdp", "zero2"])
 def test_skip_then_abort_after_max_bad_steps(mm_data, tmp_path, strategy):
     run = train(mm_data, tmp_path / "out", *strategy, "--inject-nan-at-steps", "2,4,5", "--max-bad-steps", "2",
-                "--max-steps", "6", nproc=2, timeout=180)
+                "--max-steps", "6", nproc=2)
     line = error_line(run, 1)
     assert "FloatingPointError" in line and "2 consecutive non-finite steps up to step 5" in line
     assert "step 2: non-finite loss on rank 1" in run.output
