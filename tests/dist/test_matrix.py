@@ -81,7 +81,7 @@ def matrix(data_dirs, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("matrix")
     plan = _plan(data_dirs, root)
     (root / "plan.json").write_text(json.dumps(plan))
-    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=900, check=False)
+    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=1500, check=False)
     results_file = root / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     missing = [p["name"] for p in plan if p["name"] not in results]
