@@ -15,6 +15,8 @@ def memory_prediction(cfg, world_size: int) -> dict:
     Contract: shardtrain.planner.predict_run(cfg, world_size) -> dict of per-rank GiB figures."""
     import importlib
 
+    if not cfg.log.predict_memory:
+        return {"note": "not predicted (--predict-memory false)"}
     try:
         planner = importlib.import_module("shardtrain.planner")
     except ImportError:
