@@ -44,7 +44,7 @@ def _plan(data_dirs: dict, root: Path) -> list[dict]:
 
     def add(name, workload, strategy, *extra, **opts):
         out = root / name.replace("/", "_")
-        args = tiny_args(workload, data_dirs[workload], out, *STRATEGIES[strategy], "--report", "false",
+        args = tiny_args(workload, data_dirs[workload], out, *STRATEGIES[strategy], "--report", "false", "--predict-memory", "false",
                          "--max-eval-samples", "16", "--log-every", "100", *extra)
         plan.append({"name": name, "args": args, **opts})
 
