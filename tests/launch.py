@@ -119,8 +119,8 @@ def torchrun(args: list[str], nproc: int = 2, check: bool = True, timeout: float
 
 def torchrun_background(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None,
                         extra_launcher_args: list[str] = ()) -> subprocess.Popen:
-    """A torchrun launch the test signals or kills while it runs. Its own session (process group), so a
-    test can kill the whole job the way a scheduler does: os.killpg(proc.pid, SIGKILL)."""
+    """A torchrun launch the test signals or kills while it runs. The agent is proc.pid; torchrun starts each
+    worker in a session of its own, so killpg(agent) would not reach them: signal `pgrep -P proc.pid`."""
     cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", *extra_launcher_args, str(MAIN), *args]
     out = open(log, "w") if log else subprocess.DEVNULL

@@ -95,7 +95,11 @@ def test_sigusr1_to_workers_then_kill9_of_the_job_then_resume(mm_data, tmp_path)
     b[b.index("--save-every") + 1] = "2"
     proc = torchrun_background(b, log=tmp_path / "b.log")
     _wait_for(lambda: (latest_committed(checkpoints_root(out)) or ckpt).name > ckpt.name, proc)
-    os.killpg(proc.pid, signal.SIGKILL)
+    # torchrun starts each worker in its own session, so killpg(agent) would leave them training as orphans
+    # (seen here): SIGKILL the agent and its workers together, as a scheduler's cgroup kill does.
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    for pid in [proc.pid, *map(int, workers)]:
+        os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=60)
     killed_at = latest_committed(checkpoints_root(out))
     done = torchrun(b[:b.index("--max-steps") + 1] + [str(int(killed_at.name[5:]) + 2)]
