@@ -131,10 +131,13 @@ def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_
         failure = e
     # Ranks agree before anything is committed: one rank's full disk must not leave the others waiting.
     if any_rank(failure is not None, strategy.device):
+        # Every rank says the same thing: the highest errno seen anywhere (ENOSPC, EDQUOT, EIO...).
+        code = all_reduce_max(float(getattr(failure, "errno", None) or (-1 if failure else 0)), strategy.device)
         _abandon(path, root, rank0)
         from shardtrain.config import ConfigError
         previous = latest_committed(root)
-        cause = _cause(failure) if failure else "another rank failed to write its shards"
+        cause = (_cause(failure) if failure and getattr(failure, "errno", None) == code
+                 else os.strerror(int(code)) if code > 0 else "a rank failed to write its shards")
         raise ConfigError(f"saving checkpoint {path} failed ({cause}); "
                           f"{'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'}"
                           f"; free space under {root} and rerun with --resume auto")
@@ -150,6 +153,14 @@ def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_
         prune(root, keep_last, keep=path)
     barrier()
     return path
+
+
+def all_reduce_max(value: float, device) -> float:
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
 
 
 def _abandon(path: Path, root: Path, rank0: bool) -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from launch import test_env, tiny_args, torchrun, torchrun_background
+from launch import REPO, test_env, tiny_args, torchrun, torchrun_background
 from shardtrain.checkpoint import checkpoints_root, committed_steps, latest_committed
 from shardtrain.portable import read_portable
 
@@ -117,7 +117,8 @@ def test_disk_full_while_saving_keeps_previous_checkpoint(mm_data, tmp_path):
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if "shardtrain: error:" in line]
     assert len(errors) == 1 and "No space left on device" in errors[0] and "step-000002 is intact" in errors[0], run.tail()
-    assert "Traceback" not in run.output
+    assert 'File "' + str(REPO / "shardtrain") not in run.output  # no traceback through our code (torchrun
+    # itself always prints its ChildFailedError report when a worker exits non-zero)
     root = checkpoints_root(out)
     assert [p.name for p in root.iterdir() if p.name.startswith("step-")] == ["step-000002"]
     assert (root / "latest").read_text().strip() == "step-000002"
