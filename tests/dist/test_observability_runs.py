@@ -10,6 +10,8 @@ from wandb_records import read_run
 
 from shardtrain.checkpoint import TRAINER_STATE, checkpoints_root, step_dir_name
 
+# Two sequential 2-process runs; a DeepSpeed one took ~4 min on the shared 2-core box under load.
+PARITY_TIMEOUT = 900
 SECRET = "sk-test-0123456789abcdef-not-a-real-key"
 CHATTER = ("FutureWarning", "built successfully", "No CUDA runtime is found", "Setting ds_accelerator",
            "Setting accelerator to CPU")
@@ -72,7 +74,8 @@ def test_wandb_offline_run_banner_report_and_resume(ld_data, tmp_path):
 
 def test_parity_agrees_across_strategies(ld_data, tmp_path):
     run = cli(["parity", "--config", "configs/longformer_tiny.yaml", "--strategies", "ddp,fsdp", "--steps", "3",
-               "--nproc", "2", "--out", str(tmp_path), "--data-dir", str(ld_data), "--max-eval-samples", "8"])
+               "--nproc", "2", "--out", str(tmp_path), "--data-dir", str(ld_data), "--max-eval-samples", "8"],
+              timeout=PARITY_TIMEOUT)
     assert "parity: OK" in run.output
     report = json.loads((tmp_path / "parity.json").read_text())
     assert [r["step"] for r in report["steps"]] == [1, 2, 3] and report["first_divergence"] is None
@@ -83,7 +86,7 @@ def test_parity_exits_nonzero_on_divergence(ld_data, tmp_path):
     run = cli(["parity", "--config", "configs/longformer_tiny.yaml", "--strategies", "ddp,zero2", "--steps", "2",
                "--nproc", "2", "--out", str(tmp_path), "--data-dir", str(ld_data), "--max-eval-samples", "8",
                "--args-for", "zero2=--lr 5e-3"],
-              check=False)
+              check=False, timeout=PARITY_TIMEOUT)
     assert run.returncode == 1, run.tail()
     assert "DIVERGED at step 2: zero2 vs ddp" in run.output
     report = json.loads((tmp_path / "parity.json").read_text())
