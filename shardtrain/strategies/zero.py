@@ -134,6 +134,10 @@ class ZeroStrategy(Strategy):
         writer = (saved.get("strategy") or {}).get("strategy")
         if writer != self.name or saved.get("world_size") != self.dist.world_size:
             # The engine's own files only fit the same stage and world size; anything else is portable.
+            if self.stage == 3:
+                raise ConfigError(f"--resume {ckpt_dir}: written by {writer} on {saved.get('world_size')} ranks; "
+                                  f"ZeRO-3 resumes only its own checkpoints at the same world size so far. "
+                                  f"Continue under zero2, fsdp or ddp (they read any checkpoint)")
             self._warn(f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
                        f"({self.dist.world_size} ranks) through its portable form")
             return self._load_portable(ckpt_dir, load_optimizer)
