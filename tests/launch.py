@@ -141,6 +141,8 @@ def cli(args: list[str], check: bool = True, timeout: float = DEFAULT_TIMEOUT, e
 
 
 def tiny_args(workload: str, data_dir: Path, output_dir: Path, *extra: str) -> list[str]:
+    """Arguments for a tiny run. The startup memory prediction (seconds per launch) and the end-of-run
+    report are off unless a test asks for them in `extra` (the last occurrence of a flag wins)."""
     config = {"multimodal": "configs/multimodal_tiny.yaml", "longformer": "configs/longformer_tiny.yaml"}[workload]
     return ["--config", str(REPO / config), "--data-dir", str(data_dir), "--output-dir", str(output_dir),
-            "--resume", "none", *extra]
+            "--resume", "none", "--predict-memory", "false", "--report", "false", *extra]
