@@ -29,7 +29,8 @@ def test_wandb_offline_run_banner_report_and_resume(ld_data, tmp_path):
     env = launch.test_env(WANDB_API_KEY=SECRET)
     common = ["--strategy", "ddp", "--report-to", "wandb", "--wandb-run-name", "obs-test",
               "--log-every", "1", "--eval-every", "1", "--save-every", "2", "--max-eval-samples", "8"]
-    first = torchrun(tiny_args("longformer", ld_data, out, *common, "--max-steps", "2"), env=env)
+    first = torchrun(tiny_args("longformer", ld_data, out, *common, "--max-steps", "2",
+                               "--predict-memory", "true", "--report", "true"), env=env)
 
     # Banner: every rank, the batch arithmetic, the memory prediction; plain lines, no chatter.
     text = first.output
