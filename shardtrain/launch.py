@@ -41,7 +41,30 @@ def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
         print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} "
               f"shardtrain/main.py {' '.join(argv)}", flush=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, env=env)
+    return run_forwarding_signals(cmd, env)
+
+
+def run_forwarding_signals(cmd: list[str], env: dict) -> int:
+    """A spot interruption (SageMaker) or a Slurm warning signals this parent process; the workers must
+    hear it to checkpoint. SIGTERM goes to the torchrun agent, which passes it on to its workers; SIGUSR1
+    goes to the workers themselves, because the agent dies of SIGUSR1 (measured: exit 138)."""
+    import signal
+
+    import psutil
+
+    agent = subprocess.Popen(cmd, env=env)
+
+    def forward(signum, frame):
+        if signum == signal.SIGUSR1:
+            for worker in psutil.Process(agent.pid).children():
+                if any(part.endswith("main.py") for part in worker.cmdline()):
+                    worker.send_signal(signum)
+        else:
+            agent.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, forward)
+    return agent.wait()
 
 
 def without_flag(argv: list[str], flag: str) -> list[str]:

@@ -43,6 +43,9 @@ def test_env(**extra) -> dict:
     return env
 
 
+test_env.__test__ = False  # a helper, not a test, wherever it is imported
+
+
 @dataclass
 class Run:
     cmd: list[str]
