@@ -58,3 +58,10 @@ def maybe_kill(point: str, step: int, rank: int) -> None:
 def maybe_disk_full(step: int, rank: int) -> None:
     if armed("enospc", step, rank):
         raise OSError(errno.ENOSPC, "No space left on device (fault injection)")
+
+
+def maybe_nan(loss, step: int, steps: list[int], rank: int, world_size: int):
+    """Test-only (train.inject_nan_at_steps): the last rank's loss turns NaN on those steps."""
+    if steps and step in steps and rank == world_size - 1:
+        return loss * float("nan")
+    return loss

@@ -1,11 +1,12 @@
 """What happens after a preemption checkpoint: under Slurm, rank 0 puts the job back in the queue.
 
-The signal side lives in train.StopFlag (SIGUSR1/SIGTERM set a flag; the loop saves and exits 0).
+The signal side is StopFlag below (SIGUSR1/SIGTERM set a flag; the loop saves and exits 0).
 How the signal reaches the training processes under each launcher is in docs/readme/checkpoints.md.
 """
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 
 
@@ -34,3 +35,20 @@ def requeue_if_slurm(log=print) -> bool:
         return False
     log(f"requeued Slurm job {job}; it resumes from the checkpoint (--resume auto)")
     return True
+
+
+class StopFlag:
+    """Set by SIGUSR1/SIGTERM (preemption). The handler only sets a flag: no I/O, no collective.
+    The loop folds it into its one per-step all-reduce, so every rank stops at the same step."""
+
+    def __init__(self):
+        self.raised = False
+        # Only SIGUSR1 (the `--signal=USR1@N` warning of the slurm/ scripts) asks for a requeue: SIGTERM is
+        # also what `scancel` sends, and a requeue then would bring back a job the user just cancelled.
+        self.requeue = False
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.raised = True
+        self.requeue = self.requeue or signum == signal.SIGUSR1

@@ -7,8 +7,6 @@
 """
 from __future__ import annotations
 
-import math
-import signal
 import time
 from pathlib import Path
 
@@ -16,36 +14,20 @@ import torch
 import torch.nn.functional as F
 
 from shardtrain import checkpoint, faults
+from shardtrain.autoplan import resolve_auto_strategy
+from shardtrain.banner import memory_prediction
 from shardtrain.config import Config
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
-from shardtrain.autoplan import resolve_auto_strategy
-from shardtrain.memory import MemoryMonitor, construction_memory, format_table
-from shardtrain.oom import OOMRecovery
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.final_model import write_final_model
 from shardtrain.gpu_guard import check_devices
+from shardtrain.memory import MemoryMonitor, construction_memory, format_table
 from shardtrain.models import build_model
-from shardtrain.preemption import requeue_if_slurm
+from shardtrain.oom import OOMRecovery
+from shardtrain.preemption import StopFlag, requeue_if_slurm
+from shardtrain.step_health import BadStepPolicy, agree
 from shardtrain.strategies import make_strategy
-from shardtrain.banner import memory_prediction
 from shardtrain.tracking import Console, Throughput, Tracker, library_versions, now
-
-
-class StopFlag:
-    """Set by SIGUSR1/SIGTERM (preemption). The handler only sets a flag: no I/O, no collective.
-    The loop folds it into its one per-step all-reduce, so every rank stops at the same step."""
-
-    def __init__(self):
-        self.raised = False
-        # Only SIGUSR1 (the `--signal=USR1@N` warning of the slurm/ scripts) asks for a requeue: SIGTERM is
-        # also what `scancel` sends, and a requeue then would bring back a job the user just cancelled.
-        self.requeue = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.raised = True
-        self.requeue = self.requeue or signum == signal.SIGUSR1
 
 
 def train(cfg: Config) -> dict:
@@ -54,6 +36,9 @@ def train(cfg: Config) -> dict:
     rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
     check_devices(rank_table, dist_info.is_rank0, console.warn)
     out = Path(cfg.checkpoint.output_dir)
+    if cfg.checkpoint.overwrite_output_dir and cfg.checkpoint.resume == "none" and dist_info.is_rank0:
+        checkpoint.clear_previous_run(out)  # asked for by name; validate() refuses it otherwise
+    barrier()
     stop = StopFlag()
     t_start = now()
 
@@ -124,7 +109,7 @@ def train(cfg: Config) -> dict:
     throughput = Throughput()
     mem = MemoryMonitor(strategy, dist_info, every=t.memory_every)
     oom = OOMRecovery(cfg, strategy, loaders.train, dist_info, console)
-    bad_steps = skipped = nonfinite_steps = overflow_steps = 0
+    health = BadStepPolicy(t.nan_policy, t.max_bad_steps, console, dist_info.is_rank0)
     eval_result: dict = {}
     preempted = False
     batch = None
@@ -144,60 +129,30 @@ def train(cfg: Config) -> dict:
                     with mem.forward(first_micro=micro == 0):
                         logits = strategy.forward(batch)
                         loss = F.cross_entropy(logits.float(), batch["labels"])
-                    if micro == 0 and step + 1 in t.inject_nan_at_steps and dist_info.rank == world - 1:
-                        loss = loss * float("nan")  # test-only fault (train.inject_nan_at_steps): one rank only
+                    if micro == 0:  # test-only (train.inject_nan_at_steps); a no-op otherwise
+                        loss = faults.maybe_nan(loss, step + 1, t.inject_nan_at_steps, dist_info.rank, world)
                     strategy.backward(loss)
                     oom.inject()  # test-only (train.inject_oom_above); a no-op otherwise
                 loss_sum += loss.detach()
         mem.mark("after_backward")
         faults.maybe_kill("step", step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT); a no-op otherwise
 
-        # The one collective (and host sync) per optimizer step: the mean loss over ranks, which also
-        # tells every rank whether any rank saw a non-finite loss or a preemption signal.
-        # Each rank also sets its own slot if its loss was non-finite, so the warning can name the ranks.
-        own_bad = torch.zeros(world, dtype=torch.float64, device=dist_info.device)
-        own_bad[dist_info.rank] = (~torch.isfinite(loss_sum)).double()
-        totals = all_reduce_sum(torch.cat([torch.stack([loss_sum.double(), torch.tensor(
-                                    float(stop.raised), dtype=torch.float64, device=dist_info.device)]), own_bad,
-                                    torch.tensor([float(oom.hit)], dtype=torch.float64, device=dist_info.device)]),
-                                dist_info.device).tolist()
-        ranks_oom = totals.pop()
-        if oom.recover(ranks_oom, step + 1):
+        # The one collective (and host sync) per optimizer step: the mean loss, and whether any rank saw a
+        # non-finite loss, ran out of memory or was signalled to stop. Every rank then decides alike.
+        agreed = agree(loss_sum, t.grad_accum, stop.raised, oom.hit, dist_info)
+        if oom.recover(agreed.oom_ranks, step + 1):
             continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
-        loss_mean = totals[0] / (t.grad_accum * world)
-        finite = math.isfinite(loss_mean)  # a host float already: no tensor round trip (~30 us/step)
-        result = strategy.step(skip=not finite)
+        result = strategy.step(skip=not agreed.finite)
         grad_norm = float(result.grad_norm)
         step += 1
         mem_table = mem.end_step(step)  # on a few steps only: a tensor walk and a gather to rank 0
-
-        if not result.applied:
-            skipped += 1
-            # A non-finite loss is bad in any precision; an fp16 overflow with a finite loss is the scaler's business.
-            bad = not finite or not result.overflow
-            bad_steps = bad_steps + 1 if bad else 0
-            nonfinite_steps += bad
-            overflow_steps += not bad
-            if bad and dist_info.is_rank0:
-                ranks = [r for r, v in enumerate(totals[2:]) if v > 0]
-                what = f"loss on rank {', '.join(map(str, ranks))}" if ranks else "grad norm"
-                console.warn(f"step {step}: non-finite {what} (loss {loss_mean}, grad norm {grad_norm}); "
-                             f"update skipped on every rank ({bad_steps} in a row, {nonfinite_steps} in all)")
-            if bad and (t.nan_policy == "abort" or bad_steps >= t.max_bad_steps):
-                if t.nan_policy == "abort":
-                    raise FloatingPointError(f"non-finite loss/grad norm at step {step} with --nan-policy abort; "
-                                             f"--nan-policy skip skips such steps (up to --max-bad-steps in a row)")
-                raise FloatingPointError(f"{bad_steps} consecutive non-finite steps up to step {step} reached "
-                                         f"--max-bad-steps {t.max_bad_steps}: lower --lr or check the data")
-        else:
-            bad_steps = 0
+        health.update(step, result.applied, result.overflow, agreed, grad_norm)  # raises on --nan-policy
 
         seconds = now() - t0
         throughput.add(global_batch, seconds)
-        record = {"step": step, "loss": loss_mean, "lr": strategy.optimizer.param_groups[0]["lr"],
+        record = {"step": step, "loss": agreed.loss_mean, "lr": strategy.optimizer.param_groups[0]["lr"],
                   "grad_norm": grad_norm, "samples_per_sec": global_batch / seconds,
-                  "step_seconds": seconds, "skipped_steps": skipped, "nonfinite_steps": nonfinite_steps,
-                  "overflow_steps": overflow_steps, "epoch": loaders.train.epoch,
+                  "step_seconds": seconds, **health.counts(), "epoch": loaders.train.epoch,
                   # Wall clock at the same point of every step: lets tools (benchmarks/overhead.py) time the
                   # whole loop period, logging and metrics writes included, which step_seconds leaves out.
                   "wall_time": time.time()}
@@ -208,7 +163,7 @@ def train(cfg: Config) -> dict:
         if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
             eval_result = evaluate(strategy, loaders, cfg, dist_info, batch)
             tracker.evaluated(step, eval_result)
-        preempted = totals[1] > 0
+        preempted = agreed.stop
         if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or preempted:
             last_saved = save(strategy, step, loaders, cfg, tracker, out, save_seconds, console)
         if preempted:
@@ -226,9 +181,8 @@ def train(cfg: Config) -> dict:
         tracker.evaluated(step, eval_result, final=True)
     summary = {**run_info, "train_loss": tracker.metrics.losses() if dist_info.is_rank0 else [],
                "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
-               "wall_seconds": now() - t_start, "final_step": step, "skipped_steps": skipped,
-               "nonfinite_steps": nonfinite_steps, "overflow_steps": overflow_steps,
-               "preempted": preempted, "checkpoint_save_seconds": save_seconds, "versions": library_versions(), "config": cfg.to_dict(),
+               "wall_seconds": now() - t_start, "final_step": step, **health.counts(), "preempted": preempted,
+               "checkpoint_save_seconds": save_seconds, "versions": library_versions(), "config": cfg.to_dict(),
                "memory": {**mem.summary(), "construction": built.per_rank}, "oom_recovery": oom.summary()}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step))
