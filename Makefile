@@ -24,7 +24,7 @@ venv: $(VENV)/.installed
 demo: venv
 	test -f data/multimodal/validation.jsonl || $(PY) -m shardtrain make-data multimodal data/multimodal
 	$(PY) -m shardtrain train --config configs/multimodal_tiny.yaml --strategy fsdp --device cpu \
-		--nproc $(NPROC) --data-dir data/multimodal --output-dir $(DEMO_OUT) --resume none
+		--nproc $(NPROC) --data-dir data/multimodal --output-dir $(DEMO_OUT) --resume none --overwrite-output-dir
 
 test: venv
 	$(PY) -m pytest -q tests

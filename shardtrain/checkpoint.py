@@ -216,3 +216,29 @@ def find_resume_dir(resume: str, output_dir: str | Path) -> Path | None:
         from shardtrain.config import ConfigError
         raise ConfigError(f"--resume {resume}: not a committed checkpoint (missing {COMMIT_MARKER})")
     return path
+
+
+# What a run writes into its output dir; --overwrite-output-dir removes exactly these, nothing of the user's.
+RUN_ARTIFACTS = ("checkpoints", "tokenizer", "metrics.jsonl", "eval.jsonl", "summary.json", "report.html",
+                 "curves.png", "throughput.png", "memory.png")
+
+
+def previous_run(output_dir: str | Path) -> str | None:
+    """The first sign that output_dir already holds a run, or None."""
+    out = Path(output_dir)
+    if latest_committed(checkpoints_root(out)) is not None:
+        return f"checkpoint {latest_committed(checkpoints_root(out)).name}"
+    if (out / "metrics.jsonl").is_file():
+        return "metrics.jsonl"
+    return None
+
+
+def clear_previous_run(output_dir: str | Path) -> None:
+    """Rank 0, before anything of the new run is written (--overwrite-output-dir)."""
+    out = Path(output_dir)
+    for name in RUN_ARTIFACTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

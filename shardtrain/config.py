@@ -114,6 +114,8 @@ class CheckpointConfig:
     save_every: int = 0
     keep_last: int = 2
     resume: str = "auto"
+    # With --resume none, an output dir that already holds a run is refused unless this says start over.
+    overwrite_output_dir: bool = False
     # At the end, rank 0 writes the consolidated model here (SageMaker: SM_MODEL_DIR, uploaded as model.tar.gz).
     final_model_dir: Optional[str] = None
 
@@ -420,12 +422,17 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
         raise ConfigError(f"{where('resume')}: checkpoint not found: {c.resume} (use 'auto', 'none' or a path)")
-    if not m.pretrained and m.name == "multimodal" and m.image_weights is None:
-        pass  # random init everywhere: the test and CPU path
     if m.pretrained and d.tokenizer is None:
         # A pretrained text model needs the tokenizer it was trained with; default to its own.
         d.tokenizer = m.text_model
     check_output_dir(c.output_dir)
+    if c.resume == "none" and not c.overwrite_output_dir:
+        from shardtrain.checkpoint import previous_run
+        found = previous_run(c.output_dir)
+        if found:
+            raise ConfigError(f"{where('output_dir')} {c.output_dir} already holds a run ({found}) and --resume is "
+                              f"none: --resume auto continues it, --overwrite-output-dir starts over in it "
+                              f"(deleting its checkpoints and metrics), or choose another --output-dir")
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -22,7 +22,9 @@ from launch import REPO, cli
 
 TINY = REPO / "configs" / "multimodal_tiny.yaml"
 # Small enough to train in seconds; steps-per-epoch far above max-steps so no epoch wraps.
-SHORT = ["--max-steps", "4", "--per-device-batch-size", "4", "--resume", "none"]
+# --resume auto: every case points at the previous run's folder (4 steps), where --resume none is itself
+# refused; 8 steps make a resumed case train on, so errors met only while loading data still surface.
+SHORT = ["--max-steps", "8", "--per-device-batch-size", "4", "--resume", "auto"]
 
 
 def snapshot(folder: Path) -> dict:
@@ -88,7 +90,7 @@ def previous(tmp_path_factory, mm_data):
     data = copy_data(mm_data, tmp / "skip_data", lambda lines: lines + [
         record(lines, 1, text="   "), record(lines, 2, image="images/train/missing.png")])
     run = train(data, tmp / "previous", "--strategy", "ddp", "--skip-bad-samples", "--inject-nan-at-steps", "2",
-                "--save-every", "4", nproc=2).check()
+                "--save-every", "4", "--max-steps", "4", nproc=2).check()
     return run
 
 
@@ -283,13 +285,14 @@ def test_skip_then_abort_after_max_bad_steps(mm_data, tmp_path, strategy):
 def test_abort_policy(previous, mm_data):
     out = previous.output_dir
     before = snapshot(out)
-    line = error_line(train(mm_data, out, "--nan-policy", "abort", "--inject-nan-at-steps", "1"), 1)
-    assert "non-finite" in line and "step 1" in line and "--nan-policy abort" in line
+    # Resumed from the previous run's step 4, so step 5 is the first step this run trains.
+    line = error_line(train(mm_data, out, "--nan-policy", "abort", "--inject-nan-at-steps", "5"), 1)
+    assert "non-finite" in line and "step 5" in line and "--nan-policy abort" in line
     assert snapshot(out) == before
 
 
 def test_error_on_one_rank_only(previous, mm_data, tmp_path):
-    """Rank 1's first batch is all corrupt images; rank 0's is fine and waits in the gradient all-reduce.
+    """Rank 1's next batch is all corrupt images; rank 0's is fine and waits in the gradient all-reduce.
     Rank 1 alone says what is wrong; torchrun then stops rank 0; nothing hangs."""
     import torch.utils.data as tud
 
@@ -297,7 +300,8 @@ def test_error_on_one_rank_only(previous, mm_data, tmp_path):
     lines = (data / "train.jsonl").read_text().splitlines()
     sampler = tud.DistributedSampler(range(len(lines)), num_replicas=2, rank=1, shuffle=True, seed=42,
                                      drop_last=True)
-    first = list(sampler)[:4]
+    # The run resumes the previous one at step 4: rank 1 has read 4 batches of 4 and loads samples 16..19 next.
+    first = list(sampler)[16:20]
     for i in first:
         (data / json.loads(lines[i])["image"]).write_bytes(b"not an image")
     out = previous.output_dir
