@@ -153,7 +153,7 @@ def config_cases(tmp: Path, mm: Path) -> list:
         ("policy missing", ["--strategy", "fsdp", "--fsdp-policy", str(tmp / "none.yaml")],
          ["--fsdp-policy", "file not found"]),
         ("unfreeze beyond max_steps", ["--freeze-layers", "1", "--unfreeze-at-step", "100"],
-         ["--unfreeze-at-step (model.unfreeze_at_step)=100 is outside 1..max_steps (4)"]),
+         ["--unfreeze-at-step (model.unfreeze_at_step)=100 is outside 1..max_steps (8)"]),
         ("nan injection not steps", ["--inject-nan-at-steps", "two"], ["--inject-nan-at-steps", "step numbers"]),
     ]
 
