@@ -31,8 +31,8 @@ STRATEGIES = {
     "fsdp_shard_grad_op": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/shard_grad_op.yaml")],
     "fsdp_offload": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/offload.yaml")],
     "zero2": ["--ds", str(REPO / "ds_configs/zero2.json")],
-    "zero3": ["--ds", str(REPO / "ds_configs/zero3.json")],
     "zero2_offload": ["--ds", str(REPO / "ds_configs/zero2_offload.json")],
+    "zero3": ["--ds", str(REPO / "ds_configs/zero3.json")],
     "zero3_offload": ["--ds", str(REPO / "ds_configs/zero3_offload.json")],
 }
 

@@ -143,6 +143,13 @@ def cli(args: list[str], check: bool = True, timeout: float = DEFAULT_TIMEOUT, e
     return run([sys.executable, "-m", "shardtrain", *args], timeout=timeout, env=env, check=check)
 
 
+def strategy_variants() -> dict[str, list[str]]:
+    """shardtrain parity's strategy-name -> flags map, with the short name the test tables print."""
+    from shardtrain.parity import STRATEGIES
+    return {("fsdp_sgo" if name == "fsdp_shard_grad_op" else name): flags for name, flags in STRATEGIES.items()}
+
+
+
 def tiny_args(workload: str, data_dir: Path, output_dir: Path, *extra: str) -> list[str]:
     """Arguments for a tiny run. The startup memory prediction (seconds per launch) and the end-of-run
     report are off unless a test asks for them in `extra` (the last occurrence of a flag wins)."""

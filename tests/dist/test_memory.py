@@ -17,19 +17,10 @@ import json
 import pytest
 
 import launch
-from launch import REPO, tiny_args, torchrun
+from launch import REPO, strategy_variants, tiny_args, torchrun
 
 DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
-VARIANTS = {
-    "ddp": ["--strategy", "ddp"],
-    "fsdp": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/default.yaml")],
-    "fsdp_sgo": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/shard_grad_op.yaml")],
-    "fsdp_offload": ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies/offload.yaml")],
-    "zero2": ["--ds", str(REPO / "ds_configs/zero2.json")],
-    "zero2_offload": ["--ds", str(REPO / "ds_configs/zero2_offload.json")],
-    "zero3": ["--ds", str(REPO / "ds_configs/zero3.json")],
-    "zero3_offload": ["--ds", str(REPO / "ds_configs/zero3_offload.json")],
-}
+VARIANTS = strategy_variants()
 # Every text truncated to the same length, so every rank's activations have the planner's shape.
 COMMON = ["--max-steps", "2", "--max-length", "16", "--max-eval-samples", "8", "--report", "false",
           "--log-every", "100"]
