@@ -149,7 +149,6 @@ def strategy_variants() -> dict[str, list[str]]:
     return {("fsdp_sgo" if name == "fsdp_shard_grad_op" else name): flags for name, flags in STRATEGIES.items()}
 
 
-
 def tiny_args(workload: str, data_dir: Path, output_dir: Path, *extra: str) -> list[str]:
     """Arguments for a tiny run. The startup memory prediction (seconds per launch) and the end-of-run
     report are off unless a test asks for them in `extra` (the last occurrence of a flag wins)."""
