@@ -13,21 +13,24 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: venv demo test test-unit test-dist bench clean
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt pyproject.toml
+# Installed once per content of the requirements (not their timestamps: every clone would reinstall).
+REQ_HASH := $(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(REQ_HASH)
+
+$(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
-venv: $(VENV)/.installed
+venv: $(STAMP)
 
 demo: venv
 	test -f data/multimodal/validation.jsonl || $(PY) -m shardtrain make-data multimodal data/multimodal
 	$(PY) -m shardtrain train --config configs/multimodal_tiny.yaml --strategy fsdp --device cpu \
-		--nproc $(NPROC) --data-dir data/multimodal --output-dir $(DEMO_OUT) --resume none --overwrite-output-dir
+		--nproc $(NPROC) --data-dir data/multimodal --output-dir $(DEMO_OUT) --resume none --overwrite-output-dir --save-every 20
 
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests/unit tests/dist
 
 test-unit: venv
 	$(PY) -m pytest -q tests/unit

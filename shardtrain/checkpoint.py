@@ -203,7 +203,7 @@ def read_trainer_state(path: Path) -> dict:
     return state
 
 
-def find_resume_dir(resume: str, output_dir: str | Path) -> Path | None:
+def find_resume_dir(resume: str, output_dir: str | Path, label: str = "--resume") -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
@@ -214,7 +214,10 @@ def find_resume_dir(resume: str, output_dir: str | Path) -> Path | None:
         path = latest_committed(root) or path
     if not is_committed(path):
         from shardtrain.config import ConfigError
-        raise ConfigError(f"--resume {resume}: not a committed checkpoint (missing {COMMIT_MARKER})")
+        if path.is_dir() and not STEP_DIR.match(path.name):
+            raise ConfigError(f"{label} {resume}: no committed checkpoint in this run folder "
+                              f"(a run writes them with --save-every N, and at its end then)")
+        raise ConfigError(f"{label} {resume}: not a committed checkpoint (missing {COMMIT_MARKER})")
     return path
 
 

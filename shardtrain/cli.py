@@ -52,6 +52,10 @@ def run_guarded(fn, argv: list[str]) -> int:
         return fn(argv) or 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # Output piped into `head` and the reader left: not an error. Silence the final flush too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:  # noqa: BLE001 - the user gets one line; --debug shows the rest
         if debug:
             raise
@@ -143,8 +147,11 @@ def make_data_main(argv: list[str]) -> int:
 
     def run(_):
         from shardtrain.data import make_data
+        import json
+
         path = make_data(args.kind, args.dir, n_train=args.n_train, n_val=args.n_val, seed=args.seed,
                          num_labels=args.num_labels, overwrite=args.overwrite)
+        (path / DATASET_INFO).write_text(json.dumps({"kind": args.kind, "num_labels": args.num_labels}) + "\n")
         print(f"wrote {args.n_train} train / {args.n_val} validation {args.kind} examples to {path}")
         return 0
 
@@ -158,20 +165,42 @@ def check_data_main(argv: list[str]) -> int:
     parser.add_argument("dir")
     parser.add_argument("--kind", choices=["multimodal", "longdoc"], default=None,
                         help="default: multimodal if records name images")
-    parser.add_argument("--num-labels", type=int, default=3)
+    parser.add_argument("--num-labels", type=int, default=None,
+                        help="labels must be in 0..N-1 (default: what make-data recorded, else 3)")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
 
     def run(_):
+        from pathlib import Path
+
         from shardtrain.data import check_data
-        kind = args.kind or _guess_kind(args.dir)
-        problems = check_data(args.dir, kind, args.num_labels)
+        if not Path(args.dir).is_dir():
+            raise ConfigError(f"check-data: folder not found: {args.dir}")
+        recorded = _dataset_info(args.dir)
+        kind = args.kind or recorded.get("kind") or _guess_kind(args.dir)
+        num_labels = args.num_labels or recorded.get("num_labels") or 3
+        problems = check_data(args.dir, kind, num_labels)
         for line in problems:
             print(line)
+        if problems and args.num_labels is None and any("is outside 0.." in p for p in problems):
+            print(f"(labels were checked against {num_labels} classes: pass --num-labels with the model's num_labels)")
         print(f"{len(problems)} problem(s) in {args.dir}" if problems else f"{args.dir}: no problems found")
         return 1 if problems else 0
 
     return run_guarded(run, argv)
+
+
+DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels
+
+
+def _dataset_info(data_dir: str) -> dict:
+    import json
+    from pathlib import Path
+
+    try:
+        return json.loads((Path(data_dir) / DATASET_INFO).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def _guess_kind(data_dir: str) -> str:

@@ -29,7 +29,7 @@ def _resolve(ckpt: str | Path) -> Path:
     path = Path(ckpt)
     if not path.exists():
         raise ConfigError(f"export: checkpoint not found: {path}")
-    found = checkpoint.find_resume_dir(str(path), path)
+    found = checkpoint.find_resume_dir(str(path), path, label="export")
     return found
 
 

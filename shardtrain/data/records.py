@@ -85,7 +85,7 @@ def iter_split(path: Path, kind: str, num_labels: int) -> Iterator[tuple[Optiona
             if not raw.strip():
                 continue
             try:
-                obj = json.loads(raw)
+                obj = json.loads(raw.rstrip("\r\n"))  # a column in the line, not 'line 2, column 1'
             except json.JSONDecodeError as e:
                 yield None, f"{path}:{lineno}: invalid JSON: {e.msg} at column {e.colno}"
                 continue
@@ -101,7 +101,7 @@ def read_texts(path: Path) -> Iterator[str]:
     with open(path, encoding="utf-8") as f:
         for raw in f:
             try:
-                obj = json.loads(raw)
+                obj = json.loads(raw.rstrip("\r\n"))
             except json.JSONDecodeError:
                 continue
             if isinstance(obj, dict) and isinstance(obj.get("text"), str) and obj["text"].strip():
