@@ -49,16 +49,11 @@ class NativeStrategy(Strategy):
 
     def save(self, ckpt_dir: Path):
         self.sync_buffers()
-        save_dcp(ckpt_dir, self.unwrapped, self.optimizer, self._extra_state(), self.dist.is_rank0)
+        save_dcp(ckpt_dir, self.unwrapped, self.optimizer, extra_state(self.scheduler, self.optimizer, self.scaler),
+                 self.dist.is_rank0)
 
     def load(self, ckpt_dir: Path, saved: dict | None = None, load_optimizer: bool = True):
         # Every checkpoint has the portable model_optim/ (DeepSpeed writes it too), so one path serves
         # DDP, FSDP and foreign checkpoints at any world size.
         extra = load_dcp(ckpt_dir, self.unwrapped, self.optimizer, load_optimizer, warn=self._warn)
-        self._load_extra_state(extra if load_optimizer else {})
-
-    def _extra_state(self) -> dict:
-        return extra_state(self.scheduler, self.optimizer, self.scaler)
-
-    def _load_extra_state(self, extra: dict) -> None:
-        load_extra_state(extra, self.scheduler, self.optimizer, self.scaler)
+        load_extra_state(extra if load_optimizer else {}, self.scheduler, self.optimizer, self.scaler)
