@@ -101,7 +101,8 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
     if not dist.is_initialized():
         try:
             dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device if device_type == "cuda" else None)
+                                    device_id=device if device_type == "cuda" else None,
+                                    store=attempt_store(rank, world, timeout))
         except (RuntimeError, ValueError) as e:
             addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
@@ -110,6 +111,19 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
                                   f"to a free port") from None
             raise ConfigError(f"cannot start the {backend} process group at {addr}: {msg}") from None
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
+    """torchrun keeps one rendezvous store for all restarts of its workers (--max-restarts). Keys that a
+    killed attempt left there (gloo's peer addresses) can be read by the next attempt, which then waits to
+    connect to a dead process until the timeout: measured here as a hang after a restart. A prefix per
+    attempt keeps every attempt's keys apart. None (torch's default) outside torchrun."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore(f"shardtrain/attempt_{attempt}", store)
 
 
 def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
