@@ -41,7 +41,7 @@ def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path):
     ref = torchrun(args(mm_data, tmp_path / "ref", strategy, "--max-steps", "6"))
     out = tmp_path / "killed"
     env = test_env(SHARDTRAIN_FAULT="step@3:1,save@4:0,step@5:0", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired")
-    # Spare restarts: on this shared machine a restarted rank occasionally misses gloo's connect window.
+    # Two spare restarts beyond the three faults: a slow restart must not fail the test by itself.
     run = torchrun(args(mm_data, out, strategy, "--max-steps", "6", "--resume", "auto"), env=env,
                    extra_launcher_args=["--max-restarts", "5"], timeout=900)
     resumed = [line.split(" at step ")[1] for line in run.output.splitlines() if line.startswith("resumed from ")]
