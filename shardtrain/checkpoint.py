@@ -236,6 +236,19 @@ def previous_run(output_dir: str | Path) -> str | None:
     return None
 
 
+def refuse_to_overwrite(cfg) -> None:
+    """A fresh run (--resume none) in a folder that holds a run would overwrite its metrics and checkpoints:
+    only with --overwrite-output-dir. Checked by `train` before any process starts."""
+    from shardtrain.config import ConfigError, where
+
+    c = cfg.checkpoint
+    found = previous_run(c.output_dir) if c.resume == "none" and not c.overwrite_output_dir else None
+    if found:
+        raise ConfigError(f"{where('output_dir')} {c.output_dir} already holds a run ({found}) and --resume is "
+                          f"none: --resume auto continues it, --overwrite-output-dir starts over in it "
+                          f"(deleting its checkpoints and metrics), or choose another --output-dir")
+
+
 def clear_previous_run(output_dir: str | Path) -> None:
     """Rank 0, before anything of the new run is written (--overwrite-output-dir)."""
     out = Path(output_dir)

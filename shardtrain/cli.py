@@ -113,6 +113,8 @@ def train_main(argv: list[str]) -> int:
         # So are the data records: a typo on line 7 should not wait for N processes and a model.
         from shardtrain.data.records import check_splits
         check_splits(cfg)
+        from shardtrain.checkpoint import refuse_to_overwrite
+        refuse_to_overwrite(cfg)
         from shardtrain.launch import maybe_relaunch
         code = maybe_relaunch(cfg, args)
         if code is not None:

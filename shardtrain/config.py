@@ -426,13 +426,6 @@ def validate(cfg: Config) -> None:
         # A pretrained text model needs the tokenizer it was trained with; default to its own.
         d.tokenizer = m.text_model
     check_output_dir(c.output_dir)
-    if c.resume == "none" and not c.overwrite_output_dir:
-        from shardtrain.checkpoint import previous_run
-        found = previous_run(c.output_dir)
-        if found:
-            raise ConfigError(f"{where('output_dir')} {c.output_dir} already holds a run ({found}) and --resume is "
-                              f"none: --resume auto continues it, --overwrite-output-dir starts over in it "
-                              f"(deleting its checkpoints and metrics), or choose another --output-dir")
 
 
 def check_output_dir(output_dir: str) -> None:
