@@ -86,8 +86,8 @@ def run_one(name: str, args: argparse.Namespace, common: list[str], extra: list[
 
 
 def read_steps(run_dir: Path) -> dict[int, dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return {r["step"]: r for r in rows}
+    from shardtrain.runlog import load_run
+    return {r["step"]: r for r in load_run(run_dir).steps}
 
 
 def rel_diff(value: float, reference: float) -> float:
