@@ -1,13 +1,15 @@
 """What every rank must agree on after a step's backward, and what to do about bad steps.
 
 All of it rides on one all-reduce per optimizer step (the loop's only collective and host sync beyond
-the strategy's own): the summed loss, whether any rank was signalled to stop, which ranks saw a
+the strategy's own): the summed loss, the squared gradient norm (each rank's share; DDP and FSDP then clip
+without a collective or sync of their own), whether any rank was signalled to stop, which ranks saw a
 non-finite loss, and whether any rank ran out of memory.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -20,20 +22,26 @@ class Agreement:
     stop: bool           # a preemption signal reached some rank
     bad_ranks: list      # ranks whose own loss was non-finite
     oom_ranks: int       # how many ranks hit an out-of-memory error
+    grad_norm: Optional[float] = None  # global, from the strategy's shares; None: the strategy has its own
 
     @property
     def finite(self) -> bool:
         return math.isfinite(self.loss_mean)
 
 
-def agree(loss_sum: torch.Tensor, micro_steps: int, stop: bool, oom: bool, info: DistInfo) -> Agreement:
+def agree(loss_sum: torch.Tensor, micro_steps: int, stop: bool, oom: bool, info: DistInfo,
+          grad_norm_share: Optional[torch.Tensor] = None) -> Agreement:
     world, device = info.world_size, info.device
     own_bad = torch.zeros(world, dtype=torch.float64, device=device)
     own_bad[info.rank] = (~torch.isfinite(loss_sum)).double()
     flags = torch.tensor([float(stop), float(oom)], dtype=torch.float64, device=device)
-    totals = all_reduce_sum(torch.cat([loss_sum.double().reshape(1), flags, own_bad]), device).tolist()
+    share = torch.zeros(1, dtype=torch.float64, device=device) if grad_norm_share is None else \
+        grad_norm_share.to(device, torch.float64).reshape(1)
+    totals = all_reduce_sum(torch.cat([loss_sum.double().reshape(1), flags, share, own_bad]), device).tolist()
     return Agreement(loss_mean=totals[0] / (micro_steps * world), stop=totals[1] > 0,
-                     bad_ranks=[r for r, v in enumerate(totals[3:]) if v > 0], oom_ranks=int(totals[2]))
+                     bad_ranks=[r for r, v in enumerate(totals[4:]) if v > 0], oom_ranks=int(totals[2]),
+                     grad_norm=None if grad_norm_share is None else math.sqrt(totals[3])
+                     if totals[3] >= 0 else float("nan"))
 
 
 class BadStepPolicy:

@@ -17,7 +17,7 @@ from shardtrain import checkpoint, faults
 from shardtrain.autoplan import resolve_auto_strategy
 from shardtrain.banner import memory_prediction
 from shardtrain.config import Config
-from shardtrain.data import build_datasets, build_loaders, build_tokenizer
+from shardtrain.data import batch_to_device, build_datasets, build_loaders, build_tokenizer
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.final_model import write_final_model
 from shardtrain.gpu_guard import check_devices
@@ -123,7 +123,7 @@ def train(cfg: Config) -> dict:
         mem.begin_step(step + 1)
         oom.step_start()
         for micro in range(t.grad_accum):
-            batch = to_device(loaders.train.next_batch(), dist_info.device)
+            batch = batch_to_device(loaders.train.next_batch(), dist_info.device)
             with oom.guard():  # an OOM is noted and this rank carries on: see shardtrain/oom.py
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0):
@@ -139,11 +139,11 @@ def train(cfg: Config) -> dict:
 
         # The one collective (and host sync) per optimizer step: the mean loss, and whether any rank saw a
         # non-finite loss, ran out of memory or was signalled to stop. Every rank then decides alike.
-        agreed = agree(loss_sum, t.grad_accum, stop.raised, oom.hit, dist_info)
+        agreed = agree(loss_sum, t.grad_accum, stop.raised, oom.hit, dist_info, strategy.grad_norm_share())
         if oom.recover(agreed.oom_ranks, step + 1):
             continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
-        result = strategy.step(skip=not agreed.finite)
-        grad_norm = float(result.grad_norm)
+        result = strategy.step(skip=not agreed.finite, grad_norm=agreed.grad_norm)
+        grad_norm = result.grad_norm
         step += 1
         mem_table = mem.end_step(step)  # on a few steps only: a tensor walk and a gather to rank 0
         health.update(step, result.applied, result.overflow, agreed, grad_norm)  # raises on --nan-policy
@@ -192,10 +192,6 @@ def train(cfg: Config) -> dict:
     return summary
 
 
-def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
 def save(strategy, step: int, loaders, cfg: Config, tracker, out: Path, seconds: list, console) -> int:
     t0 = now()
     path = checkpoint.save_checkpoint(strategy, {**trainer_state(step, loaders, cfg), **tracker.checkpoint_state()},
@@ -237,7 +233,7 @@ def evaluate(strategy, loaders, cfg: Config, dist_info: DistInfo, spare_batch: d
         real = batch is not None
         batch = batch if real else last
         last = batch
-        batch = to_device(batch, dist_info.device)
+        batch = batch_to_device(batch, dist_info.device)
         with strategy.autocast():
             preds = strategy.forward(batch).argmax(dim=-1)
         if real:

@@ -2,7 +2,8 @@
 
 The loop calls, per optimizer step:
     for each micro-batch:  with strategy.micro_step(is_last): loss = model(...); strategy.backward(loss)
-    result = strategy.step(skip=...)
+    share = strategy.grad_norm_share()      # rides on the loop's one all-reduce (step_health.agree)
+    result = strategy.step(skip=..., grad_norm=...)
 and `save` / `load` for checkpoints. Everything backend-specific lives behind these methods.
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class StepResult:
-    grad_norm: torch.Tensor  # 0-dim; read with .item() only when logging
+    grad_norm: float         # global, before clipping (inf/nan when the gradients were not finite)
     applied: bool
     overflow: bool = False   # fp16: the loss scaler found inf/nan and skipped the update
 
@@ -61,8 +62,14 @@ class Strategy(ABC):
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None: ...
 
+    def grad_norm_share(self) -> torch.Tensor | None:
+        """This rank's share of the squared global gradient norm (the shares sum to it over ranks), or None
+        when step() computes the norm itself (DeepSpeed; the fp16 loss scaler). The loop sums the shares in
+        its one all-reduce, so clipping needs no collective or host sync of its own."""
+        return None
+
     @abstractmethod
-    def step(self, skip: bool = False) -> StepResult:
+    def step(self, skip: bool = False, grad_norm: float | None = None) -> StepResult:
         """Clip, apply (unless `skip` or an fp16 overflow), advance the schedule, zero the grads."""
 
     @abstractmethod
@@ -190,6 +197,25 @@ def check_precision_supported(precision: str, device: torch.device) -> None:
         name = torch.cuda.get_device_name(device)
         raise ConfigError(f"{where('precision')}=bf16: {name} has no bf16 support "
                           f"(compute capability < 8.0); use --precision fp16")
+
+
+def squared_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """sum of squares of all elements, float64, without a host sync."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack(torch._foreach_norm(tensors)).double().square().sum()
+
+
+def local_grads(params) -> list[torch.Tensor]:
+    """The gradients this rank holds (an FSDP DTensor's local shard)."""
+    return [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params if p.grad is not None]
+
+
+def clip_to(params, max_norm: float, total_norm: float) -> None:
+    """torch.nn.utils.clip_grad_norm_'s scaling, given the global norm: no collective, no host sync."""
+    coef = max_norm / (total_norm + 1e-6)
+    if max_norm > 0 and coef < 1.0:
+        torch._foreach_mul_(local_grads(params), coef)
 
 
 def clip_and_norm(params, max_norm: float) -> torch.Tensor:

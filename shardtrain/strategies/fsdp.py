@@ -110,6 +110,7 @@ def _units(model: nn.Module, policy: FSDPPolicy) -> list[nn.Module]:
 
 class FSDPStrategy(NativeStrategy):
     name = "fsdp"
+    grads_sharded = True  # each rank's share of the gradient norm is its shards'
 
     def __init__(self, cfg, dist_info):
         super().__init__(cfg, dist_info)

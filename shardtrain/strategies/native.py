@@ -1,11 +1,13 @@
 """What DDP and FSDP share: PyTorch's own optimizer step, loss scaling and DCP checkpoints."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
-from shardtrain.strategies.base import Strategy, StepResult, clip_and_norm, extra_state, load_extra_state
+from shardtrain.strategies.base import (Strategy, StepResult, clip_and_norm, clip_to, extra_state, load_extra_state,
+                                        local_grads, squared_norm)
 from shardtrain.strategies.dcp_state import load_dcp, save_dcp
 
 
@@ -25,27 +27,40 @@ class NativeStrategy(Strategy):
         loss = loss / self.cfg.train.grad_accum
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
-    def step(self, skip=False):
+    # DDP holds the whole (all-reduced) gradient on every rank: rank 0's share is all of it. FSDP overrides.
+    grads_sharded = False
+
+    def grad_norm_share(self):
         if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        norm = clip_and_norm(self.unwrapped.parameters(), self.cfg.train.max_grad_norm)
+            return None  # scaled gradients: the norm is taken after unscale_, in step()
+        if self.grads_sharded or self.dist.rank == 0:
+            return squared_norm(local_grads(self.unwrapped.parameters()), self.device)
+        return torch.zeros((), dtype=torch.float64, device=self.device)
+
+    def step(self, skip=False, grad_norm=None):
+        params = self.unwrapped.parameters
+        max_norm = self.cfg.train.max_grad_norm
         overflow = False
-        if not self.scaler and not skip and not bool(torch.isfinite(norm)):
-            # A finite loss can still give inf/nan gradients; clipping would not save the weights. The norm
-            # is global (all-reduced gradients / DTensor full norm), so every rank skips together.
-            skip = True
         if self.scaler:
-            overflow = not bool(torch.isfinite(norm))
+            # The scaler syncs in step() anyway (it reads found_inf); one more read of the norm costs nothing.
+            self.scaler.unscale_(self.optimizer)
+            grad_norm = float(clip_and_norm(params(), max_norm))
+            overflow = not math.isfinite(grad_norm)
             if not skip:
                 self.scaler.step(self.optimizer)  # skips the update itself on inf/nan
             self.scaler.update()
-        elif not skip:
-            self.optimizer.step()
+        else:
+            # A finite loss can still give inf/nan gradients; clipping would not save the weights. The norm
+            # is global (the loop summed every rank's share), so every rank skips together.
+            skip = skip or not math.isfinite(grad_norm)
+            if not skip:
+                clip_to(params(), max_norm, grad_norm)
+                self.optimizer.step()
         applied = not skip and not overflow
         if applied:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepResult(grad_norm=norm.detach(), applied=applied, overflow=overflow)
+        return StepResult(grad_norm=grad_norm, applied=applied, overflow=overflow)
 
     def save(self, ckpt_dir: Path):
         self.sync_buffers()

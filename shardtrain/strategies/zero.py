@@ -81,13 +81,14 @@ class ZeroStrategy(Strategy):
         if not self._is_last:
             self.engine.step()  # only advances DeepSpeed's micro-step counter off the boundary
 
-    def step(self, skip=False):
-        # ZeRO checks the global gradient norm itself and skips the update when it is inf/nan, in every
-        # precision; `skip` from the loop (a non-finite loss) implies exactly such gradients.
+    def step(self, skip=False, grad_norm=None):
+        # ZeRO computes the global gradient norm itself (grad_norm_share is None: the loop sends none), and
+        # skips the update when it is inf/nan, in every precision; `skip` from the loop (a non-finite loss)
+        # implies exactly such gradients.
         self.engine.step()
         applied = self.engine.was_step_applied()
         norm = self.engine.get_global_grad_norm()
-        norm = torch.as_tensor(float("nan") if norm is None else norm, dtype=torch.float32).detach()
+        norm = float("nan") if norm is None else float(norm)
         overflow = not applied and self.precision == "fp16"
         return StepResult(grad_norm=norm, applied=applied and not skip, overflow=overflow)
 
