@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from shardtrain.config import Config, parse_cli  # noqa: E402
-from shardtrain.data import build_datasets, build_tokenizer  # noqa: E402
+from shardtrain.data import batch_to_device, build_datasets, build_tokenizer  # noqa: E402
 from shardtrain.data.splits import make_collator  # noqa: E402
 from shardtrain.models import build_model  # noqa: E402
 
@@ -57,13 +57,15 @@ def warmup_linear(cfg: Config):
         max(0.0, 1 - (s - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
 
 
-def batches(loader: DataLoader):
-    """Endless epochs, reshuffled each one."""
+def batches(loader: DataLoader, device: torch.device = torch.device("cpu")):
+    """Endless epochs, reshuffled each one, on `device`: the shared data pipeline hands over uint8 images,
+    normalised on the device by the same function shardtrain's loop calls."""
     epoch = 0
     while True:
         if isinstance(loader.sampler, DistributedSampler):
             loader.sampler.set_epoch(epoch)
-        yield from loader
+        for batch in loader:
+            yield batch_to_device(batch, device)
         epoch += 1
 
 

@@ -72,7 +72,7 @@ def train_rate(cfg, tok, datasets, steps: int) -> float:
     import torch
     import torch.nn.functional as F
 
-    from shardtrain.data import build_loaders
+    from shardtrain.data import batch_to_device, build_loaders
     from shardtrain.models import build_model
     stream = build_loaders(cfg, tok, *datasets, 0, 1, "cpu").train
     torch.manual_seed(0)
@@ -82,6 +82,7 @@ def train_rate(cfg, tok, datasets, steps: int) -> float:
     times = []
     for b in batches:
         t0 = time.perf_counter()
+        b = batch_to_device(b, torch.device("cpu"))
         loss = F.cross_entropy(model(b["input_ids"], b["attention_mask"], b["pixel_values"]), b["labels"])
         loss.backward()
         opt.step()

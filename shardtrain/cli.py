@@ -15,6 +15,7 @@ COMMANDS = {
     "train": ("shardtrain.cli", "train_main", "train a model (the same entry torchrun/deepspeed run)"),
     "make-data": ("shardtrain.cli", "make_data_main", "write a small synthetic dataset"),
     "check-data": ("shardtrain.cli", "check_data_main", "scan a dataset folder and list every problem"),
+    "cache-images": ("shardtrain.cli", "cache_images_main", "decode a dataset's images once, for --image-cache"),
     "plan": ("shardtrain.planner", "main", "predict per-GPU memory for every strategy"),
     "doctor": ("shardtrain.doctor", "main", "check GPUs, libraries and the launcher environment"),
     "export": ("shardtrain.export", "main", "write a consolidated safetensors model from a checkpoint"),
@@ -190,6 +191,43 @@ def check_data_main(argv: list[str]) -> int:
         return 1 if problems else 0
 
     return run_guarded(run, argv)
+
+
+def cache_images_main(argv: list[str]) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="shardtrain cache-images", description="Decode and resize every image of the training config's "
+        "train and validation splits once, into --image-cache DIR; train with the same --image-cache DIR. "
+        "Every other option is a training flag (--config, --data-dir, --image-size, ...).")
+    parser.add_argument("--jobs", type=int, default=0, help="decoding processes (default: all cores)")
+    args, rest = parser.parse_known_args(argv)
+
+    def run(_):
+        from pathlib import Path
+
+        from shardtrain.config import parse_cli, where
+        from shardtrain.data.image_cache import build_image_cache
+        from shardtrain.data.records import data_kind, split_path
+
+        cfg = parse_cli(rest)
+        d = cfg.data
+        if d.image_cache is None:
+            raise ConfigError(f"cache-images: {where('image_cache')} names the folder to write the cache to")
+        if args.jobs < 0:
+            raise ConfigError(f"cache-images: --jobs must be >= 0, got {args.jobs}")
+        kind = data_kind(cfg.model.name)
+        for split in ("train", "validation"):
+            folder = d.eval_data_dir if split == "validation" and d.eval_data_dir else d.data_dir
+            summary = build_image_cache(split_path(folder, split), kind, cfg.model.num_labels, Path(d.image_cache),
+                                        d.image_size, workers=args.jobs, progress=print)
+            bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
+            print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
+                  f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
+        print(f"train with: --image-cache {d.image_cache}")
+        return 0
+
+    return run_guarded(run, rest)
 
 
 DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels

@@ -61,6 +61,8 @@ class DataConfig:
     max_eval_samples: Optional[int] = None
     # Folder holding validation.jsonl when it is not data_dir (SageMaker's separate validation channel).
     eval_data_dir: Optional[str] = None
+    # Folder of decoded images written by `shardtrain cache-images` (data/image_cache.py); None: decode each epoch.
+    image_cache: Optional[str] = None
 
 
 @dataclass
@@ -418,6 +420,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
     if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
         raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
+    if d.image_cache is not None and m.name != "multimodal":
+        raise ConfigError(f"{where('image_cache')}: only the multimodal model reads images; drop it for {m.name}")
     if c.final_model_dir is not None and Path(c.final_model_dir).is_file():
         raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():

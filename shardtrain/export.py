@@ -150,7 +150,7 @@ def load_int8(out: str | Path) -> nn.Module:
 def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
     from transformers import AutoTokenizer
 
-    from shardtrain.data import build_datasets, build_loaders
+    from shardtrain.data import batch_to_device, build_datasets, build_loaders
     from shardtrain.train import classification_metrics
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if cfg.data.tokenizer is None \
@@ -160,6 +160,7 @@ def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
     n = cfg.model.num_labels
     confusion = torch.zeros(n * n, dtype=torch.float64)
     for batch in loaders.eval:
+        batch = batch_to_device(batch, torch.device("cpu"))
         inputs = {k: batch[k] for k in model.batch_keys if k in batch}
         preds = model(**inputs).argmax(dim=-1)
         confusion.index_add_(0, batch["labels"] * n + preds, torch.ones(len(preds), dtype=torch.float64))

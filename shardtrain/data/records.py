@@ -117,6 +117,9 @@ def check_splits(cfg) -> None:
         # The same folders as build_datasets (SageMaker's validation channel may be a folder of its own).
         folder = cfg.data.eval_data_dir if split == "validation" and cfg.data.eval_data_dir else cfg.data.data_dir
         path = split_path(folder, split)
+        if cfg.data.image_cache is not None:
+            from shardtrain.data.image_cache import open_image_cache
+            open_image_cache(cfg, path)  # missing or stale: one line now, not one per rank after the launch
         if cfg.data.skip_bad_samples:
             continue
         good = 0

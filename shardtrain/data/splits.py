@@ -20,17 +20,20 @@ import torch
 from torch.utils.data import Dataset
 
 from shardtrain.config import Config, ConfigError, where
+from shardtrain.data.image_cache import ImageCache, open_image_cache
 from shardtrain.data.images import image_problem, load_image
 from shardtrain.data.records import Record, data_kind, iter_split, split_path
 
 
 class JsonlDataset(Dataset):
-    """Items: {"text": str, "label": int} (+ "image": float tensor [3, S, S] for multimodal)."""
+    """Items: {"text": str, "label": int} (+ "image": uint8 tensor [3, S, S] for multimodal), the image
+    decoded from its file or, with an image cache, read from the cache's memory map."""
 
-    def __init__(self, path: Path, kind: str, records: list[Record], image_size: int, skipped: list[str]):
+    def __init__(self, path: Path, kind: str, records: list[Record], image_size: int, skipped: list[str],
+                 cache: Optional[ImageCache] = None):
         import datasets  # heavy import, only when data is actually built
 
-        self.path, self.kind, self.image_size = path, kind, image_size
+        self.path, self.kind, self.image_size, self.cache = path, kind, image_size, cache
         self.root = path.parent
         self.skipped = skipped
         rows = {"line": [r.line for r in records], "text": [r.text for r in records],
@@ -47,19 +50,22 @@ class JsonlDataset(Dataset):
         item = {"text": row["text"], "label": row["label"]}
         if self.kind == "multimodal":
             try:
-                item["image"] = load_image(self.root / row["image"], self.image_size)
+                item["image"] = (self.cache.load(row["image"]) if self.cache is not None else
+                                 load_image(self.root / row["image"], self.image_size))
             except Exception as e:
                 raise ConfigError(f"{self.path}:{row['line']}: cannot decode image {row['image']}: "
                                   f"{type(e).__name__}: {e}") from None
         return item
 
 
-def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Optional[int]):
-    """(records, skipped messages). Raises on the first problem unless skip_bad. Stops at `limit` good records."""
+def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Optional[int],
+               cache: Optional[ImageCache] = None):
+    """(records, skipped messages). Raises on the first problem unless skip_bad. Stops at `limit` good records.
+    With skip_bad every image is decoded once here, unless a cache already knows which ones do not decode."""
     records, skipped = [], []
     for rec, problem in iter_split(path, kind, num_labels):
         if rec is not None and skip_bad and kind == "multimodal":
-            err = image_problem(path.parent / rec.image)
+            err = cache.problem(rec.image) if cache is not None else image_problem(path.parent / rec.image)
             if err:
                 rec, problem = None, f"{path}:{rec.line}: cannot decode image {rec.image}: {err}"
         if problem:
@@ -81,11 +87,12 @@ def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlData
                                ("validation", cfg.data.max_eval_samples, "max_eval_samples")):
         folder = cfg.data.eval_data_dir if split == "validation" and cfg.data.eval_data_dir else cfg.data.data_dir
         path = split_path(folder, split)
-        records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit)
+        cache = open_image_cache(cfg, path)
+        records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit, cache)
         if not records:
             why = f" ({len(skipped)} bad records skipped)" if skipped else ""
             raise ConfigError(f"{where('data_dir')}: no usable records in {path}{why}")
-        out.append(JsonlDataset(path, kind, records, cfg.data.image_size, skipped))
+        out.append(JsonlDataset(path, kind, records, cfg.data.image_size, skipped, cache))
     return out[0], out[1]
 
 

@@ -107,7 +107,8 @@ def test_multimodal_batches(mm_dir, mm_tok):
     loaders = mm_setup(mm_dir, mm_tok)
     b = loaders.train.next_batch()
     assert set(b) == {"input_ids", "attention_mask", "labels", "pixel_values"}
-    assert b["pixel_values"].shape == (4, 3, 32, 32) and b["pixel_values"].dtype == torch.float32
+    # uint8 off the workers; batch_to_device normalises on the device (tests/unit/test_images.py)
+    assert b["pixel_values"].shape == (4, 3, 32, 32) and b["pixel_values"].dtype == torch.uint8
     assert b["input_ids"].shape == b["attention_mask"].shape and b["input_ids"].shape[0] == 4
     assert b["labels"].dtype == torch.long
     assert loaders.train_size == 40 and loaders.eval_size == 10 and loaders.steps_per_epoch == 10
