@@ -32,8 +32,9 @@ import launch  # noqa: E402  tests/launch.py: the one way this repo starts torch
 
 CONFIGS = {"tiny": REPO / "configs" / "multimodal_tiny.yaml",
            "mid": REPO / "benchmarks" / "configs" / "multimodal_mid.yaml"}
-# Steps per run and warm-up steps excluded, per config: enough kept steps for a few seconds of steady state.
-STEPS = {"tiny": (40, 8), "mid": (20, 5)}
+# Steps per run and warm-up steps excluded, per config: ~10-20 s of steady state per run, so that a second
+# of machine noise moves a ratio by a few percent at most.
+STEPS = {"tiny": (100, 10), "mid": (30, 6)}
 BENCH = REPO / "benchmarks"
 
 # strategy -> {contender: (script, extra args)}; None: not measured, with the reason.
