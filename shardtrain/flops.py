@@ -34,10 +34,14 @@ def train_flops_per_sample(model_factory, batch: dict, trainable_params: int) ->
 
     one = {k: v[:1] for k, v in batch.items()}
     try:
-        model = model_factory(on_meta=True)
+        model = model_factory(on_meta=True).eval()  # one sample: train-mode BatchNorm refuses a 1x1 map
         one = {k: v for k, v in one.items() if k in model.batch_keys}
         inputs = {k: torch.empty_like(v, device="meta") if v.is_floating_point()
                   else torch.zeros_like(v, device="meta") for k, v in one.items()}
+        if "attention_mask" in inputs:
+            # No mask, the same FLOPs: HF's mask helpers read the mask's values (is it all ones?), which a
+            # meta tensor does not have, and the count would fall back to the rough estimate below.
+            inputs["attention_mask"] = None
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             model(**inputs)
         forward = counter.get_total_flops()

@@ -183,6 +183,27 @@ def test_counted_flops_include_the_cnn(tmp_path):
     assert flops >= 3 * conv_forward
 
 
+def test_the_hf_text_encoder_is_counted_not_estimated():
+    """RoBERTa's mask helpers read mask values (no such thing on meta): the count runs without the mask, so the
+    fusion model gets its real FLOPs, not the 6 x params x tokens fallback (which is off for a CNN)."""
+    import torch
+
+    from shardtrain.config import parse_cli
+    from shardtrain.models import build_model
+
+    cfg = parse_cli(["--config", "configs/multimodal_tiny.yaml"])
+
+    def factory(on_meta=False):
+        with torch.device("meta" if on_meta else "cpu"):
+            return build_model(cfg.model, cfg.data, 1000, load_weights=False)
+    params = sum(p.numel() for p in factory().parameters())
+    tokens = 16
+    batch = {"input_ids": torch.ones(2, tokens, dtype=torch.long), "attention_mask": torch.ones(2, tokens, dtype=torch.long),
+             "pixel_values": torch.zeros(2, 3, 32, 32)}
+    counted = train_flops_per_sample(factory, batch, trainable_params=params)
+    assert counted != 6.0 * params * tokens and counted > 0
+
+
 def write_fake_run(path: Path, strategy: str, losses, memory: bool = True, rate: float = 50.0) -> Path:
     path.mkdir(parents=True)
     mem = {"0": {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 20 * MIB},
