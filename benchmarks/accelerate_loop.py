@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from accelerate import Accelerator
 
-from bench_common import StepLog, batches, data_and_model, finish, load_config, warmup_linear
+from bench_common import StepLog, adamw, batches, data_and_model, finish, load_config, warmup_linear
 
 
 def main(argv):
@@ -21,8 +21,7 @@ def main(argv):
     accelerator = Accelerator(cpu=cfg.parallel.device == "cpu", step_scheduler_with_optimizer=False)
     rank, world = accelerator.process_index, accelerator.num_processes
     loader, model = data_and_model(cfg, rank, world, accelerator.wait_for_everyone, shard=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                            foreach=True)
+    opt = adamw(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(cfg))
     # As users write it: Accelerate shards the loader across processes itself.
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)

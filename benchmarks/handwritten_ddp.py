@@ -3,7 +3,8 @@
     torchrun --nproc_per_node=2 benchmarks/handwritten_ddp.py --config configs/multimodal_tiny.yaml \
         --data-dir DATA --output-dir OUT
 
-Same model, data, seed, AdamW, warmup + linear decay and gradient clipping as shardtrain; grad_accum 1 only.
+Same model, data, seed, AdamW (decay / no-decay groups), warmup + linear decay and gradient clipping as
+shardtrain; grad_accum 1 only.
 """
 import sys
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from bench_common import StepLog, batches, data_and_model, finish, load_config, warmup_linear
+from bench_common import StepLog, adamw, batches, data_and_model, finish, load_config, warmup_linear
 
 
 def main(argv):
@@ -21,8 +22,7 @@ def main(argv):
     rank, world = dist.get_rank(), dist.get_world_size()
     loader, model = data_and_model(cfg, rank, world, dist.barrier)
     model = DDP(model, gradient_as_bucket_view=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                            foreach=True)
+    opt = adamw(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(cfg))
     log = StepLog(cfg, rank)
     model.train()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from bench_common import StepLog, batches, data_and_model, finish, load_config, warmup_linear
+from bench_common import StepLog, adamw, batches, data_and_model, finish, load_config, warmup_linear
 
 
 def main(argv):
@@ -26,8 +26,7 @@ def main(argv):
     for block in [m for m in model.modules() if isinstance(m, model.block_classes())]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, weight_decay=cfg.train.weight_decay,
-                            foreach=True)
+    opt = adamw(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(cfg))
     log = StepLog(cfg, rank)
     model.train()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench_common import StepLog, batches, data_and_model, finish, load_config, warmup_linear
+from bench_common import StepLog, adamw, batches, data_and_model, finish, load_config, warmup_linear
 
 
 def main(argv):
@@ -27,7 +27,7 @@ def main(argv):
                  "gradient_clipping": t.max_grad_norm, "steps_per_print": 10 ** 9,
                  "zero_optimization": json.load(open(cfg.parallel.ds))["zero_optimization"],
                  "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
-    opt = torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay, foreach=True)
+    opt = adamw(model, cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(cfg))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=opt, lr_scheduler=sched, config=ds_config)
     log = StepLog(cfg, rank)
