@@ -72,9 +72,9 @@ def make_suite_data(work: Path, dry: bool) -> dict[Path, Path]:
 
     mm, ld = work / "data" / "multimodal", work / "data" / "longdoc"
     if not (mm / "train.jsonl").exists():
-        # 224 px PNGs: decode without a resize. At 40% MFU an H200 trains ~4000 samples/s of this model, which
-        # PIL decode + resize of photos cannot feed from 16 cores (benchmarks/loader.py: ~60-80 samples/s per
-        # core); the suite measures the model and the loop, the loader benchmark measures the loader.
+        # Read through an image cache (`shardtrain cache-images`, below): at 40% MFU an H200 trains ~4000
+        # samples/s of this model, more than decoding images every epoch feeds from 16 cores
+        # (benchmarks/loader.py). The suite measures the model and the loop; loader.py measures the loader.
         make_data("multimodal", mm, n_train=64 if dry else 512, n_val=8 if dry else 64, seed=0, overwrite=True,
                   image_size=32 if dry else 224)
         # Captions repeated to ~200 words so that every batch is max_length (128) tokens wide, as in the
@@ -85,6 +85,10 @@ def make_suite_data(work: Path, dry: bool) -> dict[Path, Path]:
             for r in rows:
                 r["text"] = " ".join([r["text"]] * 16)
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from shardtrain.data.image_cache import build_image_cache
+    for split in ("train.jsonl", "validation.jsonl"):
+        if not (mm / "cache" / f"{split.split('.')[0]}-{32 if dry else 224}.json").exists():
+            build_image_cache(mm / split, "multimodal", 3, mm / "cache", 32 if dry else 224)
     if not (ld / "train.jsonl").exists():
         make_data("longdoc", ld, n_train=16 if dry else 48, n_val=4 if dry else 8, seed=0, overwrite=True,
                   min_words=80 if dry else 4200, max_words=100 if dry else 4600)
@@ -95,6 +99,8 @@ def case_args(case, work: Path, data: dict, dry: bool) -> list[str]:
     name, _, config, flags, steps, _ = case
     args = ["--config", str(config), "--data-dir", str(data[config]), "--output-dir", str(work / "runs" / name),
             "--resume", "none", "--max-steps", str(2 if dry else steps), "--eval-every", "0", *flags]
+    if config == FUSION:
+        args += ["--image-cache", str(data[config] / "cache")]
     if dry:
         args += DRY_FLAGS + DRY_MODEL[config]
         args = ["aot_eager" if a == "inductor" else a for a in args]

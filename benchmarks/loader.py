@@ -3,12 +3,21 @@
     ~/.cache/shardtrain/venv/bin/python benchmarks/loader.py            # -> benchmarks/results/loader.json
     ~/.cache/shardtrain/venv/bin/python benchmarks/loader.py --dry-run  # seconds
 
-Loader: shardtrain's own training stream (build_loaders -> TrainStream: tokenize + collate, PIL decode of a
-500x375 JPEG, RGB, bilinear resize to 224, normalize) with the shipped config (configs/multimodal_sentiment.yaml:
-batch 32, 4 workers per GPU) at num_workers 0, 2, 4, interleaved across repetitions; 2 warm-up batches (worker
-start-up) are excluded and 24 are timed (well past the prefetch depth). Training: the same config's model (RoBERTa-base + ResNet-50, random init) on this
-machine's CPU, fp32, forward + backward + AdamW, after one warm-up step. The GPU rate the loader must match
-comes from benchmarks/results/gpu_suite.json when that exists (it has not run on a GPU yet: null otherwise).
+Loader: shardtrain's own training stream (build_loaders -> TrainStream: tokenize + collate + images as uint8)
+with the shipped config (configs/multimodal_sentiment.yaml: batch 32, 224 px, 4 workers per GPU), for three
+image sources:
+  jpeg_500x375    decode + resize every epoch (a typical web photo; too small for JPEG draft decoding)
+  jpeg_1600x1200  decode + resize every epoch (a camera photo: libjpeg decodes it at 1/4 scale, images.py)
+  cache           `shardtrain cache-images` once, then rows of a memory map (data/image_cache.py)
+at num_workers 0, 2, 4, interleaved (every source and worker count once per repetition); 2 warm-up batches
+(worker start-up) are excluded and 24 are timed (well past the prefetch depth). Per-worker rate: the median at
+as many workers as this machine has cores (more only share the same cores).
+
+What the loader must match, per GPU:
+  - the FLOP-implied rate at the issue's 40% MFU target: 0.4 x peak bf16 FLOP/s / counted training FLOPs per
+    sample (shardtrain.flops, RoBERTa-base + ResNet-50 at 128 tokens), for an A100 and an H100;
+  - the measured GPU rate from benchmarks/results/gpu_suite.json when that exists (null until it runs on a GPU);
+  - this CPU's own training rate (fp32, micro-batch 4), for scale.
 """
 from __future__ import annotations
 
@@ -23,10 +32,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 SHIPPED = REPO / "configs" / "multimodal_sentiment.yaml"
+MFU_TARGET = 0.40
+SOURCES = {"jpeg_500x375": (500, 375), "jpeg_1600x1200": (1600, 1200), "cache": (500, 375)}
 
 
-def make_jpeg_data(out: Path, n: int) -> Path:
-    """Synthetic records whose images are 500x375 JPEGs (a typical photo), so decode + resize cost is real."""
+def make_jpeg_data(out: Path, n: int, size: tuple[int, int]) -> Path:
+    """Synthetic records whose images are JPEG photos of `size`, so decode + resize cost is real."""
     from PIL import Image
 
     from shardtrain.data import make_data
@@ -38,19 +49,20 @@ def make_jpeg_data(out: Path, n: int) -> Path:
         for r in rows:
             src = out / r["image"]
             dst = src.with_suffix(".jpg")
-            Image.open(src).convert("RGB").resize((500, 375), Image.BICUBIC).save(dst, quality=90)
+            Image.open(src).convert("RGB").resize(size, Image.BICUBIC).save(dst, quality=90)
             src.unlink()
             r["image"] = str(dst.relative_to(out))
         (out / split).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return out
 
 
-def config(data: Path, work: Path, workers: int, batch: int):
+def config(data: Path, work: Path, workers: int, batch: int, cache: Path | None = None):
     from shardtrain.config import parse_cli
     cfg = parse_cli(["--config", str(SHIPPED), "--data-dir", str(data), "--output-dir", str(work / "run"),
                      "--pretrained", "false", "--num-workers", str(workers),
                      "--per-device-batch-size", str(batch), "--device", "cpu", "--precision", "fp32",
-                     "--freeze-layers", "0", "--unfreeze-at-step", "none", "--resume", "none"])
+                     "--freeze-layers", "0", "--unfreeze-at-step", "none", "--resume", "none",
+                     *(["--image-cache", str(cache)] if cache else [])])
     cfg.model.image_weights = None  # random init: nothing to download (no flag spells None for a str option)
     return cfg
 
@@ -91,6 +103,24 @@ def train_rate(cfg, tok, datasets, steps: int) -> float:
     return cfg.train.per_device_batch_size / statistics.median(times[1:])
 
 
+def gpu_rates_at_target(cfg, tok) -> dict:
+    """Samples/s per GPU that 40% MFU means for this model, from counted FLOPs (no GPU needed)."""
+    from shardtrain import flops
+    from shardtrain.data import build_datasets, build_loaders
+    from shardtrain.models import build_model
+
+    batch = build_loaders(cfg, tok, *build_datasets(cfg, tok), 0, 1, "cpu").train.next_batch()
+    batch["pixel_values"] = batch["pixel_values"].float()
+    def on_meta(on_meta=True):
+        import torch
+        with torch.device("meta"):
+            return build_model(cfg.model, cfg.data, len(tok), load_weights=False)
+
+    per_sample = flops.train_flops_per_sample(on_meta, batch, 0)
+    return {"flops_per_sample": per_sample, "tokens_per_sample": int(batch["input_ids"].shape[1]),
+            **{gpu: MFU_TARGET * flops.PEAK_FLOPS[gpu]["bf16"] / per_sample for gpu in ("A100", "H100")}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workers", default="0,2,4")
@@ -106,22 +136,36 @@ def main(argv=None) -> int:
     if a.dry_run:
         a.workers, a.reps, a.batches = "0,2", 1, 1
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    work = Path(a.work)
-    data = make_jpeg_data(work / ("data-dry" if a.dry_run else "data"), 64 if a.dry_run else 1024)
-
+    work = Path(a.work) / ("dry" if a.dry_run else "full")
+    n = 64 if a.dry_run else 1024
     from shardtrain.data import build_datasets, build_tokenizer
-    base = config(data, work, 0, 32)
+    from shardtrain.data.image_cache import build_image_cache
+
+    data = {name: make_jpeg_data(work / f"data-{w}x{h}", n, (w, h)) for name, (w, h) in SOURCES.items()
+            if name != "cache"}
+    data["cache"] = data["jpeg_500x375"]
+    cache_dir = work / "cache-500x375"
+    t0 = time.perf_counter()
+    for split in ("train.jsonl", "validation.jsonl"):
+        build_image_cache(data["cache"] / split, "multimodal", 3, cache_dir, 224)
+    cache_build = (n + 8) / (time.perf_counter() - t0)
+
+    base = config(data["jpeg_500x375"], work, 0, 32)
     tok = build_tokenizer(base, work / "run", True, lambda: None)
-    datasets = build_datasets(base, tok)
+    setups = {name: (d, cache_dir if name == "cache" else None) for name, d in data.items()}
+    datasets = {name: build_datasets(config(d, work, 0, 32, c), tok) for name, (d, c) in setups.items()}
     workers = [int(w) for w in a.workers.split(",")]
-    rates: dict[int, list[float]] = {w: [] for w in workers}
-    for rep in range(a.reps):  # interleaved: w0 w2 w4 w0 w2 w4 ...
-        for w in workers:
-            rates[w].append(loader_rate(config(data, work, w, 32), tok, datasets, a.batches))
-            print(f"rep {rep + 1}/{a.reps} num_workers {w}: {rates[w][-1]:7.1f} samples/s", flush=True)
-    med = {w: statistics.median(r) for w, r in rates.items()}
-    train_cfg = config(data, work, 0, a.train_batch)
-    cpu_train = None if a.dry_run else train_rate(train_cfg, tok, datasets, steps=2)
+    rates: dict[str, dict[int, list[float]]] = {name: {w: [] for w in workers} for name in setups}
+    for rep in range(a.reps):  # interleaved: every source and worker count once per repetition
+        for name, (d, c) in setups.items():
+            for w in workers:
+                rates[name][w].append(loader_rate(config(d, work, w, 32, c), tok, datasets[name], a.batches))
+                print(f"rep {rep + 1}/{a.reps} {name:15s} num_workers {w}: {rates[name][w][-1]:8.1f} samples/s",
+                      flush=True)
+    med = {name: {w: statistics.median(r) for w, r in by_w.items()} for name, by_w in rates.items()}
+    cpu_train = None if a.dry_run else train_rate(config(data["jpeg_500x375"], work, 0, a.train_batch), tok,
+                                                   datasets["jpeg_500x375"], steps=2)
+    target = gpu_rates_at_target(base, tok)
     gpu_json = REPO / "benchmarks" / "results" / "gpu_suite.json"
     gpu_rate = None
     if gpu_json.exists():
@@ -132,21 +176,28 @@ def main(argv=None) -> int:
     from shardtrain.config import load_yaml
     shipped = load_yaml(SHIPPED)["data"]["num_workers"]
     # Per worker from the most workers that still have a core each (more only share the same cores).
-    fit = [w for w in workers if 0 < w <= (os.cpu_count() or 1)]
-    per_worker = med[max(fit)] / max(fit) if fit else None
+    fit = max([w for w in workers if 0 < w <= (os.cpu_count() or 1)], default=None)
+    per_worker = {name: m[fit] / fit if fit else None for name, m in med.items()}
+    needed = {name: {gpu: (target[gpu] / pw if pw else None) for gpu in ("A100", "H100")}
+              for name, pw in per_worker.items()}
     result = {
         "benchmark": "loader", "dry_run": a.dry_run, "cpus": os.cpu_count(),
-        "workload": "configs/multimodal_sentiment.yaml data path: batch 32, 128 tokens, 500x375 JPEG -> 224",
+        "workload": "configs/multimodal_sentiment.yaml data path: batch 32, 128 tokens, images -> 224 px uint8",
         "shipped_num_workers": shipped,
-        "loader_samples_per_sec_median": {str(w): r for w, r in med.items()},
-        "loader_runs": {str(w): r for w, r in rates.items()},
+        "loader_samples_per_sec_median": {name: {str(w): r for w, r in m.items()} for name, m in med.items()},
+        "loader_runs": {name: {str(w): r for w, r in by_w.items()} for name, by_w in rates.items()},
+        "samples_per_sec_per_worker": per_worker,
+        "cache_build_images_per_sec": cache_build,
+        "cache_build_note": f"shardtrain cache-images, 500x375 JPEG -> 224 px, {os.cpu_count()} processes",
+        "gpu_rate_at_40pct_mfu": target,
+        "gpu_rate_note": "samples/s per GPU at 40% MFU (bf16 dense peak), from counted FLOPs; not a measurement",
+        "workers_needed_per_gpu_at_40pct_mfu": needed,
+        "keeps_up_at_shipped_workers": {name: {gpu: (v is not None and v <= shipped) for gpu, v in by_gpu.items()}
+                                        for name, by_gpu in needed.items()},
         "cpu_train_samples_per_sec": cpu_train,
         "cpu_train_note": f"RoBERTa-base + ResNet-50, fp32, micro-batch {a.train_batch}, all cores, this CPU",
-        "loader_over_cpu_train": (med[min(workers, key=lambda w: abs(w - shipped))] / cpu_train) if cpu_train else None,
         "gpu_train_samples_per_sec": gpu_rate,
         "gpu_note": "from benchmarks/results/gpu_suite.json (best fusion case); null: the suite has not run on a GPU",
-        "workers_needed_for_gpu": (gpu_rate / per_worker) if gpu_rate and per_worker else None,
-        "samples_per_sec_per_worker_estimate": per_worker,
     }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")

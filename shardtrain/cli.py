@@ -201,13 +201,14 @@ def cache_images_main(argv: list[str]) -> int:
         "train and validation splits once, into --image-cache DIR; train with the same --image-cache DIR. "
         "Every other option is a training flag (--config, --data-dir, --image-size, ...).")
     parser.add_argument("--jobs", type=int, default=0, help="decoding processes (default: all cores)")
+    parser.add_argument("--rebuild", action="store_true", help="decode again even when the cache is up to date")
     args, rest = parser.parse_known_args(argv)
 
     def run(_):
         from pathlib import Path
 
         from shardtrain.config import parse_cli, where
-        from shardtrain.data.image_cache import build_image_cache
+        from shardtrain.data.image_cache import ImageCache, build_image_cache
         from shardtrain.data.records import data_kind, split_path
 
         cfg = parse_cli(rest)
@@ -219,8 +220,17 @@ def cache_images_main(argv: list[str]) -> int:
         kind = data_kind(cfg.model.name)
         for split in ("train", "validation"):
             folder = d.eval_data_dir if split == "validation" and d.eval_data_dir else d.data_dir
-            summary = build_image_cache(split_path(folder, split), kind, cfg.model.num_labels, Path(d.image_cache),
-                                        d.image_size, workers=args.jobs, progress=print)
+            path = split_path(folder, split)
+            if not args.rebuild:
+                try:  # the same check training makes: split file, every image's size and mtime
+                    cache = ImageCache(Path(d.image_cache), path, d.image_size)
+                    print(f"{path.name}: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild "
+                          f"decodes again)")
+                    continue
+                except ConfigError:
+                    pass
+            summary = build_image_cache(path, kind, cfg.model.num_labels, Path(d.image_cache), d.image_size,
+                                        workers=args.jobs, progress=print)
             bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
             print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
                   f"({summary['bytes'] / 2**20:.1f} MiB){bad}")

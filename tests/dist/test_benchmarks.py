@@ -47,3 +47,19 @@ def test_gpu_suite_dry_run(tmp_path):
     assert rows["longformer_4096_ac"]["activation_checkpointing"] is True
     assert rows["fusion_channels_last"]["channels_last"] is True
     assert rows["strategy_fsdp"]["strategy"] == "fsdp"
+
+
+def test_loader_dry_run(tmp_path):
+    out = tmp_path / "loader.json"
+    run([sys.executable, str(BENCH / "loader.py"), "--dry-run", "--work", str(tmp_path / "work"), "--out", str(out)],
+        timeout=300, env=test_env())
+    result = json.loads(out.read_text())
+    assert result["dry_run"] is True and result["shipped_num_workers"] == 4
+    rates = result["loader_samples_per_sec_median"]
+    assert set(rates) == {"jpeg_500x375", "jpeg_1600x1200", "cache"}
+    assert all(r[w] > 0 for r in rates.values() for w in ("0", "2"))
+    target = result["gpu_rate_at_40pct_mfu"]
+    assert target["flops_per_sample"] > 1e10 and target["H100"] > target["A100"] > 0  # RoBERTa-base + ResNet-50
+    needed = result["workers_needed_per_gpu_at_40pct_mfu"]
+    assert all(needed[s][g] > 0 for s in rates for g in ("A100", "H100"))
+    assert result["cache_build_images_per_sec"] > 0

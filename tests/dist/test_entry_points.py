@@ -60,3 +60,19 @@ def test_demo_settings_learn_the_synthetic_data(tmp_path):
     assert (s["strategy"], s["sharding"], s["world_size"]) == ("fsdp", "FULL_SHARD", 2)
     assert len(s["train_loss"]) == 60 and s["eval"]["n_examples"] == 128
     assert s["eval"]["accuracy"] >= 0.8, s["eval"]
+
+
+def test_image_cache_trains_on_the_same_pixels(data_dirs, tmp_path):
+    """`shardtrain cache-images` once, then torchrun with --image-cache and 2 loader workers per rank: the same
+    losses and gradient norms, bit for bit, as decoding every image (the cache holds exactly what decode_image
+    returns; workers read the memory map)."""
+    data, cache = data_dirs["multimodal"], tmp_path / "cache"
+    made = cli(["cache-images", "--config", str(REPO / "configs/multimodal_tiny.yaml"), "--data-dir", str(data),
+                "--output-dir", str(tmp_path / "o"), "--image-cache", str(cache), "--jobs", "2"])
+    assert f"train with: --image-cache {cache}" in made.output
+    runs = [torchrun(tiny_args("multimodal", data, tmp_path / name, "--strategy", "ddp", "--max-steps", "4",
+                               "--num-workers", "2", "--max-eval-samples", "16", *extra))
+            for name, extra in (("decoded", []), ("cached", ["--image-cache", str(cache)]))]
+    decoded, cached = ([(r["loss"], r["grad_norm"]) for r in run.metrics] for run in runs)
+    assert decoded == cached and len(decoded) == 4
+    assert runs[0].summary["eval"] == runs[1].summary["eval"]

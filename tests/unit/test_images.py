@@ -128,3 +128,6 @@ def test_cache_images_command(data, tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "train.jsonl: 24 images" in printed and f"train with: --image-cache {cache}" in printed
     assert (cache / "train-32.json").is_file() and (cache / "validation-32.json").is_file()
+    # Cheap to run before every job: an up-to-date cache is checked, not decoded again.
+    assert cli_main([*args, "--image-cache", str(cache), "--jobs", "1"]) == 0
+    assert "train.jsonl: up to date (24 images at 32px" in capsys.readouterr().out
