@@ -141,7 +141,7 @@ def main(argv=None) -> int:
         paired = {c: statistics.median(s["samples_per_sec"] / o["samples_per_sec"]
                                        for s, o in zip(runs["shardtrain"], runs[c]))
                   for c in runs if c != "shardtrain"}
-        cell = {"config": cname, "strategy": strategy, "global_batch": gb, "steps": total,
+        cell = {"config": cname, "strategy": strategy, "reps": a.reps, "global_batch": gb, "steps": total,
                 "warmup_steps_excluded": warmup,
                 "samples_per_sec_median": {**med, **{c: None for c in NOT_MEASURED.get(strategy, {})}},
                 "ratio_vs_handwritten": ratio(med["shardtrain"], med.get("handwritten")),
