@@ -68,6 +68,11 @@ def build_image_cache(split_file: Path, kind: str, num_labels: int, cache_dir: P
         if rec is not None and rec.image not in seen:
             seen.add(rec.image)
             images.append(rec.image)
+    if not images:
+        raise ConfigError(f"{split_file}: no valid record names an image; nothing to cache (check-data says why)")
+    # Stamped before decoding: an image edited while the cache is built then reads as stale, never as fresh.
+    stamps = {image: _stamp(root / image) for image in images}
+    split_sha = file_sha256(split_file)
     cache_dir.mkdir(parents=True, exist_ok=True)
     array_path, index_path = cache_files(cache_dir, split_file.stem, size)
     index_path.unlink(missing_ok=True)  # from here until the new index exists, the cache is incomplete
@@ -88,8 +93,8 @@ def build_image_cache(split_file: Path, kind: str, num_labels: int, cache_dir: P
     del pixels
     os.replace(tmp, array_path)
     index = {"format": FORMAT, "image_size": size, "split_file": str(split_file.resolve()),
-             "split_sha256": file_sha256(split_file),
-             "images": {image: [row, *_stamp(root / image)] for row, image in enumerate(images)},
+             "split_sha256": split_sha,
+             "images": {image: [row, *stamps[image]] for row, image in enumerate(images)},
              "bad": bad}
     tmp_index = index_path.with_name(index_path.name + ".partial")
     tmp_index.write_text(json.dumps(index))
