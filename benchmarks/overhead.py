@@ -47,6 +47,10 @@ CONTENDERS = {
     "zero2": {"shardtrain": (launch.MAIN, ["--ds", str(REPO / "ds_configs" / "zero2.json")]),
               "handwritten": (BENCH / "handwritten_zero.py", ["--ds", str(REPO / "ds_configs" / "zero2.json")])},
 }
+# --contenders ...,handwritten_again: the hand-written loop a second time, so that the JSON also holds the
+# ratio of two identical loops (noise_floor): how far apart this machine puts contenders that cost the same.
+for _loops in CONTENDERS.values():
+    _loops["handwritten_again"] = _loops["handwritten"]
 NOT_MEASURED = {"fsdp": {"accelerate": "not run: Accelerate's FSDP/DeepSpeed plugins target GPUs; the DDP cell "
                                        "is the like-for-like Accelerate comparison on CPU"},
                 "zero2": {"accelerate": "not run: see fsdp"}}
@@ -124,6 +128,10 @@ def main(argv=None) -> int:
         total, warmup = steps[cname]
         gb = global_batch_of(CONFIGS[cname], a.nproc)
         contenders = {c: v for c, v in CONTENDERS[strategy].items() if c in wanted}
+        if "handwritten_again" in contenders:  # interleaved right after the loop it repeats
+            order = [c for c in contenders if c != "handwritten_again"]
+            order.insert(order.index("handwritten") + 1, "handwritten_again")
+            contenders = {c: contenders[c] for c in order}
         runs = {c: [] for c in contenders}
         for rep in range(a.reps):
             for c, (script, extra) in contenders.items():
@@ -141,12 +149,21 @@ def main(argv=None) -> int:
         paired = {c: statistics.median(s["samples_per_sec"] / o["samples_per_sec"]
                                        for s, o in zip(runs["shardtrain"], runs[c]))
                   for c in runs if c != "shardtrain"}
+        if "handwritten_again" in runs:
+            twins = [a_["samples_per_sec"] / b["samples_per_sec"] for a_, b in zip(runs["handwritten"],
+                                                                              runs["handwritten_again"])]
+            noise_floor = {"paired_ratio_median": statistics.median(twins),
+                           "paired_ratio_range": [min(twins), max(twins)],
+                           "ratio_of_medians": med["handwritten"] / med["handwritten_again"]}
+        else:
+            noise_floor = None
         cell = {"config": cname, "strategy": strategy, "reps": a.reps, "global_batch": gb, "steps": total,
                 "warmup_steps_excluded": warmup,
                 "samples_per_sec_median": {**med, **{c: None for c in NOT_MEASURED.get(strategy, {})}},
                 "ratio_vs_handwritten": ratio(med["shardtrain"], med.get("handwritten")),
                 "ratio_vs_accelerate": ratio(med["shardtrain"], med.get("accelerate")),
-                "paired_ratio_median": paired, "not_measured": NOT_MEASURED.get(strategy, {}),
+                "paired_ratio_median": paired, "noise_floor": noise_floor,
+                "not_measured": NOT_MEASURED.get(strategy, {}),
                 "runs": runs}
         result["cells"].append(cell)
         write(result, a.out, t_start)  # after every cell: a long run interrupted keeps what it measured
