@@ -104,13 +104,17 @@ def train_rate(cfg, tok, datasets, steps: int) -> float:
 
 
 def gpu_rates_at_target(cfg, tok) -> dict:
-    """Samples/s per GPU that 40% MFU means for this model, from counted FLOPs (no GPU needed)."""
+    """Samples/s per GPU that 40% MFU means for this model at full max_length (128 tokens, as in the GPU
+    suite), from counted FLOPs (no GPU needed)."""
+    import torch
+
     from shardtrain import flops
-    from shardtrain.data import build_datasets, build_loaders
     from shardtrain.models import build_model
 
-    batch = build_loaders(cfg, tok, *build_datasets(cfg, tok), 0, 1, "cpu").train.next_batch()
-    batch["pixel_values"] = batch["pixel_values"].float()
+    d = cfg.data
+    batch = {"input_ids": torch.ones(1, d.max_length, dtype=torch.long),
+             "attention_mask": torch.ones(1, d.max_length, dtype=torch.long),
+             "pixel_values": torch.zeros(1, 3, d.image_size, d.image_size)}
     def on_meta(on_meta=True):
         import torch
         with torch.device("meta"):
@@ -182,7 +186,8 @@ def main(argv=None) -> int:
               for name, pw in per_worker.items()}
     result = {
         "benchmark": "loader", "dry_run": a.dry_run, "cpus": os.cpu_count(),
-        "workload": "configs/multimodal_sentiment.yaml data path: batch 32, 128 tokens, images -> 224 px uint8",
+        "workload": "configs/multimodal_sentiment.yaml data path: batch 32, synthetic captions (~20 tokens), "
+                    "images -> 224 px uint8",
         "shipped_num_workers": shipped,
         "loader_samples_per_sec_median": {name: {str(w): r for w, r in m.items()} for name, m in med.items()},
         "loader_runs": {name: {str(w): r for w, r in by_w.items()} for name, by_w in rates.items()},
