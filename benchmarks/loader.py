@@ -9,6 +9,7 @@ image sources:
   jpeg_500x375    decode + resize every epoch (a typical web photo; too small for JPEG draft decoding)
   jpeg_1600x1200  decode + resize every epoch (a camera photo: libjpeg decodes it at 1/4 scale, images.py)
   cache           `shardtrain cache-images` once, then rows of a memory map (data/image_cache.py)
+and, on one core, the decode alone before and after uint8 + draft decoding (decode_images_per_sec_one_core)
 at num_workers 0, 2, 4, interleaved (every source and worker count once per repetition); 2 warm-up batches
 (worker start-up) are excluded and 24 are timed (well past the prefetch depth). Per-worker rate: the median at
 as many workers as this machine has cores (more only share the same cores).
@@ -103,6 +104,44 @@ def train_rate(cfg, tok, datasets, steps: int) -> float:
     return cfg.train.per_device_batch_size / statistics.median(times[1:])
 
 
+def decode_rates(folders: dict, size: int, reps: int, n: int = 60) -> dict:
+    """Images/s on one core for one photo size: the decode before this change (float32 normalised on the host,
+    no draft), uint8 without draft, and images.decode_image (uint8 + draft), interleaved."""
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from shardtrain.data.images import decode_image
+
+    def float_on_host(path):
+        with Image.open(path) as img:
+            arr = np.asarray(img.convert("RGB").resize((size, size), Image.BILINEAR), dtype=np.float32) / 255.0
+        x = torch.from_numpy(arr).permute(2, 0, 1)
+        return (x - torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+
+    def uint8_no_draft(path):
+        with Image.open(path) as img:
+            return np.array(img.convert("RGB").resize((size, size), Image.BILINEAR))
+
+    ways = {"float32_on_host_no_draft": float_on_host, "uint8_no_draft": uint8_no_draft,
+            "uint8_draft (shipped)": lambda path: decode_image(path, size)}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = {}
+    for name, folder in folders.items():
+        files = sorted((folder / "images" / "train").glob("*.jpg"))[:n]
+        runs: dict[str, list[float]] = {w: [] for w in ways}
+        for _ in range(reps):
+            for way, fn in ways.items():
+                t0 = time.perf_counter()
+                for f in files:
+                    fn(f)
+                runs[way].append(len(files) / (time.perf_counter() - t0))
+        out[name] = {way: statistics.median(r) for way, r in runs.items()}
+    torch.set_num_threads(threads)
+    return out
+
+
 def gpu_rates_at_target(cfg, tok) -> dict:
     """Samples/s per GPU that 40% MFU means for this model at full max_length (128 tokens, as in the GPU
     suite), from counted FLOPs (no GPU needed)."""
@@ -167,6 +206,7 @@ def main(argv=None) -> int:
                 print(f"rep {rep + 1}/{a.reps} {name:15s} num_workers {w}: {rates[name][w][-1]:8.1f} samples/s",
                       flush=True)
     med = {name: {w: statistics.median(r) for w, r in by_w.items()} for name, by_w in rates.items()}
+    decode = decode_rates({k: v for k, v in data.items() if k != "cache"}, 224, a.reps, 8 if a.dry_run else 60)
     cpu_train = None if a.dry_run else train_rate(config(data["jpeg_500x375"], work, 0, a.train_batch), tok,
                                                    datasets["jpeg_500x375"], steps=2)
     target = gpu_rates_at_target(base, tok)
@@ -192,6 +232,7 @@ def main(argv=None) -> int:
         "loader_samples_per_sec_median": {name: {str(w): r for w, r in m.items()} for name, m in med.items()},
         "loader_runs": {name: {str(w): r for w, r in by_w.items()} for name, by_w in rates.items()},
         "samples_per_sec_per_worker": per_worker,
+        "decode_images_per_sec_one_core": decode,
         "cache_build_images_per_sec": cache_build,
         "cache_build_note": f"shardtrain cache-images, 500x375 JPEG -> 224 px, {os.cpu_count()} processes",
         "gpu_rate_at_40pct_mfu": target,

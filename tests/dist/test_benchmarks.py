@@ -63,3 +63,4 @@ def test_loader_dry_run(tmp_path):
     needed = result["workers_needed_per_gpu_at_40pct_mfu"]
     assert all(needed[s][g] > 0 for s in rates for g in ("A100", "H100"))
     assert result["cache_build_images_per_sec"] > 0
+    assert all(v > 0 for rates in result["decode_images_per_sec_one_core"].values() for v in rates.values())
