@@ -40,8 +40,7 @@ def agree(loss_sum: torch.Tensor, micro_steps: int, stop: bool, oom: bool, info:
     totals = all_reduce_sum(torch.cat([loss_sum.double().reshape(1), flags, share, own_bad]), device).tolist()
     return Agreement(loss_mean=totals[0] / (micro_steps * world), stop=totals[1] > 0,
                      bad_ranks=[r for r, v in enumerate(totals[4:]) if v > 0], oom_ranks=int(totals[2]),
-                     grad_norm=None if grad_norm_share is None else math.sqrt(totals[3])
-                     if totals[3] >= 0 else float("nan"))
+                     grad_norm=None if grad_norm_share is None else math.sqrt(totals[3]))  # nan/inf pass through
 
 
 class BadStepPolicy:

@@ -137,8 +137,9 @@ def train(cfg: Config) -> dict:
         mem.mark("after_backward")
         faults.maybe_kill("step", step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT); a no-op otherwise
 
-        # The one collective (and host sync) per optimizer step: the mean loss, and whether any rank saw a
-        # non-finite loss, ran out of memory or was signalled to stop. Every rank then decides alike.
+        # The one collective (and host sync) per optimizer step: the mean loss, the gradient norm (from each
+        # rank's share; the strategy clips with it), and whether any rank saw a non-finite loss, ran out of
+        # memory or was signalled to stop. Every rank then decides alike.
         agreed = agree(loss_sum, t.grad_accum, stop.raised, oom.hit, dist_info, strategy.grad_norm_share())
         if oom.recover(agreed.oom_ranks, step + 1):
             continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch

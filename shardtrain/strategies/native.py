@@ -13,6 +13,8 @@ from shardtrain.strategies.dcp_state import load_dcp, save_dcp
 
 class NativeStrategy(Strategy):
     scaler = None
+    # DDP holds the whole (all-reduced) gradient on every rank: rank 0's share is all of it. FSDP overrides.
+    grads_sharded = False
 
     def _make_scaler(self):
         return torch.amp.GradScaler(self.device.type)
@@ -26,9 +28,6 @@ class NativeStrategy(Strategy):
     def backward(self, loss):
         loss = loss / self.cfg.train.grad_accum
         (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    # DDP holds the whole (all-reduced) gradient on every rank: rank 0's share is all of it. FSDP overrides.
-    grads_sharded = False
 
     def grad_norm_share(self):
         if self.scaler:
