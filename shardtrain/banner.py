@@ -63,7 +63,8 @@ def format_banner(info: dict) -> str:
     lines.append(f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
                  f"{info['world_size']} = global {info['global_batch_size']}")
     lines.append(f"  data        {info['train_examples']:,} train | {info['eval_examples']:,} eval | "
-                 f"{info['steps_per_epoch']:,} steps/epoch | {info.get('max_steps', '?')} steps")
+                 f"{info['steps_per_epoch']:,} steps/epoch | {info.get('max_steps', '?')} steps" +
+                 (f" | images from cache {info['image_cache']}" if info.get("image_cache") else ""))
     mem = info.get("memory_prediction") or {}
     if "note" in mem and len(mem) == 1:
         lines.append(f"  memory      {mem['note']}")

@@ -94,6 +94,7 @@ def train(cfg: Config) -> dict:
                 "micro_batch_size": t.per_device_batch_size, "grad_accum": t.grad_accum,
                 "global_batch_size": global_batch, "train_examples": loaders.train_size,
                 "eval_examples": loaders.eval_size, "steps_per_epoch": loaders.steps_per_epoch,
+                "image_cache": cfg.data.image_cache,
                 "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
                 "bad_samples_skipped": {"train": len(train_ds.skipped), "validation": len(eval_ds.skipped)},
                 "max_steps": t.max_steps, "ranks": rank_table, "strategy_settings": strategy.describe(),

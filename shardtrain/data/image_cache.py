@@ -110,13 +110,18 @@ def open_image_cache(cfg, split_file: Path) -> Optional["ImageCache"]:
     return ImageCache(Path(cfg.data.image_cache), split_file, cfg.data.image_size)
 
 
+class UndecodableImage(ValueError):
+    """An image the cache build could not decode; the message is PIL's reason, as recorded then."""
+
+
 class ImageCache:
     """The cache of one split, checked against the split file and its images when opened. Pickles small
     (DataLoader workers): the memory map opens lazily in whichever process reads first."""
 
     def __init__(self, cache_dir: Path, split_file: Path, size: int):
         self.array_path, index_path = cache_files(cache_dir, split_file.stem, size)
-        rebuild = (f"build it with: shardtrain cache-images --config <your config> --image-cache {cache_dir}")
+        rebuild = (f"build it with: shardtrain cache-images <this run's --config and --data-dir flags> "
+                   f"--image-size {size} --image-cache {cache_dir}")
         if not index_path.is_file() or not self.array_path.is_file():
             other = sorted(p.stem.rsplit("-", 1)[-1] + "px" for p in Path(cache_dir).glob(f"{split_file.stem}-*.json"))
             has = f" (it has {', '.join(other)}: --image-size differs?)" if other else ""
@@ -145,7 +150,7 @@ class ImageCache:
         import torch
 
         if image in self.bad:
-            raise ValueError(self.bad[image])
+            raise UndecodableImage(self.bad[image])
         if self._pixels is None:
             self._pixels = np.load(self.array_path, mmap_mode="r")
         return torch.from_numpy(np.array(self._pixels[self.rows[image]])).permute(2, 0, 1)

@@ -20,7 +20,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardtrain.config import Config, ConfigError, where
-from shardtrain.data.image_cache import ImageCache, open_image_cache
+from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
 from shardtrain.data.images import image_problem, load_image
 from shardtrain.data.records import Record, data_kind, iter_split, split_path
 
@@ -53,8 +53,8 @@ class JsonlDataset(Dataset):
                 item["image"] = (self.cache.load(row["image"]) if self.cache is not None else
                                  load_image(self.root / row["image"], self.image_size))
             except Exception as e:
-                raise ConfigError(f"{self.path}:{row['line']}: cannot decode image {row['image']}: "
-                                  f"{type(e).__name__}: {e}") from None
+                why = str(e) if isinstance(e, UndecodableImage) else f"{type(e).__name__}: {e}"
+                raise ConfigError(f"{self.path}:{row['line']}: cannot decode image {row['image']}: {why}") from None
         return item
 
 

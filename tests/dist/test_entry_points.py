@@ -76,3 +76,4 @@ def test_image_cache_trains_on_the_same_pixels(data_dirs, tmp_path):
     decoded, cached = ([(r["loss"], r["grad_norm"]) for r in run.metrics] for run in runs)
     assert decoded == cached and len(decoded) == 4
     assert runs[0].summary["eval"] == runs[1].summary["eval"]
+    assert f"images from cache {cache}" in runs[1].output and "images from cache" not in runs[0].output
