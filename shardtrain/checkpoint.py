@@ -229,8 +229,9 @@ RUN_ARTIFACTS = ("checkpoints", "tokenizer", "metrics.jsonl", "eval.jsonl", "sum
 def previous_run(output_dir: str | Path) -> str | None:
     """The first sign that output_dir already holds a run, or None."""
     out = Path(output_dir)
-    if latest_committed(checkpoints_root(out)) is not None:
-        return f"checkpoint {latest_committed(checkpoints_root(out)).name}"
+    latest = latest_committed(checkpoints_root(out))
+    if latest is not None:
+        return f"checkpoint {latest.name}"
     if (out / "metrics.jsonl").is_file():
         return "metrics.jsonl"
     return None

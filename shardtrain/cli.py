@@ -209,7 +209,7 @@ def cache_images_main(argv: list[str]) -> int:
 
         from shardtrain.config import parse_cli, where
         from shardtrain.data.image_cache import ImageCache, build_image_cache
-        from shardtrain.data.records import data_kind, split_path
+        from shardtrain.data.records import config_split_path, data_kind
 
         cfg = parse_cli(rest)
         d = cfg.data
@@ -219,8 +219,7 @@ def cache_images_main(argv: list[str]) -> int:
             raise ConfigError(f"cache-images: --jobs must be >= 0, got {args.jobs}")
         kind = data_kind(cfg.model.name)
         for split in ("train", "validation"):
-            folder = d.eval_data_dir if split == "validation" and d.eval_data_dir else d.data_dir
-            path = split_path(folder, split)
+            path = config_split_path(cfg, split)
             if not args.rebuild:
                 try:  # the same check training makes: split file, every image's size and mtime
                     cache = ImageCache(Path(d.image_cache), path, d.image_size)

@@ -1,7 +1,7 @@
 """What happens after a preemption checkpoint: under Slurm, rank 0 puts the job back in the queue.
 
 The signal side is StopFlag below (SIGUSR1/SIGTERM set a flag; the loop saves and exits 0).
-How the signal reaches the training processes under each launcher is in docs/readme/checkpoints.md.
+How the signal reaches the training processes under each launcher: README.md, "Preemption".
 """
 from __future__ import annotations
 

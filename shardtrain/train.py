@@ -37,7 +37,7 @@ def train(cfg: Config) -> dict:
     check_devices(rank_table, dist_info.is_rank0, console.warn)
     out = Path(cfg.checkpoint.output_dir)
     if cfg.checkpoint.overwrite_output_dir and cfg.checkpoint.resume == "none" and dist_info.is_rank0:
-        checkpoint.clear_previous_run(out)  # asked for by name; validate() refuses it otherwise
+        checkpoint.clear_previous_run(out)  # asked for by name; otherwise `train` refused (refuse_to_overwrite)
     barrier()
     stop = StopFlag()
     t_start = now()

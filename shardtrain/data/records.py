@@ -31,6 +31,13 @@ def normalize_kind(kind: str) -> str:
     return kind
 
 
+def config_split_path(cfg, split: str) -> Path:
+    """The split file a config trains on: validation.jsonl may live in eval_data_dir (SageMaker's separate
+    validation channel)."""
+    d = cfg.data
+    return split_path(d.eval_data_dir if split == "validation" and d.eval_data_dir else d.data_dir, split)
+
+
 def split_path(data_dir: str | Path, split: str) -> Path:
     """The split file, or a ConfigError naming --data-dir and the path that is missing."""
     root = Path(data_dir)
@@ -114,9 +121,7 @@ def check_splits(cfg) -> None:
     --skip-bad-samples only the files must exist: the dataset skips and counts the bad records."""
     kind = data_kind(cfg.model.name)
     for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):
-        # The same folders as build_datasets (SageMaker's validation channel may be a folder of its own).
-        folder = cfg.data.eval_data_dir if split == "validation" and cfg.data.eval_data_dir else cfg.data.data_dir
-        path = split_path(folder, split)
+        path = config_split_path(cfg, split)
         if cfg.data.image_cache is not None:
             from shardtrain.data.image_cache import open_image_cache
             open_image_cache(cfg, path)  # missing or stale: one line now, not one per rank after the launch

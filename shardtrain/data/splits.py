@@ -22,7 +22,7 @@ from torch.utils.data import Dataset
 from shardtrain.config import Config, ConfigError, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
 from shardtrain.data.images import image_problem, load_image
-from shardtrain.data.records import Record, data_kind, iter_split, split_path
+from shardtrain.data.records import Record, config_split_path, data_kind, iter_split
 
 
 class JsonlDataset(Dataset):
@@ -85,8 +85,7 @@ def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlData
     out = []
     for split, limit, flag in (("train", cfg.data.max_train_samples, "max_train_samples"),
                                ("validation", cfg.data.max_eval_samples, "max_eval_samples")):
-        folder = cfg.data.eval_data_dir if split == "validation" and cfg.data.eval_data_dir else cfg.data.data_dir
-        path = split_path(folder, split)
+        path = config_split_path(cfg, split)
         cache = open_image_cache(cfg, path)
         records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit, cache)
         if not records:
