@@ -102,8 +102,10 @@ def _lost_peer(e: BaseException) -> bool:
 
 
 def train_main(argv: list[str]) -> int:
+    from shardtrain.closed_output import survive_closed_output
     from shardtrain.config import parse_cli
 
+    survive_closed_output()
     argv = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]  # the deepspeed launcher adds it
 
     def run(args):
@@ -121,8 +123,8 @@ def train_main(argv: list[str]) -> int:
         if code is not None:
             return code
         from shardtrain.train import train
-        train(cfg)
-        return 0
+        summary = train(cfg)
+        return 130 if summary.get("stopped_by") == "Ctrl-C" else 0  # a shell's code for a job ended by Ctrl-C
 
     code = run_guarded(run, argv)
     # Inside a process group: leave through the abort-free path (see distributed.teardown_and_exit).

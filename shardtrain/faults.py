@@ -6,6 +6,7 @@ POINT is where rank RANK fails while working on optimizer step STEP (1-based):
     step    SIGKILL itself after the step's backward, before the optimizer update (a mid-step crash)
     save    SIGKILL itself after writing its checkpoint shards, before COMMITTED (a torn save)
     enospc  its checkpoint write fails with "No space left on device" (a full disk, simulated)
+    stall   sleeps 120 s after the step's backward (a slow step, for signals that must act within one)
 With SHARDTRAIN_FAULT_ONCE_DIR set, each fault fires once per job: it leaves a marker file there before
 killing, so one `torchrun --max-restarts N` launch can crash at several points in turn and prove that
 every restart resumes by itself (an extra restart, e.g. a slow rendezvous, does not shift the schedule).
@@ -16,9 +17,10 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import time
 
 ENV = "SHARDTRAIN_FAULT"
-POINTS = ("step", "save", "enospc")
+POINTS = ("step", "save", "enospc", "stall")
 
 
 def _parse() -> set[tuple[str, int, int]]:
@@ -53,6 +55,13 @@ def maybe_kill(point: str, step: int, rank: int) -> None:
     if armed(point, step, rank):
         print(f"[fault injection] rank {rank}: SIGKILL at {point}@{step}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def mid_step(step: int, rank: int) -> None:
+    maybe_kill("step", step, rank)
+    if armed("stall", step, rank):
+        print(f"[fault injection] rank {rank}: stalling at stall@{step}", flush=True)
+        time.sleep(120)  # signal handlers still run: the sleep is interrupted for them, then goes on
 
 
 def maybe_disk_full(step: int, rank: int) -> None:

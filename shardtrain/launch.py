@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from shardtrain.config import Config
+from shardtrain.preemption import STOP_SIGNALS
 
 
 def under_launcher() -> bool:
@@ -45,25 +46,15 @@ def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
 
 
 def run_forwarding_signals(cmd: list[str], env: dict) -> int:
-    """A spot interruption (SageMaker) or a Slurm warning signals this parent process; the workers must
-    hear it to checkpoint. SIGTERM goes to the torchrun agent, which passes it on to its workers; SIGUSR1
-    goes to the workers themselves, because the agent dies of SIGUSR1 (measured: exit 138)."""
+    """A spot interruption (SageMaker) or a Slurm warning signals this parent process; the agent passes it
+    on to the workers (quiet_torchrun below), which finish their step, save and exit. The agent runs in a
+    session of its own, so a terminal's Ctrl-C, sent to this whole process group, reaches the workers once
+    through this parent and not a second time through the agent (a second Ctrl-C means "stop at once")."""
     import signal
 
-    import psutil
-
-    agent = subprocess.Popen(cmd, env=env)
-
-    def forward(signum, frame):
-        if signum == signal.SIGUSR1:
-            for worker in psutil.Process(agent.pid).children():
-                if any(part.endswith("main.py") for part in worker.cmdline()):
-                    worker.send_signal(signum)
-        else:
-            agent.send_signal(signum)
-
-    for sig in (signal.SIGTERM, signal.SIGUSR1):
-        signal.signal(sig, forward)
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: agent.send_signal(signum))
     return agent.wait()
 
 
@@ -82,21 +73,54 @@ def without_flag(argv: list[str], flag: str) -> list[str]:
 def quiet_torchrun(args: list[str]) -> int:
     """torchrun, without its own traceback and failure report when a worker fails: the failed worker has
     already said what went wrong in one line. Exits with the first failed worker's code (2 for a config
-    or data error), as a user's script would expect."""
-    import logging
+    or data error, 130 after Ctrl-C), or 128 + N for a worker killed by signal N, as a shell reports it.
 
+    Stop signals go to the workers, and the agent goes on watching them: they finish their step, save and
+    exit (0 after SIGTERM/SIGUSR1, 130 after Ctrl-C), and the agent exits with their code. torchrun's own
+    handling would stop the workers itself and exit 1 with a traceback (SIGTERM, SIGINT), or die (SIGUSR1)."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
     for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def pass_to_workers(signum, frame):
+        workers = _workers_of(os.getpid())
+        for worker in workers:
+            worker.send_signal(signum)
+        if not workers:  # none started yet: stop as torchrun would, with one line below
+            _terminate_process_handler(signum, frame)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, pass_to_workers)
     try:
-        run(parse_args(args))
+        run(parse_args(["--signals-to-handle", "SIGHUP,SIGQUIT", *args]))
     except ChildFailedError as e:
         code = e.get_first_failure()[1].exitcode
-        return code if code > 0 else 1  # negative: killed by a signal
+        return code if code > 0 else 128 - code
+    except SignalException as e:
+        print(f"shardtrain: the launcher got {e.sigval.name} before its workers started, and stopped",
+              file=sys.stderr)
+        return 128 + int(e.sigval)
     return 0
+
+
+def _workers_of(agent_pid: int) -> list:
+    import psutil
+
+    workers = []
+    for child in psutil.Process(agent_pid).children():
+        try:
+            if any(part.endswith("main.py") for part in child.cmdline()):
+                workers.append(child)
+        except psutil.Error:  # exited meanwhile
+            pass
+    return workers
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """What happens after a preemption checkpoint: under Slurm, rank 0 puts the job back in the queue.
 
-The signal side is StopFlag below (SIGUSR1/SIGTERM set a flag; the loop saves and exits 0).
+The signal side is StopFlag below: SIGUSR1/SIGTERM (preemption) and a first Ctrl-C set a flag; the loop
+finishes its step, saves and exits (0 on a preemption signal, 130 on Ctrl-C).
 How the signal reaches the training processes under each launcher: README.md, "Preemption".
 """
 from __future__ import annotations
@@ -37,18 +38,31 @@ def requeue_if_slurm(log=print) -> bool:
     return True
 
 
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+
+
 class StopFlag:
-    """Set by SIGUSR1/SIGTERM (preemption). The handler only sets a flag: no I/O, no collective.
-    The loop folds it into its one per-step all-reduce, so every rank stops at the same step."""
+    """Set by SIGUSR1/SIGTERM (preemption) or SIGINT (Ctrl-C). The handler only sets a flag: no I/O, no
+    collective. The loop folds it into its one per-step all-reduce, so every rank stops at the same step."""
 
     def __init__(self):
         self.raised = False
         # Only SIGUSR1 (the `--signal=USR1@N` warning of the slurm/ scripts) asks for a requeue: SIGTERM is
         # also what `scancel` sends, and a requeue then would bring back a job the user just cancelled.
         self.requeue = False
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
+        self.interrupted = False  # Ctrl-C: the user's own stop, which ends in exit code 130 like any CLI
+        for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
         self.raised = True
         self.requeue = self.requeue or signum == signal.SIGUSR1
+        if signum == signal.SIGINT:
+            self.interrupted = True
+            # The second Ctrl-C must stop at once, even inside a long collective or kernel, where a Python
+            # handler would only run once it returns: the default action ends the process right away.
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+    @property
+    def reason(self) -> str:
+        return "Ctrl-C" if self.interrupted else "a preemption signal"

@@ -131,6 +131,14 @@ def torchrun_background(args: list[str], nproc: int = 2, env: dict | None = None
                             start_new_session=True)
 
 
+def cli_background(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
+    """`python -m shardtrain <args>` that the test signals while it runs, in a process group of its own: a
+    signal to the group is what a terminal's Ctrl-C sends."""
+    out = open(log, "w") if log else subprocess.DEVNULL
+    return subprocess.Popen([sys.executable, "-m", "shardtrain", *args], cwd=REPO, env=env or test_env(),
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
 def deepspeed_launcher(args: list[str], nproc: int = 2, check: bool = True,
                        timeout: float = DEFAULT_TIMEOUT, env: dict | None = None) -> Run:
     # Without --num_gpus the launcher counts NUMA nodes on a CPU machine and starts one process.

@@ -11,6 +11,7 @@ Resuming skips by slicing the sampler's index list: no batch is loaded just to b
 from __future__ import annotations
 
 import random
+import signal
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -20,14 +21,21 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from shardtrain.config import Config, ConfigError, where
 from shardtrain.data.splits import make_collator
+from shardtrain.preemption import STOP_SIGNALS
 
 
-def seed_worker(worker_id: int) -> None:
+def init_worker(worker_id: int) -> None:
     # torch gives each worker base_seed + id (base_seed from the loader's generator); make numpy and
     # `random` follow it, so any augmentation in a worker is reproducible too.
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
+    # Stop signals are the training process's to act on: it finishes its step, saves, and then ends these
+    # workers itself. But they reach the workers too: a terminal's Ctrl-C goes to the whole foreground process
+    # group, torchrun's agent passes SIGTERM/SIGINT to each worker's process group, and Slurm signals every
+    # process of the job step. A worker that died of one would fail the very step that is being finished.
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class _Positions(Sampler[int]):
@@ -158,7 +166,7 @@ def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Dataset, r
 
     def loader_kwargs(salt: int) -> dict:
         return dict(num_workers=workers, pin_memory=cfg.data.pin_memory and device_type == "cuda",
-                    persistent_workers=workers > 0, worker_init_fn=seed_worker if workers > 0 else None,
+                    persistent_workers=workers > 0, worker_init_fn=init_worker if workers > 0 else None,
                     # Only seeds the workers (shuffling is the sampler's): per rank, so ranks differ.
                     generator=torch.Generator().manual_seed(cfg.train.seed * 1000 + rank * 10 + salt))
 

@@ -1,0 +1,149 @@
+"""How a run stops (README, "Stopping"): on a preemption signal or Ctrl-C it finishes its step, saves and
+exits 0 or 130 with one line; a second Ctrl-C stops at once; a reader that goes away (`| head`) never hangs it.
+
+Every launch here goes through an entry point users run: `python -m shardtrain train` (which relaunches
+itself under torchrun with --nproc 2) or torchrun itself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from launch import BIN, MAIN, REPO, cli_background, free_port, kill_tree, test_env, tiny_args, torchrun_background
+
+LONG = ["--strategy", "ddp", "--max-steps", "500", "--device", "cpu", "--log-every", "1"]
+
+
+def _steps_logged(out: Path) -> int:
+    path = out / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _wait_until(condition, proc: subprocess.Popen, log: Path, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        if proc.poll() is not None:
+            raise AssertionError(f"exited {proc.returncode} early:\n{log.read_text()[-3000:]}")
+        if time.time() > deadline:
+            kill_tree(proc.pid)
+            raise AssertionError(f"timed out waiting:\n{log.read_text()[-3000:]}")
+        time.sleep(0.3)
+
+
+def _finish(proc: subprocess.Popen, log: Path, timeout: float = 120) -> tuple[int, str]:
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        raise AssertionError(f"did not stop within {timeout}s (a hang?):\n{log.read_text()[-3000:]}") from None
+    return code, log.read_text()
+
+
+def _committed_at_final_step(out: Path) -> int:
+    summary = json.loads((out / "summary.json").read_text())
+    step = summary["final_step"]
+    assert summary["preempted"] is True and 0 < step < 500, summary
+    assert (out / "checkpoints" / f"step-{step:06d}" / "COMMITTED").is_file()
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{step:06d}"
+    return step
+
+
+@pytest.mark.parametrize("sig,target", [(signal.SIGUSR1, "parent"), (signal.SIGTERM, "parent"),
+                                        (signal.SIGTERM, "agent")])
+def test_preemption_signal_to_shardtrain_train_saves_and_exits_0(ld_data, tmp_path, sig, target):
+    """What SageMaker and Slurm signal is the parent `shardtrain train` (or, by a user's hand, the torchrun
+    agent it started): the workers must hear it and save, and the command must exit 0 with no traceback (a
+    wrapper reads anything else as a crash). The DataLoader workers hear a SIGTERM to the agent too."""
+    import psutil
+
+    out, log = tmp_path / "run", tmp_path / "log"
+    proc = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2",
+                                               "--num-workers", "2")], log=log)
+    _wait_until(lambda: _steps_logged(out) >= 2, proc, log)
+    (psutil.Process(proc.pid).children()[0] if target == "agent" else proc).send_signal(sig)
+    code, output = _finish(proc, log)
+    assert code == 0, output[-3000:]
+    step = _committed_at_final_step(out)
+    assert f"step {step}: stopped on a preemption signal; resume with --resume auto" in output
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
+
+
+@pytest.mark.parametrize("nproc", ["2", "1"])
+def test_ctrl_c_finishes_the_step_saves_and_exits_130(ld_data, tmp_path, nproc):
+    """Ctrl-C in a terminal signals the whole foreground process group: with --nproc 1 that includes the
+    DataLoader workers, which must not die of it before the step is finished and saved."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    proc = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", nproc,
+                                               "--num-workers", "2")], log=log)
+    _wait_until(lambda: _steps_logged(out) >= 2, proc, log)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, output = _finish(proc, log)
+    assert code == 130, output[-3000:]
+    step = _committed_at_final_step(out)
+    assert f"step {step}: stopped on Ctrl-C; resume with --resume auto" in output
+    assert json.loads((out / "summary.json").read_text())["stopped_by"] == "Ctrl-C"
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+
+
+def test_ctrl_c_under_torchrun_saves(ld_data, tmp_path):
+    """torchrun passes a Ctrl-C on to its workers, which save; its own exit code and report are torchrun's."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    proc = torchrun_background(tiny_args("longformer", ld_data, out, *LONG), log=log)
+    _wait_until(lambda: _steps_logged(out) >= 2, proc, log)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, output = _finish(proc, log)
+    step = _committed_at_final_step(out)
+    assert f"step {step}: stopped on Ctrl-C" in output, output[-3000:]
+
+
+def test_second_ctrl_c_stops_at_once_without_saving(ld_data, tmp_path):
+    """Rank 0 stalls in step 3 (fault injection: a slow step). The first Ctrl-C asks for a save after the
+    step; the second one, during the stall, must end the job within seconds, not after the step."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    env = test_env(SHARDTRAIN_FAULT="stall@3:0")
+    proc = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2")],
+                          log=log, env=env)
+    _wait_until(lambda: "stalling at stall@3" in log.read_text(), proc, log)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(1.0)
+    t0 = time.time()
+    os.killpg(proc.pid, signal.SIGINT)
+    code, output = _finish(proc, log, timeout=60)
+    assert time.time() - t0 < 20, output[-3000:]
+    assert code == 130, output[-3000:]
+    assert not (out / "checkpoints").exists(), output[-3000:]  # nothing committed after the first Ctrl-C
+
+
+@pytest.mark.parametrize("launcher", ["shardtrain --nproc 2", "torchrun"])
+def test_a_reader_that_goes_away_does_not_hang_training(ld_data, tmp_path, launcher):
+    """`| head -n 5`: the console output is dropped once the pipe closes; training, metrics and the final
+    checkpoint go on. Before, rank 0 died of BrokenPipeError and its exit waited for ranks still training."""
+    out = tmp_path / "run"
+    args = tiny_args("longformer", ld_data, out, "--strategy", "ddp", "--max-steps", "6", "--device", "cpu",
+                     "--log-every", "1")
+    if launcher == "torchrun":
+        cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(MAIN), *args]
+    else:
+        cmd = [sys.executable, "-m", "shardtrain", "train", *args, "--nproc", "2"]
+    script = " ".join(f"'{a}'" for a in cmd) + f" 2>'{tmp_path / 'stderr'}' | head -n 5; echo ${{PIPESTATUS[0]}}"
+    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=test_env(), stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        stdout, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        raise AssertionError(f"hung after its reader went away:\n{(tmp_path / 'stderr').read_text()[-3000:]}") \
+            from None
+    lines = stdout.splitlines()
+    assert len(lines) == 6 and lines[-1] == "0", stdout + (tmp_path / "stderr").read_text()[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_step"] == 6 and _steps_logged(out) == 6
+    assert (out / "checkpoints" / "step-000006" / "COMMITTED").is_file()
