@@ -216,7 +216,7 @@ def find_resume_dir(resume: str, output_dir: str | Path, label: str = "--resume"
         from shardtrain.config import ConfigError
         if path.is_dir() and not STEP_DIR.match(path.name):
             raise ConfigError(f"{label} {resume}: no committed checkpoint in this run folder "
-                              f"(a run writes them with --save-every N, and at its end then)")
+                              f"(a run writes one at its end unless --save-final false, and every --save-every N steps)")
         raise ConfigError(f"{label} {resume}: not a committed checkpoint (missing {COMMIT_MARKER})")
     return path
 

@@ -114,6 +114,9 @@ class ParallelConfig:
 class CheckpointConfig:
     output_dir: str = "runs/default"
     save_every: int = 0
+    # Every run that finishes commits its last step too, so `export` and `--resume` see the model it ended
+    # with; false keeps only the --save-every checkpoints (and a preemption's).
+    save_final: bool = True
     keep_last: int = 2
     resume: str = "auto"
     # With --resume none, an output dir that already holds a run is refused unless this says start over.

@@ -30,7 +30,23 @@ def _resolve(ckpt: str | Path) -> Path:
     if not path.exists():
         raise ConfigError(f"export: checkpoint not found: {path}")
     found = checkpoint.find_resume_dir(str(path), path, label="export")
+    run = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
+    if run is not None:  # a run folder stands for the model it ended with; a step directory is explicit
+        _refuse_older_than_run(run, found, path)
     return found
+
+
+def _refuse_older_than_run(run: Path, found: Path, asked: Path) -> None:
+    try:
+        final = json.loads((run / "summary.json").read_text()).get("final_step")
+    except (OSError, ValueError):
+        return  # still running, or crashed: its newest checkpoint is all there is
+    saved = checkpoint.read_trainer_state(found)["step"]
+    if final is not None and saved < final:
+        raise ConfigError(f"export {asked}: the newest checkpoint is step {saved}, but the run ended at step "
+                          f"{final} (summary.json), so steps {saved + 1}-{final} were never saved "
+                          f"(--save-final false); export step {saved} by naming it ({found}), or resume the "
+                          f"run to save its end")
 
 
 def _vocab_size(model_sd: dict) -> int | None:

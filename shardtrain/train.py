@@ -25,6 +25,7 @@ from shardtrain.memory import MemoryMonitor, construction_memory, format_table
 from shardtrain.models import build_model
 from shardtrain.oom import OOMRecovery
 from shardtrain.preemption import StopFlag, requeue_if_slurm
+from shardtrain.resume_changes import resume_changes
 from shardtrain.step_health import BadStepPolicy, agree
 from shardtrain.strategies import make_strategy
 from shardtrain.tracking import Console, Throughput, Tracker, library_versions, now
@@ -41,6 +42,15 @@ def train(cfg: Config) -> dict:
     barrier()
     stop = StopFlag()
     t_start = now()
+
+    # ---- where we resume from: a run with nothing left to train stops before any heavy work, its files untouched
+    resume_dir = checkpoint.find_resume_dir(cfg.checkpoint.resume, out)
+    state = checkpoint.read_trainer_state(resume_dir) if resume_dir is not None else {}
+    if state and state["step"] >= cfg.train.max_steps:
+        console.info(f"nothing to train: {resume_dir} is at step {state['step']} and --max-steps is "
+                     f"{cfg.train.max_steps}; summary.json and the checkpoints are left as they were "
+                     f"(a larger --max-steps trains on)")
+        return {"final_step": state["step"], "nothing_to_train": True}
 
     # ---- strategy first: a bad DeepSpeed JSON or FSDP policy fails before any data or model work.
     # `--strategy auto` becomes a concrete strategy, batch geometry and checkpointing choice here.
@@ -71,15 +81,18 @@ def train(cfg: Config) -> dict:
         strategy.setup(model_factory, frozen)
 
     # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
-    step, state = 0, {}
-    resume_dir = checkpoint.find_resume_dir(cfg.checkpoint.resume, out)
+    step, changed = 0, None
     if resume_dir is not None:
-        state = checkpoint.read_trainer_state(resume_dir)
         strategy.load(resume_dir, state)  # a foreign strategy's checkpoint goes through the portable form
         loaders.train.load_state_dict(state["data"])
         checkpoint.load_rng(resume_dir / "rng", dist_info.rank)
         step = state["step"]
         console.info(f"resumed from {resume_dir} at step {step}")
+        changed = resume_changes(state, cfg, dist_info.world_size)
+        if changed.schedule_changed:
+            strategy.follow_configured_schedule()
+        if changed.changes and dist_info.is_rank0:
+            console.warn(changed.line(step))
     # Nothing new to save at the resume step when it is already a checkpoint of this output dir.
     last_saved = (step if resume_dir is not None and
                   resume_dir.parent.resolve() == checkpoint.checkpoints_root(out).resolve() else None)
@@ -97,7 +110,8 @@ def train(cfg: Config) -> dict:
                 "image_cache": cfg.data.image_cache,
                 "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
                 "bad_samples_skipped": {"train": len(train_ds.skipped), "validation": len(eval_ds.skipped)},
-                "max_steps": t.max_steps, "ranks": rank_table, "strategy_settings": strategy.describe(),
+                "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
+                "ranks": rank_table, "strategy_settings": strategy.describe(),
                 "memory_prediction": memory_prediction(cfg, world) if dist_info.is_rank0 else {}}
     for split, ds in (("train", train_ds), ("validation", eval_ds)):
         if ds.skipped:
@@ -136,7 +150,7 @@ def train(cfg: Config) -> dict:
                     oom.inject()  # test-only (train.inject_oom_above); a no-op otherwise
                 loss_sum += loss.detach()
         mem.mark("after_backward")
-        faults.maybe_kill("step", step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT); a no-op otherwise
+        faults.mid_step(step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT): kill or stall; a no-op otherwise
 
         # The one collective (and host sync) per optimizer step: the mean loss, the gradient norm (from each
         # rank's share; the strategy clips with it), and whether any rank saw a non-finite loss, ran out of
@@ -169,12 +183,12 @@ def train(cfg: Config) -> dict:
         if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or preempted:
             last_saved = save(strategy, step, loaders, cfg, tracker, out, save_seconds, console)
         if preempted:
-            console.info(f"step {step}: stopping on a preemption signal; resume with --resume auto")
+            console.info(f"step {step}: stopped on {stop.reason}; resume with --resume auto")
             if dist_info.is_rank0 and stop.requeue:
                 requeue_if_slurm(console.info)
             break
-    if cfg.checkpoint.save_every and not preempted and last_saved != step:
-        # The steps since the last multiple of save_every are work too (and what `export` should see).
+    if cfg.checkpoint.save_final and not preempted and last_saved != step:
+        # Every finished run keeps the model it ended with: what `export` and a later --resume should see.
         last_saved = save(strategy, step, loaders, cfg, tracker, out, save_seconds, console)
 
     # ---- the end: evaluate, summarise
@@ -184,7 +198,7 @@ def train(cfg: Config) -> dict:
     summary = {**run_info, "train_loss": tracker.metrics.losses() if dist_info.is_rank0 else [],
                "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
                "wall_seconds": now() - t_start, "final_step": step, **health.counts(), "preempted": preempted,
-               "checkpoint_save_seconds": save_seconds, "versions": library_versions(), "config": cfg.to_dict(),
+               "stopped_by": stop.reason if preempted else None, "checkpoint_save_seconds": save_seconds, "versions": library_versions(), "config": cfg.to_dict(),
                "memory": {**mem.summary(), "construction": built.per_rank}, "oom_recovery": oom.summary()}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step))

@@ -82,6 +82,17 @@ class Strategy(ABC):
         """Collective. `saved` is the checkpoint's trainer_state.json (strategy, world size): a strategy
         that cannot read its own form from it goes through the portable form."""
 
+    def follow_configured_schedule(self) -> None:
+        """After a load: take every group's learning rate from the configured schedule at the resumed step.
+        The checkpoint's own rates would otherwise drive the first resumed step, and the new schedule only
+        the ones after it (a resume with another --max-steps, --lr or warmup). The scheduler drives the
+        optimizer the strategy was built with, under DeepSpeed too, so this works for every backend."""
+        scheduler, lr = self.scheduler, self.cfg.train.lr
+        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+        for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+            group["initial_lr"] = lr
+            group["lr"] = lr * factor(scheduler.last_epoch)
+
     def set_frozen(self, names: set[str], frozen: bool) -> None:
         for name, p in self.named_parameters():
             if name in names:

@@ -156,3 +156,41 @@ def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
     exported = load_file(str(exp / "model.safetensors"))
     assert max_diff({k: exported[k] for k in states[0]["model"]}, states[0]["model"]) == 0.0
     assert isinstance(model, torch.nn.Module)
+
+
+def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, tmp_path):
+    """A run with no --save-every still ends with a committed checkpoint, and `export` of the run folder takes
+    it. Extending it with other settings says what changed in one line; a resume with nothing left to train
+    leaves summary.json alone. With --save-final false, `export RUN` refuses a checkpoint older than the run."""
+    from launch import cli
+
+    out = tmp_path / "run"
+    a = tiny_args("longformer", ld_data, out, "--strategy", "ddp", "--max-steps", "4", "--log-every", "1")
+    torchrun(a)
+    assert [p.name for p in committed_steps(checkpoints_root(out))] == ["step-000004"]
+    exported = cli(["export", str(out), str(tmp_path / "exp4")])
+    assert "step-000004" in exported.output, exported.output
+
+    extend = [x if x != "none" else "auto" for x in a] + ["--max-steps", "6", "--per-device-batch-size", "2"]
+    run = torchrun(extend)
+    notes = [line for line in run.output.splitlines() if "with changed settings" in line]
+    assert len(notes) == 1, run.tail()
+    assert ("resuming from step 4 with changed settings: --max-steps 4 -> 6; the learning rate follows the new "
+            "schedule:") in notes[0] and "--per-device-batch-size 8 -> 2: global batch 16 -> 4" in notes[0], notes
+    assert run.summary["final_step"] == 6 and run.summary["resumed_with_changes"]
+    assert latest_committed(checkpoints_root(out)).name == "step-000006"
+
+    before = (out / "summary.json").read_bytes()
+    shorter = [x if x != "6" else "3" for x in extend]
+    run = torchrun(shorter)
+    assert "nothing to train: " in run.output and "step 6 and --max-steps is 3" in run.output, run.tail()
+    assert (out / "summary.json").read_bytes() == before
+
+    unsaved = tmp_path / "unsaved"
+    torchrun(tiny_args("longformer", ld_data, unsaved, "--strategy", "ddp", "--max-steps", "3", "--save-every", "2",
+                       "--save-final", "false"))
+    refused = cli(["export", str(unsaved), str(tmp_path / "exp")], check=False)
+    assert refused.returncode == 2, refused.output
+    assert "the newest checkpoint is step 2, but the run ended at step 3 (summary.json)" in refused.output
+    assert len(refused.output.strip().splitlines()) == 1, refused.output
+    cli(["export", str(unsaved / "checkpoints" / "step-000002"), str(tmp_path / "exp2")])
