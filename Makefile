@@ -22,7 +22,15 @@ $(STAMP):
 	$(PY) -m pip install -q -r requirements-dev.txt
 	touch $@
 
+# The `shardtrain` command, and `python -m shardtrain` from any folder: this checkout installed in editable mode
+# (no copy, no network). A shared venv has one such install, so the stamp holds which checkout it points to (and
+# pyproject.toml's hash, for its entry points): the last clone to run make gets it; make's own runs use PYTHONPATH.
+EDITABLE_ID := $(CURDIR) $(shell sha256sum pyproject.toml | cut -c1-12)
+EDITABLE_STAMP := $(VENV)/.editable-checkout
+
 venv: $(STAMP)
+	@test "$$(cat $(EDITABLE_STAMP) 2>/dev/null)" = "$(EDITABLE_ID)" || { \
+		$(PY) -m pip install -q --no-deps --no-build-isolation -e . && echo "$(EDITABLE_ID)" > $(EDITABLE_STAMP); }
 
 demo: venv
 	test -f data/multimodal/validation.jsonl || $(PY) -m shardtrain make-data multimodal data/multimodal

@@ -118,6 +118,11 @@ def train_main(argv: list[str]) -> int:
         check_splits(cfg)
         from shardtrain.checkpoint import refuse_to_overwrite
         refuse_to_overwrite(cfg)
+        # Hub names last (the probe may wait seconds): reachable, cached (offline by itself), or one line now.
+        from shardtrain.hub import check_hub_names
+        note = check_hub_names(cfg)
+        if note and os.environ.get("RANK", "0") == "0":
+            print(f"shardtrain: {note}", flush=True)
         from shardtrain.launch import maybe_relaunch
         code = maybe_relaunch(cfg, args)
         if code is not None:

@@ -101,7 +101,8 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    strategy: Literal["ddp", "fsdp", "deepspeed", "auto"] = "ddp"
+    # zero2, zero3, zero2_offload, zero3_offload: DeepSpeed with the shipped ds_configs/<name>.json.
+    strategy: Literal["ddp", "fsdp", "deepspeed", "auto", "zero2", "zero3", "zero2_offload", "zero3_offload"] = "ddp"
     ds: Optional[str] = None
     fsdp_policy: str = "fsdp_policies/default.yaml"
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -157,6 +158,12 @@ class Config:
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
 
+REPO = Path(__file__).resolve().parents[1]
+# `--strategy zero3` is short for `--ds ds_configs/zero3.json`, the names `plan`, `parity` and `compare` print.
+# Found beside the package, so the name works from any working directory.
+SHIPPED_DS_CONFIGS = {name: REPO / "ds_configs" / f"{name}.json"
+                      for name in ("zero2", "zero3", "zero2_offload", "zero3_offload")}
+
 # Hugging Face TrainingArguments spellings accepted as aliases of ours.
 FLAG_ALIASES = {
     "per_device_batch_size": ["--per-device-train-batch-size"],
@@ -174,6 +181,19 @@ FLAG_ALIASES = {
 def _section_classes() -> dict[str, type]:
     hints = get_type_hints(Config)
     return {name: hints[name] for name in SECTIONS}
+
+
+# The same aliases as YAML keys (`learning_rate` -> `lr`): YAML takes only our names, but suggests them.
+KEY_ALIASES = {alias[2:].replace("-", "_"): name for name, aliases in FLAG_ALIASES.items() for alias in aliases}
+
+# Names from other trainers whose nearest spelling here is the wrong setting (`--batch-size` is closest to
+# `--eval-batch-size` by letters): what they mean here, and the one thing to know about it.
+MEANT = {
+    "batch_size": ("per_device_batch_size", "the batch of one process: the global batch is "
+                   "per-device-batch-size x processes x grad-accum"),
+    "train_batch_size": ("per_device_batch_size", "the batch of one process: the global batch is "
+                         "per-device-batch-size x processes x grad-accum"),
+}
 
 
 def _field_index() -> dict[str, tuple[str, dataclasses.Field, Any]]:
@@ -206,6 +226,34 @@ def where(name: str) -> str:
 def _suggest(word: str, options) -> str:
     close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _meant(name: str) -> tuple[str, str] | None:
+    """(our field, why) for a name another trainer uses, or None."""
+    if name in MEANT:
+        return MEANT[name]
+    if name in KEY_ALIASES:
+        target = KEY_ALIASES[name]
+        return target, f"{flag_of(name)} is accepted as a flag; YAML takes {key_of(target)}"
+    return None
+
+
+def _suggest_flag(flag: str) -> str:
+    meant = _meant(flag.lstrip("-").replace("-", "_"))
+    if meant:
+        return f"; did you mean '{flag_of(meant[0])}'? ({meant[1]})"
+    known = [flag_of(n) for n in FIELDS] + [a for v in FLAG_ALIASES.values() for a in v] + ["--config"]
+    return _suggest(flag, known)
+
+
+def _suggest_key(key: str, own) -> str:
+    meant = _meant(key)
+    if meant:
+        return f"; did you mean '{key_of(meant[0])}'? ({meant[1]})"
+    hint = _suggest(key, own)
+    if not hint and key in FIELDS:
+        hint = f"; it belongs in section '{FIELDS[key][0]}'"
+    return hint
 
 
 def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
@@ -298,10 +346,7 @@ def from_dict(data: dict, source: str = "config") -> Config:
         own = {f.name for f in fields(obj)}
         for key, value in values.items():
             if key not in own:
-                hint = _suggest(key, own)
-                if not hint and key in FIELDS:
-                    hint = f"; it belongs in section '{FIELDS[key][0]}'"
-                raise ConfigError(f"{source}: unknown key '{section}.{key}'{hint}")
+                raise ConfigError(f"{source}: unknown key '{section}.{key}'{_suggest_key(key, own)}")
             typ = FIELDS[key][2]
             setattr(obj, key, _coerce(key, value, typ, f"{source}: {section}.{key}"))
     return cfg
@@ -345,8 +390,7 @@ def parse_cli(argv: list[str]) -> Config:
     args, unknown = parser.parse_known_args([_dashed_flag(a) for a in argv])
     if unknown:
         flag = unknown[0]
-        known = [flag_of(n) for n in FIELDS] + [a for v in FLAG_ALIASES.values() for a in v] + ["--config"]
-        raise ConfigError(f"unknown argument '{flag}'{_suggest(flag.split('=')[0], known)}")
+        raise ConfigError(f"unknown argument '{flag}'{_suggest_flag(flag.split('=')[0])}")
     data = load_yaml(args.config) if args.config else {}
     cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")
     for name, (section, f, typ) in FIELDS.items():
@@ -356,6 +400,7 @@ def parse_cli(argv: list[str]) -> Config:
     # SageMaker's channels and folders fill in what neither a flag nor a hyperparameter set.
     from shardtrain.sagemaker_env import apply_sagemaker_env
     apply_sagemaker_env(cfg, explicit={name for name in FIELDS if getattr(args, name) is not None})
+    resolve_shipped_ds_config(cfg.parallel)
     # `--ds FILE` alone means DeepSpeed; combined with another explicit strategy it is a contradiction.
     if cfg.parallel.ds:
         explicit = args.strategy is not None or "strategy" in (data.get("parallel") or {})
@@ -367,9 +412,24 @@ def parse_cli(argv: list[str]) -> Config:
     return cfg
 
 
+def resolve_shipped_ds_config(p: ParallelConfig) -> None:
+    """`--strategy zero3` -> strategy deepspeed with ds_configs/zero3.json; another --ds beside it contradicts it."""
+    shipped = SHIPPED_DS_CONFIGS.get(p.strategy)
+    if shipped is None:
+        return
+    if p.ds and Path(p.ds).resolve() != shipped:
+        raise ConfigError(f"--strategy {p.strategy} means {shipped}, but {where('ds')} is {p.ds}: drop one of them "
+                          f"(--ds FILE alone selects DeepSpeed with FILE)")
+    if not shipped.is_file():
+        raise ConfigError(f"--strategy {p.strategy}: {shipped} is missing from this installation; "
+                          f"pass your own DeepSpeed JSON with --ds FILE")
+    p.strategy, p.ds = "deepspeed", str(shipped)
+
+
 def validate(cfg: Config) -> None:
     """Checks that need no process group, model or data; each error names its flag and key."""
     t, m, d, p, c = cfg.train, cfg.model, cfg.data, cfg.parallel, cfg.checkpoint
+    resolve_shipped_ds_config(p)  # from_dict + validate (plan) never passes through parse_cli
     positive = {"max_steps": t.max_steps, "per_device_batch_size": t.per_device_batch_size,
                 "grad_accum": t.grad_accum, "max_length": d.max_length, "image_size": d.image_size,
                 "num_labels": m.num_labels, "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
@@ -400,7 +460,8 @@ def validate(cfg: Config) -> None:
     if m.name == "longformer" and d.max_length > 16384:
         raise ConfigError(f"{where('max_length')}={d.max_length} is beyond what Longformer positions support")
     if p.strategy == "deepspeed" and not p.ds:
-        raise ConfigError(f"--strategy deepspeed needs {where('ds')}, e.g. --ds ds_configs/zero2.json")
+        raise ConfigError(f"--strategy deepspeed needs {where('ds')}, e.g. --ds ds_configs/zero2.json "
+                          f"(or --strategy zero2 for that shipped file)")
     if p.ds and not Path(p.ds).is_file():
         raise ConfigError(f"{where('ds')}: file not found: {p.ds}")
     if p.nproc != "auto":

@@ -207,6 +207,11 @@ def main(argv: list[str]) -> int:
             cfg = from_dict(checkpoint.read_trainer_state(ckpt_dir)["config"])
             if args.data_dir:
                 cfg.data.data_dir = args.data_dir
+            # The run's tokenizer, when it was a hub name, is loaded again for the evaluation.
+            from shardtrain.hub import check_hub_names
+            note = check_hub_names(cfg, fields=("tokenizer",))
+            if note:
+                print(f"shardtrain: {note}")
             tok = Path(args.out) / "tokenizer"
             info["eval_fp32"] = evaluate_model(load_export(args.out), cfg, tok)
             print(f"fp32 validation: accuracy {info['eval_fp32']['accuracy']:.4f}, "

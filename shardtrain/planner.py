@@ -29,6 +29,7 @@ import copy
 import functools
 import gc
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -396,6 +397,11 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--debug", action="store_true")
         args = parser.parse_args(argv)
         cfg = _plan_config(args)
+        # Only a text model missing from the offline table is read from the hub (its config, no weights).
+        from shardtrain.hub import check_hub_names
+        note = check_hub_names(arch_only(cfg), fields=("text_model",))
+        if note:
+            print(f"shardtrain: {note}", file=sys.stderr)
         if args.gpus < 1:
             from shardtrain.config import ConfigError
             raise ConfigError(f"--gpus must be positive, got {args.gpus}")

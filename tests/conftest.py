@@ -9,6 +9,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from local_slurm import local_slurm  # noqa: E402,F401 - the session's Slurm cluster, stopped at its end
+
 
 @pytest.fixture(scope="session")
 def mm_data(tmp_path_factory) -> Path:

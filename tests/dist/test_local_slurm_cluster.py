@@ -13,23 +13,11 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
-START = REPO / "slurm" / "local-cluster" / "start.sh"
-STATE_DIR = os.environ.get("SHARDTRAIN_SLURM_DIR", "/tmp/shardtrain-slurm")
-PACKAGES_UNAVAILABLE = 3  # start.sh exit code: packages missing, cannot install
-
 
 @pytest.mark.slurm
-def test_local_cluster_runs_typed_gpu_job(tmp_path: Path) -> None:
-    start = subprocess.run(
-        ["bash", str(START), STATE_DIR],
-        capture_output=True, text=True, timeout=900,
-    )
-    if start.returncode == PACKAGES_UNAVAILABLE:
-        pytest.skip(f"Slurm packages cannot be installed: {start.stderr.strip()[-500:]}")
-    assert start.returncode == 0, f"start.sh failed:\n{start.stdout}\n{start.stderr}"
-    slurm_conf = f"{STATE_DIR}/slurm.conf"
-    assert f"export SLURM_CONF={slurm_conf}" in start.stdout
+def test_local_cluster_runs_typed_gpu_job(local_slurm, tmp_path: Path) -> None:
+    slurm_conf = local_slurm.conf
+    assert f"export SLURM_CONF={slurm_conf}" in local_slurm.start_output
 
     env = dict(os.environ, SLURM_CONF=slurm_conf)
     out = tmp_path / "job.out"

@@ -23,22 +23,14 @@ from launch import BIN, REPO, tiny_args, torchrun
 
 pytestmark = pytest.mark.slurm
 
-START = REPO / "slurm" / "local-cluster" / "start.sh"
-STATE_DIR = os.environ.get("SHARDTRAIN_SLURM_DIR", "/tmp/shardtrain-slurm")
-PACKAGES_UNAVAILABLE = 3  # start.sh: munge/slurm missing and apt-get cannot install them
 JOB_TIMEOUT = 360  # 3-4 CPU processes of a tiny model on a 2-core machine, imports included
 # No HTML report: matplotlib would cost every job seconds of CPU and is tested elsewhere.
 COMMON = "--resume none --report false"
 
 
 @pytest.fixture(scope="module")
-def slurm_env() -> dict:
-    start = subprocess.run(["bash", str(START), STATE_DIR], capture_output=True, text=True, timeout=900)
-    if start.returncode == PACKAGES_UNAVAILABLE:
-        pytest.skip(f"local Slurm unavailable (start.sh exit 3: packages cannot be installed): "
-                    f"{start.stderr.strip()[-300:]}")
-    assert start.returncode == 0, f"start.sh failed ({start.returncode}):\n{start.stdout}\n{start.stderr}"
-    env = launch.test_env(SLURM_CONF=f"{STATE_DIR}/slurm.conf")
+def slurm_env(local_slurm) -> dict:
+    env = launch.test_env(SLURM_CONF=local_slurm.conf)
     # The jobs' `python` is this interpreter: through the scripts' site block (SHARDTRAIN_VENV) when it
     # lives in a venv, and through PATH in any case.
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"

@@ -138,3 +138,64 @@ def test_bf16_uses_torch_autocast_not_deepspeed_bf16(tmp_path):
     # DeepSpeed's own bf16 mode casts BatchNorm too (measured failure); autocast keeps it fp32.
     out = _resolve(tmp_path, {**STAGE2, "bf16": {"enabled": "auto"}}, precision="bf16", config="multimodal_tiny")
     assert out["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"} and out["bf16"]["enabled"] is False
+
+
+# ---- the suggestion engine: names from other trainers point to the setting they mean here -----------------
+
+def test_batch_size_points_to_per_device_batch_size():
+    # By letters, --batch-size is closest to --eval-batch-size; what users mean is the training batch.
+    with pytest.raises(ConfigError) as e:
+        parse_cli(["--batch-size", "8"])
+    assert "did you mean '--per-device-batch-size'?" in str(e.value) and "eval" not in str(e.value)
+    assert "global batch is per-device-batch-size x processes x grad-accum" in str(e.value)
+
+
+def test_yaml_batch_size_points_to_per_device_batch_size(tmp_path):
+    (tmp_path / "c.yaml").write_text("train:\n  batch_size: 8\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'train.batch_size'; did you mean "
+                                          r"'train.per_device_batch_size'\? \(the batch of one process"):
+        parse_cli(["--config", str(tmp_path / "c.yaml")])
+
+
+@pytest.mark.parametrize("key,ours", [("train.learning_rate", "train.lr"),
+                                      ("train.gradient_accumulation_steps", "train.grad_accum"),
+                                      ("data.max_seq_length", "data.max_length"),
+                                      ("train.save_steps", "checkpoint.save_every")])
+def test_hf_spellings_in_yaml_suggest_our_key(tmp_path, key, ours):
+    """The CLI accepts HF's --learning-rate; in YAML the same spelling gets our key as the suggestion
+    (in its own section, even when the user wrote another)."""
+    section, name = key.split(".")
+    (tmp_path / "c.yaml").write_text(f"{section}:\n  {name}: 1\n")
+    flag = "--" + name.replace("_", "-")
+    with pytest.raises(ConfigError, match=rf"unknown key '{key}'; did you mean '{ours}'\? \({flag} is accepted "
+                                          rf"as a flag; YAML takes {ours}\)"):
+        parse_cli(["--config", str(tmp_path / "c.yaml")])
+
+
+# ---- --strategy zero2|zero3|zero2_offload|zero3_offload: the shipped DeepSpeed configs by name ---------------
+
+@pytest.mark.parametrize("name", ["zero2", "zero3", "zero2_offload", "zero3_offload"])
+def test_strategy_names_the_shipped_ds_config_from_any_cwd(name, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # resolved beside the package, not in the working directory
+    cfg = parse_cli(["--strategy", name, "--output-dir", str(tmp_path / "o")])
+    assert (cfg.parallel.strategy, cfg.parallel.ds) == ("deepspeed", str(REPO / "ds_configs" / f"{name}.json"))
+    (tmp_path / "c.yaml").write_text(f"parallel:\n  strategy: {name}\n")
+    cfg = parse_cli(["--config", "c.yaml", "--output-dir", str(tmp_path / "o")])
+    assert (cfg.parallel.strategy, cfg.parallel.ds) == ("deepspeed", str(REPO / "ds_configs" / f"{name}.json"))
+    assert resolve_ds_config(cfg, world_size=2)["zero_optimization"]["stage"] == int(name[4])
+
+
+def test_strategy_name_and_another_ds_is_a_contradiction(tmp_path):
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(STAGE2))
+    with pytest.raises(ConfigError, match=rf"--strategy zero3 means .*ds_configs/zero3.json, but --ds "
+                                          rf"\(parallel.ds\) is {other}: drop one of them"):
+        parse_cli(["--strategy", "zero3", "--ds", str(other), "--output-dir", str(tmp_path / "o")])
+    # The same file both ways says one thing, not two.
+    cfg = parse_cli(["--strategy", "zero3", "--ds", str(REPO / "ds_configs/zero3.json"),
+                     "--output-dir", str(tmp_path / "o")])
+    assert cfg.parallel.ds == str(REPO / "ds_configs/zero3.json")
+    # A --strategy on the command line still overrides the YAML's name, as for any other strategy.
+    (tmp_path / "c.yaml").write_text("parallel:\n  strategy: zero3\n")
+    cfg = parse_cli(["--config", str(tmp_path / "c.yaml"), "--strategy", "ddp", "--output-dir", str(tmp_path / "o")])
+    assert (cfg.parallel.strategy, cfg.parallel.ds) == ("ddp", None)
