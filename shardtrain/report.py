@@ -9,7 +9,8 @@ import argparse
 import html
 from pathlib import Path
 
-from shardtrain.runlog import MEMORY_PARTS, MIB, RunLog, load_run
+from shardtrain.comparable import WORKLOAD, differences, in_groups
+from shardtrain.runlog import MEMORY_PARTS, MIB, RunLog, load_run, load_runs
 
 COLUMNS = ("run", "strategy", "world", "memory/rank MiB", "samples/s", "final loss", "accuracy", "macro-F1")
 
@@ -36,8 +37,22 @@ def text_table(rows: list[list[str]]) -> str:
     return "\n".join([line(COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def difference_warnings(runs: list[RunLog]) -> list[str]:
+    """One line per setting in which the runs differ, and one per run whose settings are unknown."""
+    diffs, unknown = differences(runs)
+    return [d.line() for d in diffs] + [
+        f"{label}: no summary.json or checkpoint records its settings: cannot check it against the others"
+        for label in unknown]
+
+
 def verdict(runs: list[RunLog]) -> list[str]:
-    """The answer to "which strategy should I use?" from what was measured: fastest, and leanest per rank."""
+    """The answer to "which strategy should I use?" from what was measured: fastest, and leanest per rank.
+    Only among runs of the same model and data: otherwise the numbers measure different work."""
+    diffs, _ = differences(runs)
+    apart = in_groups(diffs, WORKLOAD)
+    if apart:
+        return [f"no fastest or leanest run: these runs are not comparable, they differ in "
+                f"{', '.join(d.setting.label for d in apart)} (compare runs of one model and data)"]
     lines = []
     timed = [r for r in runs if r.samples_per_sec]
     if timed:
@@ -48,7 +63,9 @@ def verdict(runs: list[RunLog]) -> list[str]:
         lean = min(sized, key=lambda r: r.memory_per_rank_mib())
         lines.append(f"least memory per rank: {lean.label} ({lean.strategy}, {lean.memory_per_rank_mib():.1f} MiB)")
     losses = [r.final_loss for r in runs if r.final_loss is not None]
-    if len(losses) > 1:
+    if len(losses) > 1 and diffs:
+        lines.append(f"final losses not compared: the runs differ in {', '.join(d.setting.label for d in diffs)}")
+    elif len(losses) > 1:
         lines.append(f"final losses differ by at most {max(losses) - min(losses):.2e} "
                      f"(use `shardtrain parity` for a step-by-step check)")
     return lines
@@ -100,18 +117,16 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def write_compare(run_dirs: list[str], out: str | Path) -> tuple[Path, str]:
-    runs = [load_run(d) for d in run_dirs]
-    labels = [r.label for r in runs]
-    for run in runs:  # runs/a/out and runs/b/out would both be called "out"
-        if labels.count(run.path.name) > 1:
-            run.alias = f"{run.path.parent.name}/{run.path.name}"
+    runs = load_runs(run_dirs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = table_rows(runs)
-    text = text_table(rows) + "\n\n" + "\n".join(verdict(runs))
+    warned, verdict_lines = difference_warnings(runs), verdict(runs)
+    text = "\n".join([text_table(rows), "", *(f"warning: {w}" for w in warned), *verdict_lines])
     figures = _figures(runs, out)
     parts = ["<h1>shardtrain: strategy comparison</h1>", _html_table(COLUMNS, rows),
-             "<ul>" + "".join(f"<li>{html.escape(v)}</li>" for v in verdict(runs)) + "</ul>",
+             *(["<ul>" + "".join(f"<li>warning: {html.escape(w)}</li>" for w in warned) + "</ul>"] if warned else []),
+             "<ul>" + "".join(f"<li>{html.escape(v)}</li>" for v in verdict_lines) + "</ul>",
              *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures)]
     path = out / "compare.html"
     path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>shardtrain compare</title>{STYLE}"

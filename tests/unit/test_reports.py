@@ -1,0 +1,89 @@
+"""Issue 19, items 11-12: `compare` and `parity --runs` on finished runs, the report's formatting, and the
+library warnings that only --verbose shows."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+from shardtrain.config import Config
+from shardtrain.report import write_compare, write_report
+from shardtrain.runlog import load_run
+
+MIB = 2 ** 20
+
+
+def config(**over) -> dict:
+    """A resolved config as summary.json records it; over: {"data.max_length": 256, ...}."""
+    cfg = Config().to_dict()
+    cfg["data"]["data_dir"] = "data/multimodal"
+    for key, value in over.items():
+        section, field = key.split(".")
+        cfg[section][field] = value
+    return cfg
+
+
+def write_run(path: Path, cfg: dict, losses=(1.0, 0.9, 0.8), grad_norms=None, rate: float = 50.0,
+              memory: dict | None = None, run_over: dict | None = None) -> Path:
+    path.mkdir(parents=True)
+    grad_norms = grad_norms or [2.0] * len(losses)
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, (loss, gn) in enumerate(zip(losses, grad_norms), 1):
+            f.write(json.dumps({"step": i, "loss": loss, "grad_norm": gn, "lr": 1e-3, "samples_per_sec": rate}) + "\n")
+    t = cfg["train"]
+    run = {"strategy": "ddp", "offload": False, "world_size": 2, "precision": t["precision"],
+           "micro_batch_size": t["per_device_batch_size"], "grad_accum": t["grad_accum"],
+           "global_batch_size": 2 * t["per_device_batch_size"] * t["grad_accum"], "train_examples": 256,
+           "eval_examples": 64, "max_steps": t["max_steps"], **(run_over or {})}
+    summary = {**run, "run": run, "config": copy.deepcopy(cfg), "samples_per_sec": rate,
+               "eval": {"accuracy": 0.5, "macro_f1": 0.4}}
+    if memory:
+        summary["memory"] = {"step": 2, "per_rank": memory}
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+# ---- compare --------------------------------------------------------------------------------------------
+def test_compare_warns_per_difference_and_crowns_nothing_across_models(tmp_path):
+    a = write_run(tmp_path / "ddp", config(), rate=80.0)
+    b = write_run(tmp_path / "z3", config(), rate=40.0)
+    lf = write_run(tmp_path / "lf", config(**{"model.name": "longformer", "data.max_length": 256,
+                                             "data.data_dir": "data/longdoc"}), rate=120.0)
+    _, text = write_compare([str(a), str(b), str(lf)], tmp_path / "cmp")
+    lines = text.splitlines()
+    assert "warning: runs differ in model (--name): multimodal (ddp, z3) vs longformer (lf)" in lines
+    assert "warning: runs differ in sequence length (--max-length): 128 (ddp, z3) vs 256 (lf)" in lines
+    assert "warning: runs differ in data (--data-dir): data/multimodal (ddp, z3) vs data/longdoc (lf)" in lines
+    assert not any(line.startswith(("fastest", "least memory", "final losses")) for line in lines), text
+    assert any(line.startswith("no fastest or leanest run: these runs are not comparable, they differ in model, "
+                               "data, sequence length") for line in lines), text
+    assert "warning: runs differ in model" in (tmp_path / "cmp" / "compare.html").read_text()
+
+
+def test_compare_ranks_same_model_runs_and_names_training_differences(tmp_path):
+    a = write_run(tmp_path / "ddp", config(), rate=80.0)
+    b = write_run(tmp_path / "zero2", config(**{"train.lr": 2e-3, "train.precision": "bf16"}), rate=40.0)
+    _, text = write_compare([str(a), str(b)], tmp_path / "cmp")
+    assert "fastest: ddp (ddp, 80.0 samples/s)" in text
+    assert "warning: runs differ in learning rate (--lr): 3e-05 (ddp) vs 0.002 (zero2)" in text
+    assert "warning: runs differ in precision: fp32 (ddp) vs bf16 (zero2)" in text
+    assert "final losses not compared: the runs differ in precision, learning rate" in text
+    # Same settings: no warnings and the loss line as before.
+    c = write_run(tmp_path / "fsdp", config(), rate=70.0)
+    _, text = write_compare([str(a), str(c)], tmp_path / "cmp2")
+    assert "warning" not in text and "final losses differ by at most" in text
+
+
+def test_memory_figure_counts_the_zero3_comm_buffer_like_every_part(tmp_path):
+    """ZeRO-3's reduce bucket (memory.py's `comm`) is held on every rank beside the model state."""
+    part = {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 2 * MIB}
+    ddp = write_run(tmp_path / "ddp", config(), memory={"0": {**part, "comm": 0}, "1": {**part, "comm": 0}})
+    z3 = write_run(tmp_path / "z3", config(), memory={"0": {"params": 2 * MIB, "grads": 2 * MIB,
+                                                            "optimizer": 4 * MIB, "activations": 2 * MIB,
+                                                            "comm": 190 * MIB, "buffers": MIB}})
+    assert load_run(ddp).memory_per_rank_mib() == 18.0
+    assert load_run(z3).memory_per_rank_mib() == 200.0
+    _, text = write_compare([str(ddp), str(z3)], tmp_path / "cmp")
+    assert "least memory per rank: ddp (ddp, 18.0 MiB)" in text
+    html = write_report(z3, tmp_path / "rep").read_text()
+    assert "<th>comm</th>" in html and "190.00" in html
