@@ -6,6 +6,7 @@ import copy
 import json
 from pathlib import Path
 
+from shardtrain import parity
 from shardtrain.config import Config
 from shardtrain.report import write_compare, write_report
 from shardtrain.runlog import load_run
@@ -87,3 +88,39 @@ def test_memory_figure_counts_the_zero3_comm_buffer_like_every_part(tmp_path):
     assert "least memory per rank: ddp (ddp, 18.0 MiB)" in text
     html = write_report(z3, tmp_path / "rep").read_text()
     assert "<th>comm</th>" in html and "190.00" in html
+
+
+# ---- parity --runs ----------------------------------------------------------------------------------------
+def test_parity_compares_finished_runs_without_training(tmp_path, capsys):
+    a = write_run(tmp_path / "ddp", config(), losses=[1.0, 0.9, 0.8])
+    b = write_run(tmp_path / "fsdp", config(), losses=[1.0, 0.90000001, 0.8])
+    assert parity.main(["--runs", f"{a},{b}", "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "relative differences from ddp" in out and "parity: OK, ddp, fsdp agree over 3 steps" in out
+    assert [r["step"] for r in json.loads((tmp_path / "p" / "parity.json").read_text())["steps"]] == [1, 2, 3]
+
+    off = write_run(tmp_path / "zero3", config(), losses=[1.0, 0.9, 0.8], grad_norms=[2.0, 2.0, 4.0])
+    assert parity.main(["--runs", f"{a},{off}"]) == 1
+    assert "DIVERGED at step 3: zero3 vs ddp" in capsys.readouterr().out
+
+    # A learning rate may differ (as --args-for can make it): a note, then the comparison.
+    lr = write_run(tmp_path / "lr", config(**{"train.lr": 1e-3}))
+    assert parity.main(["--runs", f"{a},{lr}"]) == 0
+    assert "parity: note: runs differ in learning rate (--lr): 3e-05 (ddp) vs 0.001 (lr)" in capsys.readouterr().out
+
+
+def test_parity_refuses_runs_that_cannot_agree_in_one_line(tmp_path, capsys):
+    a = write_run(tmp_path / "ddp", config())
+    cases = {"seed": (config(**{"train.seed": 7}), "runs differ in seed (--seed): 42 (ddp) vs 7 (other)"),
+             "model": (config(**{"model.name": "longformer"}), "runs differ in model (--name)"),
+             "batch": (config(**{"train.grad_accum": 2}),
+                       "runs differ in batch geometry (micro x accum x world): 32 x 1 x 2 (ddp) vs 32 x 2 x 2 (other)")}
+    for name, (cfg, message) in cases.items():
+        other = write_run(tmp_path / name / "other", cfg)
+        assert parity.main(["--runs", f"{a},{other}"]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("shardtrain: error: --runs: not comparable step by step: ")
+        assert message in err[0], err[0]
+    assert parity.main(["--runs", f"{a},{a}"]) == 2
+    assert parity.main(["--runs", f"{a},{tmp_path / 'fsdp'}", "--data-dir", "x"]) == 2
+    assert "--runs compares finished runs and trains nothing: drop --data-dir" in capsys.readouterr().err
