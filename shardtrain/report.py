@@ -77,8 +77,44 @@ def _html_table(header, rows) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _value_html(key: str, value) -> str:
+    """A setting as a reader wants it: rounded numbers with units the key names, nested mappings as
+    sub-tables, lists as comma-separated values; never a Python repr."""
+    if isinstance(value, dict):
+        if not value:
+            return "-"
+        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{_value_html(str(k), v)}</td></tr>"
+                       for k, v in value.items())
+        return f"<table class='sub'>{rows}</table>"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_value_html(key, v) for v in value) if value else "-"
+    return html.escape(_scalar_text(key, value))
+
+
+def _scalar_text(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if key.endswith("_gib"):
+            return f"{value:.2f} GiB" if value >= 1 else f"{value * 1024:.1f} MiB"
+        if key.endswith("_seconds"):
+            return f"{value:.2f} s"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _settings_table(settings: dict) -> str:
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{_value_html(k, v)}</td></tr>" for k, v in settings.items())
+    return f"<table><tr><th>setting</th><th>value</th></tr>{rows}</table>"
+
+
 STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}"
          "td,th{border:1px solid #bbb;padding:4px 8px;text-align:right}th{background:#eee}"
+         "table.sub{margin:0}table.sub th,table.sub td{border:none;padding:1px 6px;text-align:left;background:none}"
          "img{max-width:100%;border:1px solid #ddd;margin:6px 0}</style>")
 
 
@@ -99,13 +135,14 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     figures = _figures([run], out)
     info = run.summary.get("run") or {}
-    settings = {k: v for k, v in info.items() if k not in ("ranks", "strategy_settings", "ds_config")}
+    # strategy_settings repeats the strategy's keys, which the run block holds at its top level.
+    settings = {k: v for k, v in info.items() if k not in ("ranks", "strategy_settings")}
     parts = [f"<h1>shardtrain run: {html.escape(run.label)}</h1>", _html_table(COLUMNS, table_rows([run]))]
     if info.get("ranks"):
         parts += ["<h2>ranks</h2>", _html_table(["rank", "host", "local rank", "device", "name"],
                   [[r["rank"], r["host"], r["local_rank"], r["device"], r.get("device_name", "")]
                    for r in info["ranks"]])]
-    parts += ["<h2>run</h2>", _html_table(["setting", "value"], [[k, v] for k, v in settings.items()])]
+    parts += ["<h2>run</h2>", _settings_table(settings)]
     parts.append("<h2>memory per rank (MiB)</h2>")
     parts.append(_html_table(["rank", *MEMORY_PARTS], _memory_rows(run)) if run.memory
                  else "<p>no memory records in this run</p>")

@@ -124,3 +124,16 @@ def test_parity_refuses_runs_that_cannot_agree_in_one_line(tmp_path, capsys):
     assert parity.main(["--runs", f"{a},{a}"]) == 2
     assert parity.main(["--runs", f"{a},{tmp_path / 'fsdp'}", "--data-dir", "x"]) == 2
     assert "--runs compares finished runs and trains nothing: drop --data-dir" in capsys.readouterr().err
+
+
+# ---- report.html ----------------------------------------------------------------------------------------------
+def test_report_html_shows_formatted_values_not_python_dicts(tmp_path):
+    run = write_run(tmp_path / "r", config(), run_over={
+        "memory_prediction": {"variant": "zero2", "params_gib": 0.009512430056929588, "host_gib": 1.5},
+        "bad_samples_skipped": {"train": 0, "validation": 2}, "params_total": 5078403, "image_cache": None,
+        "ds_config": {"zero_optimization": {"stage": 3, "reduce_bucket_size": 50000000}}, "offload": False})
+    html = write_report(run).read_text()
+    assert "{'" not in html and "{&#x27;" not in html and "0.009512430056929588" not in html
+    assert "<th>params_gib</th><td>9.7 MiB</td>" in html and "<th>host_gib</th><td>1.50 GiB</td>" in html
+    assert "<th>validation</th><td>2</td>" in html and "<td>5,078,403</td>" in html
+    assert "<th>reduce_bucket_size</th><td>50,000,000</td>" in html
