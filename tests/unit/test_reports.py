@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+from launch import REPO
+from launch import test_env as launch_env
 
 from shardtrain import parity
 from shardtrain.config import Config
@@ -137,3 +142,58 @@ def test_report_html_shows_formatted_values_not_python_dicts(tmp_path):
     assert "<th>params_gib</th><td>9.7 MiB</td>" in html and "<th>host_gib</th><td>1.50 GiB</td>" in html
     assert "<th>validation</th><td>2</td>" in html and "<td>5,078,403</td>" in html
     assert "<th>reduce_bucket_size</th><td>50,000,000</td>" in html
+
+
+# ---- library warnings ----------------------------------------------------------------------------------------
+NOISY = """
+import sys, tempfile, warnings
+import torch, torch.distributed as dist, transformers
+from shardtrain.chatter import quiet_libraries
+quiet_libraries(verbose=sys.argv[1] == "verbose")
+tmp = tempfile.mkdtemp()
+
+# ZeRO-3's gradient reduce-scatter, as deepspeed/comm/torch.py calls it
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))
+dist.destroy_process_group()
+
+# export: the portable checkpoint read in one process, and --int8
+import torch.distributed.checkpoint as dcp
+from torch import nn
+dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp + "/dcp", no_dist=True)
+dcp.load({"w": torch.zeros(2)}, checkpoint_id=tmp + "/dcp", no_dist=True)
+from shardtrain.export import quantize
+quantize(nn.Sequential(nn.Linear(8, 8)))
+
+# a pretrained text model whose pooler the multimodal model leaves out
+from shardtrain.config import parse_cli
+from shardtrain.models import build_model
+cfg = parse_cli(["--config", "configs/multimodal_tiny.yaml"])
+text = build_model(cfg.model, cfg.data, vocab_size=1000, load_weights=False).text
+transformers.RobertaModel(text.config).save_pretrained(tmp + "/text")  # with its pooler
+cfg.model.text_model, cfg.model.pretrained = tmp + "/text", True
+build_model(cfg.model, cfg.data, vocab_size=1000)
+print("routine done", file=sys.stderr, flush=True)
+
+# a checkpoint without the model's second layer: that report is not routine and stays
+text.config.num_hidden_layers = 1
+transformers.RobertaModel(text.config).save_pretrained(tmp + "/short")
+cfg.model.text_model = tmp + "/short"
+build_model(cfg.model, cfg.data, vocab_size=1000)
+"""
+SOURCES = ("reduce_scatter_tensor", "assuming the intent is to", "quantize_per_tensor", "LOAD REPORT",
+           "Loading weights")
+
+
+def test_library_warnings_are_hidden_unless_verbose():
+    from launch import free_port
+
+    for mode in ("quiet", "verbose"):
+        proc = subprocess.run([sys.executable, "-c", NOISY, mode, str(free_port())], capture_output=True, text=True,
+                              cwd=REPO, env=launch_env(), timeout=240)
+        routine, done, problem = proc.stderr.partition("routine done")
+        assert proc.returncode == 0 and done, proc.stderr[-3000:]
+        shown = [s for s in SOURCES if s in proc.stdout + routine]
+        assert shown == ([] if mode == "quiet" else list(SOURCES)), (mode, proc.stderr[-3000:])
+        # Weights the model needs that were not loaded: the report stays, quiet or not.
+        assert "encoder.layer.1" in problem and proc.stderr.count("LOAD REPORT") == (1 if mode == "quiet" else 2)
