@@ -13,13 +13,35 @@ import warnings
 
 # Messages that say nothing actionable on the machines we run on.
 _NOISE = [
-    # torch.distributed deprecation, raised by DeepSpeed's own all-gather on every step
-    re.compile(r".*all_gather_into_tensor.* is deprecated"),
+    # torch.distributed deprecations, raised by DeepSpeed's own collectives on every step and rank: ZeRO's
+    # all-gather of parameters, and ZeRO-3's reduce-scatter of gradients (deepspeed/comm/torch.py)
+    re.compile(r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated"),
+    # torch.distributed.checkpoint read in one process (export, portable.py) with no_dist=True: what we ask for
+    re.compile(r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to"),
+    # export --int8: torch deprecates its quantized tensors (a C++ warning, once per process); the replacement,
+    # torchao, is not a dependency, and nothing about it is the user's to change
+    re.compile(r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor"),
     # DeepSpeed on a CPU host, before it picks its CPU accelerator
     re.compile(r"Setting accelerator to CPU"),
     # torch's C++-extension loader when DeepSpeed JIT-loads a CPU op
     re.compile(r"No CUDA runtime is found"),
 ]
+# transformers' table of the keys a pretrained load skipped or initialised, once per rank and per load.
+_LOAD_REPORT = re.compile(r".*LOAD REPORT")
+_LOAD_ROW = re.compile(r"^(\S[^|]*?)\s*\|\s*(UNEXPECTED|MISSING|MISMATCH|CONVERSION)\b", re.M)
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _routine_load_report(msg: str) -> bool:
+    """Routine: it lists only UNEXPECTED keys (checkpoint weights the model does not use: the RoBERTa pooler
+    we leave out, a masked-LM head) and a MISSING new classifier head. Weights the model needs that were not
+    loaded (MISSING elsewhere, MISMATCH, CONVERSION, after which transformers raises pointing at "the above
+    report") keep it on screen."""
+    rows = _LOAD_ROW.findall(_ANSI.sub("", msg))
+    return bool(rows) and all(status == "UNEXPECTED" or (status == "MISSING" and key.startswith("classifier."))
+                              for key, status in rows)
+
+
 # DeepSpeed prints (not logs) this line each time it loads its shared-memory comm op.
 _PRINTED_NOISE = re.compile(r"^DeepSpeed \S+ built successfully$")
 
@@ -29,6 +51,8 @@ class _DropNoise(logging.Filter):
         if record.levelno < logging.WARNING:
             return False
         msg = record.getMessage()
+        if _LOAD_REPORT.match(msg):
+            return not _routine_load_report(msg)
         return not any(p.match(msg) for p in _NOISE)
 
 
@@ -65,14 +89,18 @@ def quiet_libraries(verbose: bool) -> None:
     for p in _NOISE:
         warnings.filterwarnings("ignore", message=p.pattern)
     # DeepSpeed's LoggerFactory resets its logger's level at import time; a filter is not reset.
+    # A logger's filter sees only records logged to it, not its children's: transformers logs the load report
+    # to transformers.modeling_utils.
     for name in ("DeepSpeed", "deepspeed", "torch.utils.cpp_extension", "torch.distributed",
-                 "transformers", "datasets", "accelerate"):
+                 "transformers", "transformers.modeling_utils", "datasets", "accelerate"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())
     if "transformers" in sys.modules:
         try:
             sys.modules["transformers"].logging.set_verbosity_warning()
+            # The "Loading weights" bar of a pretrained load, one per rank.
+            sys.modules["transformers"].logging.disable_progress_bar()
         except AttributeError:
             pass
     if not isinstance(sys.stdout, _LineFilter):

@@ -186,14 +186,17 @@ def check_threads(env: Mapping[str, str], cpus: int, procs_per_node: int, worker
     if omp is None:
         out.append(Problem("warning", "OMP_NUM_THREADS is unset: torchrun sets 1, the deepspeed launcher sets "
                                       "nothing (unset, a CPU run here was 1.8x slower)",
-                           f"export OMP_NUM_THREADS={per_proc} ({cpus} CPUs / {procs_per_node} processes)"))
+                           f"export OMP_NUM_THREADS={per_proc} ({_count(cpus, 'CPU')} for "
+                           f"{_count(procs_per_node, 'process')})"))
     elif (_int(omp) or 0) * procs_per_node > cpus:
-        out.append(Problem("warning", f"OMP_NUM_THREADS={omp} x {procs_per_node} processes > {cpus} CPUs: "
+        out.append(Problem("warning", f"OMP_NUM_THREADS={omp} x {_count(procs_per_node, 'process')} > "
+                                      f"{_count(cpus, 'CPU')}: "
                                       f"threads fight for cores", f"export OMP_NUM_THREADS={per_proc}"))
     if workers is not None and procs_per_node * (1 + workers) > cpus:
         fit = max(0, cpus // max(1, procs_per_node) - 1)
-        out.append(Problem("warning", f"{workers} loader workers x {procs_per_node} processes + the processes "
-                                      f"themselves = {procs_per_node * (1 + workers)} > {cpus} CPUs",
+        out.append(Problem("warning", f"{_count(workers, 'loader worker')} x {_count(procs_per_node, 'process')} "
+                                      f"+ the processes themselves = {procs_per_node * (1 + workers)} > "
+                                      f"{_count(cpus, 'CPU')}",
                            f"--num-workers {fit}"))
     return out
 
@@ -242,6 +245,13 @@ def _iface_matches(value: str, ifaces: list[str]) -> bool:
     return False
 
 
+def _count(n: int, noun: str) -> str:
+    """"1 process", "2 processes", "1 CPU", "4 CPUs"."""
+    if n == 1:
+        return f"1 {noun}"
+    return f"{n} {noun}es" if noun.endswith(("s", "sh", "ch", "x")) else f"{n} {noun}s"
+
+
 def _int(value: str | None) -> int | None:
     try:
         return int(value) if value is not None else None
@@ -287,13 +297,15 @@ def render(report: dict) -> str:
     for group, values in report["env"].items():
         if isinstance(values, dict):
             lines.append(f"{group}: " + (" ".join(f"{k}={val}" for k, val in values.items()) or "-"))
-    lines.append(f"threads: OMP_NUM_THREADS={report['env']['omp_num_threads'] or 'unset'} | {report['cpus']} CPUs | "
-                 f"{report['processes_per_node']} process(es) per node"
-                 + (f" | {report['loader_workers']} loader workers" if report["loader_workers"] is not None else ""))
+    lines.append(f"threads: OMP_NUM_THREADS={report['env']['omp_num_threads'] or 'unset'} | "
+                 f"{_count(report['cpus'], 'CPU')} | {_count(report['processes_per_node'], 'process')} per node"
+                 + (f" | {_count(report['loader_workers'], 'loader worker')}"
+                    if report["loader_workers"] is not None else ""))
     problems = [Problem(**p) for p in report["problems"]]
     lines += [p.line() for p in problems]
     errors = sum(p.level == "error" for p in problems)
-    lines.append(f"{errors} error(s), {len(problems) - errors} warning(s)" if problems else "no problems found")
+    lines.append(f"{_count(errors, 'error')}, {_count(len(problems) - errors, 'warning')}" if problems
+                 else "no problems found")
     return "\n".join(lines)
 
 

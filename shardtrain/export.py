@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -88,16 +89,38 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False) -> 
         from safetensors.torch import save_file
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps(model.export_config(), indent=1))
+    normal_mode(out / "model.safetensors")
     tok = ckpt_dir.parent.parent / "tokenizer"
     if (tok / "tokenizer.json").is_file():
         shutil.copytree(tok, out / "tokenizer", dirs_exist_ok=True)
     info["bytes_fp32"] = (out / "model.safetensors").stat().st_size
     if int8:
         save_int8(model, out / "model_int8.safetensors")
+        normal_mode(out / "model_int8.safetensors")
         info["bytes_int8"] = (out / "model_int8.safetensors").stat().st_size
         info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
     (out / EXPORT_META).write_text(json.dumps(info, indent=1))
     return info
+
+
+def normal_mode(path: Path) -> None:
+    """The mode open() would have given the file (0644 under umask 022). safetensors writes its files 0600,
+    unreadable to the other users and services that an exported model is meant for."""
+    path.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    # Read, not set-and-restore: os.umask(0) would briefly apply to files other threads create (W&B, loaders).
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 # ---- loading exports ---------------------------------------------------------------------------------
@@ -193,10 +216,13 @@ def main(argv: list[str]) -> int:
                         help="also write a dynamically quantized INT8 copy for CPU inference (not for training)")
     parser.add_argument("--eval", action="store_true", help="report accuracy/macro-F1 on the validation set")
     parser.add_argument("--data-dir", default=None, help="validation data (default: the run's data_dir)")
+    parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings and info lines")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
 
     def run(_):
+        from shardtrain.chatter import quiet_libraries
+        quiet_libraries(args.verbose)
         info = export_checkpoint(args.checkpoint, args.out, int8=args.int8)
         print(f"exported {info['checkpoint']} -> {args.out} ({info['bytes_fp32'] / 1e6:.2f} MB fp32)")
         if args.int8:

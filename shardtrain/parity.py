@@ -1,9 +1,12 @@
 """`shardtrain parity`: the same seed, data and steps under several strategies, compared step by step.
 
     shardtrain parity --config configs/multimodal_tiny.yaml --strategies ddp,fsdp,zero2,zero3 --steps 10 --nproc 2
+    shardtrain parity --runs runs/ddp,runs/fsdp        # runs that already finished: nothing is trained
 
 Each strategy is one real `torchrun shardtrain/main.py` run, so what is compared is what users run.
-The first strategy is the reference. A step diverges when |loss - reference| / |reference| exceeds
+With --runs, the runs' own metrics.jsonl are compared, after checking that they trained the same model on the
+same data with the same seed and batch geometry (shardtrain/comparable.py). The first strategy (or run) is
+the reference. A step diverges when |loss - reference| / |reference| exceeds
 --tolerance; the gradient norm is checked too (--grad-norm-tolerance), because Adam hides a wrong
 gradient scale (an averaging or accumulation factor) from the loss. Exit 0: parity; 1: divergence;
 3: a run failed (its log is kept).
@@ -132,31 +135,103 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_comparable(runs) -> list[str]:
+    """Refuse (one line) runs that cannot agree step by step; return one note per setting that differs
+    without making the comparison meaningless (e.g. the learning rate, as --args-for can set it)."""
+    from shardtrain.comparable import TRAJECTORY, WORKLOAD, differences, in_groups
+
+    diffs, unknown = differences(runs)
+    if unknown:
+        raise ConfigError(f"--runs: {unknown[0]} has no summary.json or checkpoint recording its settings: "
+                          f"cannot tell whether it is comparable")
+    refused = in_groups(diffs, WORKLOAD + TRAJECTORY)
+    if refused:
+        more = f" (and {len(refused) - 1} more difference(s))" if len(refused) > 1 else ""
+        raise ConfigError(f"--runs: not comparable step by step: {refused[0].line()}{more}")
+    return [d.line() for d in diffs]
+
+
+def compare_runs(run_dirs: list[str]) -> tuple[dict[str, dict[int, dict]], list[str]]:
+    """--runs A,B,...: each run's steps by its label, and notes on the settings that differ."""
+    from shardtrain.runlog import load_runs
+
+    if len(run_dirs) < 2:
+        raise ConfigError(f"--runs: give at least two run folders to compare, got {','.join(run_dirs) or 'none'}")
+    if len({Path(d).resolve() for d in run_dirs}) != len(run_dirs):
+        raise ConfigError(f"--runs: '{','.join(run_dirs)}' names a run twice")
+    runs = load_runs(run_dirs)
+    empty = [r.label for r in runs if not r.steps]
+    if empty:
+        raise ConfigError(f"--runs: {empty[0]} has no steps in metrics.jsonl: nothing to compare")
+    notes = check_comparable(runs)
+    return {r.label: {rec["step"]: rec for rec in r.steps} for r in runs}, notes
+
+
+def conclude(results: dict[str, dict[int, dict]], args: argparse.Namespace, out: Path | None) -> int:
+    """The table, parity.json (in `out`, if any) and the verdict; the exit code."""
+    report = compare(results, args.tolerance, args.grad_norm_tolerance)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "parity.json").write_text(json.dumps(report, indent=2))
+    where = f"; runs in {out}" if out is not None and not args.runs else ""
+    print(format_table(report))
+    div = report["first_divergence"]
+    if report["missing_steps"]:
+        print(f"parity: runs logged different steps: {report['missing_steps']}", file=sys.stderr)
+        return 1
+    if div:
+        print(f"parity: DIVERGED at step {div['step']}: {div['strategy']} vs {report['reference']} "
+              f"(loss {div['loss_rel_diff']:.2e} relative, grad norm {div['grad_norm_rel_diff']:.2e}){where}")
+        return 1
+    print(f"parity: OK, {', '.join(results)} agree over {len(report['steps'])} steps{where}")
+    return 0
+
+
 def main(argv: list[str]) -> int:
     from shardtrain.cli import run_guarded
 
     parser = argparse.ArgumentParser(prog="shardtrain parity", description=__doc__.split("\n\n")[0],
                                      epilog="Other flags (e.g. --data-dir DIR) are passed to every run.")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--strategies", default="ddp,fsdp,zero2,zero3")
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--config", help="the training config every strategy runs (required without --runs)")
+    parser.add_argument("--runs", metavar="DIR,DIR[,...]",
+                        help="compare these finished runs' metrics.jsonl instead of training; the first is the "
+                             "reference")
+    parser.add_argument("--strategies", default=None, help="default: ddp,fsdp,zero2,zero3")
+    parser.add_argument("--steps", type=int, default=None, help="default: 10")
+    parser.add_argument("--nproc", type=int, default=None, help="default: 2")
     parser.add_argument("--tolerance", type=float, default=1e-4, help="relative loss difference (default 1e-4)")
     parser.add_argument("--grad-norm-tolerance", type=float, default=1e-3,
                         help="relative gradient-norm difference (default 1e-3)")
     parser.add_argument("--args-for", action="append", default=[], metavar="NAME='FLAGS'",
                         help="extra flags for one strategy's run, e.g. --args-for fsdp='--lr 2e-3'")
-    parser.add_argument("--out", help="keep the runs here (default: a new temporary folder)")
+    parser.add_argument("--out", help="keep the runs and parity.json here (default: a new temporary folder; "
+                                      "with --runs, parity.json is written only when --out is given)")
     parser.add_argument("--debug", action="store_true")
     args, common = parser.parse_known_args(argv)
     common = [a for a in common if a != "--debug"]
 
     def run(_):
-        names = parse_strategies(args.strategies)
-        if args.steps < 1 or args.nproc < 1:
-            raise ConfigError(f"--steps and --nproc must be positive, got {args.steps} and {args.nproc}")
         if not (args.tolerance >= 0 and args.grad_norm_tolerance >= 0):
             raise ConfigError("--tolerance and --grad-norm-tolerance must be >= 0")
+        if args.runs is not None:
+            training = [flag for flag, value in (("--config", args.config), ("--strategies", args.strategies),
+                                                 ("--steps", args.steps), ("--nproc", args.nproc),
+                                                 ("--args-for", args.args_for or None)) if value is not None]
+            training += common[:1]  # training flags for the runs to make
+            if training:
+                raise ConfigError(f"--runs compares finished runs and trains nothing: drop {training[0]}")
+            results, notes = compare_runs([d.strip() for d in args.runs.split(",") if d.strip()])
+            for note in notes:
+                print(f"parity: note: {note}")
+            return conclude(results, args, Path(args.out) if args.out else None)
+        if args.config is None:
+            raise ConfigError("parity: give --config FILE (train each strategy) or --runs DIR,DIR (compare "
+                              "finished runs)")
+        names = parse_strategies(args.strategies or "ddp,fsdp,zero2,zero3")
+        args.steps = 10 if args.steps is None else args.steps
+        args.nproc = 2 if args.nproc is None else args.nproc
+        if args.steps < 1 or args.nproc < 1:
+            raise ConfigError(f"--steps and --nproc must be positive, got {args.steps} and {args.nproc}")
         if not Path(args.config).is_file():
             raise ConfigError(f"--config: file not found: {args.config}")
         extra = parse_args_for(args.args_for, names)
@@ -168,19 +243,6 @@ def main(argv: list[str]) -> int:
             if run_dir is None:
                 return 3
             results[name] = read_steps(run_dir)
-        report = compare(results, args.tolerance, args.grad_norm_tolerance)
-        (out / "parity.json").write_text(json.dumps(report, indent=2))
-        print(format_table(report))
-        div = report["first_divergence"]
-        if report["missing_steps"]:
-            print(f"parity: runs logged different steps: {report['missing_steps']}", file=sys.stderr)
-            return 1
-        if div:
-            print(f"parity: DIVERGED at step {div['step']}: {div['strategy']} vs {report['reference']} "
-                  f"(loss {div['loss_rel_diff']:.2e} relative, grad norm {div['grad_norm_rel_diff']:.2e}); "
-                  f"runs in {out}")
-            return 1
-        print(f"parity: OK, {', '.join(names)} agree over {len(report['steps'])} steps; runs in {out}")
-        return 0
+        return conclude(results, args, out)
 
     return run_guarded(run, argv)

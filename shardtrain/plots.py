@@ -11,7 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from shardtrain.runlog import MEMORY_PARTS, MIB  # noqa: E402
 
-COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "activations": "#c44e52"}
+COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "comm": "#8172b3",
+          "activations": "#c44e52"}
 
 
 def _save(fig, path: Path, rect=(0, 0, 1, 1)) -> Path:
@@ -54,7 +55,7 @@ def throughput(runs, path: Path) -> Path:
 
 
 def memory(runs, path: Path) -> Path:
-    """One panel per run, side by side: a stacked bar per rank (params / grads / optimizer / activations)."""
+    """One panel per run, side by side: a stacked bar per rank (params / grads / optimizer / comm / activations)."""
     fig, axes = plt.subplots(1, len(runs), figsize=(max(6, 3.2 * len(runs)), 4), squeeze=False,
                              sharey=True)
     for ax, run in zip(axes[0], runs):

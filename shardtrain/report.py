@@ -9,7 +9,8 @@ import argparse
 import html
 from pathlib import Path
 
-from shardtrain.runlog import MEMORY_PARTS, MIB, RunLog, load_run
+from shardtrain.comparable import WORKLOAD, differences, in_groups
+from shardtrain.runlog import MEMORY_PARTS, MIB, RunLog, load_run, load_runs
 
 COLUMNS = ("run", "strategy", "world", "memory/rank MiB", "samples/s", "final loss", "accuracy", "macro-F1")
 
@@ -36,8 +37,22 @@ def text_table(rows: list[list[str]]) -> str:
     return "\n".join([line(COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
 
 
+def difference_warnings(runs: list[RunLog]) -> list[str]:
+    """One line per setting in which the runs differ, and one per run whose settings are unknown."""
+    diffs, unknown = differences(runs)
+    return [d.line() for d in diffs] + [
+        f"{label}: no summary.json or checkpoint records its settings: cannot check it against the others"
+        for label in unknown]
+
+
 def verdict(runs: list[RunLog]) -> list[str]:
-    """The answer to "which strategy should I use?" from what was measured: fastest, and leanest per rank."""
+    """The answer to "which strategy should I use?" from what was measured: fastest, and leanest per rank.
+    Only among runs of the same model and data: otherwise the numbers measure different work."""
+    diffs, _ = differences(runs)
+    apart = in_groups(diffs, WORKLOAD)
+    if apart:
+        return [f"no fastest or leanest run: these runs are not comparable, they differ in "
+                f"{', '.join(d.setting.label for d in apart)} (compare runs of one model and data)"]
     lines = []
     timed = [r for r in runs if r.samples_per_sec]
     if timed:
@@ -48,7 +63,9 @@ def verdict(runs: list[RunLog]) -> list[str]:
         lean = min(sized, key=lambda r: r.memory_per_rank_mib())
         lines.append(f"least memory per rank: {lean.label} ({lean.strategy}, {lean.memory_per_rank_mib():.1f} MiB)")
     losses = [r.final_loss for r in runs if r.final_loss is not None]
-    if len(losses) > 1:
+    if len(losses) > 1 and diffs:
+        lines.append(f"final losses not compared: the runs differ in {', '.join(d.setting.label for d in diffs)}")
+    elif len(losses) > 1:
         lines.append(f"final losses differ by at most {max(losses) - min(losses):.2e} "
                      f"(use `shardtrain parity` for a step-by-step check)")
     return lines
@@ -60,8 +77,44 @@ def _html_table(header, rows) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
+def _value_html(key: str, value) -> str:
+    """A setting as a reader wants it: rounded numbers with units the key names, nested mappings as
+    sub-tables, lists as comma-separated values; never a Python repr."""
+    if isinstance(value, dict):
+        if not value:
+            return "-"
+        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{_value_html(str(k), v)}</td></tr>"
+                       for k, v in value.items())
+        return f"<table class='sub'>{rows}</table>"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_value_html(key, v) for v in value) if value else "-"
+    return html.escape(_scalar_text(key, value))
+
+
+def _scalar_text(key: str, value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if key.endswith("_gib"):
+            return f"{value:.2f} GiB" if value >= 1 else f"{value * 1024:.1f} MiB"
+        if key.endswith("_seconds"):
+            return f"{value:.2f} s"
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _settings_table(settings: dict) -> str:
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{_value_html(k, v)}</td></tr>" for k, v in settings.items())
+    return f"<table><tr><th>setting</th><th>value</th></tr>{rows}</table>"
+
+
 STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}"
          "td,th{border:1px solid #bbb;padding:4px 8px;text-align:right}th{background:#eee}"
+         "table.sub{margin:0}table.sub th,table.sub td{border:none;padding:1px 6px;text-align:left;background:none}"
          "img{max-width:100%;border:1px solid #ddd;margin:6px 0}</style>")
 
 
@@ -82,13 +135,14 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     figures = _figures([run], out)
     info = run.summary.get("run") or {}
-    settings = {k: v for k, v in info.items() if k not in ("ranks", "strategy_settings", "ds_config")}
+    # strategy_settings repeats the strategy's keys, which the run block holds at its top level.
+    settings = {k: v for k, v in info.items() if k not in ("ranks", "strategy_settings")}
     parts = [f"<h1>shardtrain run: {html.escape(run.label)}</h1>", _html_table(COLUMNS, table_rows([run]))]
     if info.get("ranks"):
         parts += ["<h2>ranks</h2>", _html_table(["rank", "host", "local rank", "device", "name"],
                   [[r["rank"], r["host"], r["local_rank"], r["device"], r.get("device_name", "")]
                    for r in info["ranks"]])]
-    parts += ["<h2>run</h2>", _html_table(["setting", "value"], [[k, v] for k, v in settings.items()])]
+    parts += ["<h2>run</h2>", _settings_table(settings)]
     parts.append("<h2>memory per rank (MiB)</h2>")
     parts.append(_html_table(["rank", *MEMORY_PARTS], _memory_rows(run)) if run.memory
                  else "<p>no memory records in this run</p>")
@@ -100,18 +154,16 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
 
 def write_compare(run_dirs: list[str], out: str | Path) -> tuple[Path, str]:
-    runs = [load_run(d) for d in run_dirs]
-    labels = [r.label for r in runs]
-    for run in runs:  # runs/a/out and runs/b/out would both be called "out"
-        if labels.count(run.path.name) > 1:
-            run.alias = f"{run.path.parent.name}/{run.path.name}"
+    runs = load_runs(run_dirs)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     rows = table_rows(runs)
-    text = text_table(rows) + "\n\n" + "\n".join(verdict(runs))
+    warned, verdict_lines = difference_warnings(runs), verdict(runs)
+    text = "\n".join([text_table(rows), "", *(f"warning: {w}" for w in warned), *verdict_lines])
     figures = _figures(runs, out)
     parts = ["<h1>shardtrain: strategy comparison</h1>", _html_table(COLUMNS, rows),
-             "<ul>" + "".join(f"<li>{html.escape(v)}</li>" for v in verdict(runs)) + "</ul>",
+             *(["<ul>" + "".join(f"<li>warning: {html.escape(w)}</li>" for w in warned) + "</ul>"] if warned else []),
+             "<ul>" + "".join(f"<li>{html.escape(v)}</li>" for v in verdict_lines) + "</ul>",
              *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures)]
     path = out / "compare.html"
     path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>shardtrain compare</title>{STYLE}"

@@ -8,7 +8,10 @@ from pathlib import Path
 from shardtrain.config import ConfigError
 
 MIB = 2 ** 20
-MEMORY_PARTS = ("params", "grads", "optimizer", "activations")
+# What a rank must hold at once, in every strategy's figure alike. `comm` is the gradient buckets a backend
+# allocates beside the gradients (ZeRO's reduce buckets: reduce_bucket_size elements); DDP's buckets are the
+# gradients themselves (gradient_as_bucket_view), so they are already in `grads` and its comm is 0.
+MEMORY_PARTS = ("params", "grads", "optimizer", "comm", "activations")
 
 
 def _jsonl(path: Path) -> list[dict]:
@@ -61,7 +64,8 @@ class RunLog:
         return self.summary.get("eval") or (self.evals[-1] if self.evals else {})
 
     def memory_per_rank_mib(self) -> float | None:
-        """The largest rank's params + grads + optimizer + activations: what must fit on one device."""
+        """The largest rank's params + grads + optimizer + comm buffers + activations: what must fit on one
+        device."""
         if not self.memory:
             return None
         return max(sum(rec.get(k, 0) for k in MEMORY_PARTS) for rec in self.memory.values()) / MIB
@@ -84,3 +88,13 @@ def load_run(path: str | Path) -> RunLog:
                 memory, memory_step = rec["mem"], rec["step"]
                 break
     return RunLog(p, summary, steps, _jsonl(p / "eval.jsonl"), memory, memory_step)
+
+
+def load_runs(paths) -> list[RunLog]:
+    """Several runs, labelled by folder name; runs/a/out and runs/b/out are labelled a/out and b/out."""
+    runs = [load_run(p) for p in paths]
+    names = [r.path.name for r in runs]
+    for run in runs:
+        if names.count(run.path.name) > 1:
+            run.alias = f"{run.path.parent.name}/{run.path.name}"
+    return runs

@@ -104,3 +104,16 @@ def test_doctor_command_crafted_env(tmp_path):
     assert lines[0].startswith("versions: python") and "deepspeed 0." in lines[0]
     assert any(line.startswith("deepspeed ops: ninja") for line in lines)
     assert not any(line.startswith("error:") for line in lines)
+
+
+def test_counts_read_as_english():
+    (p,) = doctor.check_threads({}, cpus=2, procs_per_node=1, workers=None)
+    assert p.fix == "export OMP_NUM_THREADS=2 (2 CPUs for 1 process)"
+    omp, workers = doctor.check_threads({"OMP_NUM_THREADS": "2"}, cpus=1, procs_per_node=1, workers=1)
+    assert omp.message == "OMP_NUM_THREADS=2 x 1 process > 1 CPU: threads fight for cores"
+    assert workers.message == "1 loader worker x 1 process + the processes themselves = 2 > 1 CPU"
+    report = {"versions": {}, "gpus": [], "deepspeed_ops": {"ninja": True, "cxx": "g++", "ops": {}},
+              "env": {"omp_num_threads": None}, "cpus": 1, "processes_per_node": 1, "loader_workers": 1,
+              "problems": [{"level": "warning", "message": "m", "fix": "f"}]}
+    text = doctor.render(report)
+    assert "| 1 CPU | 1 process per node | 1 loader worker" in text and text.endswith("0 errors, 1 warning")

@@ -1,0 +1,199 @@
+"""Issue 19, items 11-12: `compare` and `parity --runs` on finished runs, the report's formatting, and the
+library warnings that only --verbose shows."""
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from launch import REPO
+from launch import test_env as launch_env
+
+from shardtrain import parity
+from shardtrain.config import Config
+from shardtrain.report import write_compare, write_report
+from shardtrain.runlog import load_run
+
+MIB = 2 ** 20
+
+
+def config(**over) -> dict:
+    """A resolved config as summary.json records it; over: {"data.max_length": 256, ...}."""
+    cfg = Config().to_dict()
+    cfg["data"]["data_dir"] = "data/multimodal"
+    for key, value in over.items():
+        section, field = key.split(".")
+        cfg[section][field] = value
+    return cfg
+
+
+def write_run(path: Path, cfg: dict, losses=(1.0, 0.9, 0.8), grad_norms=None, rate: float = 50.0,
+              memory: dict | None = None, run_over: dict | None = None) -> Path:
+    path.mkdir(parents=True)
+    grad_norms = grad_norms or [2.0] * len(losses)
+    with open(path / "metrics.jsonl", "w") as f:
+        for i, (loss, gn) in enumerate(zip(losses, grad_norms), 1):
+            f.write(json.dumps({"step": i, "loss": loss, "grad_norm": gn, "lr": 1e-3, "samples_per_sec": rate}) + "\n")
+    t = cfg["train"]
+    run = {"strategy": "ddp", "offload": False, "world_size": 2, "precision": t["precision"],
+           "micro_batch_size": t["per_device_batch_size"], "grad_accum": t["grad_accum"],
+           "global_batch_size": 2 * t["per_device_batch_size"] * t["grad_accum"], "train_examples": 256,
+           "eval_examples": 64, "max_steps": t["max_steps"], **(run_over or {})}
+    summary = {**run, "run": run, "config": copy.deepcopy(cfg), "samples_per_sec": rate,
+               "eval": {"accuracy": 0.5, "macro_f1": 0.4}}
+    if memory:
+        summary["memory"] = {"step": 2, "per_rank": memory}
+    (path / "summary.json").write_text(json.dumps(summary))
+    return path
+
+
+# ---- compare --------------------------------------------------------------------------------------------
+def test_compare_warns_per_difference_and_crowns_nothing_across_models(tmp_path):
+    a = write_run(tmp_path / "ddp", config(), rate=80.0)
+    b = write_run(tmp_path / "z3", config(), rate=40.0)
+    lf = write_run(tmp_path / "lf", config(**{"model.name": "longformer", "data.max_length": 256,
+                                             "data.data_dir": "data/longdoc"}), rate=120.0)
+    _, text = write_compare([str(a), str(b), str(lf)], tmp_path / "cmp")
+    lines = text.splitlines()
+    assert "warning: runs differ in model (--name): multimodal (ddp, z3) vs longformer (lf)" in lines
+    assert "warning: runs differ in sequence length (--max-length): 128 (ddp, z3) vs 256 (lf)" in lines
+    assert "warning: runs differ in data (--data-dir): data/multimodal (ddp, z3) vs data/longdoc (lf)" in lines
+    assert not any(line.startswith(("fastest", "least memory", "final losses")) for line in lines), text
+    assert any(line.startswith("no fastest or leanest run: these runs are not comparable, they differ in model, "
+                               "data, sequence length") for line in lines), text
+    assert "warning: runs differ in model" in (tmp_path / "cmp" / "compare.html").read_text()
+
+
+def test_compare_ranks_same_model_runs_and_names_training_differences(tmp_path):
+    a = write_run(tmp_path / "ddp", config(), rate=80.0)
+    b = write_run(tmp_path / "zero2", config(**{"train.lr": 2e-3, "train.precision": "bf16"}), rate=40.0)
+    _, text = write_compare([str(a), str(b)], tmp_path / "cmp")
+    assert "fastest: ddp (ddp, 80.0 samples/s)" in text
+    assert "warning: runs differ in learning rate (--lr): 3e-05 (ddp) vs 0.002 (zero2)" in text
+    assert "warning: runs differ in precision: fp32 (ddp) vs bf16 (zero2)" in text
+    assert "final losses not compared: the runs differ in precision, learning rate" in text
+    # Same settings: no warnings and the loss line as before.
+    c = write_run(tmp_path / "fsdp", config(), rate=70.0)
+    _, text = write_compare([str(a), str(c)], tmp_path / "cmp2")
+    assert "warning" not in text and "final losses differ by at most" in text
+
+
+def test_memory_figure_counts_the_zero3_comm_buffer_like_every_part(tmp_path):
+    """ZeRO-3's reduce bucket (memory.py's `comm`) is held on every rank beside the model state."""
+    part = {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 2 * MIB}
+    ddp = write_run(tmp_path / "ddp", config(), memory={"0": {**part, "comm": 0}, "1": {**part, "comm": 0}})
+    z3 = write_run(tmp_path / "z3", config(), memory={"0": {"params": 2 * MIB, "grads": 2 * MIB,
+                                                            "optimizer": 4 * MIB, "activations": 2 * MIB,
+                                                            "comm": 190 * MIB, "buffers": MIB}})
+    assert load_run(ddp).memory_per_rank_mib() == 18.0
+    assert load_run(z3).memory_per_rank_mib() == 200.0
+    _, text = write_compare([str(ddp), str(z3)], tmp_path / "cmp")
+    assert "least memory per rank: ddp (ddp, 18.0 MiB)" in text
+    html = write_report(z3, tmp_path / "rep").read_text()
+    assert "<th>comm</th>" in html and "190.00" in html
+
+
+# ---- parity --runs ----------------------------------------------------------------------------------------
+def test_parity_compares_finished_runs_without_training(tmp_path, capsys):
+    a = write_run(tmp_path / "ddp", config(), losses=[1.0, 0.9, 0.8])
+    b = write_run(tmp_path / "fsdp", config(), losses=[1.0, 0.90000001, 0.8])
+    assert parity.main(["--runs", f"{a},{b}", "--out", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "relative differences from ddp" in out and "parity: OK, ddp, fsdp agree over 3 steps" in out
+    assert [r["step"] for r in json.loads((tmp_path / "p" / "parity.json").read_text())["steps"]] == [1, 2, 3]
+
+    off = write_run(tmp_path / "zero3", config(), losses=[1.0, 0.9, 0.8], grad_norms=[2.0, 2.0, 4.0])
+    assert parity.main(["--runs", f"{a},{off}"]) == 1
+    assert "DIVERGED at step 3: zero3 vs ddp" in capsys.readouterr().out
+
+    # A learning rate may differ (as --args-for can make it): a note, then the comparison.
+    lr = write_run(tmp_path / "lr", config(**{"train.lr": 1e-3}))
+    assert parity.main(["--runs", f"{a},{lr}"]) == 0
+    assert "parity: note: runs differ in learning rate (--lr): 3e-05 (ddp) vs 0.001 (lr)" in capsys.readouterr().out
+
+
+def test_parity_refuses_runs_that_cannot_agree_in_one_line(tmp_path, capsys):
+    a = write_run(tmp_path / "ddp", config())
+    cases = {"seed": (config(**{"train.seed": 7}), "runs differ in seed (--seed): 42 (ddp) vs 7 (other)"),
+             "model": (config(**{"model.name": "longformer"}), "runs differ in model (--name)"),
+             "batch": (config(**{"train.grad_accum": 2}),
+                       "runs differ in batch geometry (micro x accum x world): 32 x 1 x 2 (ddp) vs 32 x 2 x 2 (other)")}
+    for name, (cfg, message) in cases.items():
+        other = write_run(tmp_path / name / "other", cfg)
+        assert parity.main(["--runs", f"{a},{other}"]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("shardtrain: error: --runs: not comparable step by step: ")
+        assert message in err[0], err[0]
+    assert parity.main(["--runs", f"{a},{a}"]) == 2
+    assert parity.main(["--runs", f"{a},{tmp_path / 'fsdp'}", "--data-dir", "x"]) == 2
+    assert "--runs compares finished runs and trains nothing: drop --data-dir" in capsys.readouterr().err
+
+
+# ---- report.html ----------------------------------------------------------------------------------------------
+def test_report_html_shows_formatted_values_not_python_dicts(tmp_path):
+    run = write_run(tmp_path / "r", config(), run_over={
+        "memory_prediction": {"variant": "zero2", "params_gib": 0.009512430056929588, "host_gib": 1.5},
+        "bad_samples_skipped": {"train": 0, "validation": 2}, "params_total": 5078403, "image_cache": None,
+        "ds_config": {"zero_optimization": {"stage": 3, "reduce_bucket_size": 50000000}}, "offload": False})
+    html = write_report(run).read_text()
+    assert "{'" not in html and "{&#x27;" not in html and "0.009512430056929588" not in html
+    assert "<th>params_gib</th><td>9.7 MiB</td>" in html and "<th>host_gib</th><td>1.50 GiB</td>" in html
+    assert "<th>validation</th><td>2</td>" in html and "<td>5,078,403</td>" in html
+    assert "<th>reduce_bucket_size</th><td>50,000,000</td>" in html
+
+
+# ---- library warnings ----------------------------------------------------------------------------------------
+NOISY = """
+import sys, tempfile, warnings
+import torch, torch.distributed as dist, transformers
+from shardtrain.chatter import quiet_libraries
+quiet_libraries(verbose=sys.argv[1] == "verbose")
+tmp = tempfile.mkdtemp()
+
+# ZeRO-3's gradient reduce-scatter, as deepspeed/comm/torch.py calls it
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], rank=0, world_size=1)
+dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))
+dist.destroy_process_group()
+
+# export: the portable checkpoint read in one process, and --int8
+import torch.distributed.checkpoint as dcp
+from torch import nn
+dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp + "/dcp", no_dist=True)
+dcp.load({"w": torch.zeros(2)}, checkpoint_id=tmp + "/dcp", no_dist=True)
+from shardtrain.export import quantize
+quantize(nn.Sequential(nn.Linear(8, 8)))
+
+# a pretrained text model whose pooler the multimodal model leaves out
+from shardtrain.config import parse_cli
+from shardtrain.models import build_model
+cfg = parse_cli(["--config", "configs/multimodal_tiny.yaml"])
+text = build_model(cfg.model, cfg.data, vocab_size=1000, load_weights=False).text
+transformers.RobertaModel(text.config).save_pretrained(tmp + "/text")  # with its pooler
+cfg.model.text_model, cfg.model.pretrained = tmp + "/text", True
+build_model(cfg.model, cfg.data, vocab_size=1000)
+print("routine done", file=sys.stderr, flush=True)
+
+# a checkpoint without the model's second layer: that report is not routine and stays
+text.config.num_hidden_layers = 1
+transformers.RobertaModel(text.config).save_pretrained(tmp + "/short")
+cfg.model.text_model = tmp + "/short"
+build_model(cfg.model, cfg.data, vocab_size=1000)
+"""
+SOURCES = ("reduce_scatter_tensor", "assuming the intent is to", "quantize_per_tensor", "LOAD REPORT",
+           "Loading weights")
+
+
+def test_library_warnings_are_hidden_unless_verbose():
+    from launch import free_port
+
+    for mode in ("quiet", "verbose"):
+        proc = subprocess.run([sys.executable, "-c", NOISY, mode, str(free_port())], capture_output=True, text=True,
+                              cwd=REPO, env=launch_env(), timeout=240)
+        routine, done, problem = proc.stderr.partition("routine done")
+        assert proc.returncode == 0 and done, proc.stderr[-3000:]
+        shown = [s for s in SOURCES if s in proc.stdout + routine]
+        assert shown == ([] if mode == "quiet" else list(SOURCES)), (mode, proc.stderr[-3000:])
+        # Weights the model needs that were not loaded: the report stays, quiet or not.
+        assert "encoder.layer.1" in problem and proc.stderr.count("LOAD REPORT") == (1 if mode == "quiet" else 2)
