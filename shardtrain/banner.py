@@ -49,7 +49,7 @@ def _strategy_lines(info: dict) -> list[str]:
 
 def format_banner(info: dict) -> str:
     ranks = info.get("ranks", [])
-    lines = ["=" * 78, f"shardtrain run: {info['strategy']} on {info['world_size']} process(es)"]
+    lines = ["=" * 78, f"shardtrain run: {info['strategy']} on {info['world_size']} process{'es' if info['world_size'] != 1 else ''}"]
     lines.append("  rank  host                      local  device       name")
     for r in ranks:
         lines.append(f"  {r['rank']:>4}  {r['host'][:24]:<24}  {r['local_rank']:>5}  {r['device']:<11}  "

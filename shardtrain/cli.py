@@ -26,6 +26,9 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardtrain.closed_output import survive_closed_output
+
+    survive_closed_output()  # `shardtrain plan | head` ends quietly; training goes on (see closed_output.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: shardtrain <command> [options]\n\ncommands:")
@@ -53,10 +56,6 @@ def run_guarded(fn, argv: list[str]) -> int:
         return fn(argv) or 0
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        # Output piped into `head` and the reader left: not an error. Silence the final flush too.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
     except Exception as e:  # noqa: BLE001 - the user gets one line; --debug shows the rest
         if debug:
             raise

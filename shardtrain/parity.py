@@ -71,8 +71,8 @@ def run_one(name: str, args: argparse.Namespace, common: list[str], extra: list[
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(MAIN),
            "--config", args.config, *STRATEGIES[name], "--max-steps", str(args.steps),
-           "--output-dir", str(run_dir), "--resume", "none", "--save-every", "0", "--eval-every", "0",
-           "--log-every", str(args.steps), "--report", "false", "--report-to", "none", "--predict-memory", "false",
+           "--output-dir", str(run_dir), "--resume", "none", "--save-every", "0", "--save-final", "false",
+           "--eval-every", "0", "--log-every", str(args.steps), "--report", "false", "--report-to", "none", "--predict-memory", "false",
            *common, *extra]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice; unset, the deepspeed path ran ~1.8x slower

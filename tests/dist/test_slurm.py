@@ -173,7 +173,7 @@ def test_preemption_requeue_resume(slurm_env, mm_data, tmp_path):
             job.cancel()
 
     log = job.out
-    stopped = re.search(r"step (\d+): stopping on a preemption signal", log)
+    stopped = re.search(r"step (\d+): stopped on a preemption signal", log)
     assert stopped, f"the job never stopped on SIGUSR1 (finished first?)\n{job.logs()}"
     k = int(stopped.group(1))
     assert 0 < k < steps, job.logs()

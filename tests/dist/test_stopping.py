@@ -147,3 +147,11 @@ def test_a_reader_that_goes_away_does_not_hang_training(ld_data, tmp_path, launc
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_step"] == 6 and _steps_logged(out) == 6
     assert (out / "checkpoints" / "step-000006" / "COMMITTED").is_file()
+
+
+def test_help_into_head_ends_quietly(tmp_path):
+    script = f"'{sys.executable}' -m shardtrain --help 2>'{tmp_path / 'stderr'}' | head -n 1; echo ${{PIPESTATUS[0]}}"
+    done = subprocess.run(["bash", "-c", script], cwd=REPO, env=test_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.splitlines() == ["usage: shardtrain <command> [options]", "0"], done.stdout
+    assert (tmp_path / "stderr").read_text() == ""
