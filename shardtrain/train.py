@@ -68,12 +68,12 @@ def train(cfg: Config) -> dict:
     # ---- model, optimizer, schedule (built by the strategy: it decides where weights materialise)
     vocab_size = None if cfg.model.pretrained else len(tokenizer)
 
-    def model_factory(on_meta: bool = False):
+    def model_factory(on_meta: bool = False, load_weights: bool = True):
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and strategy
         if on_meta:
             with torch.device("meta"):
                 return build_model(cfg.model, cfg.data, vocab_size, load_weights=False)
-        return build_model(cfg.model, cfg.data, vocab_size)
+        return build_model(cfg.model, cfg.data, vocab_size, load_weights=load_weights)
 
     frozen = (set(model_factory(on_meta=True).freezable_parameter_names(cfg.model.freeze_layers))
               if cfg.model.freeze_layers else set())

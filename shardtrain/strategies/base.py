@@ -49,10 +49,12 @@ class Strategy(ABC):
 
     # ---- the interface -------------------------------------------------------------------------
     @abstractmethod
-    def setup(self, build_model: Callable[[], nn.Module], frozen_names: set[str]):
+    def setup(self, build_model: Callable[..., nn.Module], frozen_names: set[str]):
         """Build, wrap and move the model, then the optimizer and scheduler (after wrapping).
-        `build_model` returns the full, initialised model; strategies decide on which ranks and
-        devices it is materialised. Returns (model, optimizer, scheduler)."""
+        `build_model()` returns the full, initialised model with its pretrained weights loaded; strategies
+        decide on which ranks and devices it is materialised. `build_model(on_meta=True)` (meta device) and
+        `build_model(load_weights=False)` give the same architecture with nothing loaded, for copies that
+        receive their weights from rank 0. Returns (model, optimizer, scheduler)."""
 
     def micro_step(self, is_last: bool) -> ContextManager:
         """Context for one micro-batch's forward + backward; gradients sync only on the last."""

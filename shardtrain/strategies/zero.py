@@ -47,14 +47,17 @@ class ZeroStrategy(Strategy):
             # zero.Init patches torch.Tensor.__new__; torch._dynamo, imported lazily inside it, rejects
             # the patched signature. Import it first.
             import torch._dynamo  # noqa: F401
-            # Rank 0 alone materialises the weights; every rank then builds a partitioned copy under
-            # zero.Init (no rank ever holds the full model on the device) and rank 0 fills it in.
+            # Rank 0 alone materialises the weights, pretrained ones included, in host memory; every rank
+            # then builds a partitioned copy under zero.Init (no rank ever holds the full model on the
+            # device) and rank 0 fills it in, one module gathered at a time.
             source = build_model(on_meta=False) if rank0 else None
-            # Its weights come from rank 0, so skip initialisation (HF's would index empty partitions).
+            # The copy is built empty: its weights come from rank 0. Loading inside zero.Init would write
+            # the pretrained tensors into size-0 partitions (from_pretrained's "ignore_mismatched_sizes",
+            # load_state_dict's size mismatch for --image-weights), and HF's initialisation would index them.
             from transformers.initialization import no_init_weights
             with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=self.ds_config,
                                                         remote_device=self._param_device()):
-                model = build_model(on_meta=False)
+                model = build_model(on_meta=False, load_weights=False)
             _copy_from_rank0(model, source, rank0, deepspeed)
             del source
         else:
