@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy fsdp
     torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy ddp
-    deepspeed --num_gpus 4 shardtrain/main.py --config configs/longformer_4096.yaml --ds ds_configs/zero2.json
+    torchrun --nproc_per_node=4 shardtrain/main.py --config configs/longformer_4096.yaml --strategy ddp
     python -m shardtrain train --config configs/multimodal_tiny.yaml --device cpu --nproc 2
 """
 from __future__ import annotations
