@@ -8,11 +8,13 @@ from __future__ import annotations
 import json
 
 
-def memory_prediction(cfg, world_size: int) -> dict:
+def memory_prediction(cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None) -> dict:
     """The `plan` prediction for this run's strategy, if the planner offers one.
 
     The planner is optional here: the banner reports why there is no prediction instead of failing.
-    Contract: shardtrain.planner.predict_run(cfg, world_size) -> dict of per-rank GiB figures."""
+    Contract: shardtrain.planner.predict_run(cfg, world_size[, vocab_size=, batch_shape=]) -> dict of per-rank
+    GiB figures; `vocab_size` is the run's tokenizer length, `batch_shape` the [micro-batch, tokens] to predict
+    at (default: the config's micro-batch at max_length)."""
     import importlib
 
     if not cfg.log.predict_memory:
@@ -25,7 +27,8 @@ def memory_prediction(cfg, world_size: int) -> dict:
     if predict is None:
         return {"note": "no prediction: shardtrain.planner has no predict_run(cfg, world_size)"}
     try:
-        return dict(predict(cfg, world_size))
+        extra = {k: v for k, v in (("vocab_size", vocab_size), ("batch_shape", batch_shape)) if v is not None}
+        return dict(predict(cfg, world_size, **extra))
     except Exception as e:  # noqa: BLE001 - a prediction is advice; it must not stop a run
         return {"note": f"no prediction: planner failed ({type(e).__name__}: {str(e)[:120]})"}
 
@@ -34,7 +37,7 @@ def _size(key: str, value) -> str:
     if key.endswith("_gib") and isinstance(value, (int, float)):
         name = key[:-4]
         return f"{name} {value:.2f} GiB" if value >= 1 else f"{name} {value * 1024:.1f} MiB"
-    return f"{key} {value}"
+    return f"{key} {value:,}" if isinstance(value, int) else f"{key} {value}"
 
 
 def _strategy_lines(info: dict) -> list[str]:

@@ -14,6 +14,7 @@ Record layout (metrics.jsonl `mem`, summary.json `memory.per_rank`): {rank: {key
   model_state                                  params + grads + optimizer
   device, host                                 all categories on the rank's device / in CPU RAM
   activations                                  bytes saved for backward by the first micro-batch
+  batch                                        that micro-batch's [size, tokens] (padding is per batch)
   {phase}/allocated, {phase}/peak, {phase}/reserved   CUDA only; phase in PHASES, peak since the step began
 """
 from __future__ import annotations
@@ -149,7 +150,7 @@ class MemoryMonitor:
             self.local.update(count_bytes(self.strategy.memory_tensors(), self.dist.device))
 
     @contextlib.contextmanager
-    def forward(self, first_micro: bool):
+    def forward(self, first_micro: bool, batch: dict | None = None):
         """Wraps one micro-batch's forward (and loss): counts saved activations on the first one."""
         if not (self.measuring and first_micro):
             yield
@@ -158,6 +159,9 @@ class MemoryMonitor:
         with SavedActivations() as saved:
             yield
         self.local["activations"] = saved.bytes
+        if batch is not None and "input_ids" in batch:
+            # The planner predicts activations for a shape; padding to the longest text makes each batch's its own.
+            self.local["batch"] = list(batch["input_ids"].shape)
         self.mark("after_forward")
 
     def end_step(self, step: int) -> dict | None:
@@ -185,14 +189,22 @@ def gather_to_rank0(obj: dict, dist_info) -> dict | None:
     return {str(r): rec for r, rec in enumerate(table)} if dist_info.is_rank0 else None
 
 
-def format_table(per_rank: dict, step: int) -> str:
-    """The end-of-run table: one row per rank, MiB, so a reader sees each rank hold its share."""
+def format_table(per_rank: dict, step: int, predicted: dict | None = None) -> str:
+    """The end-of-run table: one row per rank, MiB, so a reader sees each rank hold its share; under it, per
+    rank, `shardtrain plan`'s prediction ({rank: predict_run's dict}) for the batch that rank measured."""
     cols = ["params", "grads", "optimizer", "model_state", "buffers", "comm", "activations", "host"]
     head = f"memory per rank at step {step} (MiB; activations per micro-batch):"
     lines = [head, "  rank " + "".join(f"{c:>13}" for c in cols)]
     for rank in sorted(per_rank, key=int):
         rec = per_rank[rank]
         lines.append(f"  {rank:>4} " + "".join(f"{rec.get(c, 0) / MIB:13.2f}" for c in cols))
+    for rank in sorted(predicted or {}, key=int):
+        pred = predicted[rank]
+        if f"{cols[0]}_gib" not in pred:
+            lines.append(f"{'plan ' + rank:>6} {pred.get('note', 'no prediction')}")
+            continue
+        lines.append(f"{'plan ' + rank:>6} " + "".join(f"{pred[f'{c}_gib'] * 1024:13.2f}" if f"{c}_gib" in pred else f"{'-':>13}"
+                                             for c in cols) + f"  (at {pred['batch']})")
     cuda = [p for p in PHASES if f"{p}/peak" in next(iter(per_rank.values()), {})]
     if cuda:
         lines.append("  CUDA peak since step start (MiB): " + " | ".join(

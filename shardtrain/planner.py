@@ -15,12 +15,25 @@ The ZeRO paper's formulas (Rajbhandari et al. 2020; fp16 weights and grads, K=12
 printed beside ours: baseline (2+2+K)Ψ, stage 2 2Ψ+(2+K)Ψ/N, stage 3 (4+K)Ψ/N; DeepSpeed's own stage-2
 estimator uses 2Ψ+18Ψ/N.
 
-Activations come from a measurement: the real architecture with 1 and 2 encoder layers, batch 2, at three
-sequence lengths, forward + loss on CPU (batch 2, halved) under saved-tensor hooks (shardtrain.memory.SavedActivations).
-Per layer and per length the bytes are fitted with a quadratic in the length (full attention may grow as L²;
-Longformer's sliding window is linear in L × window), then scaled to the layer count and the batch.
+Activations come from a measurement: the real architecture with 1 and 2 encoder layers, forward + loss on CPU
+under saved-tensor hooks (shardtrain.memory.SavedActivations), batch 2 at three sequence lengths and batch 4 at
+the shortest. What is saved is a part per sample plus a part per forward that no batch size changes: under
+autocast the low-precision copy of every weight a matmul or convolution used (autocast casts each weight once
+per forward and backward needs it: 2 bytes per such parameter, ~10 MiB of the tiny multimodal model's ~12 at
+bf16 micro-batch 8), and per-channel BatchNorm statistics. Batch 2 against batch 4 separates the two (the
+per-forward part does not depend on the length: measured at 4..256 tokens); scaling all of batch 2's bytes
+with the batch counted the weight copies micro-batch/2 times over.
+Per layer and per length the per-sample bytes are fitted in the length: a quadratic through three lengths for
+full attention (it may grow as L²); Longformer's sliding window is linear in L (x window) from two windows on,
+so a line through 2 and 3 windows (one window is a special case, and a quadratic through it bent the
+extrapolation to 16 windows 21% low). Then they are scaled to the layer count and the batch.
 With activation checkpointing the same measurement runs with the blocks checkpointed; backward then also
 needs one block's activations again while it is recomputed, which goes into overhead.
+DeepSpeed fp16 keeps 16-bit weights, so there are no weight copies to save; it is measured as autocast all
+the same (an upper bound by those copies).
+
+The model is counted with the vocabulary the run's tokenizer will have (shardtrain.data.tokenizer.
+planned_vocab_size); the banner passes the run's own tokenizer length.
 """
 from __future__ import annotations
 
@@ -83,8 +96,19 @@ class ModelCount:
 
 
 def _vocab(cfg) -> int | None:
-    # Without a pretrained tokenizer the run trains one of tokenizer_vocab_size tokens.
+    # For the activation measurement only: the vocabulary changes the embedding table (a parameter, not a
+    # saved tensor), so the configured size does as well as the trained tokenizer's and costs no training.
     return None if cfg.model.pretrained or cfg.data.tokenizer else cfg.data.tokenizer_vocab_size
+
+
+def run_vocab(cfg) -> tuple[int | None, str]:
+    """(vocab size, source) of the model train.py builds: the checkpoint's own when pretrained (None), else
+    len(tokenizer), which for a trained tokenizer can be well under tokenizer_vocab_size."""
+    from shardtrain.data.tokenizer import planned_vocab_size
+
+    if cfg.model.pretrained:
+        return None, f"{cfg.model.text_model}'s own"
+    return planned_vocab_size(cfg)
 
 
 def arch_only(cfg):
@@ -99,18 +123,21 @@ def arch_only(cfg):
     return c
 
 
-def count_model(cfg, persistence_threshold: int = 100_000) -> ModelCount:
+def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | None = None) -> ModelCount:
+    """`vocab_size`: the run's tokenizer length when known (the banner); otherwise planned (run_vocab)."""
     import torch
 
     from shardtrain.models import build_model, text_config_for
 
+    if vocab_size is None:
+        vocab_size, _ = run_vocab(cfg)
     cfg = arch_only(cfg)
     with torch.device("meta"):
-        model = build_model(cfg.model, cfg.data, _vocab(cfg), load_weights=False)
+        model = build_model(cfg.model, cfg.data, vocab_size, load_weights=False)
     blocks = model.block_classes()
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, blocks)]
     params = [p.numel() for p in model.parameters()]
-    text_cfg = text_config_for(cfg.model, cfg.data, _vocab(cfg))
+    text_cfg = text_config_for(cfg.model, cfg.data, vocab_size)
     return ModelCount(params=sum(params), largest_unit=max(units, default=max(params)),
                       small_params=sum(n for n in params if n < persistence_threshold),
                       buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
@@ -124,7 +151,9 @@ def _with_layers(cfg, n: int):
     return c
 
 
-def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str) -> int:
+def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int = 2) -> int:
+    """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
+    train mode rejects one value per channel, which a small image pooled to 1x1 would give)."""
     import torch
     import torch.nn.functional as F
 
@@ -138,22 +167,22 @@ def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str) -> int:
     if recompute:
         apply_activation_checkpointing(model, model.block_classes())
     vocab = model.text_cfg.vocab_size
-    # Batch 2: BatchNorm in train mode rejects one value per channel (a small image pooled to 1x1).
-    batch = {"input_ids": torch.randint(3, vocab, (2, seq_len)), "attention_mask": torch.ones(2, seq_len, dtype=torch.long)}
+    inputs = {"input_ids": torch.randint(3, vocab, (batch, seq_len)),
+              "attention_mask": torch.ones(batch, seq_len, dtype=torch.long)}
     if "pixel_values" in model.batch_keys:
         size = cfg.data.image_size
-        batch["pixel_values"] = torch.randn(2, 3, size, size)
+        inputs["pixel_values"] = torch.randn(batch, 3, size, size)
     amp = (torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32"
            else torch.autocast("cpu", enabled=False))
     with SavedActivations() as saved, amp:
-        logits = model(**batch)
-        loss = F.cross_entropy(logits.float(), torch.zeros(2, dtype=torch.long))
+        logits = model(**inputs)
+        loss = F.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long))
     # With saved-tensor hooks a saved output and its grad_fn hold each other through C++, where the cycle
     # collector cannot see: only backward releases them (measured: ~600 MB kept per call otherwise).
     loss.backward()
     del loss, logits, model
     gc.collect()
-    return saved.bytes / 2
+    return saved.bytes
 
 
 def _fit_quadratic(xs: list[int], ys: list[float]):
@@ -166,14 +195,20 @@ def _fit_quadratic(xs: list[int], ys: list[float]):
     return f
 
 
+def _fit_line(xs: list[int], ys: list[float]):
+    """The line through two points: bytes as a function of sequence length (sliding-window attention)."""
+    (x0, x1), (y0, y1) = xs, ys
+    return lambda x: y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 def _window(cfg) -> int | None:
     return cfg.model.attention_window if cfg.model.name == "longformer" else None
 
 
 def sample_lengths(cfg, seq_len: int) -> list[int]:
     w = _window(cfg)
-    if w:  # Longformer pads to whole windows: measure at 1, 2 and 3 windows
-        return [w, 2 * w, 3 * w]
+    if w:  # Longformer pads to whole windows; linear from 2 windows on (see the module docstring)
+        return [2 * w, 3 * w]
     top = min(seq_len, 512)
     pts = sorted({max(4, top // 4), max(6, top // 2), max(8, top)})
     return pts if len(pts) == 3 else [4, 6, 8]
@@ -181,28 +216,40 @@ def sample_lengths(cfg, seq_len: int) -> list[int]:
 
 @functools.lru_cache(maxsize=32)
 def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: tuple[int, ...]):
+    """(per-sample bytes outside the layers, per-sample bytes per layer) as functions of the length, and the
+    per-forward bytes (weight copies, BatchNorm statistics) outside the layers and per layer."""
     from shardtrain.config import from_dict
 
     cfg = from_dict(json.loads(cfg_json))
-    one = [_saved_bytes(_with_layers(cfg, 1), n, recompute, precision) for n in lengths]
-    two = [_saved_bytes(_with_layers(cfg, 2), n, recompute, precision) for n in lengths]
-    per_layer = [b - a for a, b in zip(one, two)]
-    fixed = [a - p for a, p in zip(one, per_layer)]
-    return _fit_quadratic(list(lengths), fixed), _fit_quadratic(list(lengths), per_layer)
+    per_sample, per_forward = {}, {}
+    for n in (1, 2):
+        c = _with_layers(cfg, n)
+        at2 = [_saved_bytes(c, length, recompute, precision) for length in lengths]
+        per_forward[n] = max(0, 2 * at2[0] - _saved_bytes(c, lengths[0], recompute, precision, batch=4))
+        per_sample[n] = [(b - per_forward[n]) / 2 for b in at2]
+    per_layer = [b - a for a, b in zip(per_sample[1], per_sample[2])]
+    fixed = [a - p for a, p in zip(per_sample[1], per_layer)]
+    fit = _fit_quadratic if len(lengths) == 3 else _fit_line
+    layer_forward = per_forward[2] - per_forward[1]
+    return fit(list(lengths), fixed), fit(list(lengths), per_layer), per_forward[1] - layer_forward, layer_forward
 
 
-def activation_bytes(cfg, batch: int, seq_len: int, recompute: bool, precision: str, layers: int) -> dict:
-    """Predicted bytes saved for backward per micro-batch, and one layer's worth (the recompute working set)."""
+def activation_bytes(cfg, batch: int, seq_len: int, recompute: bool, precision: str, layers: int,
+                     planned_length: int | None = None) -> dict:
+    """Predicted bytes saved for backward per micro-batch, and one layer's worth (the recompute working set).
+    `planned_length`: the length the measurement is planned for (default seq_len); the end of a run evaluates
+    the banner's fit (planned for max_length) at the length a batch really had."""
     w = _window(cfg)
     if w:
         seq_len = -(-seq_len // w) * w
     d = cfg.to_dict()
     cfg_json = json.dumps({k: v for k, v in d.items() if k in ("model", "data")}, sort_keys=True)
-    lengths = tuple(sample_lengths(cfg, seq_len))
-    fixed, per_layer = _activation_model(cfg_json, recompute, precision, lengths)
-    _, per_layer_full = _activation_model(cfg_json, False, precision, lengths)
-    total = batch * (fixed(seq_len) + layers * per_layer(seq_len))
-    return {"saved": max(0.0, total), "one_layer": max(0.0, batch * per_layer_full(seq_len))}
+    lengths = tuple(sample_lengths(cfg, planned_length or seq_len))
+    fixed, per_layer, fixed_forward, layer_forward = _activation_model(cfg_json, recompute, precision, lengths)
+    _, per_layer_full, _, layer_forward_full = _activation_model(cfg_json, False, precision, lengths)
+    total = batch * (fixed(seq_len) + layers * per_layer(seq_len)) + fixed_forward + layers * layer_forward
+    return {"saved": max(0.0, total),
+            "one_layer": max(0.0, batch * per_layer_full(seq_len) + layer_forward_full)}
 
 
 # ---- model states per variant --------------------------------------------------------------------------------
@@ -285,7 +332,8 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
     """Every variant with activation checkpointing off and on, at the config's micro-batch; the recommendation."""
     t = cfg.train
     precision = t.precision if (t.precision != "bf16" or bf16_ok) else "fp16"
-    m = count_model(cfg)
+    vocab, vocab_source = run_vocab(cfg)
+    m = count_model(cfg, vocab_size=vocab)
     global_batch = t.per_device_batch_size * t.grad_accum * gpus
     context = CUDA_CONTEXT if cuda else 0.0
 
@@ -322,7 +370,8 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
         note = f"nothing fits at micro-batch {t.per_device_batch_size}; keeps global batch {global_batch}"
     if fitting:
         recommendation = min(fitting, key=lambda r: (r["relative_cost"], r["total_bytes"]))
-    return {"model_params": m.params, "gpus": gpus, "capacity_bytes": capacity_bytes, "precision": precision,
+    return {"model_params": m.params, "vocab_size": vocab, "vocab_source": vocab_source, "gpus": gpus,
+            "capacity_bytes": capacity_bytes, "precision": precision,
             "seq_len": cfg.data.max_length, "micro_batch_size": t.per_device_batch_size,
             "global_batch_size": global_batch, "rows": rows, "recommendation": recommendation, "note": note}
 
@@ -342,22 +391,28 @@ def variant_of(cfg) -> str:
     return "ddp"
 
 
-def predict_run(cfg, world_size: int) -> dict:
-    """Per-rank prediction (GiB) for the run this config describes; the startup banner shows it."""
-    m = count_model(cfg)
+def predict_run(cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None) -> dict:
+    """Per-rank prediction (GiB) for the run this config describes. The startup banner shows it at the
+    config's micro-batch and max_length (the largest batch the run can meet: padding is to the longest text
+    of each batch), with the run's own `vocab_size` (None: planned, as `plan` does). The end of the run
+    repeats it at `batch_shape`, the [micro-batch, tokens] a rank's memory was measured at, with the same fit."""
+    m = count_model(cfg, vocab_size=vocab_size)
     variant = variant_of(cfg)
     s = model_states(variant, m, world_size, cfg.train.precision)
-    act = activation_bytes(cfg, cfg.train.per_device_batch_size, cfg.data.max_length,
-                           cfg.train.activation_checkpointing, cfg.train.precision, m.layers)
+    batch, seq_len = batch_shape or (cfg.train.per_device_batch_size, cfg.data.max_length)
+    act = activation_bytes(cfg, batch, seq_len, cfg.train.activation_checkpointing, cfg.train.precision, m.layers,
+                           planned_length=cfg.data.max_length)
     g = s["gpu"]
-    return {"variant": variant, "params_gib": g["params"] / GIB, "grads_gib": g["grads"] / GIB,
+    return {"variant": variant, "parameters": m.params, "batch": f"{batch} x {seq_len} tokens",
+            "params_gib": g["params"] / GIB, "grads_gib": g["grads"] / GIB,
             "optimizer_gib": g["optimizer"] / GIB, "activations_gib": act["saved"] / GIB,
             "model_state_gib": (g["params"] + g["grads"] + g["optimizer"]) / GIB, "host_gib": s["host"] / GIB}
 
 
 def format_plan(p: dict, gpu_name: str) -> str:
     g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
-    lines = [f"plan: {p['model_params']:,} parameters on {p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), "
+    vocab = f"vocabulary {p['vocab_size']:,}: {p['vocab_source']}" if p.get("vocab_size") else ""
+    lines = [f"plan: {p['model_params']:,} parameters{f' ({vocab})' if vocab else ''} on {p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), "
              f"{p['precision']}, micro-batch {p['micro_batch_size']}, seq {p['seq_len']}, global batch "
              f"{p['global_batch_size']}  (GiB per GPU)",
              f"{'variant':<15}{'AC':<4}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'comm':>7}{'overh':>7}"

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy fsdp
     torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy ddp
-    deepspeed --num_gpus 4 shardtrain/main.py --config configs/longformer_4096.yaml --ds ds_configs/zero2.json
+    torchrun --nproc_per_node=4 shardtrain/main.py --config configs/longformer_4096.yaml --strategy ddp
     python -m shardtrain train --config configs/multimodal_tiny.yaml --device cpu --nproc 2
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ def train(cfg: Config) -> dict:
                 "bad_samples_skipped": {"train": len(train_ds.skipped), "validation": len(eval_ds.skipped)},
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
-                "memory_prediction": memory_prediction(cfg, world) if dist_info.is_rank0 else {}}
+                "memory_prediction": memory_prediction(cfg, world, vocab_size) if dist_info.is_rank0 else {}}
     for split, ds in (("train", train_ds), ("validation", eval_ds)):
         if ds.skipped:
             console.info(f"--skip-bad-samples: skipped {len(ds.skipped)} bad {split} records, "
@@ -141,7 +141,7 @@ def train(cfg: Config) -> dict:
             batch = batch_to_device(loaders.train.next_batch(), dist_info.device)
             with oom.guard():  # an OOM is noted and this rank carries on: see shardtrain/oom.py
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
-                    with mem.forward(first_micro=micro == 0):
+                    with mem.forward(first_micro=micro == 0, batch=batch):
                         logits = strategy.forward(batch)
                         loss = F.cross_entropy(logits.float(), batch["labels"])
                     if micro == 0:  # test-only (train.inject_nan_at_steps); a no-op otherwise
@@ -198,14 +198,25 @@ def train(cfg: Config) -> dict:
     summary = {**run_info, "train_loss": tracker.metrics.losses() if dist_info.is_rank0 else [],
                "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
                "wall_seconds": now() - t_start, "final_step": step, **health.counts(), "preempted": preempted,
-               "stopped_by": stop.reason if preempted else None, "checkpoint_save_seconds": save_seconds, "versions": library_versions(), "config": cfg.to_dict(),
-               "memory": {**mem.summary(), "construction": built.per_rank}, "oom_recovery": oom.summary()}
+               "stopped_by": stop.reason if preempted else None, "checkpoint_save_seconds": save_seconds,
+               "versions": library_versions(), "config": cfg.to_dict(),
+               "memory": {**mem.summary(), "construction": built.per_rank,
+                          "predicted": measured_shape_prediction(cfg, world, vocab_size, mem.last)},
+               "oom_recovery": oom.summary()}
     if mem.last:
-        console.info(format_table(mem.last, mem.last_step))
+        console.info(format_table(mem.last, mem.last_step, summary["memory"]["predicted"]))
     tracker.finish(summary)  # summary.json (with `run`), W&B summary, report.html
     if cfg.checkpoint.final_model_dir and not preempted:
         write_final_model(strategy, trainer_state(step, loaders, cfg), cfg, console)
     return summary
+
+
+def measured_shape_prediction(cfg: Config, world: int, vocab_size: int | None, per_rank: dict) -> dict:
+    """The banner's prediction again, at the [micro-batch, tokens] each rank measured (rank 0; {} elsewhere):
+    the banner's is for max_length, and a batch is only as long as its longest text."""
+    if not cfg.log.predict_memory or not per_rank:
+        return {}
+    return {rank: memory_prediction(cfg, world, vocab_size, rec.get("batch")) for rank, rec in per_rank.items()}
 
 
 def save(strategy, step: int, loaders, cfg: Config, tracker, out: Path, seconds: list, console) -> int:

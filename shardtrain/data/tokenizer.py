@@ -43,6 +43,25 @@ def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callabl
     return AutoTokenizer.from_pretrained(str(tok_dir))
 
 
+def planned_vocab_size(cfg: Config) -> tuple[int | None, str]:
+    """(len(tokenizer), where it comes from) for the tokenizer build_tokenizer would give this config, with no
+    run: `shardtrain plan` counts parameters with it. A BPE trained on a small corpus stops short of
+    tokenizer_vocab_size (566 of 1000 on the tiny multimodal data), so it is trained here the way the run trains
+    it (deterministic; about a second on the tiny data). None: a tokenizer by name not on this machine."""
+    from transformers import AutoTokenizer
+
+    if cfg.data.tokenizer:
+        try:  # never a download: plan works offline
+            return len(AutoTokenizer.from_pretrained(cfg.data.tokenizer, local_files_only=True)), cfg.data.tokenizer
+        except Exception:  # noqa: BLE001 - not here: the architecture's own vocabulary stands in
+            return None, f"{cfg.data.tokenizer} not found locally"
+    try:
+        path = split_path(cfg.data.data_dir, "train")
+    except ConfigError:
+        return cfg.data.tokenizer_vocab_size, "tokenizer_vocab_size (an upper bound: no training data to train it on)"
+    return len(train_bpe(list(read_texts(path)), cfg.data.tokenizer_vocab_size)), f"the tokenizer trained on {path}"
+
+
 def train_bpe(texts: list[str], vocab_size: int):
     """Byte-level BPE with RoBERTa special tokens and post-processing (`<s> ... </s>`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
