@@ -43,10 +43,13 @@ def train(cfg: Config) -> dict:
     stop = StopFlag()
     t_start = now()
 
-    # ---- where we resume from: a run with nothing left to train stops before any heavy work, its files untouched
+    # ---- where we resume from. This run's own checkpoint with nothing left to train: stop before any heavy
+    # work, its files untouched. Another run's checkpoint at --max-steps is a conversion: it is loaded by this
+    # strategy and saved into this output dir (the cross-strategy handover).
     resume_dir = checkpoint.find_resume_dir(cfg.checkpoint.resume, out)
     state = checkpoint.read_trainer_state(resume_dir) if resume_dir is not None else {}
-    if state and state["step"] >= cfg.train.max_steps:
+    resumed_here = resume_dir is not None and resume_dir.parent.resolve() == checkpoint.checkpoints_root(out).resolve()
+    if resumed_here and state["step"] >= cfg.train.max_steps:
         console.info(f"nothing to train: {resume_dir} is at step {state['step']} and --max-steps is "
                      f"{cfg.train.max_steps}; summary.json and the checkpoints are left as they were "
                      f"(a larger --max-steps trains on)")
@@ -93,9 +96,7 @@ def train(cfg: Config) -> dict:
             strategy.follow_configured_schedule()
         if changed.changes and dist_info.is_rank0:
             console.warn(changed.line(step))
-    # Nothing new to save at the resume step when it is already a checkpoint of this output dir.
-    last_saved = (step if resume_dir is not None and
-                  resume_dir.parent.resolve() == checkpoint.checkpoints_root(out).resolve() else None)
+    last_saved = step if resumed_here else None  # nothing new to save at a checkpoint of this output dir
     save_seconds: list[float] = []
     unfreeze_at = cfg.model.unfreeze_at_step
     if frozen and unfreeze_at is not None and step >= unfreeze_at:
