@@ -120,6 +120,21 @@ def torchrun(args: list[str], nproc: int = 2, check: bool = True, timeout: float
     return run(cmd, timeout=timeout, env=env, check=check)
 
 
+DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
+
+
+def run_plan(plan: list[dict], root: Path, timeout: float, tail: int = 40) -> tuple[Run, dict]:
+    """Many configurations in one launch of tests/dist/matrix_driver.py: (the launch, results by run name).
+    Fails with the launch's tail when it did not exit 0 or a planned run is missing from the results."""
+    (root / "plan.json").write_text(json.dumps(plan))
+    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=timeout, check=False)
+    results_file = root / "results.json"
+    results = json.loads(results_file.read_text()) if results_file.exists() else {}
+    missing = [p["name"] for p in plan if p["name"] not in results]
+    assert run.returncode == 0 and not missing, f"exit {run.returncode}, did not run: {missing}\n{run.tail(tail)}"
+    return run, results
+
+
 def torchrun_background(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None,
                         extra_launcher_args: list[str] = ()) -> subprocess.Popen:
     """A torchrun launch the test signals or kills while it runs. The agent is proc.pid; torchrun starts each

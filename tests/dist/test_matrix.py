@@ -12,15 +12,13 @@ Each strategy also runs once through shardtrain/main.py itself: tests/dist/test_
 """
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 
-from launch import REPO, strategy_variants, tiny_args, torchrun
+from launch import REPO, run_plan, strategy_variants, tiny_args
 
-DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 # The one strategy-name -> flags map (shardtrain parity's); the matrix leaves FSDP offload to test_memory.
 STRATEGIES = {name: flags for name, flags in strategy_variants().items() if name != "fsdp_offload"}
 WORKLOADS = ("longformer", "multimodal")
@@ -73,12 +71,7 @@ def _plan(data_dirs: dict, root: Path) -> list[dict]:
 def matrix(data_dirs, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("matrix")
     plan = _plan(data_dirs, root)
-    (root / "plan.json").write_text(json.dumps(plan))
-    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=1500, check=False)
-    results_file = root / "results.json"
-    results = json.loads(results_file.read_text()) if results_file.exists() else {}
-    missing = [p["name"] for p in plan if p["name"] not in results]
-    assert run.returncode == 0 and not missing, f"exit {run.returncode}, did not run: {missing}\n{run.tail(80)}"
+    run, results = run_plan(plan, root, timeout=1500, tail=80)
     for p in plan:
         if p.get("expect_error"):
             r = results[p["name"]]

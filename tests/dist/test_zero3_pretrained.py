@@ -10,16 +10,14 @@ weights; a resume from step 1 reproduces step 2.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from launch import REPO, tiny_args, torchrun
+from launch import run_plan, tiny_args
 from shardtrain.portable import read_portable
 
-DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 ZERO3 = ["--ds", "ds_configs/zero3.json"]
 DDP = ["--strategy", "ddp"]
 LR = 1e-5  # Adam moves each weight by at most ~lr in one step: the checkpoint still shows the initial weights
@@ -106,12 +104,7 @@ def runs(mm_data, ld_data, tmp_path_factory) -> tuple[Path, dict, dict]:
         {"name": "ld/zero3", "args": tiny_args("longformer", ld_data, root / "ld_zero3", *ld, *ZERO3,
                                                "--max-steps", "1")},
     ]
-    (root / "plan.json").write_text(json.dumps(plan))
-    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=300, check=False)
-    results_file = root / "results.json"
-    results = json.loads(results_file.read_text()) if results_file.exists() else {}
-    missing = [p["name"] for p in plan if p["name"] not in results]
-    assert run.returncode == 0 and not missing, f"exit {run.returncode}, did not run: {missing}\n{run.tail(40)}"
+    _, results = run_plan(plan, root, timeout=300)
     print(f"\nzero3 pretrained: {len(plan)} runs, {sum(r['seconds'] for r in results.values()):.0f}s of train()")
     return root, results, want
 
