@@ -10,6 +10,7 @@ Resuming skips by slicing the sampler's index list: no batch is loaded just to b
 """
 from __future__ import annotations
 
+import os
 import random
 import signal
 from dataclasses import dataclass
@@ -21,7 +22,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from shardtrain.config import Config, ConfigError, where
 from shardtrain.data.splits import make_collator
-from shardtrain.preemption import STOP_SIGNALS
 
 
 def init_worker(worker_id: int) -> None:
@@ -31,10 +31,13 @@ def init_worker(worker_id: int) -> None:
     np.random.seed(seed)
     random.seed(seed)
     # Stop signals are the training process's to act on: it finishes its step, saves, and then ends these
-    # workers itself. But they reach the workers too: a terminal's Ctrl-C goes to the whole foreground process
-    # group, torchrun's agent passes SIGTERM/SIGINT to each worker's process group, and Slurm signals every
-    # process of the job step. A worker that died of one would fail the very step that is being finished.
-    for sig in STOP_SIGNALS:
+    # workers itself. A worker that died of one would fail the very step being finished. A process group of
+    # its own keeps out what is sent to the trainer's group: a terminal's Ctrl-C, and torchrun's agent, which
+    # passes SIGTERM/SIGINT to each worker's whole group. SIGINT and SIGUSR1 (which Slurm sends to every
+    # process of a job step) are ignored outright. SIGTERM is not: multiprocessing ends these workers with it
+    # at interpreter exit and then waits for them, which would wait forever.
+    os.setpgrp()
+    for sig in (signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
 
 
