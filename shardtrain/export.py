@@ -190,7 +190,7 @@ def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
     from transformers import AutoTokenizer
 
     from shardtrain.data import batch_to_device, build_datasets, build_loaders
-    from shardtrain.train import classification_metrics
+    from shardtrain.workload import classification_metrics
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if cfg.data.tokenizer is None \
         else AutoTokenizer.from_pretrained(cfg.data.tokenizer)

@@ -22,6 +22,7 @@ from shardtrain.config import Config, ConfigError, where
 from shardtrain.distributed import DistInfo
 from shardtrain.optim import adamw, build_scheduler, param_groups
 from shardtrain.recompute import apply_activation_checkpointing
+from shardtrain.workload import Workload, resolve_block_classes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,8 +37,9 @@ class StepResult:
 class Strategy(ABC):
     name: str = "base"
 
-    def __init__(self, cfg: Config, dist_info: DistInfo):
+    def __init__(self, cfg: Config, dist_info: DistInfo, workload=None):
         self.cfg = cfg
+        self.workload = workload if workload is not None else Workload(cfg)
         self.dist = dist_info
         self.device = dist_info.device
         self.precision = cfg.train.precision
@@ -143,9 +145,13 @@ class Strategy(ABC):
         self.sync_buffers()
         self.model.eval()
 
-    def forward(self, batch: dict) -> torch.Tensor:
-        inputs = {k: batch[k] for k in self.unwrapped.batch_keys if k in batch}
-        return self.model(**inputs)
+    def forward(self, batch: dict):
+        return self.workload.forward(self.model, batch)
+
+    def block_classes(self, model: nn.Module) -> tuple[type, ...]:
+        """The workload's repeated blocks, as classes that occur in `model` (else one line listing its classes)."""
+        return resolve_block_classes(model, self.workload.block_classes(),
+                                     f"{type(self.workload).__name__}.block_classes()")
 
     def sync_buffers(self) -> None:
         """BatchNorm running stats drift apart per rank where the backend does not broadcast them

@@ -22,8 +22,8 @@ TAG = "engine"
 
 
 class ZeroStrategy(Strategy):
-    def __init__(self, cfg, dist_info, has_batchnorm: bool):
-        super().__init__(cfg, dist_info)
+    def __init__(self, cfg, dist_info, workload=None, has_batchnorm: bool = False):
+        super().__init__(cfg, dist_info, workload)
         # Resolved before any model is built: a contradiction in the JSON costs nothing.
         self.ds_config = resolve_ds_config(cfg, dist_info.world_size, has_batchnorm)
         self.info = describe_ds(self.ds_config)
@@ -61,7 +61,9 @@ class ZeroStrategy(Strategy):
             model = build_model(on_meta=False)  # the engine broadcasts rank 0's weights
         # DeepSpeed partitions only parameters that require grad at initialize time, so frozen ones
         # keep requires_grad and are frozen by their zero learning rate (optim.build_scheduler).
-        self.recompute_count = self._apply_recompute(model, model.block_classes())
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            resolve_ds_config(self.cfg, self.dist.world_size, has_batchnorm=True)  # fp16 with BatchNorm: one line
+        self.recompute_count = self._apply_recompute(model, self.block_classes(model))
         optimizer, scheduler = self._optimizer_and_scheduler(model.named_parameters(), frozen_names)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
