@@ -113,8 +113,9 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
                 # The planner knows the built-ins' architectures from the config alone; a user's model it has not seen.
-                "memory_prediction": (memory_prediction(cfg, world) if dist_info.is_rank0 and is_builtin_workload(cfg)
-                                      else {})}
+                "memory_prediction": (memory_prediction(cfg, world) if is_builtin_workload(cfg) else
+                                      {"note": f"not predicted: shardtrain plan knows the built-in models, not {task}"})
+                if dist_info.is_rank0 else {}}
     for split, ds in (("train", train_ds), ("validation", eval_ds)):
         if skipped(ds):
             console.info(f"--skip-bad-samples: skipped {len(skipped(ds))} bad {split} records, "

@@ -55,6 +55,10 @@ class ZeroStrategy(Strategy):
             with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=self.ds_config,
                                                         remote_device=self._param_device()):
                 model = build_model(on_meta=False)
+            if hasattr(model, "tie_weights"):
+                # no_init_weights() also skips Hugging Face's weight tying (transformers 5): GPT-2's lm_head would
+                # be a separate copy of the token embeddings, each half-trained (measured: grad norm 8% low).
+                model.tie_weights()
             _copy_from_rank0(model, source, rank0, deepspeed)
             del source
         else:
@@ -317,7 +321,9 @@ def _use_own_ninja() -> None:
 def _copy_from_rank0(model: nn.Module, source: nn.Module | None, rank0: bool, deepspeed) -> None:
     import torch.distributed as dist
 
-    src_params = dict(source.named_parameters()) if rank0 else {}
+    # Every name, tied ones included: a tied lm_head.weight is listed under its own module below, while
+    # named_parameters() gives each shared tensor once, under the first name (the token embeddings).
+    src_params = dict(source.named_parameters(remove_duplicate=False)) if rank0 else {}
     for name, module in model.named_modules():
         params = list(module.named_parameters(prefix=name, recurse=False))
         if not params:

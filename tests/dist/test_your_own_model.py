@@ -45,15 +45,26 @@ def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, 
     r = cli(["train", "--config", str(user_dir / "my_run.yaml"), "--workload-args", args, "--strategy", "fsdp",
              "--nproc", "2", "--device", "cpu", "--precision", "fp32", "--max-steps", "3",
              "--per-device-batch-size", "8", "--num-workers", "0", "--output-dir", str(tmp_path / "run"),
-             "--resume", "none", "--predict-memory", "false", "--report", "false", "--save-final", "false"],
+             "--resume", "none", "--predict-memory", "false", "--report", "false"],
             timeout=300)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_step"] == 3 and summary["eval"]["n_examples"] == 64, r.tail()
     assert summary["units"] == 2, summary  # RobertaLayer x 2, from the model's _no_split_modules
 
+    # `shardtrain export` of the run: the workload (imported from the working directory) rebuilds the model
+    # and writes it with Workload.export's default: model.safetensors + workload.json.
+    run([sys.executable, "-m", "shardtrain", "export", str(tmp_path / "run"), str(tmp_path / "export")],
+        cwd=user_dir)
+    from safetensors.torch import load_file
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert "classifier.out_proj.weight" in exported and exported["roberta.embeddings.word_embeddings.weight"].shape[1] == 32
+    assert json.loads((tmp_path / "export" / "workload.json").read_text())["target"] == "my_tasks:Sentiment"
+
 
 def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
-    """The workload class lives in the script itself: the relaunched ranks import it by the script's name."""
+    """The workload class lives in the script itself: the relaunched ranks import it by the script's name.
+    Its validation set is one example: fewer validation batches than ranks must neither hang ZeRO-3 nor
+    count anything twice."""
     script = tmp_path / "my_script.py"
     script.write_text(textwrap.dedent(f"""
         import json, sys
@@ -75,7 +86,7 @@ def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
                     rows = [json.loads(l) for l in open(f"{mm_data}/{{split}}.jsonl") if l.strip()]
                     return [{{"x": torch.bincount(torch.tensor([min(ord(c), 127) for c in r["text"]]),
                                                   minlength=128).float(), "labels": r["label"]}} for r in rows]
-                return read("train"), read("validation")
+                return read("train"), read("validation")[:1]  # 1 validation batch for 2 ranks
 
         if __name__ == "__main__":
             summary = shardtrain.fit(Bag, strategy=sys.argv[1], nproc=2, device="cpu", max_steps=4,
@@ -86,4 +97,5 @@ def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
     """))
     r = run([sys.executable, str(script), "zero3", str(tmp_path / "out")], cwd=tmp_path, timeout=300)
     line = next(x for x in r.output.splitlines() if x.startswith("SUMMARY"))
-    assert json.loads(line.split(" ", 1)[1]) == {"steps": 4, "world": 2, "n": 64}, r.tail()
+    # One validation example for two ranks: ZeRO-3's rank without one still joins the forward, counts nothing.
+    assert json.loads(line.split(" ", 1)[1]) == {"steps": 4, "world": 2, "n": 1}, r.tail()

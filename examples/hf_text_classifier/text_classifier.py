@@ -1,7 +1,7 @@
 """Any `AutoModelForSequenceClassification`, on text classification records (jsonl: {"text": ..., "label": ...}).
 
     workload:
-      target: tasks:TextClassifier            # this file, beside the config: its folder is on the import path
+      target: text_classifier:TextClassifier            # this file, beside the config: its folder is on the import path
       args: {model: bert-base-uncased, num_labels: 2, data_dir: data/my_text}
 
 `model` is a hub name or a local folder; `model_config` instead builds the architecture from a config (random
