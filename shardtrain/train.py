@@ -79,6 +79,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
               if cfg.model.freeze_layers else set())
     with construction_memory(dist_info) as built:  # peak host RSS while the strategy materialises the model
         strategy.setup(model_factory, frozen)
+    strategy.hold_frozen_norms(frozen)  # frozen BatchNorm keeps its running statistics until unfrozen
 
     # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
     step, changed = 0, None

@@ -99,6 +99,21 @@ class Strategy(ABC):
         for name, p in self.named_parameters():
             if name in names:
                 p.requires_grad_(not frozen)
+        self.hold_frozen_norms(names if frozen else set())
+
+    _frozen_norms: list = []
+
+    def hold_frozen_norms(self, frozen_names: set[str]) -> None:
+        """BatchNorm layers whose parameters are all frozen normalise with their running statistics and stop
+        updating them (eval mode), as torchvision's FrozenBatchNorm2d does; an empty set releases them."""
+        norms = []
+        for prefix, m in self.unwrapped.named_modules():
+            own = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and own and all(n in frozen_names for n in own):
+                norms.append(m)
+        self._frozen_norms = norms
+        if self.model is not None and self.model.training:
+            self.train()
 
     def describe(self) -> dict:
         return {"strategy": self.name, "offload": False}
@@ -140,6 +155,8 @@ class Strategy(ABC):
 
     def train(self) -> None:
         self.model.train()
+        for m in self._frozen_norms:
+            m.eval()
 
     def eval(self) -> None:
         self.sync_buffers()

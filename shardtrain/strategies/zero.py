@@ -99,7 +99,8 @@ class ZeroStrategy(Strategy):
         return StepResult(grad_norm=norm, applied=applied and not skip, overflow=overflow)
 
     def set_frozen(self, names, frozen):
-        pass  # the learning rate of the frozen groups carries freezing here (see setup)
+        # The learning rate of the frozen groups carries freezing here (see setup); frozen BatchNorm is held alike.
+        self.hold_frozen_norms(names if frozen else set())
 
     def save(self, ckpt_dir: Path):
         self.sync_buffers()

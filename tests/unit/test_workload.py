@@ -223,3 +223,33 @@ def test_shardtrain_exports_workload_and_fit():
     import shardtrain
     assert shardtrain.Workload is Workload
     assert callable(shardtrain.fit) and shardtrain.fit.__module__ == "shardtrain.api"
+
+
+# ---- freezing: frozen BatchNorm keeps its running statistics ---------------------------------------------------
+def test_frozen_batchnorm_uses_and_keeps_its_running_stats_until_unfrozen():
+    from shardtrain.distributed import DistInfo
+    from shardtrain.strategies.base import Strategy
+
+    class Plain(Strategy):  # the base class's freezing and train/eval, with no backend behind it
+        def setup(self, build_model, frozen_names): ...
+        def backward(self, loss): ...
+        def step(self, skip=False, grad_norm=None): ...
+        def save(self, ckpt_dir): ...
+        def load(self, ckpt_dir, saved=None): ...
+
+    torch.manual_seed(0)
+    s = Plain(Config(), DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"))
+    s.model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+    frozen = {"0.weight", "0.bias", "1.weight", "1.bias"}  # the lower conv and its BatchNorm
+    s.set_frozen(frozen, True)
+    s.train()
+    stats = s.model[1].running_mean.clone(), s.model[3].running_mean.clone()
+    s.model(torch.randn(8, 3, 8, 8))
+    assert torch.equal(s.model[1].running_mean, stats[0]) and not s.model[1].training  # frozen: held
+    assert not torch.equal(s.model[3].running_mean, stats[1]) and s.model[3].training  # trainable: updates
+    s.eval()
+    s.train()  # an evaluation in between does not release it
+    assert not s.model[1].training
+    s.set_frozen(frozen, False)  # unfreeze_at_step: it trains with the rest
+    s.model(torch.randn(8, 3, 8, 8))
+    assert s.model[1].training and not torch.equal(s.model[1].running_mean, stats[0])
