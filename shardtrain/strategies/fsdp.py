@@ -99,7 +99,8 @@ def _classes_by_name(model: nn.Module, names: list[str], what: str, policy: FSDP
     return tuple(present[n] for n in names if n in present)
 
 
-def _units(model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...]) -> list[nn.Module]:
+def _units(model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...],
+           blocks_from: str = "Workload.block_classes()") -> list[nn.Module]:
     """Modules to shard as their own units, innermost first (fully_shard must go bottom-up). The policy's
     wrap_classes where the model has some of them (the shipped policies name the built-ins' blocks), else the
     workload's block classes; a size-only policy (no wrap_classes) stays size-only."""
@@ -118,6 +119,10 @@ def _units(model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...]) -> li
             covered.update(id(p) for p in module.parameters())
     if not units:
         model_classes = sorted({type(m).__name__ for m in model.modules()})
+        if policy.wrap_classes and not blocks:
+            raise ConfigError(f"FSDP found no blocks to shard: {blocks_from} is empty and the model has no Hugging Face "
+                              f"_no_split_modules; return its repeated block classes (the model has "
+                              f"{', '.join(model_classes)}), or use --fsdp-policy fsdp_policies/size_based.yaml")
         looked = policy.wrap_classes or [f"modules with >= {policy.min_params} parameters"]
         raise ConfigError(f"{where('fsdp_policy')} {policy.path} wraps nothing in this model: looked for "
                           f"{', '.join(map(str, looked))}; the model has {', '.join(model_classes)}")
@@ -157,7 +162,8 @@ class FSDPStrategy(NativeStrategy):
         low = DTYPES[self.precision]
         mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
               if self.policy.mixed_precision and self.precision != "fp32" else None)
-        units = _units(model, self.policy, self.block_classes(model))
+        units = _units(model, self.policy, self.block_classes(model),
+                       f"{type(self.workload).__name__}.block_classes()")
         if mp:
             # BatchNorm must see fp32 weights; its own unit keeps them so and hands back low precision.
             bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)

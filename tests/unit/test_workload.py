@@ -253,3 +253,13 @@ def test_frozen_batchnorm_uses_and_keeps_its_running_stats_until_unfrozen():
     s.set_frozen(frozen, False)  # unfreeze_at_step: it trains with the rest
     s.model(torch.randn(8, 3, 8, 8))
     assert s.model[1].training and not torch.equal(s.model[1].running_mean, stats[0])
+
+
+def test_fsdp_with_no_blocks_to_shard_names_block_classes():
+    from shardtrain.strategies.fsdp import _units, load_policy
+    with pytest.raises(ConfigError, match=r"FSDP found no blocks to shard: Bag.block_classes\(\) is empty and the model "
+                                          r"has no Hugging Face _no_split_modules; return its repeated block classes "
+                                          r"\(the model has Linear, ReLU, Sequential\)"):
+        _units(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), load_policy("fsdp_policies/default.yaml"), (),
+               "Bag.block_classes()")
+    assert len(_units(Net(), load_policy("fsdp_policies/default.yaml"), (Block,))) == 2
