@@ -112,16 +112,23 @@ def train_main(argv: list[str]) -> int:
         # The files the strategy reads (DeepSpeed JSON, FSDP policy) are checked before any process starts.
         from shardtrain.strategies import check_strategy_config
         check_strategy_config(cfg)
-        # So are the data records: a typo on line 7 should not wait for N processes and a model.
-        from shardtrain.data.records import check_splits
-        check_splits(cfg)
+        from shardtrain.config import is_builtin_workload
+        builtin = is_builtin_workload(cfg)
+        if builtin:
+            # So are the data records: a typo on line 7 should not wait for N processes and a model.
+            from shardtrain.data.records import check_splits
+            check_splits(cfg)
+        else:
+            from shardtrain.workload import workload_class
+            workload_class(cfg)  # --workload imports, and names a Workload, before any process starts
         from shardtrain.checkpoint import refuse_to_overwrite
         refuse_to_overwrite(cfg)
-        # Hub names last (the probe may wait seconds): reachable, cached (offline by itself), or one line now.
-        from shardtrain.hub import check_hub_names
-        note = check_hub_names(cfg)
-        if note and os.environ.get("RANK", "0") == "0":
-            print(f"shardtrain: {note}", flush=True)
+        if builtin:
+            # Hub names last (the probe may wait seconds): reachable, cached (offline by itself), or one line now.
+            from shardtrain.hub import check_hub_names
+            note = check_hub_names(cfg)
+            if note and os.environ.get("RANK", "0") == "0":
+                print(f"shardtrain: {note}", flush=True)
         from shardtrain.launch import maybe_relaunch
         code = maybe_relaunch(cfg, args)
         if code is not None:

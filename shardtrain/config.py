@@ -140,7 +140,18 @@ class LogConfig:
 
 
 @dataclass
+class WorkloadConfig:
+    # YAML `workload: my_pkg.tasks:MyTask` or `workload: {target: ..., args: {...}}`; --workload. A dotted module
+    # path (the config file's folder is on the import path) or a built-in: multimodal, longformer. None: the
+    # built-in that model.name names (the configs written before workloads existed).
+    workload: Optional[str] = None
+    # Keyword arguments for the workload's constructor (YAML workload.args).
+    workload_args: dict = field(default_factory=dict)
+
+
+@dataclass
 class Config:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -214,8 +225,12 @@ def flag_of(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+# Keys whose YAML spelling is not section.field: `workload: {target, args}` reads better than workload.workload.
+YAML_KEYS = {"workload": "workload.target", "workload_args": "workload.args"}
+
+
 def key_of(name: str) -> str:
-    return f"{FIELDS[name][0]}.{name}"
+    return YAML_KEYS.get(name) or f"{FIELDS[name][0]}.{name}"
 
 
 def where(name: str) -> str:
@@ -340,6 +355,8 @@ def from_dict(data: dict, source: str = "config") -> Config:
                               f" (sections: {', '.join(SECTIONS)})")
         if values is None:
             continue
+        if section == "workload":
+            values = _workload_section(values, source)
         if not isinstance(values, dict):
             raise ConfigError(f"{source}: section '{section}' must be a mapping")
         obj = section_objs[section]
@@ -350,6 +367,23 @@ def from_dict(data: dict, source: str = "config") -> Config:
             typ = FIELDS[key][2]
             setattr(obj, key, _coerce(key, value, typ, f"{source}: {section}.{key}"))
     return cfg
+
+
+def _workload_section(values, source: str) -> dict:
+    """`workload: my_pkg.tasks:MyTask` or `{target: ..., args: {...}}` -> the section's own field names.
+    (A config saved by a run, to_dict(), already uses those names.)"""
+    if isinstance(values, str):
+        return {"workload": values}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: workload must be 'module:Class' or a mapping with target and args")
+    renamed = {}
+    for key, value in values.items():
+        own = {"target": "workload", "args": "workload_args"}.get(key, key)
+        if own not in ("workload", "workload_args"):
+            raise ConfigError(f"{source}: unknown key 'workload.{key}'{_suggest(key, ['target', 'args'])} "
+                              f"(keys: target, args)")
+        renamed[own] = value
+    return renamed
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -392,6 +426,7 @@ def parse_cli(argv: list[str]) -> Config:
         flag = unknown[0]
         raise ConfigError(f"unknown argument '{flag}'{_suggest_flag(flag.split('=')[0])}")
     data = load_yaml(args.config) if args.config else {}
+    add_import_paths(args.config)  # a tasks.py beside the config imports on every rank
     cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")
     for name, (section, f, typ) in FIELDS.items():
         value = getattr(args, name)
@@ -412,6 +447,32 @@ def parse_cli(argv: list[str]) -> Config:
     return cfg
 
 
+# Built-in workloads by name. Strings, so that naming one imports nothing until it is chosen.
+BUILTIN_WORKLOADS = {"multimodal": "shardtrain.workloads.multimodal:MultimodalWorkload",
+                     "longformer": "shardtrain.workloads.longformer:LongformerWorkload"}
+
+
+def workload_target(cfg: Config) -> str:
+    """`module:Class`, from --workload (workload.target), else the built-in that model.name names."""
+    name = cfg.workload.workload or cfg.model.name
+    return BUILTIN_WORKLOADS.get(name, name)
+
+
+def is_builtin_workload(cfg: Config) -> bool:
+    """The built-ins read jsonl records from data.data_dir and a text model from the hub; a user's workload
+    brings its own data and model, so those checks are not run for it."""
+    return workload_target(cfg) in BUILTIN_WORKLOADS.values()
+
+
+def add_import_paths(config_path: str | None) -> None:
+    """The config file's folder (a tasks.py beside the YAML) and the working directory, where --workload's
+    module is imported from, on every rank."""
+    import sys
+    for folder in ([str(Path(config_path).resolve().parent)] if config_path else []) + [os.getcwd()]:
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
 def resolve_shipped_ds_config(p: ParallelConfig) -> None:
     """`--strategy zero3` -> strategy deepspeed with ds_configs/zero3.json; another --ds beside it contradicts it."""
     shipped = SHIPPED_DS_CONFIGS.get(p.strategy)
@@ -429,6 +490,8 @@ def resolve_shipped_ds_config(p: ParallelConfig) -> None:
 def validate(cfg: Config) -> None:
     """Checks that need no process group, model or data; each error names its flag and key."""
     t, m, d, p, c = cfg.train, cfg.model, cfg.data, cfg.parallel, cfg.checkpoint
+    if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
+        m.name = cfg.workload.workload  # `--workload longformer`: the built-in reads the model section as model.name did
     resolve_shipped_ds_config(p)  # from_dict + validate (plan) never passes through parse_cli
     positive = {"max_steps": t.max_steps, "per_device_batch_size": t.per_device_batch_size,
                 "grad_accum": t.grad_accum, "max_length": d.max_length, "image_size": d.image_size,

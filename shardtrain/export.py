@@ -81,6 +81,11 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False) -> 
     ckpt_dir = _resolve(ckpt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    from shardtrain.config import is_builtin_workload
+    state = checkpoint.read_trainer_state(ckpt_dir)
+    run_cfg = from_dict(state["config"], source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
+    if not is_builtin_workload(run_cfg):
+        return export_workload(ckpt_dir, run_cfg, out, int8)
     model, cfg = rebuild_from_checkpoint(ckpt_dir)
     info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config()}
     if cfg.model.name == "longformer":
@@ -100,6 +105,35 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False) -> 
         info["bytes_int8"] = (out / "model_int8.safetensors").stat().st_size
         info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
     (out / EXPORT_META).write_text(json.dumps(info, indent=1))
+    return info
+
+
+def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool) -> dict:
+    """A user's workload: its model rebuilt as training built it (same seed), the checkpoint's weights loaded,
+    then written by Workload.export (by default model.safetensors + workload.json)."""
+    from shardtrain.config import where
+    from shardtrain.portable import read_portable
+    from shardtrain.workload import load_workload
+
+    if int8:
+        raise ConfigError(f"export --int8 quantizes the built-in models only; {where('workload')} is "
+                          f"{cfg.workload.workload}: quantize its export with torchao")
+    workload = load_workload(cfg)  # imported from the working directory (and PYTHONPATH)
+    torch.manual_seed(cfg.train.seed)
+    model = workload.build_model()
+    weights = read_portable(ckpt_dir)["model"]
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise ConfigError(f"export {ckpt_dir}: weights do not fit {type(workload).__name__}.build_model(): "
+                          f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    model.load_state_dict(weights, strict=True)
+    workload.export(model.eval(), out)
+    for f in out.glob("*.safetensors"):
+        normal_mode(f)
+    info = {"checkpoint": str(ckpt_dir), "workload": cfg.workload.workload, "workload_args": cfg.workload.workload_args,
+            "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))
     return info
 
 
@@ -190,7 +224,7 @@ def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
     from transformers import AutoTokenizer
 
     from shardtrain.data import batch_to_device, build_datasets, build_loaders
-    from shardtrain.train import classification_metrics
+    from shardtrain.workload import classification_metrics
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if cfg.data.tokenizer is None \
         else AutoTokenizer.from_pretrained(cfg.data.tokenizer)

@@ -35,7 +35,8 @@ def train_flops_per_sample(model_factory, batch: dict, trainable_params: int) ->
     one = {k: v[:1] for k, v in batch.items()}
     try:
         model = model_factory(on_meta=True).eval()  # one sample: train-mode BatchNorm refuses a 1x1 map
-        one = {k: v for k, v in one.items() if k in model.batch_keys}
+        from shardtrain.workload import model_inputs
+        one = model_inputs(model, one)
         inputs = {k: torch.empty_like(v, device="meta") if v.is_floating_point()
                   else torch.zeros_like(v, device="meta") for k, v in one.items()}
         if "attention_mask" in inputs:

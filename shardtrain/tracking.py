@@ -178,11 +178,18 @@ class Tracker:
     def evaluated(self, step: int, result: dict, final: bool = False) -> None:
         if not self.rank0:
             return
+        if not result:
+            return  # a workload with no validation set
         where = "eval" if final else f"step {step} eval"
-        self.console.info(f"{where} | accuracy {result['accuracy']:.4f} | macro-F1 {result['macro_f1']:.4f} | "
-                          f"{result['n_examples']} examples")
+        if {"accuracy", "macro_f1", "n_examples"} <= set(result):  # the default metrics
+            self.console.info(f"{where} | accuracy {result['accuracy']:.4f} | macro-F1 {result['macro_f1']:.4f} | "
+                              f"{result['n_examples']} examples")
+        else:  # a workload's own metrics(), as it names them
+            self.console.info(f"{where} | " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                         for k, v in result.items()))
         self.evals.write({"step": step, "final": final, **result})
-        self.wandb.log(step, {"eval/accuracy": result["accuracy"], "eval/macro_f1": result["macro_f1"]})
+        self.wandb.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))
+                              and k != "n_examples"})
 
     def finish(self, summary: dict) -> None:
         """Close the bar, write summary.json (with `run`), close W&B, write the report. Rank 0 only."""

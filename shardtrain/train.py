@@ -11,27 +11,27 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from shardtrain import checkpoint, faults
 from shardtrain.autoplan import resolve_auto_strategy
 from shardtrain.banner import memory_prediction
-from shardtrain.config import Config
-from shardtrain.data import batch_to_device, build_datasets, build_loaders, build_tokenizer
+from shardtrain.config import Config, is_builtin_workload
+from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.final_model import write_final_model
 from shardtrain.gpu_guard import check_devices
 from shardtrain.memory import MemoryMonitor, construction_memory, format_table
-from shardtrain.models import build_model
 from shardtrain.oom import OOMRecovery
 from shardtrain.preemption import StopFlag, requeue_if_slurm
 from shardtrain.resume_changes import resume_changes
 from shardtrain.step_health import BadStepPolicy, agree
 from shardtrain.strategies import make_strategy
 from shardtrain.tracking import Console, Throughput, Tracker, library_versions, now
+from shardtrain.workload import CheckedCollate, Workload, check_loss, load_workload
 
 
-def train(cfg: Config) -> dict:
+def train(cfg: Config, workload: Workload | None = None) -> dict:
+    """`workload`: an instance to train (shardtrain.fit); None constructs the one the config names."""
     dist_info = init_distributed(cfg.parallel.device)
     console = Console(dist_info.rank, cfg.log.verbose)
     rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
@@ -60,28 +60,38 @@ def train(cfg: Config) -> dict:
     auto_choice = resolve_auto_strategy(cfg, dist_info)
     if auto_choice:
         console.info(auto_choice)
-    strategy = make_strategy(cfg, dist_info)
+    # The user's model, data, loss and metrics: the loop below calls only the Workload's methods for them.
+    workload = workload if workload is not None else load_workload(cfg)
+    task = type(workload).__name__  # errors name the workload method to look at
+    strategy = make_strategy(cfg, dist_info, workload)
 
-    # ---- data: records validated before the tokenizer is trained and saved into the output dir
-    train_ds, eval_ds = build_datasets(cfg)
-    tokenizer = build_tokenizer(cfg, out, dist_info.is_rank0, barrier)
-    loaders = build_loaders(cfg, tokenizer, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
-                            dist_info.device.type)
+    # ---- data
+    train_ds, eval_ds = workload.datasets()
+    loaders = build_loaders(cfg, None, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
+                            dist_info.device.type, collate=CheckedCollate(workload))
 
     # ---- model, optimizer, schedule (built by the strategy: it decides where weights materialise)
-    vocab_size = None if cfg.model.pretrained else len(tokenizer)
+    # The planner knows the built-ins' architectures from the config alone (with the vocabulary their tokenizer
+    # was trained to); a user's model it has not seen.
+    predictable = is_builtin_workload(cfg)
+    vocab_size = len(workload.tokenizer) if predictable and not cfg.model.pretrained else None
 
     def model_factory(on_meta: bool = False, load_weights: bool = True):
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and strategy
-        if on_meta:
-            with torch.device("meta"):
-                return build_model(cfg.model, cfg.data, vocab_size, load_weights=False)
-        return build_model(cfg.model, cfg.data, vocab_size, load_weights=load_weights)
+        workload.loads_weights = load_weights and not on_meta
+        try:
+            if on_meta:
+                with torch.device("meta"):
+                    return workload.build_model()
+            return workload.build_model()
+        finally:
+            workload.loads_weights = True
 
-    frozen = (set(model_factory(on_meta=True).freezable_parameter_names(cfg.model.freeze_layers))
+    frozen = (set(workload.freezable_parameter_names(cfg.model.freeze_layers))
               if cfg.model.freeze_layers else set())
     with construction_memory(dist_info) as built:  # peak host RSS while the strategy materialises the model
         strategy.setup(model_factory, frozen)
+    strategy.hold_frozen_norms(frozen)  # frozen BatchNorm keeps its running statistics until unfrozen
 
     # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
     step, changed = 0, None
@@ -110,14 +120,16 @@ def train(cfg: Config) -> dict:
                 "eval_examples": loaders.eval_size, "steps_per_epoch": loaders.steps_per_epoch,
                 "image_cache": cfg.data.image_cache,
                 "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
-                "bad_samples_skipped": {"train": len(train_ds.skipped), "validation": len(eval_ds.skipped)},
+                "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
-                "memory_prediction": memory_prediction(cfg, world, vocab_size) if dist_info.is_rank0 else {}}
+                "memory_prediction": (memory_prediction(cfg, world, vocab_size) if predictable else
+                                      {"note": f"not predicted: shardtrain plan knows the built-in models, not {task}"})
+                if dist_info.is_rank0 else {}}
     for split, ds in (("train", train_ds), ("validation", eval_ds)):
-        if ds.skipped:
-            console.info(f"--skip-bad-samples: skipped {len(ds.skipped)} bad {split} records, "
-                         f"e.g. {ds.skipped[0]} (shardtrain check-data lists them all)")
+        if skipped(ds):
+            console.info(f"--skip-bad-samples: skipped {len(skipped(ds))} bad {split} records, "
+                         f"e.g. {skipped(ds)[0]} (shardtrain check-data lists them all)")
     # Prints the banner, opens the W&B run (continuing the checkpoint's one), starts the progress display.
     tracker = Tracker(cfg, dist_info, console, out, step, run_info, state, model_factory)
 
@@ -143,8 +155,8 @@ def train(cfg: Config) -> dict:
             with oom.guard():  # an OOM is noted and this rank carries on: see shardtrain/oom.py
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0, batch=batch):
-                        logits = strategy.forward(batch)
-                        loss = F.cross_entropy(logits.float(), batch["labels"])
+                        outputs = workload.forward(strategy.model, batch)
+                        loss = check_loss(workload.loss(outputs, batch), task)
                     if micro == 0:  # test-only (train.inject_nan_at_steps); a no-op otherwise
                         loss = faults.maybe_nan(loss, step + 1, t.inject_nan_at_steps, dist_info.rank, world)
                     strategy.backward(loss)
@@ -178,7 +190,7 @@ def train(cfg: Config) -> dict:
         tracker.step(record, batch)  # metrics.jsonl, progress bar / log line, W&B
 
         if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
-            eval_result = evaluate(strategy, loaders, cfg, dist_info, batch)
+            eval_result = evaluate(workload, strategy, loaders, dist_info, batch)
             tracker.evaluated(step, eval_result)
         preempted = agreed.stop
         if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or preempted:
@@ -194,7 +206,7 @@ def train(cfg: Config) -> dict:
 
     # ---- the end: evaluate, summarise
     if not preempted:
-        eval_result = evaluate(strategy, loaders, cfg, dist_info, batch)
+        eval_result = evaluate(workload, strategy, loaders, dist_info, batch)
         tracker.evaluated(step, eval_result, final=True)
     summary = {**run_info, "train_loss": tracker.metrics.losses() if dist_info.is_rank0 else [],
                "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
@@ -202,7 +214,8 @@ def train(cfg: Config) -> dict:
                "stopped_by": stop.reason if preempted else None, "checkpoint_save_seconds": save_seconds,
                "versions": library_versions(), "config": cfg.to_dict(),
                "memory": {**mem.summary(), "construction": built.per_rank,
-                          "predicted": measured_shape_prediction(cfg, world, vocab_size, mem.last)},
+                          "predicted": measured_shape_prediction(cfg, world, vocab_size, mem.last)
+                          if predictable else {}},
                "oom_recovery": oom.summary()}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step, summary["memory"]["predicted"]))
@@ -244,16 +257,23 @@ def parameter_counts(strategy, frozen: set[str]) -> dict:
     return {"params_total": total, "params_trainable": trainable, "params_frozen": total - trainable}
 
 
-@torch.no_grad()
-def evaluate(strategy, loaders, cfg: Config, dist_info: DistInfo, spare_batch: dict) -> dict:
-    """Accuracy and macro-F1 over every validation example exactly once across ranks.
+def skipped(ds) -> list:
+    """Bad records a dataset left out (the built-ins' --skip-bad-samples); a user's dataset has none."""
+    return getattr(ds, "skipped", None) or []
 
-    Sharded strategies gather parameters collectively in each forward, so every rank runs the same
-    number of forwards; a rank whose shard ran out repeats its last batch and counts nothing from it.
+
+@torch.no_grad()
+def evaluate(workload: Workload, strategy, loaders, dist_info: DistInfo, spare_batch: dict) -> dict:
+    """The workload's metrics over every validation example exactly once across ranks.
+
+    Sharded strategies gather parameters collectively in each forward, so every rank runs the same number of
+    forwards; a rank whose shard ran out repeats its last batch and counts nothing from it (its sums are
+    multiplied by 0: the same keys and shapes on every rank, so the one all-reduce per key matches).
     """
+    if loaders.eval is None:
+        return {}
     strategy.eval()
-    n = cfg.model.num_labels
-    confusion = torch.zeros(n * n, dtype=torch.float64, device=dist_info.device)
+    sums: dict[str, torch.Tensor] = {}
     batches = iter(loaders.eval)
     last = spare_batch  # a rank with no validation example at all still joins every forward
     for _ in range(loaders.eval_batches):
@@ -263,22 +283,12 @@ def evaluate(strategy, loaders, cfg: Config, dist_info: DistInfo, spare_batch: d
         last = batch
         batch = batch_to_device(batch, dist_info.device)
         with strategy.autocast():
-            preds = strategy.forward(batch).argmax(dim=-1)
-        if real:
-            idx = batch["labels"] * n + preds
-            confusion.index_add_(0, idx, torch.ones_like(idx, dtype=torch.float64))
-    confusion = all_reduce_sum(confusion, dist_info.device).view(n, n).cpu()
+            outputs = workload.forward(strategy.model, batch)
+        for key, value in workload.metric_sums(outputs, batch).items():
+            value = value.detach().double() * (1.0 if real else 0.0)
+            sums[key] = sums[key] + value if key in sums else value
+    sums = {key: all_reduce_sum(sums[key], dist_info.device).cpu() for key in sorted(sums)}
     strategy.train()
     if dist_info.device.type == "cuda":
         torch.cuda.empty_cache()  # eval activations are a different shape: give their blocks back
-    return classification_metrics(confusion)
-
-
-def classification_metrics(confusion: torch.Tensor) -> dict:
-    total = confusion.sum().item()
-    tp = confusion.diag()
-    precision = tp / confusion.sum(0).clamp(min=1)
-    recall = tp / confusion.sum(1).clamp(min=1)
-    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall),
-                     torch.zeros_like(tp))
-    return {"accuracy": tp.sum().item() / max(total, 1), "macro_f1": f1.mean().item(), "n_examples": int(total)}
+    return workload.metrics(sums)

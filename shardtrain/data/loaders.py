@@ -152,7 +152,7 @@ def even_batches(shard: range, n_batches: int) -> list[list[int]]:
 @dataclass
 class Loaders:
     train: TrainStream
-    eval: DataLoader
+    eval: Optional[DataLoader]  # None: the workload has no validation set
     steps_per_epoch: int   # optimizer steps per epoch (micro-batches // grad_accum, at least 1)
     train_size: int        # examples in the training set (all ranks)
     eval_size: int         # examples in the validation set (all ranks)
@@ -162,9 +162,11 @@ class Loaders:
     eval_batches: int
 
 
-def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Dataset, rank: int, world_size: int,
-                  device_type: str) -> Loaders:
-    collate = make_collator(cfg, tokenizer)
+def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Optional[Dataset], rank: int,
+                  world_size: int, device_type: str, collate: Optional[Callable] = None) -> Loaders:
+    """`collate`: the workload's (shardtrain.workload.CheckedCollate); None tokenizes jsonl records with `tokenizer`.
+    `eval_ds` None: no validation set, so no evaluation."""
+    collate = collate or make_collator(cfg, tokenizer)
     workers = cfg.data.num_workers
 
     def loader_kwargs(salt: int) -> dict:
@@ -176,6 +178,9 @@ def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Dataset, r
     train = TrainStream(train_ds, collate, cfg.train.per_device_batch_size, rank, world_size,
                         cfg.train.seed, loader_kwargs(0))
 
+    if eval_ds is None:
+        return Loaders(train=train, eval=None, steps_per_epoch=max(1, train.batches_per_epoch // cfg.train.grad_accum),
+                       train_size=len(train_ds), eval_size=0, eval_batches=0)
     n_eval = len(eval_ds)
     per_rank_max = -(-n_eval // world_size)
     eval_batches = -(-per_rank_max // cfg.eval_batch_size)

@@ -6,18 +6,18 @@ from shardtrain.distributed import DistInfo
 from shardtrain.strategies.base import Strategy, StepResult
 
 
-def make_strategy(cfg: Config, dist_info: DistInfo) -> Strategy:
+def make_strategy(cfg: Config, dist_info: DistInfo, workload=None) -> Strategy:
+    """`workload` (a shardtrain.Workload) gives the block classes: FSDP units and activation-checkpointing targets."""
     kind = cfg.parallel.strategy
     if kind == "ddp":
         from shardtrain.strategies.ddp import DDPStrategy
-        return DDPStrategy(cfg, dist_info)
+        return DDPStrategy(cfg, dist_info, workload)
     if kind == "fsdp":
         from shardtrain.strategies.fsdp import FSDPStrategy
-        return FSDPStrategy(cfg, dist_info)
+        return FSDPStrategy(cfg, dist_info, workload)
     if kind == "deepspeed":
-        from shardtrain.models import uses_batchnorm
         from shardtrain.strategies.zero import ZeroStrategy
-        return ZeroStrategy(cfg, dist_info, has_batchnorm=uses_batchnorm(cfg.model))
+        return ZeroStrategy(cfg, dist_info, workload)
     raise AssertionError(f"strategy {kind!r} should have been resolved before make_strategy")
 
 

@@ -22,6 +22,7 @@ from shardtrain.config import Config, ConfigError, where
 from shardtrain.distributed import DistInfo
 from shardtrain.optim import adamw, build_scheduler, param_groups
 from shardtrain.recompute import apply_activation_checkpointing
+from shardtrain.workload import Workload, resolve_block_classes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -36,8 +37,9 @@ class StepResult:
 class Strategy(ABC):
     name: str = "base"
 
-    def __init__(self, cfg: Config, dist_info: DistInfo):
+    def __init__(self, cfg: Config, dist_info: DistInfo, workload=None):
         self.cfg = cfg
+        self.workload = workload if workload is not None else Workload(cfg)
         self.dist = dist_info
         self.device = dist_info.device
         self.precision = cfg.train.precision
@@ -99,6 +101,21 @@ class Strategy(ABC):
         for name, p in self.named_parameters():
             if name in names:
                 p.requires_grad_(not frozen)
+        self.hold_frozen_norms(names if frozen else set())
+
+    _frozen_norms: list = []
+
+    def hold_frozen_norms(self, frozen_names: set[str]) -> None:
+        """BatchNorm layers whose parameters are all frozen normalise with their running statistics and stop
+        updating them (eval mode), as torchvision's FrozenBatchNorm2d does; an empty set releases them."""
+        norms = []
+        for prefix, m in self.unwrapped.named_modules():
+            own = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]
+            if isinstance(m, nn.modules.batchnorm._BatchNorm) and own and all(n in frozen_names for n in own):
+                norms.append(m)
+        self._frozen_norms = norms
+        if self.model is not None and self.model.training:
+            self.train()
 
     def describe(self) -> dict:
         return {"strategy": self.name, "offload": False}
@@ -140,14 +157,20 @@ class Strategy(ABC):
 
     def train(self) -> None:
         self.model.train()
+        for m in self._frozen_norms:
+            m.eval()
 
     def eval(self) -> None:
         self.sync_buffers()
         self.model.eval()
 
-    def forward(self, batch: dict) -> torch.Tensor:
-        inputs = {k: batch[k] for k in self.unwrapped.batch_keys if k in batch}
-        return self.model(**inputs)
+    def forward(self, batch: dict):
+        return self.workload.forward(self.model, batch)
+
+    def block_classes(self, model: nn.Module) -> tuple[type, ...]:
+        """The workload's repeated blocks, as classes that occur in `model` (else one line listing its classes)."""
+        return resolve_block_classes(model, self.workload.block_classes(),
+                                     f"{type(self.workload).__name__}.block_classes()")
 
     def sync_buffers(self) -> None:
         """BatchNorm running stats drift apart per rank where the backend does not broadcast them

@@ -16,7 +16,7 @@ class DDPStrategy(NativeStrategy):
         self.inner = build_model().to(self.device)
         for name, p in self.inner.named_parameters():
             p.requires_grad_(name not in frozen_names)
-        self.recompute_count = self._apply_recompute(self.inner, self.inner.block_classes())
+        self.recompute_count = self._apply_recompute(self.inner, self.block_classes(self.inner))
         self.model = self._wrap()
         return self._finish_setup(frozen_names)
 

@@ -22,9 +22,20 @@ from shardtrain.config import ConfigError, where
 from shardtrain.strategies.base import DTYPES
 from shardtrain.strategies.native import NativeStrategy
 
-# Block classes of the built-in models; a policy may name any of them even if this model lacks some.
-KNOWN_BLOCK_CLASSES = {"RobertaLayer", "LongformerLayer", "Bottleneck", "BasicBlock", "_DenseBlock",
-                       "_DenseLayer", "_Transition", "BertLayer"}
+SHIPPED_POLICIES = Path(__file__).resolve().parents[2] / "fsdp_policies"
+
+
+def shipped_class_names() -> set[str]:
+    """The classes the shipped policies list (one policy serves several models): a model may lack some of them.
+    Read from the policy files, so the strategy itself names no model."""
+    import yaml
+
+    names: set[str] = set()
+    for path in SHIPPED_POLICIES.glob("*.yaml"):
+        data = yaml.safe_load(path.read_text()) or {}
+        for key in ("wrap_classes", "activation_checkpointing"):
+            names.update(data.get(key) or [])
+    return names
 
 
 @dataclass
@@ -79,17 +90,23 @@ def load_policy(path: str) -> FSDPPolicy:
 
 def _classes_by_name(model: nn.Module, names: list[str], what: str, policy: FSDPPolicy) -> tuple[type, ...]:
     present = {type(m).__name__: type(m) for m in model.modules()}
+    known = shipped_class_names() if any(n not in present for n in names) else set()
     for name in names:
-        if name not in present and name not in KNOWN_BLOCK_CLASSES:
+        if name not in present and name not in known:
             close = difflib.get_close_matches(name, list(present), n=1)
             raise ConfigError(f"{where('fsdp_policy')} {policy.path}: {what} names unknown class '{name}'"
                               + (f"; did you mean '{close[0]}'?" if close else ""))
     return tuple(present[n] for n in names if n in present)
 
 
-def _units(model: nn.Module, policy: FSDPPolicy) -> list[nn.Module]:
-    """Modules to shard as their own units, innermost first (fully_shard must go bottom-up)."""
+def _units(model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...],
+           blocks_from: str = "Workload.block_classes()") -> list[nn.Module]:
+    """Modules to shard as their own units, innermost first (fully_shard must go bottom-up). The policy's
+    wrap_classes where the model has some of them (the shipped policies name the built-ins' blocks), else the
+    workload's block classes; a size-only policy (no wrap_classes) stays size-only."""
     classes = _classes_by_name(model, policy.wrap_classes, "wrap_classes", policy)
+    if policy.wrap_classes and not classes:
+        classes = blocks
     units, covered = [], set()
     for module in reversed(list(model.modules())):
         if module is model:
@@ -102,6 +119,10 @@ def _units(model: nn.Module, policy: FSDPPolicy) -> list[nn.Module]:
             covered.update(id(p) for p in module.parameters())
     if not units:
         model_classes = sorted({type(m).__name__ for m in model.modules()})
+        if policy.wrap_classes and not blocks:
+            raise ConfigError(f"FSDP found no blocks to shard: {blocks_from} is empty and the model has no Hugging Face "
+                              f"_no_split_modules; return its repeated block classes (the model has "
+                              f"{', '.join(model_classes)}), or use --fsdp-policy fsdp_policies/size_based.yaml")
         looked = policy.wrap_classes or [f"modules with >= {policy.min_params} parameters"]
         raise ConfigError(f"{where('fsdp_policy')} {policy.path} wraps nothing in this model: looked for "
                           f"{', '.join(map(str, looked))}; the model has {', '.join(model_classes)}")
@@ -112,8 +133,8 @@ class FSDPStrategy(NativeStrategy):
     name = "fsdp"
     grads_sharded = True  # each rank's share of the gradient norm is its shards'
 
-    def __init__(self, cfg, dist_info):
-        super().__init__(cfg, dist_info)
+    def __init__(self, cfg, dist_info, workload=None):
+        super().__init__(cfg, dist_info, workload)
         self.policy = load_policy(cfg.parallel.fsdp_policy)
         if self.policy.cpu_offload and self.device.type == "cpu":
             pass  # CPUOffloadPolicy(pin_memory=False) works on CPU (measured); pinning needs CUDA.
@@ -129,9 +150,9 @@ class FSDPStrategy(NativeStrategy):
         for name, p in model.named_parameters():
             p.requires_grad_(name not in frozen_names)
 
-        ac_names = self.policy.activation_checkpointing
-        ac_classes = (_classes_by_name(model, ac_names, "activation_checkpointing", self.policy)
-                      if ac_names else model.block_classes())
+        # The policy's classes where the model has some of them; else the workload's blocks.
+        ac_classes = (_classes_by_name(model, self.policy.activation_checkpointing, "activation_checkpointing",
+                                       self.policy) or self.block_classes(model))
         self.recompute_count = self._apply_recompute(model, ac_classes)
 
         mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
@@ -141,7 +162,8 @@ class FSDPStrategy(NativeStrategy):
         low = DTYPES[self.precision]
         mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
               if self.policy.mixed_precision and self.precision != "fp32" else None)
-        units = _units(model, self.policy)
+        units = _units(model, self.policy, self.block_classes(model),
+                       f"{type(self.workload).__name__}.block_classes()")
         if mp:
             # BatchNorm must see fp32 weights; its own unit keeps them so and hands back low precision.
             bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)

@@ -22,8 +22,8 @@ TAG = "engine"
 
 
 class ZeroStrategy(Strategy):
-    def __init__(self, cfg, dist_info, has_batchnorm: bool):
-        super().__init__(cfg, dist_info)
+    def __init__(self, cfg, dist_info, workload=None, has_batchnorm: bool = False):
+        super().__init__(cfg, dist_info, workload)
         # Resolved before any model is built: a contradiction in the JSON costs nothing.
         self.ds_config = resolve_ds_config(cfg, dist_info.world_size, has_batchnorm)
         self.info = describe_ds(self.ds_config)
@@ -58,13 +58,19 @@ class ZeroStrategy(Strategy):
             with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=self.ds_config,
                                                         remote_device=self._param_device()):
                 model = build_model(on_meta=False, load_weights=False)
+            if hasattr(model, "tie_weights"):
+                # no_init_weights() also skips Hugging Face's weight tying (transformers 5): GPT-2's lm_head would
+                # be a separate copy of the token embeddings, each half-trained (measured: grad norm 8% low).
+                model.tie_weights()
             _copy_from_rank0(model, source, rank0, deepspeed)
             del source
         else:
             model = build_model(on_meta=False)  # the engine broadcasts rank 0's weights
         # DeepSpeed partitions only parameters that require grad at initialize time, so frozen ones
         # keep requires_grad and are frozen by their zero learning rate (optim.build_scheduler).
-        self.recompute_count = self._apply_recompute(model, model.block_classes())
+        if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+            resolve_ds_config(self.cfg, self.dist.world_size, has_batchnorm=True)  # fp16 with BatchNorm: one line
+        self.recompute_count = self._apply_recompute(model, self.block_classes(model))
         optimizer, scheduler = self._optimizer_and_scheduler(model.named_parameters(), frozen_names)
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
@@ -96,7 +102,8 @@ class ZeroStrategy(Strategy):
         return StepResult(grad_norm=norm, applied=applied and not skip, overflow=overflow)
 
     def set_frozen(self, names, frozen):
-        pass  # the learning rate of the frozen groups carries freezing here (see setup)
+        # The learning rate of the frozen groups carries freezing here (see setup); frozen BatchNorm is held alike.
+        self.hold_frozen_norms(names if frozen else set())
 
     def save(self, ckpt_dir: Path):
         self.sync_buffers()
@@ -318,7 +325,9 @@ def _use_own_ninja() -> None:
 def _copy_from_rank0(model: nn.Module, source: nn.Module | None, rank0: bool, deepspeed) -> None:
     import torch.distributed as dist
 
-    src_params = dict(source.named_parameters()) if rank0 else {}
+    # Every name, tied ones included: a tied lm_head.weight is listed under its own module below, while
+    # named_parameters() gives each shared tensor once, under the first name (the token embeddings).
+    src_params = dict(source.named_parameters(remove_duplicate=False)) if rank0 else {}
     for name, module in model.named_modules():
         params = list(module.named_parameters(prefix=name, recurse=False))
         if not params:

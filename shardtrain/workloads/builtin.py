@@ -1,0 +1,59 @@
+"""What the two built-in workloads share: jsonl records, a tokenizer, the model section of the config."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardtrain.workload import Workload
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+class JsonlWorkload(Workload):
+    """train.jsonl / validation.jsonl under data.data_dir, tokenized in collate; the model from `model:`."""
+
+    def __init__(self, cfg, **args):
+        super().__init__(cfg, **args)
+        self._tokenizer = None
+        self._collator = None
+
+    @property
+    def tokenizer(self):
+        # Trained on rank 0 into the output dir (or loaded from the hub) the first time it is needed.
+        if self._tokenizer is None:
+            from shardtrain.data import build_tokenizer
+            self._tokenizer = build_tokenizer(self.cfg, Path(self.cfg.checkpoint.output_dir), _rank0(), _barrier)
+        return self._tokenizer
+
+    def datasets(self):
+        from shardtrain.data import build_datasets
+        train, validation = build_datasets(self.cfg)  # records validated before the tokenizer is trained
+        self.tokenizer
+        return train, validation
+
+    def collate(self, samples):
+        if self._collator is None:
+            from shardtrain.data.splits import make_collator
+            self._collator = make_collator(self.cfg, self.tokenizer)
+        return self._collator(samples)
+
+    def build_model(self) -> nn.Module:
+        from shardtrain.models import build_model
+        vocab_size = None if self.cfg.model.pretrained else len(self.tokenizer)
+        # On the meta device (ranks that receive their weights from rank 0) nothing is loaded from the hub.
+        on_meta = torch.get_default_device().type == "meta"
+        return build_model(self.cfg.model, self.cfg.data, vocab_size, load_weights=self.loads_weights and not on_meta)
+
+    def freezable_parameter_names(self, n: int) -> list[str]:
+        with torch.device("meta"):
+            return self.build_model().freezable_parameter_names(n)

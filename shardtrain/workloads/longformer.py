@@ -1,0 +1,11 @@
+"""`workload: longformer`: HF's LongformerForSequenceClassification on long-document jsonl records."""
+from __future__ import annotations
+
+from transformers.models.longformer.modeling_longformer import LongformerLayer
+
+from shardtrain.workloads.builtin import JsonlWorkload
+
+
+class LongformerWorkload(JsonlWorkload):
+    def block_classes(self) -> tuple:
+        return (LongformerLayer,)

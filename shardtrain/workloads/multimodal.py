@@ -1,0 +1,23 @@
+"""`workload: multimodal`: RoBERTa text encoder + torchvision CNN + fusion head, on text+image jsonl records."""
+from __future__ import annotations
+
+from torchvision.models.densenet import _DenseBlock
+from torchvision.models.resnet import BasicBlock, Bottleneck
+from transformers.models.roberta.modeling_roberta import RobertaLayer
+
+from shardtrain.models.multimodal import IMAGE_ARCHS
+from shardtrain.workloads.builtin import JsonlWorkload
+
+_BLOCKS = {"BasicBlock": BasicBlock, "Bottleneck": Bottleneck}
+
+
+class MultimodalWorkload(JsonlWorkload):
+    def block_classes(self) -> tuple:
+        m = self.cfg.model
+        _, defaults = IMAGE_ARCHS[m.image_model]
+        if "block_config" in defaults:  # DenseNet
+            image_block = _DenseBlock
+        else:
+            block = m.image_config.get("block", defaults["block"])
+            image_block = _BLOCKS.get(block, block) if isinstance(block, str) else block
+        return (RobertaLayer, image_block)

@@ -1,0 +1,101 @@
+"""README's "Your own model" section, as a new user would use it: its workload file and YAML, copied out of the
+README, trained with `shardtrain train` on 2 ranks; and `shardtrain.fit` from a plain `python my_script.py`."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from launch import REPO, cli, run
+
+SECTION = REPO.joinpath("README.md").read_text().split("## Your own model", 1)[1].split("\n## ", 1)[0]
+
+
+def block(lang: str, index: int = 0) -> str:
+    return re.findall(rf"```{lang}\n(.*?)```", SECTION, re.S)[index]
+
+
+@pytest.fixture(scope="module")
+def user_dir(mm_data, tmp_path_factory) -> Path:
+    """The README's files, plus a tiny local RoBERTa-architecture model folder standing in for a hub name."""
+    from transformers import BertTokenizerFast, RobertaConfig, RobertaForSequenceClassification
+
+    d = tmp_path_factory.mktemp("user")
+    (d / "my_tasks.py").write_text(block("python"))
+    (d / "my_run.yaml").write_text(block("yaml"))
+    words = sorted({w for line in (mm_data / "train.jsonl").read_text().splitlines() if line.strip()
+                    for w in json.loads(line)["text"].split()})
+    (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
+    model_dir = d / "tiny-roberta"
+    tok = BertTokenizerFast(vocab_file=str(d / "vocab.txt"))
+    tok.save_pretrained(str(model_dir))
+    cfg = RobertaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=300, pad_token_id=0, num_labels=3,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    RobertaForSequenceClassification(cfg).save_pretrained(str(model_dir))
+    return d
+
+
+def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, tmp_path):
+    args = json.dumps({"model": str(user_dir / "tiny-roberta"), "data": str(mm_data), "num_labels": 3})
+    r = cli(["train", "--config", str(user_dir / "my_run.yaml"), "--workload-args", args, "--strategy", "fsdp",
+             "--nproc", "2", "--device", "cpu", "--precision", "fp32", "--max-steps", "3",
+             "--per-device-batch-size", "8", "--num-workers", "0", "--output-dir", str(tmp_path / "run"),
+             "--resume", "none", "--predict-memory", "false", "--report", "false"],
+            timeout=300)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["final_step"] == 3 and summary["eval"]["n_examples"] == 64, r.tail()
+    assert summary["units"] == 2, summary  # RobertaLayer x 2, from the model's _no_split_modules
+
+    # `shardtrain export` of the run: the workload (imported from the working directory) rebuilds the model
+    # and writes it with Workload.export's default: model.safetensors + workload.json.
+    run([sys.executable, "-m", "shardtrain", "export", str(tmp_path / "run"), str(tmp_path / "export")],
+        cwd=user_dir)
+    from safetensors.torch import load_file
+    exported = load_file(str(tmp_path / "export" / "model.safetensors"))
+    assert "classifier.out_proj.weight" in exported and exported["roberta.embeddings.word_embeddings.weight"].shape[1] == 32
+    assert json.loads((tmp_path / "export" / "workload.json").read_text())["target"] == "my_tasks:Sentiment"
+
+
+def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
+    """The workload class lives in the script itself: the relaunched ranks import it by the script's name.
+    Its validation set is one example: fewer validation batches than ranks must neither hang ZeRO-3 nor
+    count anything twice."""
+    script = tmp_path / "my_script.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        import torch
+        from torch import nn
+        import shardtrain
+        from shardtrain import Workload
+
+        class Bag(Workload):
+            # Bag-of-characters classifier over the records' text: no tokenizer, no download.
+            def build_model(self):
+                return nn.Sequential(nn.Linear(128, 16), nn.ReLU(), nn.Linear(16, 3))
+
+            def forward(self, model, batch):
+                return model(batch["x"])
+
+            def datasets(self):
+                def read(split):
+                    rows = [json.loads(l) for l in open(f"{mm_data}/{{split}}.jsonl") if l.strip()]
+                    return [{{"x": torch.bincount(torch.tensor([min(ord(c), 127) for c in r["text"]]),
+                                                  minlength=128).float(), "labels": r["label"]}} for r in rows]
+                return read("train"), read("validation")[:1]  # 1 validation batch for 2 ranks
+
+        if __name__ == "__main__":
+            summary = shardtrain.fit(Bag, strategy=sys.argv[1], nproc=2, device="cpu", max_steps=4,
+                                     per_device_batch_size=8, num_workers=0, output_dir=sys.argv[2],
+                                     resume="none", predict_memory=False, report=False, save_final=False)
+            print("SUMMARY", json.dumps({{"steps": summary["final_step"], "world": summary["world_size"],
+                                         "n": summary["eval"]["n_examples"]}}))
+    """))
+    r = run([sys.executable, str(script), "zero3", str(tmp_path / "out")], cwd=tmp_path, timeout=300)
+    line = next(x for x in r.output.splitlines() if x.startswith("SUMMARY"))
+    # One validation example for two ranks: ZeRO-3's rank without one still joins the forward, counts nothing.
+    assert json.loads(line.split(" ", 1)[1]) == {"steps": 4, "world": 2, "n": 1}, r.tail()

@@ -1,0 +1,265 @@
+"""The public Workload API (issue 13): lookup, defaults, and the one-line errors for users' own models."""
+from __future__ import annotations
+
+import ast
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from shardtrain.config import Config, ConfigError, from_dict, parse_cli
+from shardtrain.workload import (CheckedCollate, Workload, check_loss, load_workload, model_inputs,
+                                 resolve_block_classes, workload_class)
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(Block(), Block())
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x, mask=None):
+        return self.head(self.blocks(x))
+
+
+class Pairs(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return {"x": torch.full((4,), float(i)), "labels": torch.tensor(i % 3)}
+
+
+class Task(Workload):
+    def build_model(self):
+        return Net()
+
+    def datasets(self):
+        return Pairs(), Pairs()
+
+    def block_classes(self):
+        return (Block,)
+
+
+# ---- the loop and the strategies know no built-in --------------------------------------------------------
+def _names_in_code(path: Path) -> tuple[set[str], list[str]]:
+    """(imported modules, the identifiers and strings of the code), docstrings left out."""
+    tree = ast.parse(path.read_text())
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    imports, words = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imports.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            imports.add(node.module)
+            imports.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+            words.append(node.value)
+        elif isinstance(node, ast.Name):
+            words.append(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.append(node.attr)
+    return imports, words
+
+
+@pytest.mark.parametrize("path", [REPO / "shardtrain" / "train.py",
+                                  *sorted((REPO / "shardtrain" / "strategies").glob("*.py"))],
+                         ids=lambda p: p.name)
+def test_loop_and_strategies_use_only_the_public_api(path):
+    imports, words = _names_in_code(path)
+    private = sorted(m for m in imports if m.startswith(("shardtrain.workloads", "shardtrain.models")))
+    assert not private, f"{path.name} imports {private}: the built-ins must come through shardtrain.workload"
+    named = sorted({w for w in words if "multimodal" in w.lower() or "longformer" in w.lower()})
+    assert not named, f"{path.name} names a built-in model: {named}"
+
+
+# ---- finding the workload ----------------------------------------------------------------------------------
+def test_yaml_string_mapping_and_flag_spellings(tmp_path):
+    assert from_dict({"workload": "pkg.mod:Task"}).workload.workload == "pkg.mod:Task"
+    cfg = from_dict({"workload": {"target": "pkg.mod:Task", "args": {"width": 8}}})
+    assert (cfg.workload.workload, cfg.workload.workload_args) == ("pkg.mod:Task", {"width": 8})
+    with pytest.raises(ConfigError, match=r"unknown key 'workload.arg'; did you mean 'args'"):
+        from_dict({"workload": {"target": "pkg.mod:Task", "arg": {}}})
+    cfg = parse_cli(["--workload", "longformer", "--output-dir", str(tmp_path / "o")])
+    assert cfg.model.name == "longformer"  # the built-in reads the model section under its own name
+
+
+def test_a_tasks_py_beside_the_config_is_importable(tmp_path, monkeypatch):
+    (tmp_path / "beside_tasks.py").write_text(textwrap.dedent("""
+        from shardtrain import Workload
+        class MyTask(Workload):
+            def __init__(self, cfg, width=2):
+                super().__init__(cfg, width=width)
+                self.width = width
+    """))
+    (tmp_path / "run.yaml").write_text("workload: {target: beside_tasks:MyTask, args: {width: 5}}\n")
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    cfg = parse_cli(["--config", str(tmp_path / "run.yaml"), "--output-dir", str(tmp_path / "o")])
+    task = load_workload(cfg)
+    assert (type(task).__name__, task.width, task.cfg) == ("MyTask", 5, cfg)
+
+
+@pytest.mark.parametrize("target, message", [
+    ("no_such_module_xyz:Task", r"--workload \(workload.target\): cannot import no_such_module_xyz"),
+    ("tasks.py", r"is not a workload; write a dotted module path and a class"),
+    ("test_workload:Nope", r"test_workload has no Workload subclass named Nope \(it has Task\)"),
+])
+def test_bad_targets_are_one_line(target, message):
+    cfg = Config()
+    cfg.workload.workload = target
+    with pytest.raises(ConfigError, match=message):
+        workload_class(cfg)
+
+
+def test_builtins_resolve_by_model_name():
+    cfg = from_dict({"model": {"name": "longformer"}})
+    assert workload_class(cfg).__name__ == "LongformerWorkload"
+    assert workload_class(Config()).__name__ == "MultimodalWorkload"
+
+
+# ---- pitfalls: one line each, naming the workload method ------------------------------------------------------
+def test_a_block_class_the_model_lacks_lists_the_classes_it_has():
+    with pytest.raises(ConfigError, match=r"Task.block_classes\(\) names GPT2Block, which does not occur in the "
+                                          r"model; its module classes are: Block, Linear, Net, Sequential"):
+        resolve_block_classes(Net(), ("GPT2Block",), "Task.block_classes()")
+    assert resolve_block_classes(Net(), ("Block",)) == (Block,)
+    assert resolve_block_classes(Net(), (Block,)) == (Block,)
+
+
+def test_default_blocks_come_from_hf_no_split_modules():
+    from transformers import BertConfig, BertForSequenceClassification
+    model = BertForSequenceClassification(BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                                     intermediate_size=32, vocab_size=50))
+    assert [c.__name__ for c in resolve_block_classes(model, ())] == list(model._no_split_modules)
+
+
+def test_collate_keys_the_model_does_not_take():
+    batch = {"pixels": torch.zeros(2, 4), "labels": torch.zeros(2, dtype=torch.long)}
+    with pytest.raises(ConfigError, match=r"Task.collate gives keys labels, pixels, but Net.forward needs x: make "
+                                          r"collate return those keys, or override Task.forward"):
+        model_inputs(Net(), batch, "Task")
+    ddp_like = nn.Module()  # a wrapper whose forward is (*args, **kwargs) is looked through
+    ddp_like.module = Net()
+    ddp_like.forward = lambda *a, **k: None
+    assert set(model_inputs(ddp_like, {"x": torch.zeros(2, 4), "labels": torch.zeros(2)}, "Task")) == {"x"}
+
+
+@pytest.mark.parametrize("loss, message", [
+    (torch.ones(3, requires_grad=True), r"Task.loss must return a scalar floating-point tensor, got a tensor of "
+                                        r"shape \(3,\)"),
+    (0.5, r"Task.loss must return a scalar floating-point tensor, got float"),
+    (torch.tensor(1.0), r"Task.loss returned a tensor that does not depend on the model's parameters"),
+])
+def test_a_loss_that_is_not_a_scalar_tensor(loss, message):
+    with pytest.raises(ConfigError, match=message):
+        check_loss(loss, "Task")
+
+
+def test_unbatchable_samples_name_collate_and_datasets():
+    class Ragged(Task):
+        def datasets(self):
+            return [{"x": torch.zeros(3)}, {"x": torch.zeros(5)}], None
+
+    task = Ragged(Config())
+    with pytest.raises(ConfigError, match=r"Ragged.collate cannot batch the samples of Ragged.datasets\(\) "
+                                          r"\(dict items\): RuntimeError: stack expects each tensor"):
+        CheckedCollate(task)(task.datasets()[0])
+
+
+def test_default_metrics_count_every_example_from_summed_confusions():
+    task = Task(Config())
+    logits = torch.tensor([[2.0, 0, 0], [0, 2.0, 0], [0, 2.0, 0], [0, 0, 2.0]])
+    halves = [task.metric_sums(logits[:2], {"labels": torch.tensor([0, 1])}),
+              task.metric_sums(logits[2:], {"labels": torch.tensor([2, 2])})]
+    sums = {"confusion": halves[0]["confusion"] + halves[1]["confusion"]}
+    m = task.metrics(sums)
+    assert (m["accuracy"], m["n_examples"]) == (0.75, 4)
+    assert m["macro_f1"] == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
+
+
+def test_freezing_without_freezable_parameter_names_says_what_is_missing():
+    with pytest.raises(ConfigError, match=r"--freeze-layers \(model.freeze_layers\)=2: Task does not define "
+                                          r"freezable_parameter_names"):
+        Task(Config()).freezable_parameter_names(2)
+
+
+# ---- the built-ins through the API ------------------------------------------------------------------------
+@pytest.mark.parametrize("name, overrides", [
+    ("multimodal", {"image_model": "resnet18", "image_config": {"layers": [1, 1, 1, 1]}}),
+    ("multimodal", {"image_model": "resnet50", "image_config": {"layers": [1, 1, 1, 1], "block": "BasicBlock"}}),
+    ("multimodal", {"image_model": "densenet121", "image_config": {"block_config": [1, 1, 1, 1]}}),
+    ("longformer", {"text_model": "allenai/longformer-base-4096", "attention_window": 4}),
+])
+def test_builtin_blocks_are_the_models_own(name, overrides):
+    from shardtrain.models import build_model
+    cfg = from_dict({"model": {"name": name, "pretrained": False,
+                               "text_config": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                               "intermediate_size": 32, **overrides.pop("text_config", {})},
+                               **overrides}})
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.data, 100, load_weights=False)
+    assert resolve_block_classes(model, load_workload(cfg).block_classes()) == model.block_classes()
+
+
+def test_shardtrain_exports_workload_and_fit():
+    import shardtrain
+    assert shardtrain.Workload is Workload
+    assert callable(shardtrain.fit) and shardtrain.fit.__module__ == "shardtrain.api"
+
+
+# ---- freezing: frozen BatchNorm keeps its running statistics ---------------------------------------------------
+def test_frozen_batchnorm_uses_and_keeps_its_running_stats_until_unfrozen():
+    from shardtrain.distributed import DistInfo
+    from shardtrain.strategies.base import Strategy
+
+    class Plain(Strategy):  # the base class's freezing and train/eval, with no backend behind it
+        def setup(self, build_model, frozen_names): ...
+        def backward(self, loss): ...
+        def step(self, skip=False, grad_norm=None): ...
+        def save(self, ckpt_dir): ...
+        def load(self, ckpt_dir, saved=None): ...
+
+    torch.manual_seed(0)
+    s = Plain(Config(), DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo"))
+    s.model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 4, 3), nn.BatchNorm2d(4))
+    frozen = {"0.weight", "0.bias", "1.weight", "1.bias"}  # the lower conv and its BatchNorm
+    s.set_frozen(frozen, True)
+    s.train()
+    stats = s.model[1].running_mean.clone(), s.model[3].running_mean.clone()
+    s.model(torch.randn(8, 3, 8, 8))
+    assert torch.equal(s.model[1].running_mean, stats[0]) and not s.model[1].training  # frozen: held
+    assert not torch.equal(s.model[3].running_mean, stats[1]) and s.model[3].training  # trainable: updates
+    s.eval()
+    s.train()  # an evaluation in between does not release it
+    assert not s.model[1].training
+    s.set_frozen(frozen, False)  # unfreeze_at_step: it trains with the rest
+    s.model(torch.randn(8, 3, 8, 8))
+    assert s.model[1].training and not torch.equal(s.model[1].running_mean, stats[0])
+
+
+def test_fsdp_with_no_blocks_to_shard_names_block_classes():
+    from shardtrain.strategies.fsdp import _units, load_policy
+    with pytest.raises(ConfigError, match=r"FSDP found no blocks to shard: Bag.block_classes\(\) is empty and the model "
+                                          r"has no Hugging Face _no_split_modules; return its repeated block classes "
+                                          r"\(the model has Linear, ReLU, Sequential\)"):
+        _units(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), load_policy("fsdp_policies/default.yaml"), (),
+               "Bag.block_classes()")
+    assert len(_units(Net(), load_policy("fsdp_policies/default.yaml"), (Block,))) == 2
