@@ -30,7 +30,7 @@ class CausalLM(Workload):
     def build_model(self):
         if self.args["model_config"] is not None:
             return AutoModelForCausalLM.from_config(AutoConfig.for_model(**self.args["model_config"]))
-        if torch.get_default_device().type == "meta":
+        if not self.loads_weights or torch.get_default_device().type == "meta":  # rank 0's weights come later
             return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.args["model"]))
         return AutoModelForCausalLM.from_pretrained(self.args["model"], dtype=torch.float32)
 

@@ -30,7 +30,8 @@ class TextClassifier(Workload):
             config = AutoConfig.for_model(**self.args["model_config"], num_labels=self.args["num_labels"])
             return AutoModelForSequenceClassification.from_config(config)
         name = self.args["model"]
-        if torch.get_default_device().type == "meta":  # ranks that get their weights from rank 0: shapes only
+        # A copy that gets its weights from rank 0 (the meta device, ZeRO-3's partitions): shapes only.
+        if not self.loads_weights or torch.get_default_device().type == "meta":
             return AutoModelForSequenceClassification.from_config(
                 AutoConfig.from_pretrained(name, num_labels=self.args["num_labels"]))
         return AutoModelForSequenceClassification.from_pretrained(name, num_labels=self.args["num_labels"],
