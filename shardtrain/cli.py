@@ -116,7 +116,7 @@ def train_main(argv: list[str]) -> int:
         builtin = is_builtin_workload(cfg)
         if builtin:
             # So are the data records: a typo on line 7 should not wait for N processes and a model.
-            from shardtrain.data.records import check_splits
+            from shardtrain.data.precheck import check_splits
             check_splits(cfg)
         else:
             from shardtrain.workload import workload_class

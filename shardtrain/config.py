@@ -13,11 +13,9 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
-
-class ConfigError(ValueError):
-    """A usage, config or data problem: one line, exit code 2, no traceback."""
+from shardtrain.errors import ConfigError  # everyone imports it from here; sagemaker_env, below us, from errors
 
 
 @dataclass
@@ -433,7 +431,6 @@ def parse_cli(argv: list[str]) -> Config:
         if value is not None:
             setattr(getattr(cfg, section), name, _coerce(name, value, typ, flag_of(name)))
     # SageMaker's channels and folders fill in what neither a flag nor a hyperparameter set.
-    from shardtrain.sagemaker_env import apply_sagemaker_env
     apply_sagemaker_env(cfg, explicit={name for name in FIELDS if getattr(args, name) is not None})
     resolve_shipped_ds_config(cfg.parallel)
     # `--ds FILE` alone means DeepSpeed; combined with another explicit strategy it is a contradiction.
@@ -471,6 +468,27 @@ def add_import_paths(config_path: str | None) -> None:
     for folder in ([str(Path(config_path).resolve().parent)] if config_path else []) + [os.getcwd()]:
         if folder not in sys.path:
             sys.path.insert(0, folder)
+
+
+def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Fill cfg from the SageMaker environment (shardtrain/sagemaker_env.py), leaving fields in `explicit` (set
+    by a flag) alone. Returns what was applied; nothing outside SageMaker."""
+    from shardtrain.sagemaker_env import check_hosts, in_sagemaker, sagemaker_settings
+
+    env = os.environ if env is None else env
+    if not in_sagemaker(env):
+        return {}
+    check_hosts(env)
+    applied = {}
+    for name, value in sagemaker_settings(env).items():
+        if name not in explicit:
+            setattr(getattr(cfg, FIELDS[name][0]), name, value)
+            applied[name] = value
+    # parse_cli runs on every rank; RANK is unset in a plain process, which is rank 0 too.
+    if applied and env.get("RANK", "0") == "0":
+        print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()),
+              flush=True)
+    return applied
 
 
 def resolve_shipped_ds_config(p: ParallelConfig) -> None:

@@ -22,7 +22,7 @@ import json
 import os
 from typing import Mapping
 
-from shardtrain.config import FIELDS, Config, ConfigError
+from shardtrain.errors import ConfigError
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
 # For a checkpoint_local_path other than the default, and for tests that cannot write /opt/ml.
@@ -58,22 +58,3 @@ def check_hosts(env: Mapping[str, str]) -> None:
     if len(hosts) > 1 and "RANK" not in env:
         raise ConfigError(f"SageMaker job on {len(hosts)} hosts started without a launcher: enable "
                           f"distribution={{'torch_distributed': {{'enabled': True}}}} in the estimator")
-
-
-def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Fill cfg from the SageMaker environment, leaving fields in `explicit` (set by a flag) alone.
-    Returns what was applied; nothing outside SageMaker."""
-    env = os.environ if env is None else env
-    if not in_sagemaker(env):
-        return {}
-    check_hosts(env)
-    applied = {}
-    for name, value in sagemaker_settings(env).items():
-        if name not in explicit:
-            setattr(getattr(cfg, FIELDS[name][0]), name, value)
-            applied[name] = value
-    # parse_cli runs on every rank; RANK is unset in a plain process, which is rank 0 too.
-    if applied and env.get("RANK", "0") == "0":
-        print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()),
-              flush=True)
-    return applied

@@ -13,7 +13,7 @@ from shardtrain.config import ConfigError
 from shardtrain.data import batch_to_device, build_datasets, make_data
 from shardtrain.data.image_cache import build_image_cache
 from shardtrain.data.images import decode_image, load_image, normalize_pixels
-from shardtrain.data.records import check_splits
+from shardtrain.data.precheck import check_splits
 from test_data import make_cfg
 
 

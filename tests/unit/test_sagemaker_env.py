@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 from launch import REPO
 
-from shardtrain.config import Config, ConfigError, parse_cli
-from shardtrain.sagemaker_env import apply_sagemaker_env, sagemaker_settings
+from shardtrain.config import Config, ConfigError, apply_sagemaker_env, parse_cli
+from shardtrain.sagemaker_env import sagemaker_settings
 
 SM_KEYS = ("SM_CHANNEL_TRAIN", "SM_CHANNEL_TRAINING", "SM_CHANNEL_VALIDATION", "SM_MODEL_DIR", "SM_HOSTS",
            "SM_CURRENT_HOST", "SM_TRAINING_ENV", "SHARDTRAIN_SM_CHECKPOINT_DIR")

@@ -1,0 +1,31 @@
+"""The data a run will read, checked before any process starts: records, and the image cache if one is named.
+
+Above records.py and image_cache.py (the cache is built from the records), so neither needs the other's checks.
+"""
+from __future__ import annotations
+
+from shardtrain.config import ConfigError, where
+from shardtrain.data.image_cache import open_image_cache
+from shardtrain.data.records import config_split_path, data_kind, iter_split
+
+
+def check_splits(cfg) -> None:
+    """Both splits' records, before any process, process group or model exists: the first bad one raises
+    `file:line: message`. Cheap (no torch, no image decoding; images are only checked to exist). With
+    --skip-bad-samples only the files must exist: the dataset skips and counts the bad records."""
+    kind = data_kind(cfg.model.name)
+    for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):
+        path = config_split_path(cfg, split)
+        if cfg.data.image_cache is not None:
+            open_image_cache(cfg, path)  # missing or stale: one line now, not one per rank after the launch
+        if cfg.data.skip_bad_samples:
+            continue
+        good = 0
+        for rec, problem in iter_split(path, kind, cfg.model.num_labels):
+            if problem:
+                raise ConfigError(problem)
+            good += 1
+            if limit is not None and good >= limit:
+                break
+        if not good:
+            raise ConfigError(f"{where('data_dir')}: no usable records in {path}")
