@@ -1,8 +1,10 @@
 """AdamW parameter groups and the warmup + decay schedule, shared by every strategy.
 
-Frozen parameters get groups of their own whose learning rate is zero until `unfreeze_at_step`.
-Strategies that can toggle `requires_grad` (DDP, FSDP) also stop computing their gradients; DeepSpeed
-partitions only parameters that require grad at initialize time, so there the zero rate alone freezes them.
+Frozen parameters get groups of their own whose learning rate is zero until `unfreeze_at_step`. What freezes
+them is `requires_grad=False` (no gradient, so AdamW never creates their state); the zero rate only keeps the
+schedule's groups alike everywhere. DeepSpeed allocates partitions only for parameters that require grad when
+its engine is built: ZeRO leaves the frozen groups out until the unfreeze and then builds a new engine with them
+(strategies/zero.py), so every strategy ends up with these same groups.
 """
 from __future__ import annotations
 

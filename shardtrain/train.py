@@ -95,7 +95,12 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
 
     # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
     step, changed = 0, None
+    unfreeze_at = cfg.model.unfreeze_at_step
     if resume_dir is not None:
+        if frozen and unfreeze_at is not None and state["step"] > unfreeze_at:
+            # Saved after the unfreeze: the formerly frozen parameters' optimizer state is in the checkpoint,
+            # and a frozen parameter has none to load it into (DeepSpeed: not even a partition).
+            strategy.set_frozen(frozen, False)
         strategy.load(resume_dir, state)  # a foreign strategy's checkpoint goes through the portable form
         loaders.train.load_state_dict(state["data"])
         checkpoint.load_rng(resume_dir / "rng", dist_info.rank)
@@ -108,9 +113,6 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
             console.warn(changed.line(step))
     last_saved = step if resumed_here else None  # nothing new to save at a checkpoint of this output dir
     save_seconds: list[float] = []
-    unfreeze_at = cfg.model.unfreeze_at_step
-    if frozen and unfreeze_at is not None and step >= unfreeze_at:
-        strategy.set_frozen(frozen, False)
 
     t, world = cfg.train, dist_info.world_size
     global_batch = t.per_device_batch_size * t.grad_accum * world

@@ -214,12 +214,19 @@ def extra_state(scheduler, optimizer, scaler=None) -> dict:
 
 
 def load_extra_state(extra: dict, scheduler, optimizer, scaler=None) -> None:
+    lrs = extra.get("lrs")
+    same_groups = lrs is not None and len(lrs) == len(optimizer.param_groups)
     if "scheduler" in extra:
         sd = scheduler.state_dict()
-        sd.update(extra["scheduler"])
+        # Another group layout (DeepSpeed leaves frozen parameters' groups out until they unfreeze): only the
+        # schedule's position carries over; its per-group lists stay this optimizer's.
+        sd.update(extra["scheduler"] if same_groups else
+                  {k: v for k, v in extra["scheduler"].items() if k in ("last_epoch", "_step_count")})
         scheduler.load_state_dict(sd)
-    lrs = extra.get("lrs")
-    if lrs and len(lrs) == len(optimizer.param_groups):
+        if not same_groups:  # each group's rate at that position, as LambdaLR computes it
+            for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+                group["lr"] = base * factor(scheduler.last_epoch)
+    if same_groups:
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
     if scaler and "scaler" in extra:

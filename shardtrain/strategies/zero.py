@@ -15,7 +15,7 @@ from torch import nn
 from shardtrain.config import ConfigError
 from shardtrain.ds_config import describe_ds, resolve_ds_config
 from shardtrain.strategies.base import Strategy, StepResult, extra_state, load_extra_state
-from shardtrain.strategies.dcp_state import save_portable
+from shardtrain.strategies.dcp_state import EXTRA_FILE, save_portable
 from shardtrain.unpickle_guard import check_torch_file
 
 TAG = "engine"
@@ -37,9 +37,20 @@ class ZeroStrategy(Strategy):
         return contextlib.nullcontext()
 
     def setup(self, build_model, frozen_names):
+        # Frozen parameters do not require grad when the engine is built, so DeepSpeed gives them no fp32 master,
+        # gradient or optimizer partitions (it partitions only what requires grad, at initialize time); at
+        # unfreeze_at_step set_frozen builds a new engine that has them (see _rebuild).
+        self._build_model, self._freezable = build_model, set(frozen_names)
+        self._build(frozen_now=set(frozen_names), weights_from_memory=False)
+        return self.model, self.optimizer, self.scheduler
+
+    def _build(self, frozen_now: set[str], weights_from_memory: bool) -> None:
+        """The model and its engine, with the `frozen_now` parameters frozen. `weights_from_memory`: the
+        caller copies every weight in afterwards (_rebuild), so nothing is loaded or copied from rank 0."""
         _use_own_ninja()
         import deepspeed
 
+        build_model = self._build_model
         rank0 = self.dist.is_rank0
         # Attach deepspeed.comm to our process group; zero.Init reads its world size from there.
         deepspeed.init_distributed(dist_backend=self.dist.backend)
@@ -50,7 +61,7 @@ class ZeroStrategy(Strategy):
             # Rank 0 alone materialises the weights, pretrained ones included, in host memory; every rank
             # then builds a partitioned copy under zero.Init (no rank ever holds the full model on the
             # device) and rank 0 fills it in, one module gathered at a time.
-            source = build_model(on_meta=False) if rank0 else None
+            source = build_model(on_meta=False) if rank0 and not weights_from_memory else None
             # The copy is built empty: its weights come from rank 0. Loading inside zero.Init would write
             # the pretrained tensors into size-0 partitions (from_pretrained's "ignore_mismatched_sizes",
             # load_state_dict's size mismatch for --image-weights), and HF's initialisation would index them.
@@ -62,21 +73,27 @@ class ZeroStrategy(Strategy):
                 # no_init_weights() also skips Hugging Face's weight tying (transformers 5): GPT-2's lm_head would
                 # be a separate copy of the token embeddings, each half-trained (measured: grad norm 8% low).
                 model.tie_weights()
-            _copy_from_rank0(model, source, rank0, deepspeed)
+            if not weights_from_memory:
+                _copy_from_rank0(model, source, rank0, deepspeed)
             del source
         else:
-            model = build_model(on_meta=False)  # the engine broadcasts rank 0's weights
-        # DeepSpeed partitions only parameters that require grad at initialize time, so frozen ones
-        # keep requires_grad and are frozen by their zero learning rate (optim.build_scheduler).
+            # the engine broadcasts rank 0's weights
+            model = build_model(on_meta=False, load_weights=not weights_from_memory)
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             resolve_ds_config(self.cfg, self.dist.world_size, has_batchnorm=True)  # fp16 with BatchNorm: one line
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in frozen_now)
         self.recompute_count = self._apply_recompute(model, self.block_classes(model))
-        optimizer, scheduler = self._optimizer_and_scheduler(model.named_parameters(), frozen_names)
+        # Frozen parameters are left out of the optimizer (a ZeRO group with nothing to train breaks the
+        # flattening); once they unfreeze, their groups are the same as under DDP and FSDP (optim.param_groups).
+        trainable = [(n, p) for n, p in model.named_parameters() if n not in frozen_now]
+        optimizer, scheduler = self._optimizer_and_scheduler(trainable, self._freezable)
+        self._client_groups = [list(g["params"]) for g in optimizer.param_groups]  # DeepSpeed flattens them
         engine, optimizer, _, scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
         self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
         self._inner = model
-        return self.model, self.optimizer, self.scheduler
+        self._frozen_now = set(frozen_now)
 
     def _param_device(self):
         return "cpu" if self.info["offload_param"] == "cpu" else None
@@ -102,20 +119,64 @@ class ZeroStrategy(Strategy):
         return StepResult(grad_norm=norm, applied=applied and not skip, overflow=overflow)
 
     def set_frozen(self, names, frozen):
-        # The learning rate of the frozen groups carries freezing here (see setup); frozen BatchNorm is held alike.
-        self.hold_frozen_norms(names if frozen else set())
+        now = set(names) if frozen else set()
+        if now != self._frozen_now:
+            # Before the first step (a resume unfreezes before it loads) there is no state to carry.
+            self._rebuild(now, carry_state=self.engine.global_steps > 0)
+        self.hold_frozen_norms(now)
+
+    def _rebuild(self, frozen_now: set[str], carry_state: bool = True) -> None:
+        """A new engine and optimizer with `frozen_now` frozen, continuing exactly where the old one was: the
+        full fp32 weights, the Adam moments and step of every parameter that has them, the buffers, the schedule
+        position, the engine's step counters and (fp16) the loss scaler. Parameters that were frozen start with
+        fresh Adam state, as torch's AdamW gives them under DDP and FSDP. The old engine is destroyed first, so
+        the memory its partitions held is given back before the new ones are allocated.
+        `carry_state=False`: a new engine as setup builds it, before any step (a resume then loads into it)."""
+        import gc
+
+        training = self.model.training
+        if carry_state:
+            model_sd, optim_state = self._portable_state()
+            extra = extra_state(self.scheduler, self.optimizer)
+            counters = {k: getattr(self.engine, k)
+                        for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+            scaler = getattr(self.engine.optimizer, "loss_scaler", None) if self.precision == "fp16" else None
+        rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self.engine.destroy()
+        self.engine = self.model = self.optimizer = self.scheduler = self._inner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._build(frozen_now, weights_from_memory=carry_state)
+        # Building seeds the model's initialisation (train.model_factory); dropout must go on as it would have.
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state_all(rng[1])
+        if carry_state:
+            self._load_state(model_sd, optim_state, extra, load_optimizer=True)
+            for k, v in counters.items():
+                setattr(self.engine, k, v)
+            if scaler is not None:
+                self.engine.optimizer.loss_scaler = scaler
+            del model_sd, optim_state
+        if training:
+            self.train()
 
     def save(self, ckpt_dir: Path):
         self.sync_buffers()
         self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
         # The portable form beside the engine's: what FSDP/DDP (any world size) and `export` read.
         model_sd, optim_state = self._portable_state()
-        extra = {**extra_state(self.scheduler, self.optimizer), "ds_config": self.ds_config}
+        # "frozen": the engine's own files fit only an engine frozen alike (its optimizer groups differ).
+        extra = {**extra_state(self.scheduler, self.optimizer), "ds_config": self.ds_config,
+                 "frozen": len(self._frozen_now)}
         save_portable(ckpt_dir, model_sd, optim_state, extra, self.dist.is_rank0)
 
     def _portable_state(self) -> tuple[dict, dict]:
-        """Full fp32 weights and Adam moments per parameter name. Every rank gathers every tensor (the
-        gathers are collective); DCP then writes each once. Host memory: ~3x the fp32 model per rank."""
+        """Full fp32 weights and Adam moments per parameter name (none for a frozen parameter: it has no
+        optimizer state). Every rank gathers every tensor (the gathers are collective); DCP then writes each
+        once. Host memory: ~3x the fp32 model per rank."""
+        import deepspeed
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):
@@ -124,15 +185,18 @@ class ZeroStrategy(Strategy):
             # Re-linking against the current state is what that call does when the flag is clear.
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
-        inner_state = getattr(getattr(self.optimizer, "optimizer", None), "state", {})
-        steps = [v["step"] for v in inner_state.values() if "step" in v]
-        step = torch.tensor(float(steps[0]) if steps else 0.0)
+        steps = self._group_steps()
         model_sd, optim_state = {}, {}
         for name, p in self._inner.named_parameters():
+            if not p.requires_grad:
+                # No fp32 master: the module's own copy is the weight (ZeRO-3: gathered from its partitions).
+                with deepspeed.zero.GatheredParameters([p], enabled=hasattr(p, "ds_id")):
+                    model_sd[name] = p.data.detach().float().cpu().clone()
+                continue
             model_sd[name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
             moments = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
             if all(v is not None for v in moments.values()):
-                optim_state[name] = {"step": step.clone(),
+                optim_state[name] = {"step": torch.tensor(float(steps[self._group_of[name]])),
                                      **{k: v.detach().float().cpu().clone() for k, v in moments.items()}}
         for mod_name, mod in self._inner.named_modules():
             for b_name, buf in mod.named_buffers(recurse=False):
@@ -140,17 +204,52 @@ class ZeroStrategy(Strategy):
                     model_sd[f"{mod_name}.{b_name}" if mod_name else b_name] = buf.detach().cpu().clone()
         return model_sd, optim_state
 
+    @property
+    def _group_of(self) -> dict[str, int]:
+        """Parameter name -> index of its optimizer group (the client optimizer's groups are the ZeRO groups)."""
+        ids = {id(p): n for n, p in self._inner.named_parameters()}
+        return {ids[id(p)]: i for i, g in enumerate(self._client_groups) for p in g if id(p) in ids}
+
+    def _flat_partitions(self) -> list[list[torch.Tensor]]:
+        """Per optimizer group, the flat fp32 partitions of this rank that the inner optimizer steps."""
+        opt = self.optimizer
+        if hasattr(opt, "fp32_partitioned_groups_flat"):
+            groups: list[list[torch.Tensor]] = [[] for _ in opt.optimizer.param_groups]
+            for i, t in enumerate(opt.fp32_partitioned_groups_flat):
+                groups[opt.sub_group_to_group_id[i]].append(t)
+            return groups
+        return [list(g["params"]) for g in opt.optimizer.param_groups]
+
+    def _flat_states(self) -> list[tuple[int, dict]]:
+        """(group index, Adam state) of each flat fp32 partition the inner optimizer steps (ZeRO-3 may split a
+        group into sub-groups)."""
+        opt = self.optimizer
+        inner = opt.optimizer.state
+        if hasattr(opt, "fp32_partitioned_groups_flat"):
+            return [(opt.sub_group_to_group_id[i], inner[t]) for i, t in enumerate(opt.fp32_partitioned_groups_flat)
+                    if t in inner]
+        return [(i, inner[t]) for i, t in enumerate(opt.single_partition_of_fp32_groups) if t in inner]
+
+    def _group_steps(self) -> dict[int, float]:
+        """Adam's step count per optimizer group (0 before its first step)."""
+        steps = {i: 0.0 for i in range(len(self._client_groups))}
+        for i, state in self._flat_states():
+            if "step" in state:
+                steps[i] = float(state["step"])
+        return steps
+
     def load(self, ckpt_dir: Path, saved: dict | None = None, load_optimizer: bool = True):
         saved = saved or {}
         writer = (saved.get("strategy") or {}).get("strategy")
+        extra_file = ckpt_dir / EXTRA_FILE
+        saved_frozen = (json.loads(extra_file.read_text()).get("frozen", 0) if extra_file.exists() else 0)
         if writer != self.name or saved.get("world_size") != self.dist.world_size:
             # The engine's own files only fit the same stage and world size; anything else is portable.
-            if self.stage == 3:
-                raise ConfigError(f"--resume {ckpt_dir}: written by {writer} on {saved.get('world_size')} ranks; "
-                                  f"ZeRO-3 resumes only its own checkpoints at the same world size so far. "
-                                  f"Continue under zero2, fsdp or ddp (they read any checkpoint)")
             self._warn(f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
                        f"({self.dist.world_size} ranks) through its portable form")
+            return self._load_portable(ckpt_dir, load_optimizer)
+        if saved_frozen != len(self._frozen_now):
+            # Another freezing (--freeze-layers changed): the engine's optimizer groups differ; by name, it fits.
             return self._load_portable(ckpt_dir, load_optimizer)
         engine_dir = ckpt_dir / TAG
         if not engine_dir.is_dir():
@@ -166,29 +265,27 @@ class ZeroStrategy(Strategy):
                               f"model?): {msg}") from None
 
     def _load_portable(self, ckpt_dir: Path, load_optimizer: bool) -> None:
-        import deepspeed
         import torch.distributed.checkpoint as dcp
-        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        from shardtrain.strategies.dcp_state import EXTRA_FILE, MODEL_DIR, check_model_fits, read_metadata, tensor_shapes
+        from shardtrain.strategies.dcp_state import MODEL_DIR, check_model_fits, read_metadata, tensor_shapes
 
         shapes = tensor_shapes(read_metadata(ckpt_dir))
         params = dict(self._inner.named_parameters())
         full_shape = {n: tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in params.items()}
-        buffers = {}
-        for mod_name, mod in self._inner.named_modules():
-            for b_name, buf in mod.named_buffers(recurse=False):
-                if buf is not None and b_name not in mod._non_persistent_buffers_set:
-                    buffers[f"{mod_name}.{b_name}" if mod_name else b_name] = buf
+        buffers = self._persistent_buffers()
         check_model_fits(ckpt_dir, {**full_shape, **{n: tuple(b.shape) for n, b in buffers.items()}}, shapes)
         state = {"model": {n: torch.empty(s) for n, s in full_shape.items()}}
         state["model"].update({n: torch.empty_like(b, device="cpu") for n, b in buffers.items()})
         keys = ("exp_avg", "exp_avg_sq", "step")
-        with_moments = [n for n in params if all(f"optim.state.{n}.{k}" in shapes for k in keys)]
+        # A frozen parameter has no optimizer state, in the checkpoint (saved while frozen, by any strategy)
+        # or here (its saved moments, if any, wait in the checkpoint until a resume past the unfreeze).
+        with_moments = [n for n, p in params.items()
+                        if p.requires_grad and all(f"optim.state.{n}.{k}" in shapes for k in keys)]
+        trainable = [n for n, p in params.items() if p.requires_grad]
         if load_optimizer:
-            if len(with_moments) < len(params):
-                self._warn(f"optimizer state for {len(params) - len(with_moments)} of {len(params)} parameters "
-                           f"is not in {ckpt_dir}: they start with fresh Adam moments")
+            if len(with_moments) < len(trainable):
+                self._warn(f"optimizer state for {len(trainable) - len(with_moments)} of {len(trainable)} trainable "
+                           f"parameters is not in {ckpt_dir}: they start with fresh Adam moments")
             state["optim"] = {"state": {n: {"exp_avg": torch.empty(full_shape[n]), "exp_avg_sq":
                                             torch.empty(full_shape[n]), "step": torch.empty(())}
                                         for n in with_moments}}
@@ -197,45 +294,81 @@ class ZeroStrategy(Strategy):
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"--resume {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): "
                               f"{' '.join(str(e).split())[:300]}") from None
+        extra_file = ckpt_dir / EXTRA_FILE
+        extra = json.loads(extra_file.read_text()) if extra_file.exists() else {}
+        self._load_state(state["model"], state.get("optim", {}).get("state", {}), extra, load_optimizer)
+
+    def _persistent_buffers(self) -> dict[str, torch.Tensor]:
+        buffers = {}
+        for mod_name, mod in self._inner.named_modules():
+            for b_name, buf in mod.named_buffers(recurse=False):
+                if buf is not None and b_name not in mod._non_persistent_buffers_set:
+                    buffers[f"{mod_name}.{b_name}" if mod_name else b_name] = buf
+        return buffers
+
+    def _load_state(self, model_sd: dict, optim_state: dict, extra: dict, load_optimizer: bool) -> None:
+        """Full tensors by name (the portable form, from a checkpoint or from _portable_state) into this engine.
+        Collective. Parameters without moments in `optim_state` get fresh ones (step 0 in their group)."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
         if load_optimizer:
             self._init_optimizer_state()
-        for name, p in params.items():
-            value = state["model"][name]
+        for name, p in self._inner.named_parameters():
+            value = model_sd[name]
             # The engine computes with the low-precision (here: model) copy and steps the fp32 master copy:
-            # both must hold the checkpoint's weights.
+            # both must hold the checkpoint's weights. A frozen parameter has only the first.
             with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=hasattr(p, "ds_id")):
                 with torch.no_grad():
                     p.data.copy_(value.view(p.shape).to(p.dtype))
-            safe_set_full_fp32_param(p, value)
-            if load_optimizer and name in state["optim"]["state"]:
+            if not p.requires_grad:
+                continue
+            if hasattr(p, "ds_id"):
+                _z3_set_full(p, value, None)
+            else:
+                safe_set_full_fp32_param(p, value)
+            if load_optimizer and name in optim_state:
                 for k in ("exp_avg", "exp_avg_sq"):
-                    safe_set_full_optimizer_state(p, state["optim"]["state"][name][k], k)
-        for name, buf in buffers.items():
-            buf.copy_(state["model"][name])
-        if load_optimizer and with_moments:
-            step = float(state["optim"]["state"][with_moments[0]]["step"])
-            for v in self.optimizer.optimizer.state.values():
-                if "step" in v:
-                    v["step"] = torch.tensor(step, dtype=torch.float32) if torch.is_tensor(v["step"]) else int(step)
-        extra_file = ckpt_dir / EXTRA_FILE
-        if load_optimizer and extra_file.exists():
-            load_extra_state(json.loads(extra_file.read_text()), self.scheduler, self.optimizer)
+                    if hasattr(p, "ds_id"):
+                        _z3_set_full(p, optim_state[name][k], k)
+                    else:
+                        safe_set_full_optimizer_state(p, optim_state[name][k], k)
+        for name, buf in self._persistent_buffers().items():
+            buf.copy_(model_sd[name])
+        if load_optimizer:
+            # Adam's step per group: a group whose parameters come without moments starts afresh, as torch's
+            # AdamW starts a parameter it has not stepped before (the _init_optimizer_state step left zeros).
+            group_of = self._group_of
+            steps: dict[int, float] = {}
+            for name, st in optim_state.items():
+                if name in group_of:
+                    steps[group_of[name]] = float(st["step"])
+            for i, state in self._flat_states():
+                if "step" in state:
+                    step = steps.get(i, 0.0)
+                    state["step"] = (torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
+                                     if torch.is_tensor(state["step"]) else int(step))
+            load_extra_state(extra, self.scheduler, self.optimizer)
 
     def _init_optimizer_state(self) -> None:
         """Adam's state exists only after a first step; make it with zero gradients and a zero learning
         rate (no weight change), then let ZeRO-1/2 link parameters to it."""
         inner = self.optimizer.optimizer
         if not inner.state:
+            # ZeRO-3 hands the inner optimizer its flat partitions only while it steps them (the groups are empty
+            # in between); ZeRO-1/2 leave them in place.
+            flat = self._flat_partitions()
             lrs = [g["lr"] for g in inner.param_groups]
-            for g in inner.param_groups:
-                g["lr"] = 0.0
-                for p in g["params"]:
+            held = [(g["params"], [p.grad for p in t]) for g, t in zip(inner.param_groups, flat)]
+            for g, t in zip(inner.param_groups, flat):
+                g["lr"], g["params"] = 0.0, t
+                for p in t:
                     p.grad = torch.zeros_like(p)
             inner.step()
-            for g, lr in zip(inner.param_groups, lrs):
-                g["lr"] = lr
-                for p in g["params"]:
-                    p.grad = None
+            for g, lr, (params, grads) in zip(inner.param_groups, lrs, held):
+                for p, grad in zip(g["params"], grads):
+                    p.grad = grad
+                g["lr"], g["params"] = lr, params
         if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
@@ -308,6 +441,22 @@ def _tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
+
+
+def _z3_set_full(param, value: torch.Tensor, key: str | None) -> None:
+    """This rank's slice of a full tensor into a ZeRO-3 parameter's fp32 master (key None) or Adam state.
+    DeepSpeed's own setter (safe_set_full_fp32_param) narrows past the end of the value on the last rank when
+    the parameter's size does not divide by the world size (0.19.8: "start (2) + length (2) exceeds dimension
+    size (3)"): its partitions are padded, the value is not."""
+    opt = param._z3_optimizer
+    part, group_idx = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
+    flat = value.flatten().to(part.device, part.dtype)
+    start = part.numel() * opt._get_param_partition_rank(param)
+    mine = flat[start:start + part.numel()]
+    part.data.zero_()
+    part.data[:mine.numel()].copy_(mine)
+    if opt._swappable_optimizer_subgroup(group_idx):
+        opt._optimizer_states_and_gradient_swap_out(group_idx)
 
 
 def _use_own_ninja() -> None:
