@@ -93,6 +93,9 @@ class ModelCount:
     small_params: int     # parameters in tensors below ZeRO-3's persistence threshold (kept whole)
     buffer_bytes: int
     layers: int           # repeated text encoder layers
+    # Parameters frozen for the whole run (freeze_layers without unfreeze_at_step): no gradient and no optimizer
+    # state under any strategy. With unfreeze_at_step they get both before the end, so they count in full.
+    frozen: int = 0
 
 
 def _vocab(cfg) -> int | None:
@@ -138,10 +141,13 @@ def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | Non
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, blocks)]
     params = [p.numel() for p in model.parameters()]
     text_cfg = text_config_for(cfg.model, cfg.data, vocab_size)
+    frozen = set(model.freezable_parameter_names(cfg.model.freeze_layers)) \
+        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None else set()
     return ModelCount(params=sum(params), largest_unit=max(units, default=max(params)),
                       small_params=sum(n for n in params if n < persistence_threshold),
                       buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-                      layers=text_cfg.num_hidden_layers)
+                      layers=text_cfg.num_hidden_layers,
+                      frozen=sum(p.numel() for name, p in model.named_parameters() if name in frozen))
 
 
 # ---- activations, measured at small shapes -------------------------------------------------------------------
@@ -264,34 +270,35 @@ def model_states(variant: str, m: ModelCount, n: int, precision: str) -> dict:
     """Bytes per rank on the GPU (params/grads/optimizer/comm/overhead) and in host RAM, steady state after
     backward (what shardtrain.memory measures) plus the transient peak in `overhead`."""
     psi = m.params
+    psi_t = m.params - m.frozen  # what gets gradients and optimizer state (strategies: frozen parameters get none)
     lp = 2 if precision != "fp32" else 4       # bytes per 16-bit-or-fp32 weight where the backend keeps them so
     native_fp16 = precision == "fp16"          # only DeepSpeed fp16 keeps 16-bit weights (others: autocast)
     gpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "comm": 0.0, "overhead": 0.0}
     host = 0.0
     if variant == "ddp":
-        gpu.update(params=4 * psi, grads=4 * psi, optimizer=8 * psi)
+        gpu.update(params=4 * psi, grads=4 * psi_t, optimizer=8 * psi_t)
     elif variant in ("fsdp", "fsdp_sgo"):
-        gpu.update(params=4 * psi / n, grads=4 * psi / n, optimizer=8 * psi / n)
+        gpu.update(params=4 * psi / n, grads=4 * psi_t / n, optimizer=8 * psi_t / n)
         # Gathered units: the current and the prefetched one; SHARD_GRAD_OP keeps all of them from forward to backward.
         gpu["overhead"] = 4 * psi * (1 - 1 / n) if variant == "fsdp_sgo" else 2 * 4 * m.largest_unit
     elif variant == "fsdp_offload":
-        host = 16 * psi / n
+        host = 4 * psi / n + 12 * psi_t / n
         gpu["overhead"] = 2 * 4 * m.largest_unit + 4 * m.largest_unit  # gathered units + a unit's gradient
     else:
         ds = _ds_settings(VARIANTS[variant][1])
         w = lp if native_fp16 else 4
         if variant.startswith("zero2"):
             gpu["params"] = w * psi
-            part = {"grads": 4 * psi / n, "optimizer": 12 * psi / n}  # fp32 master + Adam m, v
+            part = {"grads": 4 * psi_t / n, "optimizer": 12 * psi_t / n}  # fp32 master + Adam m, v
             if variant == "zero2":
                 gpu.update(part)
             else:
                 host = sum(part.values())
             # During backward: two reduce buckets (overlap_comm); at the step the flat fp32 gradient.
-            gpu["overhead"] = 2 * w * min(ds["bucket"], psi) + 4 * psi / n
+            gpu["overhead"] = 2 * w * min(ds["bucket"], psi_t) + 4 * psi_t / n
         else:
             persistent = m.small_params
-            shard = {"params": w * (psi / n) + w * persistent, "grads": 4 * psi / n, "optimizer": 12 * psi / n}
+            shard = {"params": w * (psi / n) + w * persistent, "grads": 4 * psi_t / n, "optimizer": 12 * psi_t / n}
             gpu["comm"] = 4 * ds["bucket"]  # allocated for the whole run (measured)
             gathered = w * min(ds["prefetch"], psi) + 2 * w * m.largest_unit
             if variant == "zero3":

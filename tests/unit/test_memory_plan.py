@@ -82,3 +82,22 @@ def test_nothing_fits_gives_a_smaller_micro_batch_with_the_same_global_batch(tmp
     assert rec is not None and rec["micro_batch_size"] < 16
     assert rec["micro_batch_size"] * rec["grad_accum"] * 2 == tight["global_batch_size"] == 32
     assert "keeps global batch 32" in tight["note"]
+
+
+def test_parameters_frozen_for_the_whole_run_get_no_grads_or_optimizer_state_in_the_prediction():
+    from dataclasses import replace
+
+    from shardtrain.config import parse_cli
+    from shardtrain.planner import count_model
+
+    m = ModelCount(params=1_000_000, largest_unit=10_000, small_params=1_000, buffer_bytes=0, layers=2)
+    part, n = replace(m, frozen=750_000), 2
+    for variant in ("ddp", "fsdp", "zero2", "zero3"):
+        full, frozen = model_states(variant, m, n, "fp32")["gpu"], model_states(variant, part, n, "fp32")["gpu"]
+        assert frozen["params"] == full["params"], variant
+        assert frozen["grads"] == full["grads"] / 4 and frozen["optimizer"] == full["optimizer"] / 4, variant
+    base = ["--config", "configs/multimodal_tiny.yaml", "--freeze-layers", "1"]
+    held = count_model(parse_cli(base))
+    assert 0 < held.frozen < held.params
+    # unfrozen before the end: the run needs their state too, so they count in full
+    assert count_model(parse_cli([*base, "--unfreeze-at-step", "5"])).frozen == 0
