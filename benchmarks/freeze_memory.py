@@ -79,7 +79,8 @@ def main() -> int:
     summaries = launch(Path(args.code).resolve(), data, root)
     results = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).is_file() else {
         "model": "multimodal tiny, text encoder 8 x 64 (roberta arch) + resnet18 [1,1,1,1], fp32, 2 CPU ranks",
-        "measured": "summary.json memory.per_rank at step 2, bytes; params/grads/optimizer/model_state: the largest rank", "runs": {}}
+        "measured": "summary.json memory.per_rank at step 2, bytes; params/grads/optimizer/model_state: "
+                    "the largest rank", "runs": {}}
     table = results["runs"].setdefault(args.label, {})
     for s in STRATEGIES:
         row = {}
@@ -88,7 +89,8 @@ def main() -> int:
             per_rank = summary["memory"]["per_rank"]
             row[f"freeze{n}"] = {**{k: max(rec[k] for rec in per_rank.values()) for k in KEYS},
                                  "per_rank": {r: {k: rec[k] for k in KEYS} for r, rec in per_rank.items()},
-                                 "params_trainable": summary["params_trainable"], "params_total": summary["params_total"]}
+                                 "params_trainable": summary["params_trainable"],
+                                 "params_total": summary["params_total"]}
         row["model_state_saved"] = 1 - row["freeze6"]["model_state"] / row["freeze0"]["model_state"]
         row["grads_and_optimizer_saved"] = 1 - ((row["freeze6"]["grads"] + row["freeze6"]["optimizer"])
                                                 / (row["freeze0"]["grads"] + row["freeze0"]["optimizer"]))

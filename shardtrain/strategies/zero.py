@@ -242,7 +242,10 @@ class ZeroStrategy(Strategy):
         saved = saved or {}
         writer = (saved.get("strategy") or {}).get("strategy")
         extra_file = ckpt_dir / EXTRA_FILE
-        saved_frozen = (json.loads(extra_file.read_text()).get("frozen", 0) if extra_file.exists() else 0)
+        try:  # how many parameters its engine had frozen (none before this was recorded)
+            saved_frozen = json.loads(extra_file.read_text()).get("frozen", 0) if extra_file.exists() else 0
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"--resume {ckpt_dir}: cannot read {EXTRA_FILE} (corrupt?): {e}") from None
         if writer != self.name or saved.get("world_size") != self.dist.world_size:
             # The engine's own files only fit the same stage and world size; anything else is portable.
             self._warn(f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
