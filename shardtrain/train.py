@@ -146,6 +146,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     strategy.train()
     while step < t.max_steps:
         if frozen and unfreeze_at is not None and step == unfreeze_at:
+            # The last step's graph keeps the backend's hooks (and so a DeepSpeed engine about to be rebuilt) alive.
+            outputs = loss = None
             strategy.set_frozen(frozen, False)
             console.info(f"step {step}: unfroze {len(frozen)} parameter tensors")
         t0 = now()

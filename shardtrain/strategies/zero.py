@@ -142,7 +142,15 @@ class ZeroStrategy(Strategy):
                         for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
             scaler = getattr(self.engine.optimizer, "loss_scaler", None) if self.precision == "fp16" else None
         rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        self._frozen_norms = []  # modules of the old model
+        if self.stage == 3:
+            # ZeRO-3's forward hooks push modules on a module-level stack and leave the root there (0.19.8): it
+            # would keep the old model, its engine and every partition alive (found with gc.get_referrers).
+            from deepspeed.runtime.zero import parameter_offload
+            old = {id(m) for m in self._inner.modules()}
+            parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in old]
         self.engine.destroy()
+        _release_storage(self.engine, self._inner)
         self.engine = self.model = self.optimizer = self.scheduler = self._inner = None
         gc.collect()
         if self.device.type == "cuda":
@@ -444,6 +452,27 @@ def _tensors(obj):
     elif isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v)
+
+
+def _release_storage(engine, model: nn.Module) -> None:
+    """Give back the memory of a destroyed engine's partitions, moments, gradients and weights. Under ZeRO-3 the
+    engine object outlives destroy() (0.19.8: a reference from outside Python's reach, not found with
+    gc.get_referrers), so its tensors are emptied in place rather than left to the garbage collector."""
+    opt = engine.optimizer
+    inner = getattr(opt, "optimizer", None)
+    if inner is not None:
+        inner.state.clear()
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "bit16_groups_flat",
+                 "fp16_partitioned_groups_flat", "averaged_gradients", "grads_in_partition",
+                 "grad_partitions_flat_buffer"):
+        for t in _tensors(getattr(opt, name, None)):
+            t.grad = None
+            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+    for p in model.parameters():
+        p.grad = None
+        for t in (p, getattr(p, "ds_tensor", None)):
+            if t is not None:
+                t.data = torch.empty(0, dtype=t.dtype, device=t.device)
 
 
 def _z3_set_full(param, value: torch.Tensor, key: str | None) -> None:
