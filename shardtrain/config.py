@@ -130,6 +130,12 @@ class LogConfig:
     wandb_project: Optional[str] = None
     wandb_entity: Optional[str] = None
     wandb_run_name: Optional[str] = None
+    # W&B's system panels (GPU utilisation and memory, where idle GPUs show). Unset: on for CUDA runs, off on
+    # CPU, where its sampler thread only competes with data loading.
+    wandb_system_metrics: Optional[bool] = None
+    # The final model as a W&B artifact (type "model"), as HF Trainer's WANDB_LOG_MODEL=end does; unset follows
+    # that variable. Exported to --final-model-dir, or OUT/final_model when that is unset.
+    wandb_log_model: Optional[bool] = None
     verbose: bool = False
     debug: bool = False
     report: bool = True
@@ -399,7 +405,7 @@ def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
     for name, (section, f, typ) in FIELDS.items():
         names = [flag_of(name)] + FLAG_ALIASES.get(name, [])
-        if typ is bool:
+        if typ in (bool, Optional[bool]):
             # `--activation-checkpointing` alone means true; `--activation-checkpointing false` also works.
             parser.add_argument(*names, dest=name, nargs="?", const="true", default=None,
                                 metavar="{true,false}", help=f"{section}.{name}")
@@ -442,6 +448,16 @@ def parse_cli(argv: list[str]) -> Config:
         cfg.parallel.strategy = "deepspeed"
     validate(cfg)
     return cfg
+
+
+def logs_model_artifact(log: LogConfig) -> bool:
+    """--wandb-log-model, else HF's WANDB_LOG_MODEL: "end" (or the older "true"); "checkpoint" gets the final
+    model too, since shardtrain's checkpoints are sharded per strategy and an artifact should load anywhere."""
+    if log.report_to != "wandb":
+        return False
+    if log.wandb_log_model is not None:
+        return log.wandb_log_model
+    return os.environ.get("WANDB_LOG_MODEL", "false").strip().lower() in ("end", "true", "checkpoint")
 
 
 # Built-in workloads by name. Strings, so that naming one imports nothing until it is chosen.

@@ -18,7 +18,7 @@ from shardtrain.banner import memory_prediction
 from shardtrain.config import Config, is_builtin_workload
 from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
-from shardtrain.final_model import write_final_model
+from shardtrain.final_model import final_model_folder, write_final_model
 from shardtrain.gpu_guard import check_devices
 from shardtrain.memory import MemoryMonitor, construction_memory, format_table
 from shardtrain.oom import OOMRecovery
@@ -219,9 +219,10 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                "oom_recovery": oom.summary()}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step, summary["memory"]["predicted"]))
-    tracker.finish(summary)  # summary.json (with `run`), W&B summary, report.html
-    if cfg.checkpoint.final_model_dir and not preempted:
-        write_final_model(strategy, trainer_state(step, loaders, cfg), cfg, console)
+    final_model = None
+    if final_model_folder(cfg) and not preempted:  # before W&B closes: --wandb-log-model uploads it
+        final_model = write_final_model(strategy, trainer_state(step, loaders, cfg), cfg, console)
+    tracker.finish(summary, final_model)  # summary.json (with `run`), W&B summary and model, report.html
     return summary
 
 
