@@ -190,6 +190,12 @@ FLAG_ALIASES = {
     "lr_scheduler": ["--lr-scheduler-type"],
     "activation_checkpointing": ["--gradient-checkpointing"],
     "max_length": ["--max-seq-length"],
+    # HF TrainingArguments and `accelerate launch` spellings (docs/migration.md lists every one).
+    "eval_batch_size": ["--per-device-eval-batch-size"],
+    "keep_last": ["--save-total-limit"],
+    "wandb_run_name": ["--run-name"],
+    "num_workers": ["--dataloader-num-workers"],
+    "nproc": ["--num-processes"],
 }
 
 
@@ -208,6 +214,19 @@ MEANT = {
                    "per-device-batch-size x processes x grad-accum"),
     "train_batch_size": ("per_device_batch_size", "the batch of one process: the global batch is "
                          "per-device-batch-size x processes x grad-accum"),
+    "num_train_epochs": ("max_steps", "shardtrain counts optimizer steps; the banner prints the steps per epoch"),
+    "bf16": ("precision", "--precision bf16"),
+    "fp16": ("precision", "--precision fp16"),
+    "mixed_precision": ("precision", "--precision fp32|bf16|fp16"),
+    "resume_from_checkpoint": ("resume", "--resume auto, none or a checkpoint folder"),
+    # Not aliases: DeepSpeed's own launcher convention uses --deepspeed as a switch, not a file.
+    "deepspeed": ("ds", "--ds ds_configs/zero2.json, or --strategy zero2|zero3"),
+    "zero_stage": ("strategy", "--strategy zero2|zero3 (with _offload for CPU offload)"),
+    "use_deepspeed": ("strategy", "--strategy zero2|zero3, or --ds FILE"),
+    "fsdp": ("strategy", "--strategy fsdp; the wrap policy is --fsdp-policy"),
+    "use_fsdp": ("strategy", "--strategy fsdp; the wrap policy is --fsdp-policy"),
+    "eval_strategy": ("eval_every", "--eval-every N evaluates every N steps, 0 only at the end"),
+    "save_strategy": ("save_every", "--save-every N saves every N steps, and a finished run saves its last"),
 }
 
 
@@ -425,10 +444,12 @@ def _dashed_flag(arg: str) -> str:
 def parse_cli(argv: list[str]) -> Config:
     parser = build_arg_parser()
     # SageMaker passes hyperparameter names verbatim: `--per_device_batch_size 8` must work too.
-    args, unknown = parser.parse_known_args([_dashed_flag(a) for a in argv])
+    dashed = [_dashed_flag(a) for a in argv]
+    args, unknown = parser.parse_known_args(dashed)
     if unknown:
         flag = unknown[0]
-        raise ConfigError(f"unknown argument '{flag}'{_suggest_flag(flag.split('=')[0])}")
+        as_typed = argv[dashed.index(flag)] if flag in dashed else flag
+        raise ConfigError(f"unknown argument '{as_typed}'{_suggest_flag(flag.split('=')[0])}")
     data = load_yaml(args.config) if args.config else {}
     add_import_paths(args.config)  # a tasks.py beside the config imports on every rank
     cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")
