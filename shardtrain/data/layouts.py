@@ -155,7 +155,14 @@ def layout_files(fmt: str, data_dir) -> dict:
     if not root.is_dir():
         raise ConfigError(f"--dataset-format {fmt}: {where('data_dir')} folder not found: {root}")
     if fmt.startswith("mvsa"):
-        return {"train": _mvsa_root(fmt, root) / MVSA_LABEL_FILE}
+        label_file = _mvsa_root(fmt, root) / MVSA_LABEL_FILE
+        with open(label_file, "rb") as f:  # the first post's width: the other MVSA is named before any launch
+            for lineno, raw in enumerate(f, start=1):
+                fields = decode_leniently(raw)[0].strip().split("\t")
+                if fields[0] and (lineno > 1 or fields[0].upper() != "ID"):
+                    _check_annotators(fmt, f"{label_file}:{lineno}", fields)
+                    break
+        return {"train": label_file}
     tsv_dir, _ = _twitter_folders(fmt, root)
     return {split: tsv_dir / name for split, name in TWITTER_SPLITS.items() if (tsv_dir / name).is_file()}
 
@@ -169,6 +176,15 @@ def _mvsa_root(fmt: str, root: Path) -> Path:
     if not (root / "data").is_dir():
         raise ConfigError(f"--dataset-format {fmt}: the posts' folder data/ not found in {root}")
     return root
+
+
+def _check_annotators(fmt: str, at: str, fields: list[str]) -> None:
+    """The first post decides: a whole file of the other MVSA is a wrong flag, not a thousand bad lines."""
+    annotators, pairs = MVSA_ANNOTATORS[fmt], len([f for f in fields[1:] if f.strip()])
+    if pairs != annotators:
+        other = "mvsa-multiple" if annotators == 1 else "mvsa-single"
+        raise ConfigError(f"--dataset-format {fmt}: {at} has {pairs} text,image label pair(s), "
+                          f"{fmt} has {annotators} (is this {other}?)")
 
 
 def _majority(labels: list[str]) -> Optional[str]:
@@ -198,12 +214,9 @@ def read_mvsa(fmt: str, data_dir: Path) -> Layout:
             continue
         at = f"{label_file}:{lineno}"
         pairs = [f.lower().split(",") for f in fields[1:] if f]
-        if not checked_width and len(pairs) != annotators:
-            # The first post decides: a whole file of the other MVSA is a wrong flag, not a thousand bad lines.
-            other = "mvsa-multiple" if annotators == 1 else "mvsa-single"
-            raise ConfigError(f"--dataset-format {fmt}: {at} has {len(pairs)} text,image label pair(s), "
-                              f"{fmt} has {annotators} (is this {other}?)")
-        checked_width = True
+        if not checked_width:
+            _check_annotators(fmt, at, fields)
+            checked_width = True
         if (not fields[0].isdigit() or len(pairs) != annotators
                 or any(len(p) != 2 or p[0] not in LABELS or p[1] not in LABELS for p in pairs)):
             layout.drop("malformed_line", f"{at}: expected ID then {annotators} text,image pair(s) of "

@@ -9,7 +9,7 @@ from layout_copies import (DROPPED_MVSA_MULTIPLE, DROPPED_MVSA_SINGLE, DROPPED_T
 from shardtrain.cli import main as cli_main
 from shardtrain.config import ConfigError, from_dict, validate
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
-from shardtrain.data.layouts import decode_leniently, read_layout
+from shardtrain.data.layouts import decode_leniently, layout_files, read_layout
 from shardtrain.data.precheck import check_splits
 from shardtrain.data.splits import Collator
 from shardtrain.data.tokenizer import training_texts
@@ -79,9 +79,14 @@ def test_mvsa_multiple_majority_vote_and_tie(copies):
 
 
 def test_one_mvsa_read_as_the_other_is_one_line(copies):
-    with pytest.raises(ConfigError, match=r"--dataset-format mvsa-single: .*labelResultAll.txt:2 has 3 text,image "
-                                          r"label pair\(s\), mvsa-single has 1 \(is this mvsa-multiple\?\)"):
+    wrong = r"--dataset-format mvsa-single: .*labelResultAll.txt:2 has 3 text,image label pair\(s\), mvsa-single has " \
+            r"1 \(is this mvsa-multiple\?\)"
+    with pytest.raises(ConfigError, match=wrong):
         read_layout("mvsa-single", copies["mvsa-multiple"])
+    with pytest.raises(ConfigError, match=wrong):  # at start-up, before any process is launched
+        layout_files("mvsa-single", copies["mvsa-multiple"])
+    with pytest.raises(ConfigError, match="labelResultAll.txt:2 has 1 text,image label pair"):
+        layout_files("mvsa-multiple", copies["mvsa-single"])
 
 
 @pytest.mark.parametrize("name", ["twitter2015", "twitter2017"])
