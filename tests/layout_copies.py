@@ -68,7 +68,8 @@ DROPPED_MVSA_MULTIPLE = {**DROPPED_MVSA_SINGLE, "no_majority": 1}
 
 def make_twitter(root: Path, name: str = "twitter2015", n_train: int = 24, n_dev: int = 8, n_test: int = 6) -> Path:
     """IJCAI2019_data/ as unpacked: <name>/{train,dev,test}.tsv (TomBERT's header and columns) and
-    <name>_images/. In train.tsv: row 2 names a missing image, row 3 has no $T$, row 4 has 4 fields."""
+    <name>_images/. In train.tsv: row 2 names a missing image, row 3 has no $T$, row 4 has 4 fields; row 5's
+    tweet holds a U+2028 line separator."""
     top = root / "IJCAI2019_data"
     tsvs, images = top / name, top / f"{name}_images"
     tsvs.mkdir(parents=True)
@@ -85,6 +86,8 @@ def make_twitter(root: Path, name: str = "twitter2015", n_train: int = 24, n_dev
                 image_id = "404.jpg"  # not in <name>_images: dropped (missing_image)
             if split == "train" and i == 3:
                 tweet = "no target marker here"  # dropped (no_target_marker)
+            if split == "train" and i == 5:
+                tweet += "\u2028second line"  # a line separator inside a field, as real tweets have: one row
             if split == "train" and i == 4:
                 lines.append(f"{index}\t{label}\t{image_id}\t{tweet}")  # dropped (malformed_line)
                 continue

@@ -141,6 +141,13 @@ def decode_leniently(raw: bytes) -> tuple[str, int, int]:
             pos += e.end
 
 
+def file_lines(text: str):
+    """(1-based line number, line) split at newlines only: str.splitlines would also split at the U+2028, U+0085
+    and other separators a tweet may hold, making two bad rows of one good one and shifting every line number."""
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        yield lineno, line.rstrip("\r")
+
+
 def read_layout(fmt: str, data_dir) -> Layout:
     """Every split of the layout, or a ConfigError naming --dataset-format and the file or folder missing."""
     if fmt not in FORMATS:
@@ -208,7 +215,7 @@ def read_mvsa(fmt: str, data_dir: Path) -> Layout:
     layout = Layout(fmt, root, files={"train": label_file})
     annotators = MVSA_ANNOTATORS[fmt]
     rows, checked_width = [], False
-    for lineno, line in enumerate(layout.read_text(label_file).splitlines(), start=1):
+    for lineno, line in file_lines(layout.read_text(label_file)):
         fields = [f.strip() for f in line.split("\t")]
         if not line.strip() or (lineno == 1 and fields[0].upper() == "ID"):
             continue
@@ -280,7 +287,7 @@ def read_twitter(fmt: str, data_dir: Path) -> Layout:
 
 def _twitter_rows(layout: Layout, path: Path, image_dir: Path) -> list[Row]:
     rows = []
-    for lineno, line in enumerate(layout.read_text(path).splitlines(), start=1):
+    for lineno, line in file_lines(layout.read_text(path)):
         if not line.strip() or (lineno == 1 and line.lower().startswith("index\t")):
             continue
         at = f"{path}:{lineno}"

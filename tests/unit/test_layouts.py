@@ -97,6 +97,7 @@ def test_twitter_splits_target_put_back_and_paired(copies, name):
     first = layout.splits["train"][0]
     assert first.text == "RT @ fan1 : Team 1 was neutral at the game 🏀" and first.text_pair == "Team 1"
     assert first.label == "neutral" and first.line == 2   # label 1; line 1 is the header
+    assert layout.splits["train"][1].text.endswith("game 🏀\u2028second line")   # one row, not split in two
     assert {r.label for r in layout.splits["validation"]} == {"negative", "neutral", "positive"}
     assert layout.examples["missing_image"].endswith(f"train.tsv:3: image 404.jpg not found in "
                                                      f"{copies[name].resolve() / (name + '_images')}")
