@@ -157,12 +157,13 @@ def read_layout(fmt: str, data_dir) -> Layout:
 
 
 def layout_files(fmt: str, data_dir) -> dict:
-    """split -> the file a layout reads for it (found, not read): what start-up checks, cheaply."""
+    """split -> the file a layout reads for it, found but not read (MVSA: only its first post's line, for the
+    number of annotators): what start-up checks, cheaply."""
     root = Path(data_dir)
     if not root.is_dir():
         raise ConfigError(f"--dataset-format {fmt}: {where('data_dir')} folder not found: {root}")
     if fmt.startswith("mvsa"):
-        label_file = _mvsa_root(fmt, root) / MVSA_LABEL_FILE
+        label_file = _mvsa_folder(fmt, root) / MVSA_LABEL_FILE
         with open(label_file, "rb") as f:  # the first post's width: the other MVSA is named before any launch
             for lineno, raw in enumerate(f, start=1):
                 fields = decode_leniently(raw)[0].strip().split("\t")
@@ -176,7 +177,8 @@ def layout_files(fmt: str, data_dir) -> dict:
 
 # ---- MVSA
 
-def _mvsa_root(fmt: str, root: Path) -> Path:
+def _mvsa_folder(fmt: str, root: Path) -> Path:
+    """root, once its label file and posts' folder are there."""
     if not (root / MVSA_LABEL_FILE).is_file():
         raise ConfigError(f"--dataset-format {fmt}: {MVSA_LABEL_FILE} not found in {root} (--data-dir is the "
                           f"folder the dataset unpacked to, e.g. {'MVSA_Single' if fmt == 'mvsa-single' else 'MVSA'}/)")
@@ -210,7 +212,7 @@ def _agree(text_label: str, image_label: str) -> Optional[str]:
 
 
 def read_mvsa(fmt: str, data_dir: Path) -> Layout:
-    root = _mvsa_root(fmt, data_dir)
+    root = _mvsa_folder(fmt, data_dir)
     label_file = root / MVSA_LABEL_FILE
     layout = Layout(fmt, root, files={"train": label_file})
     annotators = MVSA_ANNOTATORS[fmt]
