@@ -183,6 +183,9 @@ def check_data_main(argv: list[str]) -> int:
                         help="default: multimodal if records name images")
     parser.add_argument("--num-labels", type=int, default=None,
                         help="labels must be in 0..N-1 (default: what make-data recorded, else 3)")
+    parser.add_argument("--dataset-format", default=None,
+                        help="a published layout (mvsa-single, mvsa-multiple, twitter2015, twitter2017): what its "
+                             "reader keeps and drops, and every image decoded")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
 
@@ -192,6 +195,8 @@ def check_data_main(argv: list[str]) -> int:
         from shardtrain.data import check_data
         if not Path(args.dir).is_dir():
             raise ConfigError(f"check-data: folder not found: {args.dir}")
+        if args.dataset_format:
+            return _check_layout(args.dir, args.dataset_format)
         recorded = _dataset_info(args.dir)
         kind = args.kind or recorded.get("kind") or _guess_kind(args.dir)
         num_labels = args.num_labels or recorded.get("num_labels") or 3
@@ -204,6 +209,16 @@ def check_data_main(argv: list[str]) -> int:
         return 1 if problems else 0
 
     return run_guarded(run, argv)
+
+
+def _check_layout(data_dir: str, fmt: str) -> int:
+    from shardtrain.data.check import check_layout
+
+    report, problems = check_layout(data_dir, fmt)
+    for line in report + problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {data_dir}" if problems else f"{data_dir}: no problems found")
+    return 1 if problems else 0
 
 
 def cache_images_main(argv: list[str]) -> int:

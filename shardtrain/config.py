@@ -61,6 +61,9 @@ class DataConfig:
     eval_data_dir: Optional[str] = None
     # Folder of decoded images written by `shardtrain cache-images` (data/image_cache.py); None: decode each epoch.
     image_cache: Optional[str] = None
+    # A research dataset in its published layout, read from data_dir as unpacked (data/layouts.py): no
+    # conversion script between the download and a run. None: the jsonl splits.
+    dataset_format: Optional[Literal["mvsa-single", "mvsa-multiple", "twitter2015", "twitter2017"]] = None
 
 
 @dataclass
@@ -604,6 +607,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
     if d.image_cache is not None and m.name != "multimodal":
         raise ConfigError(f"{where('image_cache')}: only the multimodal model reads images; drop it for {m.name}")
+    if d.dataset_format is not None:
+        check_dataset_format(cfg)
     if c.final_model_dir is not None and Path(c.final_model_dir).is_file():
         raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
@@ -612,6 +617,19 @@ def validate(cfg: Config) -> None:
         # A pretrained text model needs the tokenizer it was trained with; default to its own.
         d.tokenizer = m.text_model
     check_output_dir(c.output_dir)
+
+
+def check_dataset_format(cfg: Config) -> None:
+    """What a published layout cannot be combined with; its files are checked later, in data/precheck.py."""
+    d = cfg.data
+    fmt = f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')})"
+    if cfg.model.name != "multimodal":
+        raise ConfigError(f"{fmt}: the layouts pair each text with an image; train them with the multimodal "
+                          f"model, not {cfg.model.name}")
+    if d.eval_data_dir is not None:
+        raise ConfigError(f"{fmt}: the layout's own files give its validation split; drop {where('eval_data_dir')}")
+    if d.image_cache is not None:
+        raise ConfigError(f"{fmt}: {where('image_cache')} is built from jsonl splits only (for now); drop it")
 
 
 def check_output_dir(output_dir: str) -> None:

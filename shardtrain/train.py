@@ -121,11 +121,15 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "image_cache": cfg.data.image_cache,
                 "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
                 "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
+                # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
+                **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
                 "memory_prediction": (memory_prediction(cfg, world, vocab_size) if predictable else
                                       {"note": f"not predicted: shardtrain plan knows the built-in models, not {task}"})
                 if dist_info.is_rank0 else {}}
+    for line in getattr(train_ds, "data_report_lines", None) or []:
+        console.info(line)
     for split, ds in (("train", train_ds), ("validation", eval_ds)):
         if skipped(ds):
             console.info(f"--skip-bad-samples: skipped {len(skipped(ds))} bad {split} records, "

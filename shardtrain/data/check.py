@@ -1,8 +1,11 @@
 """`check-data`: every problem in a data folder, not just the first, so one pass fixes them all."""
 from __future__ import annotations
 
+from pathlib import Path
+
 from shardtrain.config import ConfigError
 from shardtrain.data.images import image_problem
+from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import iter_split, normalize_kind, split_path
 
 
@@ -29,3 +32,19 @@ def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
         if n_good == 0:
             problems.append(f"{path}: no usable records")
     return problems
+
+
+def check_layout(data_dir, fmt: str) -> tuple[list[str], list[str]]:
+    """A published layout (--dataset-format): (the reader's report, problems). What the reader drops by its
+    documented rules (disagreeing labels, missing halves) is reported, not a problem: training skips it too.
+    Problems are what would stop a run: an image that does not decode, a split with nothing left."""
+    layout = read_layout(fmt, data_dir)  # a missing file or folder: the ConfigError training would raise
+    problems = []
+    for split, rows in layout.splits.items():
+        for row in rows:
+            err = image_problem(Path(row.image))
+            if err:
+                problems.append(f"{layout.files[split]}:{row.line}: cannot decode image {row.image}: {err}")
+        if not rows:
+            problems.append(f"{layout.files[split]}: no usable posts")
+    return layout.report_lines(), problems

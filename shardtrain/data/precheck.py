@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from shardtrain.config import ConfigError, where
 from shardtrain.data.image_cache import open_image_cache
+from shardtrain.data.layouts import check_num_labels, layout_files
 from shardtrain.data.records import config_split_path, data_kind, iter_split
 
 
@@ -13,6 +14,11 @@ def check_splits(cfg) -> None:
     """Both splits' records, before any process, process group or model exists: the first bad one raises
     `file:line: message`. Cheap (no torch, no image decoding; images are only checked to exist). With
     --skip-bad-samples only the files must exist: the dataset skips and counts the bad records."""
+    if cfg.data.dataset_format:
+        # A published layout: its files and folders, not its thousands of posts (read once, by the run).
+        layout_files(cfg.data.dataset_format, cfg.data.data_dir)
+        check_num_labels(cfg.data.dataset_format, cfg.model.num_labels)
+        return
     kind = data_kind(cfg.model.name)
     for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):
         path = config_split_path(cfg, split)

@@ -22,12 +22,14 @@ from torch.utils.data import Dataset
 from shardtrain.config import Config, ConfigError, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
 from shardtrain.data.images import image_problem, load_image
+from shardtrain.data.layouts import check_num_labels, read_layout
 from shardtrain.data.records import Record, config_split_path, data_kind, iter_split
 
 
 class JsonlDataset(Dataset):
     """Items: {"text": str, "label": int} (+ "image": uint8 tensor [3, S, S] for multimodal), the image
-    decoded from its file or, with an image cache, read from the cache's memory map."""
+    decoded from its file or, with an image cache, read from the cache's memory map; + "text_pair": str when
+    the records have one."""
 
     def __init__(self, path: Path, kind: str, records: list[Record], image_size: int, skipped: list[str],
                  cache: Optional[ImageCache] = None):
@@ -40,6 +42,8 @@ class JsonlDataset(Dataset):
                 "label": [r.label for r in records]}
         if kind == "multimodal":
             rows["image"] = [r.image for r in records]
+        if any(r.text_pair is not None for r in records):
+            rows["text_pair"] = [r.text_pair for r in records]
         self.table = datasets.Dataset.from_dict(rows)
 
     def __len__(self) -> int:
@@ -48,6 +52,8 @@ class JsonlDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.table[int(i)]
         item = {"text": row["text"], "label": row["label"]}
+        if "text_pair" in row:
+            item["text_pair"] = row["text_pair"]
         if self.kind == "multimodal":
             try:
                 item["image"] = (self.cache.load(row["image"]) if self.cache is not None else
@@ -81,6 +87,8 @@ def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Op
 
 def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlDataset]:
     """(train_ds, eval_ds), validated. `tokenizer` is unused here (tokenization happens in collate), kept for the API."""
+    if cfg.data.dataset_format:
+        return layout_datasets(cfg)
     kind = data_kind(cfg.model.name)
     out = []
     for split, limit, flag in (("train", cfg.data.max_train_samples, "max_train_samples"),
@@ -95,6 +103,68 @@ def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlData
     return out[0], out[1]
 
 
+# ---- --dataset-format: a published layout (data/layouts.py) as the same datasets as the jsonl splits.
+# MVSA has no validation split. Until --validation-split-percentage exists, this share of its posts (chosen by
+# train.seed) is held out for validation.
+LAYOUT_VALIDATION_PERCENT = 10
+
+
+def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
+    """The train dataset carries `data_report` (summary.json's `data`) and `data_report_lines` (the console)."""
+    d = cfg.data
+    layout = read_layout(d.dataset_format, d.data_dir)
+    check_num_labels(d.dataset_format, cfg.model.num_labels)
+    splits = dict(layout.splits)
+    held_out = "validation" not in splits
+    if held_out:
+        splits["train"], splits["validation"] = hold_out(splits["train"], LAYOUT_VALIDATION_PERCENT,
+                                                         cfg.train.seed)
+    out = []
+    for split, limit in (("train", d.max_train_samples), ("validation", d.max_eval_samples)):
+        path = layout.files.get(split, layout.files["train"])
+        records = [Record(r.line, r.text, layout.labels.index(r.label), r.image, r.text_pair) for r in splits[split]]
+        records, skipped = _decodable(path, records, d.skip_bad_samples, limit)
+        if not records:
+            dropped = "; ".join(f"{n} {why}" for why, n in sorted(layout.dropped.items())) or "nothing dropped"
+            raise ConfigError(f"--dataset-format {d.dataset_format}: no usable {split} posts in {layout.root} "
+                              f"({dropped}; shardtrain check-data {layout.root} --dataset-format "
+                              f"{d.dataset_format} shows why)")
+        out.append(JsonlDataset(path, "multimodal", records, d.image_size, skipped))
+    report, lines = layout.report(), layout.report_lines()
+    if held_out:
+        report["validation_held_out"] = {"percent": LAYOUT_VALIDATION_PERCENT, "seed": cfg.train.seed,
+                                         "posts": len(splits["validation"])}
+        lines.insert(1, f"--dataset-format {d.dataset_format}: no validation split of its own; "
+                        f"{len(splits['validation'])} posts ({LAYOUT_VALIDATION_PERCENT}%, chosen by train.seed "
+                        f"{cfg.train.seed}) held out for validation")
+    out[0].data_report, out[0].data_report_lines = report, lines
+    return out[0], out[1]
+
+
+def hold_out(rows: list, percent: int, seed: int) -> tuple[list, list]:
+    """(kept, held out): `percent` of rows (at least one), the same ones for the same seed, each list in file order."""
+    import random
+
+    n = max(1, len(rows) * percent // 100) if len(rows) > 1 else 0
+    chosen = set(random.Random(seed).sample(range(len(rows)), n))
+    return ([r for i, r in enumerate(rows) if i not in chosen], [r for i, r in enumerate(rows) if i in chosen])
+
+
+def _decodable(path: Path, records: list[Record], skip_bad: bool, limit: Optional[int]):
+    """(records, skipped messages), at most `limit` records. With skip_bad every image is decoded once here, as
+    read_split does for the jsonl splits; without, a bad image stops the run when it is loaded."""
+    kept, skipped = [], []
+    for rec in records:
+        if limit is not None and len(kept) >= limit:
+            break
+        err = image_problem(Path(rec.image)) if skip_bad else None
+        if err:
+            skipped.append(f"{path}:{rec.line}: cannot decode image {rec.image}: {err}")
+        else:
+            kept.append(rec)
+    return kept, skipped
+
+
 class Collator:
     """Tokenizes a list of items into a padded batch. A class, not a closure, so DataLoader workers can pickle it.
 
@@ -107,7 +177,10 @@ class Collator:
         self.multimodal, self.pad_to_multiple_of = multimodal, pad_to_multiple_of
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        enc = self.tokenizer([it["text"] for it in items], padding="longest", truncation=True,
+        # A sentence pair (a layout's tweet and its target) is encoded as one sequence with the tokenizer's own
+        # separators; truncation trims the longer of the two first.
+        pairs = [it["text_pair"] for it in items] if "text_pair" in items[0] else None
+        enc = self.tokenizer([it["text"] for it in items], pairs, padding="longest", truncation=True,
                              max_length=self.max_length, return_tensors="pt")
         ids, mask = enc["input_ids"], enc["attention_mask"]
         if self.pad_to_multiple_of:

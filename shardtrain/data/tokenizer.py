@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from shardtrain.config import Config, ConfigError, where
+from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import split_path, read_texts
 
 # RoBERTa's order, so a randomly initialised RobertaModel's pad_token_id=1 default is right.
@@ -37,7 +38,7 @@ def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callabl
     tok_dir = Path(run_dir) / "tokenizer"
     # A resumed run reuses the saved tokenizer: retraining could renumber the vocabulary under the checkpoint.
     if is_rank0 and not (tok_dir / "tokenizer.json").is_file():
-        texts = list(read_texts(split_path(cfg.data.data_dir, "train")))
+        texts, _ = training_texts(cfg)
         _save_atomically(train_bpe(texts, cfg.data.tokenizer_vocab_size), tok_dir)
     barrier()
     return AutoTokenizer.from_pretrained(str(tok_dir))
@@ -56,10 +57,21 @@ def planned_vocab_size(cfg: Config) -> tuple[int | None, str]:
         except Exception:  # noqa: BLE001 - not here: the architecture's own vocabulary stands in
             return None, f"{cfg.data.tokenizer} not found locally"
     try:
-        path = split_path(cfg.data.data_dir, "train")
+        texts, path = training_texts(cfg)
     except ConfigError:
         return cfg.data.tokenizer_vocab_size, "tokenizer_vocab_size (an upper bound: no training data to train it on)"
-    return len(train_bpe(list(read_texts(path)), cfg.data.tokenizer_vocab_size)), f"the tokenizer trained on {path}"
+    return len(train_bpe(texts, cfg.data.tokenizer_vocab_size)), f"the tokenizer trained on {path}"
+
+
+def training_texts(cfg: Config) -> tuple[list[str], Path]:
+    """(the training split's texts, the file they come from): a published layout's texts and text pairs
+    (--dataset-format), else train.jsonl's."""
+    if cfg.data.dataset_format:
+        layout = read_layout(cfg.data.dataset_format, cfg.data.data_dir)
+        rows = layout.splits["train"]
+        return [r.text for r in rows] + [r.text_pair for r in rows if r.text_pair], layout.files["train"]
+    path = split_path(cfg.data.data_dir, "train")
+    return list(read_texts(path)), path
 
 
 def train_bpe(texts: list[str], vocab_size: int):
