@@ -61,6 +61,8 @@ class DataConfig:
     eval_data_dir: Optional[str] = None
     # Folder of decoded images written by `shardtrain cache-images` (data/image_cache.py); None: decode each epoch.
     image_cache: Optional[str] = None
+    # Processes that tokenise through datasets.map (its num_proc); None: this process. The result is cached.
+    preprocessing_num_workers: Optional[int] = None
 
 
 @dataclass
@@ -563,6 +565,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{where('inject_oom_above')} must be >= 0, got {t.inject_oom_above}")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
+    if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
+        raise ConfigError(f"{where('preprocessing_num_workers')} must be a positive number of processes, "
+                          f"got {d.preprocessing_num_workers}")
     if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
         raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
     if d.image_cache is not None and m.name != "multimodal":

@@ -48,6 +48,8 @@ class JsonlDataset(Dataset):
     def __getitem__(self, i: int) -> dict:
         row = self.table[int(i)]
         item = {"text": row["text"], "label": row["label"]}
+        if "input_ids" in row:  # tokenised ahead by tokenize(); collate only pads
+            item["input_ids"], item["attention_mask"] = row["input_ids"], row["attention_mask"]
         if self.kind == "multimodal":
             try:
                 item["image"] = (self.cache.load(row["image"]) if self.cache is not None else
@@ -56,6 +58,15 @@ class JsonlDataset(Dataset):
                 why = str(e) if isinstance(e, UndecodableImage) else f"{type(e).__name__}: {e}"
                 raise ConfigError(f"{self.path}:{row['line']}: cannot decode image {row['image']}: {why}") from None
         return item
+
+
+    def tokenize(self, tokenizer, max_length: int, num_proc: Optional[int], is_rank0: bool, barrier):
+        """Adds input_ids / attention_mask to every row, through datasets.map's cache (data/preprocess.py)."""
+        from shardtrain.data.preprocess import tokenize_table
+
+        done = tokenize_table(self.table, tokenizer, max_length, num_proc, is_rank0, barrier)
+        self.table = done.dataset
+        return done
 
 
 def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Optional[int],
@@ -80,19 +91,20 @@ def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Op
 
 
 def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlDataset]:
-    """(train_ds, eval_ds), validated. `tokenizer` is unused here (tokenization happens in collate), kept for the API."""
+    """(train_ds, eval_ds), validated. `tokenizer` is unused here (JsonlDataset.tokenize adds the ids), kept for the API."""
+    return build_split(cfg, "train"), build_split(cfg, "validation")
+
+
+def build_split(cfg: Config, split: str) -> JsonlDataset:
     kind = data_kind(cfg.model.name)
-    out = []
-    for split, limit, flag in (("train", cfg.data.max_train_samples, "max_train_samples"),
-                               ("validation", cfg.data.max_eval_samples, "max_eval_samples")):
-        path = config_split_path(cfg, split)
-        cache = open_image_cache(cfg, path)
-        records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit, cache)
-        if not records:
-            why = f" ({len(skipped)} bad records skipped)" if skipped else ""
-            raise ConfigError(f"{where('data_dir')}: no usable records in {path}{why}")
-        out.append(JsonlDataset(path, kind, records, cfg.data.image_size, skipped, cache))
-    return out[0], out[1]
+    limit = cfg.data.max_train_samples if split == "train" else cfg.data.max_eval_samples
+    path = config_split_path(cfg, split)
+    cache = open_image_cache(cfg, path)
+    records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit, cache)
+    if not records:
+        why = f" ({len(skipped)} bad records skipped)" if skipped else ""
+        raise ConfigError(f"{where('data_dir')}: no usable records in {path}{why}")
+    return JsonlDataset(path, kind, records, cfg.data.image_size, skipped, cache)
 
 
 class Collator:
@@ -107,8 +119,13 @@ class Collator:
         self.multimodal, self.pad_to_multiple_of = multimodal, pad_to_multiple_of
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        enc = self.tokenizer([it["text"] for it in items], padding="longest", truncation=True,
-                             max_length=self.max_length, return_tensors="pt")
+        if "input_ids" in items[0]:
+            # Tokenised (and truncated) ahead through datasets.map: only padding is left, to the same ids.
+            enc = self.tokenizer.pad([{"input_ids": it["input_ids"], "attention_mask": it["attention_mask"]}
+                                      for it in items], padding="longest", return_tensors="pt")
+        else:
+            enc = self.tokenizer([it["text"] for it in items], padding="longest", truncation=True,
+                                 max_length=self.max_length, return_tensors="pt")
         ids, mask = enc["input_ids"], enc["attention_mask"]
         if self.pad_to_multiple_of:
             # Padded here, not with the tokenizer's pad_to_multiple_of: transformers refuses that unless
