@@ -61,6 +61,8 @@ class DataConfig:
     eval_data_dir: Optional[str] = None
     # Folder of decoded images written by `shardtrain cache-images` (data/image_cache.py); None: decode each epoch.
     image_cache: Optional[str] = None
+    # Read the training split as a stream (a datasets.IterableDataset) instead of into memory: data bigger than RAM.
+    streaming: bool = False
     # Processes that tokenise through datasets.map (its num_proc); None: this process. The result is cached.
     preprocessing_num_workers: Optional[int] = None
 

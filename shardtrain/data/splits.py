@@ -114,9 +114,12 @@ class Collator:
     rounded up to a multiple of the attention window: Longformer would otherwise pad inside forward, on every step.
     """
 
-    def __init__(self, tokenizer, max_length: int, multimodal: bool, pad_to_multiple_of: Optional[int] = None):
+    def __init__(self, tokenizer, max_length: int, multimodal: bool, pad_to_multiple_of: Optional[int] = None,
+                 image_root: Optional[Path] = None, image_size: int = 224):
         self.tokenizer, self.max_length = tokenizer, max_length
         self.multimodal, self.pad_to_multiple_of = multimodal, pad_to_multiple_of
+        # Streamed examples carry the image's path (relative to the data file's folder), decoded here.
+        self.image_root, self.image_size = image_root, image_size
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         if "input_ids" in items[0]:
@@ -136,11 +139,20 @@ class Collator:
         batch = {"input_ids": ids, "attention_mask": mask,
                  "labels": torch.tensor([it["label"] for it in items], dtype=torch.long)}
         if self.multimodal:
-            batch["pixel_values"] = torch.stack([it["image"] for it in items])
+            batch["pixel_values"] = torch.stack([self._image(it["image"]) for it in items])
         return batch
+
+    def _image(self, image) -> torch.Tensor:
+        if not isinstance(image, str):
+            return image
+        try:
+            return load_image(self.image_root / image, self.image_size)
+        except Exception as e:  # noqa: BLE001 - a corrupt file found mid-stream: one line naming it
+            raise ConfigError(f"{self.image_root / image}: cannot decode image: {type(e).__name__}: {e}") from None
 
 
 def make_collator(cfg: Config, tokenizer) -> Collator:
     longdoc = data_kind(cfg.model.name) == "longdoc"
     return Collator(tokenizer, cfg.data.max_length, multimodal=not longdoc,
-                    pad_to_multiple_of=cfg.model.attention_window if longdoc else None)
+                    pad_to_multiple_of=cfg.model.attention_window if longdoc else None,
+                    image_root=Path(cfg.data.data_dir), image_size=cfg.data.image_size)

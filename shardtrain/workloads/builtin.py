@@ -20,7 +20,8 @@ def _barrier() -> None:
 
 
 class JsonlWorkload(Workload):
-    """train.jsonl / validation.jsonl under data.data_dir, tokenised through datasets.map; the model from `model:`."""
+    """train.jsonl / validation.jsonl under data.data_dir (tokenised through datasets.map, or streamed and
+    tokenised in collate with --streaming); the model from `model:`."""
 
     def __init__(self, cfg, **args):
         super().__init__(cfg, **args)
@@ -39,8 +40,14 @@ class JsonlWorkload(Workload):
         from shardtrain.data.splits import JsonlDataset, build_split
         d = self.cfg.data
         # Records are validated before the tokenizer is trained.
-        train, validation = build_split(self.cfg, "train"), build_split(self.cfg, "validation")
-        # Tokenised once, through datasets.map's cache, which a second run on the same data reuses.
+        if d.streaming:
+            from shardtrain.data.streaming import jsonl_train_stream
+            train = jsonl_train_stream(self.cfg)
+        else:
+            train = build_split(self.cfg, "train")
+        validation = build_split(self.cfg, "validation")
+        # A stream is tokenised in collate, batch by batch (datasets caches no map over a stream); the in-memory
+        # splits once, through datasets.map's cache, which a second run on the same data reuses.
         for split, ds in (("train", train), ("validation", validation)):
             if isinstance(ds, JsonlDataset):
                 done = ds.tokenize(self.tokenizer, d.max_length, d.preprocessing_num_workers, _rank0(), _barrier)
