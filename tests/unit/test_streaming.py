@@ -102,3 +102,25 @@ def test_build_loaders_streams_a_datasets_iterable_and_refuses_other_iterables(t
 
     with pytest.raises(ConfigError, match="Workload.datasets.. returned a Plain .*datasets.IterableDataset"):
         build_loaders(cfg, None, Plain(), None, 0, 1, "cpu", collate=ids)
+
+
+def test_jsonl_stream_checks_lines_first_and_skips_bad_ones_by_row(tmp_path):
+    """--streaming checks every line before training (file:line, as in memory); --skip-bad-samples leaves
+    those rows out of the stream, which still reads through datasets' json loader."""
+    from shardtrain.config import Config
+    from shardtrain.data.streaming import jsonl_train_stream
+
+    rows = [{"text": f"doc {i}", "label": i % 3} for i in range(6)]
+    rows[2]["label"] = 7
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = Config()
+    cfg.model.name, cfg.model.num_labels, cfg.data.data_dir = "longformer", 3, str(tmp_path)
+    with pytest.raises(ConfigError, match=r"train.jsonl:3: label 7 is outside 0..2"):
+        jsonl_train_stream(cfg)
+    cfg.data.skip_bad_samples = True
+    stream = jsonl_train_stream(cfg)
+    assert [r["text"] for r in stream] == ["doc 0", "doc 1", "doc 3", "doc 4", "doc 5"]
+    assert len(stream.skipped) == 1 and stream.column_names == ["text", "label"]
+    (tmp_path / "train.jsonl").write_text((tmp_path / "train.jsonl").read_text() + "{oops\n")
+    with pytest.raises(ConfigError, match=r"train.jsonl:7: invalid JSON.*cannot skip invalid JSON"):
+        jsonl_train_stream(cfg)
