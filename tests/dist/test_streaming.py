@@ -8,7 +8,7 @@ from launch import test_env, tiny_args, torchrun
 # 45 examples split by node: 23 and 22, so the ranks' passes end at different steps and mid-batch; 8 per
 # batch, the kill at step 5 falls in every rank's second pass, and the resume reads from the step-4 position.
 STREAM = ["--streaming", "true", "--max-train-samples", "45", "--per-device-batch-size", "8",
-          "--save-every", "2", "--max-steps", "6", "--eval-every", "0"]
+          "--save-every", "2", "--max-steps", "6", "--eval-every", "0", "--max-eval-samples", "16"]
 
 
 def losses(out) -> list[float]:
@@ -21,7 +21,7 @@ def test_streaming_kill9_resumes_exactly_under_two_ranks(mm_data, tmp_path):
     through datasets.map, the restarts from its cache file."""
     cache = tmp_path / "hf_datasets_cache"  # cold for the first run
     ref = torchrun(tiny_args("multimodal", mm_data, tmp_path / "ref", *STREAM), env=test_env(HF_DATASETS_CACHE=cache))
-    assert "streamed train" in ref.output and "validation: 64 token sequences tokenised and cached" in ref.output
+    assert "streamed train" in ref.output and "validation: 16 token sequences tokenised and cached" in ref.output
     out = tmp_path / "killed"
     env = test_env(SHARDTRAIN_FAULT="step@5:1", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired", HF_DATASETS_CACHE=cache)
     run = torchrun(tiny_args("multimodal", mm_data, out, *STREAM, "--resume", "auto"), env=env,
@@ -29,7 +29,7 @@ def test_streaming_kill9_resumes_exactly_under_two_ranks(mm_data, tmp_path):
     assert run.output.count("[fault injection]") == 1, run.tail()
     resumed = [line.split(" at step ")[1] for line in run.output.splitlines() if line.startswith("resumed from ")]
     assert resumed == ["4"], run.tail()
-    assert "validation: 64 token sequences loaded from the datasets cache" in run.output, run.tail()
+    assert "validation: 16 token sequences loaded from the datasets cache" in run.output, run.tail()
     assert "tokenised and cached" not in run.output, run.tail()
     ref_losses, got = losses(tmp_path / "ref"), losses(out)
     state = json.loads((out / "checkpoints" / "step-000006" / "trainer_state.json").read_text())["data"]

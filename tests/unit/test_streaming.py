@@ -124,3 +124,17 @@ def test_jsonl_stream_checks_lines_first_and_skips_bad_ones_by_row(tmp_path):
     (tmp_path / "train.jsonl").write_text((tmp_path / "train.jsonl").read_text() + "{oops\n")
     with pytest.raises(ConfigError, match=r"train.jsonl:7: invalid JSON.*cannot skip invalid JSON"):
         jsonl_train_stream(cfg)
+
+
+def test_a_checkpoint_of_the_other_kind_is_refused_by_name():
+    """--streaming on or off must match the checkpoint: the two positions mean different things."""
+    import torch
+
+    from shardtrain.data.loaders import TrainStream
+
+    s = stream()
+    in_memory = TrainStream(torch.utils.data.TensorDataset(torch.arange(12)), list, 3, 0, 1, 0, {})
+    with pytest.raises(ConfigError, match="saved with --streaming .* on; resume with it on"):
+        in_memory.load_state_dict(s.checkpoint_state())
+    with pytest.raises(ConfigError, match="--streaming .* is on, but the checkpoint was saved without it"):
+        s.load_state_dict(in_memory.checkpoint_state())
