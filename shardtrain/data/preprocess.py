@@ -14,10 +14,13 @@ window multiple), so the ids a batch holds are those today's tokenize-in-collate
 from __future__ import annotations
 
 import json
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
+
+from shardtrain.config import ConfigError
 
 # Bump when what `Tokenize` writes changes: cache files of the old form must stop matching.
 FORMAT_VERSION = 1
@@ -74,7 +77,12 @@ def tokenize_table(table, tokenizer, max_length: int, num_proc: Optional[int], i
 
     fingerprint = Hasher.hash([FORMAT_VERSION, table._fingerprint, tokenizer_fingerprint(tokenizer), max_length])
     path = cache_dir() / f"{fingerprint}.arrow"
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()  # datasets writes beside the file, then renames
+    except OSError as e:
+        raise ConfigError(f"HF_DATASETS_CACHE: cannot write the tokenised splits in {path.parent} "
+                          f"({e.strerror}); point HF_DATASETS_CACHE to a writable folder") from None
     t0 = time.perf_counter()
     # With num_proc, datasets writes one file per worker with a `_0000N_of_0000M` suffix beside `path`.
     from_cache = any(path.parent.glob(f"{fingerprint}*.arrow"))

@@ -91,3 +91,16 @@ def test_preprocessing_num_workers_splits_the_map_and_the_ids_agree(mm_dir, cach
         f.unlink()
     ds, done = tokenized(cfg, tok, num_proc=2)
     assert len(list(cache.glob("*_of_00002.arrow"))) == 2 and ds.table["input_ids"] == one
+
+
+def test_unwritable_cache_is_one_line_naming_the_variable(mm_dir, tmp_path, monkeypatch):
+    import datasets.config
+
+    from shardtrain.config import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", blocker / "hf")  # a folder under a file
+    cfg = make_cfg(mm_dir)
+    with pytest.raises(ConfigError, match="HF_DATASETS_CACHE: cannot write the tokenised splits in .*a-file"):
+        tokenized(cfg, build_tokenizer(cfg, tmp_path, True, lambda: None))
