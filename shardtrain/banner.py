@@ -65,8 +65,11 @@ def format_banner(info: dict) -> str:
                  f"{info['params_frozen']:,} frozen")
     lines.append(f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
                  f"{info['world_size']} = global {info['global_batch_size']}")
-    lines.append(f"  data        {info['train_examples']:,} train | {info['eval_examples']:,} eval | "
-                 f"{info['steps_per_epoch']:,} steps/epoch | {info.get('max_steps', '?')} steps" +
+    # None: a --streaming training split, whose length is unknown until read.
+    train = "streamed" if info["train_examples"] is None else f"{info['train_examples']:,}"
+    per_epoch = "?" if info["steps_per_epoch"] is None else f"{info['steps_per_epoch']:,}"
+    lines.append(f"  data        {train} train | {info['eval_examples']:,} eval | "
+                 f"{per_epoch} steps/epoch | {info.get('max_steps', '?')} steps" +
                  (f" | images from cache {info['image_cache']}" if info.get("image_cache") else ""))
     mem = info.get("memory_prediction") or {}
     if "note" in mem and len(mem) == 1:

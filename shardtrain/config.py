@@ -64,6 +64,10 @@ class DataConfig:
     # A research dataset in its published layout, read from data_dir as unpacked (data/layouts.py): no
     # conversion script between the download and a run. None: the jsonl splits.
     dataset_format: Optional[Literal["mvsa-single", "mvsa-multiple", "twitter2015", "twitter2017"]] = None
+    # Read the training split as a stream (a datasets.IterableDataset) instead of into memory: data bigger than RAM.
+    streaming: bool = False
+    # Processes that tokenise through datasets.map (its num_proc); None: this process. The result is cached.
+    preprocessing_num_workers: Optional[int] = None
 
 
 @dataclass
@@ -603,6 +607,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{where('inject_oom_above')} must be >= 0, got {t.inject_oom_above}")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
+    if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
+        raise ConfigError(f"{where('preprocessing_num_workers')} must be a positive number of processes, "
+                          f"got {d.preprocessing_num_workers}")
     if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
         raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
     if d.image_cache is not None and m.name != "multimodal":

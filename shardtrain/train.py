@@ -248,7 +248,7 @@ def save(strategy, step: int, loaders, cfg: Config, tracker, out: Path, seconds:
 
 
 def trainer_state(step: int, loaders, cfg: Config) -> dict:
-    return {"step": step, "data": loaders.train.state_dict(), "config": cfg.to_dict()}
+    return {"step": step, "data": loaders.train.checkpoint_state(), "config": cfg.to_dict()}
 
 
 def parameter_counts(strategy, frozen: set[str]) -> dict:

@@ -54,6 +54,8 @@ class JsonlDataset(Dataset):
         item = {"text": row["text"], "label": row["label"]}
         if "text_pair" in row:
             item["text_pair"] = row["text_pair"]
+        if "input_ids" in row:  # tokenised ahead by tokenize(); collate only pads
+            item["input_ids"], item["attention_mask"] = row["input_ids"], row["attention_mask"]
         if self.kind == "multimodal":
             try:
                 item["image"] = (self.cache.load(row["image"]) if self.cache is not None else
@@ -62,6 +64,15 @@ class JsonlDataset(Dataset):
                 why = str(e) if isinstance(e, UndecodableImage) else f"{type(e).__name__}: {e}"
                 raise ConfigError(f"{self.path}:{row['line']}: cannot decode image {row['image']}: {why}") from None
         return item
+
+
+    def tokenize(self, tokenizer, max_length: int, num_proc: Optional[int], is_rank0: bool, barrier):
+        """Adds input_ids / attention_mask to every row, through datasets.map's cache (data/preprocess.py)."""
+        from shardtrain.data.preprocess import tokenize_table
+
+        done = tokenize_table(self.table, tokenizer, max_length, num_proc, is_rank0, barrier)
+        self.table = done.dataset
+        return done
 
 
 def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Optional[int],
@@ -86,21 +97,22 @@ def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Op
 
 
 def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlDataset]:
-    """(train_ds, eval_ds), validated. `tokenizer` is unused here (tokenization happens in collate), kept for the API."""
+    """(train_ds, eval_ds), validated. `tokenizer` is unused here (JsonlDataset.tokenize adds the ids), kept for the API."""
     if cfg.data.dataset_format:
         return layout_datasets(cfg)
+    return build_split(cfg, "train"), build_split(cfg, "validation")
+
+
+def build_split(cfg: Config, split: str) -> JsonlDataset:
     kind = data_kind(cfg.model.name)
-    out = []
-    for split, limit, flag in (("train", cfg.data.max_train_samples, "max_train_samples"),
-                               ("validation", cfg.data.max_eval_samples, "max_eval_samples")):
-        path = config_split_path(cfg, split)
-        cache = open_image_cache(cfg, path)
-        records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit, cache)
-        if not records:
-            why = f" ({len(skipped)} bad records skipped)" if skipped else ""
-            raise ConfigError(f"{where('data_dir')}: no usable records in {path}{why}")
-        out.append(JsonlDataset(path, kind, records, cfg.data.image_size, skipped, cache))
-    return out[0], out[1]
+    limit = cfg.data.max_train_samples if split == "train" else cfg.data.max_eval_samples
+    path = config_split_path(cfg, split)
+    cache = open_image_cache(cfg, path)
+    records, skipped = read_split(path, kind, cfg.model.num_labels, cfg.data.skip_bad_samples, limit, cache)
+    if not records:
+        why = f" ({len(skipped)} bad records skipped)" if skipped else ""
+        raise ConfigError(f"{where('data_dir')}: no usable records in {path}{why}")
+    return JsonlDataset(path, kind, records, cfg.data.image_size, skipped, cache)
 
 
 # ---- --dataset-format: a published layout (data/layouts.py) as the same datasets as the jsonl splits.
@@ -172,16 +184,24 @@ class Collator:
     rounded up to a multiple of the attention window: Longformer would otherwise pad inside forward, on every step.
     """
 
-    def __init__(self, tokenizer, max_length: int, multimodal: bool, pad_to_multiple_of: Optional[int] = None):
+    def __init__(self, tokenizer, max_length: int, multimodal: bool, pad_to_multiple_of: Optional[int] = None,
+                 image_root: Optional[Path] = None, image_size: int = 224):
         self.tokenizer, self.max_length = tokenizer, max_length
         self.multimodal, self.pad_to_multiple_of = multimodal, pad_to_multiple_of
+        # Streamed examples carry the image's path (relative to the data file's folder), decoded here.
+        self.image_root, self.image_size = image_root, image_size
 
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
-        # A sentence pair (a layout's tweet and its target) is encoded as one sequence with the tokenizer's own
-        # separators; truncation trims the longer of the two first.
-        pairs = [it["text_pair"] for it in items] if "text_pair" in items[0] else None
-        enc = self.tokenizer([it["text"] for it in items], pairs, padding="longest", truncation=True,
-                             max_length=self.max_length, return_tensors="pt")
+        if "input_ids" in items[0]:
+            # Tokenised (and truncated) ahead through datasets.map: only padding is left, to the same ids.
+            enc = self.tokenizer.pad([{"input_ids": it["input_ids"], "attention_mask": it["attention_mask"]}
+                                      for it in items], padding="longest", return_tensors="pt")
+        else:
+            # A sentence pair (a layout's tweet and its target) is encoded as one sequence with the tokenizer's
+            # own separators; truncation trims the longer of the two first.
+            pairs = [it["text_pair"] for it in items] if "text_pair" in items[0] else None
+            enc = self.tokenizer([it["text"] for it in items], pairs, padding="longest", truncation=True,
+                                 max_length=self.max_length, return_tensors="pt")
         ids, mask = enc["input_ids"], enc["attention_mask"]
         if self.pad_to_multiple_of:
             # Padded here, not with the tokenizer's pad_to_multiple_of: transformers refuses that unless
@@ -192,11 +212,20 @@ class Collator:
         batch = {"input_ids": ids, "attention_mask": mask,
                  "labels": torch.tensor([it["label"] for it in items], dtype=torch.long)}
         if self.multimodal:
-            batch["pixel_values"] = torch.stack([it["image"] for it in items])
+            batch["pixel_values"] = torch.stack([self._image(it["image"]) for it in items])
         return batch
+
+    def _image(self, image) -> torch.Tensor:
+        if not isinstance(image, str):
+            return image
+        try:
+            return load_image(self.image_root / image, self.image_size)
+        except Exception as e:  # noqa: BLE001 - a corrupt file found mid-stream: one line naming it
+            raise ConfigError(f"{self.image_root / image}: cannot decode image: {type(e).__name__}: {e}") from None
 
 
 def make_collator(cfg: Config, tokenizer) -> Collator:
     longdoc = data_kind(cfg.model.name) == "longdoc"
     return Collator(tokenizer, cfg.data.max_length, multimodal=not longdoc,
-                    pad_to_multiple_of=cfg.model.attention_window if longdoc else None)
+                    pad_to_multiple_of=cfg.model.attention_window if longdoc else None,
+                    image_root=Path(cfg.data.data_dir), image_size=cfg.data.image_size)

@@ -20,7 +20,8 @@ def _barrier() -> None:
 
 
 class JsonlWorkload(Workload):
-    """train.jsonl / validation.jsonl under data.data_dir, tokenized in collate; the model from `model:`."""
+    """train.jsonl / validation.jsonl under data.data_dir (tokenised through datasets.map, or streamed and
+    tokenised in collate with --streaming); the model from `model:`."""
 
     def __init__(self, cfg, **args):
         super().__init__(cfg, **args)
@@ -36,9 +37,27 @@ class JsonlWorkload(Workload):
         return self._tokenizer
 
     def datasets(self):
-        from shardtrain.data import build_datasets
-        train, validation = build_datasets(self.cfg)  # records validated before the tokenizer is trained
-        self.tokenizer
+        from shardtrain.data.splits import JsonlDataset, build_split, layout_datasets
+        d = self.cfg.data
+        # Records are validated before the tokenizer is trained.
+        if d.dataset_format:
+            train, validation = layout_datasets(self.cfg)
+        else:
+            if d.streaming:
+                from shardtrain.data.streaming import jsonl_train_stream
+                train = jsonl_train_stream(self.cfg)
+            else:
+                train = build_split(self.cfg, "train")
+            validation = build_split(self.cfg, "validation")
+        # A stream is tokenised in collate, batch by batch (datasets caches no map over a stream); the in-memory
+        # splits once, through datasets.map's cache, which a second run on the same data reuses.
+        for split, ds in (("train", train), ("validation", validation)):
+            if isinstance(ds, JsonlDataset):
+                done = ds.tokenize(self.tokenizer, d.max_length, d.preprocessing_num_workers, _rank0(), _barrier)
+                if _rank0():
+                    how = (f"loaded from the datasets cache {done.cache_file.parent}" if done.from_cache else
+                           f"tokenised and cached in {done.cache_file.parent}")
+                    print(f"{split}: {len(ds):,} token sequences {how} in {done.seconds:.2f}s", flush=True)
         return train, validation
 
     def collate(self, samples):
