@@ -121,6 +121,11 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "image_cache": cfg.data.image_cache,
                 "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
                 "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
+                "unlabelled_dropped": {"train": getattr(train_ds, "unlabelled", 0),
+                                       "validation": getattr(eval_ds, "unlabelled", 0)},
+                "data_source": getattr(train_ds, "source", None) or {"source": "workload"
+                                                                      if not predictable else "data_dir"},
+                "label_names": cfg.data.label_names,
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
                 "memory_prediction": (memory_prediction(cfg, world, vocab_size) if predictable else

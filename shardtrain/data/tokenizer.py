@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from shardtrain.config import Config, ConfigError, where
 from shardtrain.data.records import split_path, read_texts
@@ -17,8 +17,10 @@ from shardtrain.data.records import split_path, read_texts
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
-def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callable[[], None]):
-    """-> PreTrainedTokenizerFast (in transformers 5 that is `TokenizersBackend`)."""
+def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callable[[], None],
+                    train_texts: Optional[Callable[[], list[str]]] = None):
+    """-> PreTrainedTokenizerFast (in transformers 5 that is `TokenizersBackend`). `train_texts`: the training
+    text of a source other than the jsonl --data-dir layout (shardtrain/data/sources.py), to train a BPE on."""
     from transformers import AutoTokenizer
 
     if cfg.data.tokenizer:
@@ -37,7 +39,7 @@ def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callabl
     tok_dir = Path(run_dir) / "tokenizer"
     # A resumed run reuses the saved tokenizer: retraining could renumber the vocabulary under the checkpoint.
     if is_rank0 and not (tok_dir / "tokenizer.json").is_file():
-        texts = list(read_texts(split_path(cfg.data.data_dir, "train")))
+        texts = train_texts() if train_texts else list(read_texts(split_path(cfg.data.data_dir, "train")))
         _save_atomically(train_bpe(texts, cfg.data.tokenizer_vocab_size), tok_dir)
     barrier()
     return AutoTokenizer.from_pretrained(str(tok_dir))

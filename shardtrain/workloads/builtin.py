@@ -1,4 +1,5 @@
-"""What the two built-in workloads share: jsonl records, a tokenizer, the model section of the config."""
+"""What the two built-in workloads share: the data a config names (jsonl records or any source of
+shardtrain/data/sources.py), a tokenizer, the model section of the config."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,24 +21,33 @@ def _barrier() -> None:
 
 
 class JsonlWorkload(Workload):
-    """train.jsonl / validation.jsonl under data.data_dir, tokenized in collate; the model from `model:`."""
+    """train.jsonl / validation.jsonl under data.data_dir, or the splits another source gives (--dataset-name,
+    --train-file, --train-dir), tokenized in collate; the model from `model:`."""
 
     def __init__(self, cfg, **args):
         super().__init__(cfg, **args)
         self._tokenizer = None
         self._collator = None
+        self._train_texts = None  # a source's training text, for the BPE a random-init model trains
 
     @property
     def tokenizer(self):
         # Trained on rank 0 into the output dir (or loaded from the hub) the first time it is needed.
         if self._tokenizer is None:
             from shardtrain.data import build_tokenizer
-            self._tokenizer = build_tokenizer(self.cfg, Path(self.cfg.checkpoint.output_dir), _rank0(), _barrier)
+            self._tokenizer = build_tokenizer(self.cfg, Path(self.cfg.checkpoint.output_dir), _rank0(), _barrier,
+                                              self._train_texts)
         return self._tokenizer
 
     def datasets(self):
-        from shardtrain.data import build_datasets
-        train, validation = build_datasets(self.cfg)  # records validated before the tokenizer is trained
+        from shardtrain.data.sources import source_of
+        if source_of(self.cfg) == "data_dir":
+            from shardtrain.data import build_datasets
+            train, validation = build_datasets(self.cfg)  # records validated before the tokenizer is trained
+        else:
+            from shardtrain.data.split_dataset import source_datasets
+            train, validation = source_datasets(self.cfg, _rank0())
+            self._train_texts = lambda: train.table["text"]
         self.tokenizer
         return train, validation
 
