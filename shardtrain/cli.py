@@ -292,7 +292,7 @@ def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
     from pathlib import Path
 
     from shardtrain.data.image_cache import build_source_image_cache, open_source_image_cache
-    from shardtrain.data.sources import image_key, load_splits
+    from shardtrain.data.sources import column_values, image_key, load_splits
 
     d = cfg.data
     if cfg.model.name != "multimodal":
@@ -301,7 +301,7 @@ def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
     for split, table in (("train", splits.train), ("validation", splits.validation)):
         if table is None:
             continue
-        images = table["image"]
+        images = column_values(table, "image")
         if not rebuild:
             try:
                 cache = open_source_image_cache(cfg, split, [image_key(v) for v in images])

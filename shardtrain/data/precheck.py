@@ -8,7 +8,7 @@ from __future__ import annotations
 from shardtrain.config import ConfigError, where
 from shardtrain.data.image_cache import open_image_cache, open_source_image_cache
 from shardtrain.data.records import config_split_path, data_kind, iter_split
-from shardtrain.data.sources import image_key, load_splits, source_of
+from shardtrain.data.sources import column_values, image_key, load_splits, source_of
 
 
 def check_splits(cfg) -> None:
@@ -22,7 +22,7 @@ def check_splits(cfg) -> None:
         if cfg.data.image_cache is not None and cfg.model.name == "multimodal":
             for split, table in (("train", splits.train), ("validation", splits.validation)):
                 if table is not None:  # missing or stale: one line now, as below
-                    open_source_image_cache(cfg, split, [image_key(v) for v in table["image"]])
+                    open_source_image_cache(cfg, split, [image_key(v) for v in column_values(table, "image")])
         return
     kind = data_kind(cfg.model.name)
     for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):

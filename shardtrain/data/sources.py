@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from shardtrain.config import Config, ConfigError, where
+from shardtrain.config import Config, ConfigError, is_builtin_workload, where
 
 # The flags that each name the training data; at most one of them, and none means the jsonl --data-dir layout.
 SOURCE_FLAGS = ("dataset_name", "train_file", "train_dir")
@@ -97,10 +97,12 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
     kind = source_of(cfg)
     d = cfg.data
     raw = read_raw(cfg, kind)
-    multimodal = cfg.model.name == "multimodal"
+    # The built-in multimodal model needs an image per row, Longformer none; a user's workload gets the image
+    # column when the source has one.
+    images = ("need" if cfg.model.name == "multimodal" else "skip") if is_builtin_workload(cfg) else "if_present"
     check_images = d.skip_bad_samples if check_images is None else check_images
     skip = d.skip_bad_samples or report is not None
-    columns = {split: _columns(r, cfg, multimodal) for split, r in raw.items() if r is not None}
+    columns = {split: _columns(r, cfg, images) for split, r in raw.items() if r is not None}
     names, int_labels = _label_scheme(cfg, raw["train"], columns["train"]["label"])
     num_labels = _num_labels(cfg, names, columns["train"]["label"], raw["train"], int_labels)
     label2id = {name: i for i, name in enumerate(names)}
@@ -109,7 +111,7 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
         if r is None:
             continue
         table, skipped[split], unlabelled[split] = _canonical(r, columns[split], cfg, label2id, names, int_labels,
-                                                              num_labels, multimodal, check_images, split, skip,
+                                                              num_labels, check_images, split, skip,
                                                               listing=report is not None)
         if report is not None:
             report.extend(skipped[split])
@@ -211,9 +213,17 @@ def _read_file(file: str, flag: str) -> RawSplit:
     if not path.is_file():
         raise ConfigError(f"{where(flag)}: file not found: {file}")
     try:
+        # Its json reader logs the parse error before raising it: the one line below says it, with the line.
+        datasets.logging.set_verbosity(datasets.logging.CRITICAL)
         ds = datasets.load_dataset(builder, data_files={"data": str(path.resolve())}, split="data")
-    except Exception as e:  # noqa: BLE001 - pyarrow's parse errors: a mixed-type column, a broken line
-        raise ConfigError(f"{where(flag)}: cannot read {file} as {builder}: {_first_line(_root_cause(e))}") from None
+    except Exception as e:  # noqa: BLE001 - pyarrow's parse errors: a broken line, a ragged csv row
+        if _no_rows(path, builder):
+            raise ConfigError(f"{where(flag)}: {file} has no rows") from None
+        bad_line = _first_bad_json_line(path) if builder == "json" else None
+        raise ConfigError(bad_line or f"{where(flag)}: cannot read {file} as {builder}: "
+                                      f"{_first_line(_root_cause(e))}") from None
+    finally:
+        datasets.logging.set_verbosity_error()
     # Rows of a jsonl file are its lines (blank lines aside); a csv's are after its header line.
     row_name = None
     if path.suffix.lower() == ".jsonl":
@@ -229,6 +239,30 @@ def _root_cause(e: BaseException) -> BaseException:
     while e.__cause__ is not None:
         e = e.__cause__
     return e
+
+
+def _no_rows(path: Path, builder: str) -> bool:
+    """An empty file, or a csv with its header line only: datasets cannot read it ('corresponds to no data')."""
+    if builder == "parquet":
+        return False
+    return len(_nonblank_lines(path)) <= (1 if builder == "csv" else 0)
+
+
+def _first_bad_json_line(path: Path) -> Optional[str]:
+    """`file:line: invalid JSON: ...` for the first line of a jsonl file that does not parse (pyarrow only says
+    'in row N' of a block), or None for a .json file holding one document."""
+    import json
+
+    if path.suffix.lower() != ".jsonl":
+        return None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, raw in enumerate(f, start=1):
+            if raw.strip():
+                try:
+                    json.loads(raw.rstrip("\r\n"))  # a column in the line, not "line 2, column 1"
+                except json.JSONDecodeError as e:
+                    return f"{path}:{n}: invalid JSON: {e.msg} at column {e.colno}"
+    return None
 
 
 def _nonblank_lines(path: Path) -> list[int]:
@@ -284,12 +318,12 @@ def _read_jsonl_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
 
 # ---------------------------------------------------------------- columns and labels
 
-def _columns(r: RawSplit, cfg: Config, multimodal: bool) -> dict[str, Any]:
+def _columns(r: RawSplit, cfg: Config, images: str) -> dict[str, Any]:
     """{"text": [column names], "label": name, "image": name or None}, each checked to exist in the split."""
     d = cfg.data
     have = list(r.ds.column_names)
     if r.problems is not None:  # the jsonl layout, already canonical
-        return {"text": ["text"], "label": "label", "image": "image" if multimodal else None}
+        return {"text": ["text"], "label": "label", "image": "image" if "image" in have else None}
 
     def need(column: str, flag: str) -> str:
         if column not in have:
@@ -298,7 +332,8 @@ def _columns(r: RawSplit, cfg: Config, multimodal: bool) -> dict[str, Any]:
 
     text = [need(c, "text_column_names") for c in d.text_column_names]
     label = need(d.label_column_name, "label_column_name")
-    image = need(d.image_column_name, "image_column_name") if multimodal else None
+    image = (need(d.image_column_name, "image_column_name") if images == "need" else
+             d.image_column_name if images == "if_present" and d.image_column_name in have else None)
     return {"text": text, "label": label, "image": image}
 
 
@@ -315,7 +350,7 @@ def _label_scheme(cfg: Config, r: RawSplit, column: str) -> tuple[list[str], boo
             raise ConfigError(f"{where('label_names')} {given} differs from the ClassLabel names {names} of "
                               f"column '{column}' in {r.origin}: drop --label-names, or relabel the data")
         return names, False
-    values = r.ds[column]
+    values = column_values(r.ds, column)
     kinds: dict[str, int] = {}
     for i, v in enumerate(values):
         if _missing(v) or _unlabelled(v):
@@ -374,12 +409,12 @@ def _num_labels(cfg: Config, names: list[str], values_column: str, r: RawSplit, 
         return len(names)
     if explicit is not None:
         return explicit
-    ids = [int(v) for v in r.ds[values_column] if _label_type(v) == "int" and not _missing(v) and v >= 0]
+    ids = [int(v) for v in column_values(r.ds, values_column) if _label_type(v) == "int" and not _missing(v) and v >= 0]
     return max(ids) + 1 if ids else 1
 
 
 def _canonical(r: RawSplit, cols: dict, cfg: Config, label2id: dict, names: list[str], int_labels: bool,
-               num_labels: int, multimodal: bool, check_images: bool, split: str, skip: bool, listing: bool):
+               num_labels: int, check_images: bool, split: str, skip: bool, listing: bool):
     """(canonical Dataset, skipped messages, rows labelled -1). Raises on the first bad row unless `skip`;
     a validation label training does not have is a bad row only when every problem is listed (check-data)."""
     import datasets
@@ -388,13 +423,14 @@ def _canonical(r: RawSplit, cols: dict, cfg: Config, label2id: dict, names: list
     problems = list(r.problems or [])
     feature = ds.features[cols["label"]]
     source_names = feature.names if isinstance(feature, datasets.ClassLabel) else None
-    texts = [ds[c] for c in cols["text"]]
-    labels = ds[cols["label"]]
-    rows = ds["row"] if r.problems is not None else range(len(ds))
+    texts = [column_values(ds, c) for c in cols["text"]]
+    labels = column_values(ds, cols["label"])
+    rows = column_values(ds, "row") if r.problems is not None else range(len(ds))
     image_col, image_is_feature, images = cols["image"], False, None
     if image_col is not None:
         image_is_feature = isinstance(ds.features[image_col], datasets.Image)
-        images = (ds.cast_column(image_col, datasets.Image(decode=False)) if image_is_feature else ds)[image_col]
+        images = column_values(ds.cast_column(image_col, datasets.Image(decode=False)) if image_is_feature else ds,
+                               image_col)
     out: dict[str, list] = {"row": [], "text": [], "label": []}
     if image_col is not None:
         out["image"] = []
@@ -491,6 +527,11 @@ def image_source(value):
     if isinstance(value, str):
         return Path(value)
     return io.BytesIO(value["bytes"]) if value.get("bytes") is not None else Path(value["path"])
+
+
+def column_values(ds, column: str) -> list:
+    """One column as a Python list, in one read (ds[column] is a lazy Column that reads per index)."""
+    return ds.select_columns([column])[:][column] if len(ds) else []
 
 
 def image_key(value) -> str:

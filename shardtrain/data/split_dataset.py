@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 from shardtrain.config import ConfigError
 from shardtrain.data.image_cache import ImageCache, UndecodableImage
 from shardtrain.data.images import load_image
-from shardtrain.data.sources import image_source, image_key
+from shardtrain.data.sources import column_values, image_key, image_source
 
 
 class SplitDataset(Dataset):
@@ -73,7 +73,7 @@ def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDa
             continue
         skipped, cache = splits.skipped.get(split, []), None
         if multimodal and cfg.data.image_cache:
-            keys = [image_key(v) for v in table["image"]]
+            keys = [image_key(v) for v in column_values(table, "image")]
             cache = open_source_image_cache(cfg, split, keys)
             table, dropped = _without_undecodable(table, keys, cache, splits.source[split], cfg.data.skip_bad_samples)
             skipped = skipped + dropped
@@ -88,7 +88,7 @@ def _without_undecodable(table, keys: list[str], cache: ImageCache, origin: str,
     bad = [i for i, key in enumerate(keys) if cache.problem(key)]
     if not skip or not bad:
         return table, []
-    rows = table["row"]
+    rows = column_values(table, "row")
     messages = [f"{origin} row {rows[i]}: cannot decode image {keys[i]}: {cache.problem(keys[i])}" for i in bad]
     drop = set(bad)
     return table.select([i for i in range(len(table)) if i not in drop]), messages

@@ -47,7 +47,8 @@ class JsonlWorkload(Workload):
         else:
             from shardtrain.data.split_dataset import source_datasets
             train, validation = source_datasets(self.cfg, _rank0())
-            self._train_texts = lambda: train.table["text"]
+            from shardtrain.data.sources import column_values
+            self._train_texts = lambda: column_values(train.table, "text")
         self.tokenizer
         return train, validation
 
