@@ -12,6 +12,7 @@ from typing import Callable, Optional
 
 from shardtrain.config import Config, ConfigError, where
 from shardtrain.data.records import split_path, read_texts
+from shardtrain.data.sources import source_of
 
 # RoBERTa's order, so a randomly initialised RobertaModel's pad_token_id=1 default is right.
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
@@ -57,9 +58,11 @@ def planned_vocab_size(cfg: Config) -> tuple[int | None, str]:
             return len(AutoTokenizer.from_pretrained(cfg.data.tokenizer, local_files_only=True)), cfg.data.tokenizer
         except Exception:  # noqa: BLE001 - not here: the architecture's own vocabulary stands in
             return None, f"{cfg.data.tokenizer} not found locally"
-    try:
-        path = split_path(cfg.data.data_dir, "train")
+    try:  # another source than the jsonl layout is read by the run only (sources.py; a hub dataset downloads)
+        path = split_path(cfg.data.data_dir, "train") if source_of(cfg) == "data_dir" else None
     except ConfigError:
+        path = None
+    if path is None:
         return cfg.data.tokenizer_vocab_size, "tokenizer_vocab_size (an upper bound: no training data to train it on)"
     return len(train_bpe(list(read_texts(path)), cfg.data.tokenizer_vocab_size)), f"the tokenizer trained on {path}"
 

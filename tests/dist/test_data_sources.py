@@ -103,7 +103,7 @@ def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
 
     hyper = train("longformer", ld_data, tmp_path / "hyper", "--train-file", str(layouts["hyperpartisan"]),
                   "--label-column-name", "hyperpartisan", "--validation-split-percentage", "25",
-                  "--num-labels", "none", "--strategy", "ddp")
+                  "--strategy", "ddp")
     s = hyper.summary
     assert s["config"]["model"]["num_labels"] == 2 and s["config"]["data"]["label_names"] == ["false", "true"]
     split = s["data_source"]["validation_split"]
@@ -123,10 +123,27 @@ def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
                    "--strategy", "fsdp")
     assert folder.summary["train_examples"] == 64 and folder.summary["eval"]["n_examples"] == 16, folder.tail()
 
-    saved = train("multimodal", mm_data, tmp_path / "saved", "--dataset-name", str(layouts["saved"]),
-                  "--max-train-samples", "40", "--max-eval-samples", "10", "--strategy", "ddp",
+    # Embedded images, decoded once by cache-images (keyed by their bytes' sha256) and read from the cache.
+    source = ["--dataset-name", str(layouts["saved"]), "--max-train-samples", "40", "--max-eval-samples", "10",
+              "--image-cache", str(tmp_path / "cache")]
+    cached = cli(["cache-images", "--jobs", "1", *tiny_args("multimodal", mm_data, tmp_path / "saved", *source)])
+    assert "train split: 40 images at 32px" in cached.output, cached.tail()
+    saved = train("multimodal", mm_data, tmp_path / "saved", *source, "--strategy", "ddp",
                   "--final-model-dir", str(tmp_path / "saved_model"))
     assert saved.summary["train_examples"] == 40 and saved.summary["eval"]["n_examples"] == 10, saved.tail()
+    assert "images from cache" in saved.output
     exported = json.loads((tmp_path / "saved_model" / "config.json").read_text())
     assert exported["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}, exported
     assert exported["label2id"] == {"negative": 0, "neutral": 1, "positive": 2}
+
+
+def test_check_data_reads_a_source_as_training_does(layouts, mm_data, tmp_path):
+    flags = ["--train-file", str(layouts["tweets"] / "train.csv"), "--validation-file",
+             str(layouts["tweets"] / "validation.csv"), "--text-column-names", "title,tweet",
+             "--label-column-name", "sentiment", "--image-column-name", "photo"]
+    ok = cli(["check-data", *tiny_args("multimodal", mm_data, tmp_path / "x", *flags)])
+    assert "train.csv: no problems found" in ok.output, ok.tail()
+    wrong = cli(["check-data", *tiny_args("multimodal", mm_data, tmp_path / "x", *flags, "--image-column-name", "pic")],
+                check=False)
+    assert wrong.returncode == 1 and "no column 'pic' in" in wrong.output and "(columns: title, tweet, photo, sentiment)" \
+        in wrong.output, wrong.tail()
