@@ -12,7 +12,8 @@ Sources (flag = YAML key under `data:`), the spellings of HF's run_classificatio
 
 The canonical split has the columns `text` (str), `label` (int class id), `image` (an absolute path string, or
 an Image(decode=False) feature {"bytes", "path"}) when the source has images, and `row`: where the row came
-from (its index in the source split; the line for jsonl), for messages. `label_names` is id2label's order:
+from (its index in the source split; the line for jsonl), for messages; `text_pair` (str) when a reader of
+canonical rows gives sentence pairs (tokenized as tokenizer(text, text_pair)). `label_names` is id2label's order:
 ClassLabel names, or string/bool labels sorted; empty for integer labels (the class ids as given).
 
 Bad rows (empty text, missing label, an integer label outside 0..num_labels-1, a missing image file) raise a
@@ -60,7 +61,8 @@ class RawSplit:
     origin: str             # what it was read from, for messages: a file, a folder, "NAME split 'train'"
     root: Path              # the folder that relative image paths are resolved against
     row_name: Optional[Callable[[int], str]] = None  # how messages name row i; default: "<origin> row i"
-    # The jsonl layout only: records.py has checked it and named its bad lines file:line; rows are canonical.
+    # A reader of canonical rows (the jsonl layout, whose bad lines records.py has named file:line): its rows
+    # have the canonical columns already, and these are the problems it found. None: columns still to map.
     problems: Optional[list[str]] = None
 
     def name(self, row: int) -> str:
@@ -117,7 +119,8 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
             report.extend(skipped[split])
         out[split] = table
         source[split] = r.origin
-    if raw["validation"] is None and d.validation_split_percentage:
+    held_out = raw["validation"] is None and d.validation_split_percentage is not None
+    if held_out and len(out["train"]) > 1:  # fewer rows: the empty-split error below says what is wrong
         out["train"], out["validation"], source["validation"] = _percentage_split(cfg, out["train"])
         source["train"] = f"{raw['train'].origin}, the other {100 - d.validation_split_percentage}%"
     for split, limit in (("train", d.max_train_samples), ("validation", d.max_eval_samples)):
@@ -127,15 +130,15 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
         if len(table) == 0:
             why = f" ({len(skipped.get(split, []))} bad rows skipped)" if skipped.get(split) else ""
             lost = f" ({unlabelled[split]} rows labelled -1 dropped)" if unlabelled.get(split) else ""
-            empty = f"{where(_flag_of(kind, split))}: no usable rows in {source[split]}{why}{lost}"
+            flag = "validation_split_percentage" if split == "validation" and held_out else _flag_of(kind, split)
+            empty = f"{where(flag)}: no usable rows in {source[split]}{why}{lost}"
             if report is None:
                 raise ConfigError(empty)
             report.append(empty)
     cfg.model.num_labels, cfg.data.label_names = num_labels, list(names)
     return Splits(out["train"], out.get("validation"), list(names), num_labels, skipped, unlabelled,
                   {"source": kind, **source, "rows": {s: len(t) for s, t in out.items()},
-                   **({"validation_split": _split_record(cfg, out)} if raw["validation"] is None and
-                      d.validation_split_percentage else {})})
+                   **({"validation_split": _split_record(cfg, out)} if "validation" in out and held_out else {})})
 
 
 def _quiet_datasets() -> None:
@@ -323,7 +326,8 @@ def _columns(r: RawSplit, cfg: Config, images: str) -> dict[str, Any]:
     d = cfg.data
     have = list(r.ds.column_names)
     if r.problems is not None:  # the jsonl layout, already canonical
-        return {"text": ["text"], "label": "label", "image": "image" if "image" in have else None}
+        return {"text": ["text"], "label": "label", "image": "image" if "image" in have else None,
+                "text_pair": "text_pair" if "text_pair" in have else None}
 
     def need(column: str, flag: str) -> str:
         if column not in have:
@@ -334,7 +338,7 @@ def _columns(r: RawSplit, cfg: Config, images: str) -> dict[str, Any]:
     label = need(d.label_column_name, "label_column_name")
     image = (need(d.image_column_name, "image_column_name") if images == "need" else
              d.image_column_name if images == "if_present" and d.image_column_name in have else None)
-    return {"text": text, "label": label, "image": image}
+    return {"text": text, "label": label, "image": image, "text_pair": None}
 
 
 def _label_scheme(cfg: Config, r: RawSplit, column: str) -> tuple[list[str], bool]:
@@ -432,6 +436,9 @@ def _canonical(r: RawSplit, cols: dict, cfg: Config, label2id: dict, names: list
         images = column_values(ds.cast_column(image_col, datasets.Image(decode=False)) if image_is_feature else ds,
                                image_col)
     out: dict[str, list] = {"row": [], "text": [], "label": []}
+    pairs = column_values(ds, cols["text_pair"]) if cols["text_pair"] else None  # a sentence pair's second text
+    if pairs is not None:
+        out["text_pair"] = []
     if image_col is not None:
         out["image"] = []
     unlabelled = 0
@@ -464,10 +471,14 @@ def _canonical(r: RawSplit, cols: dict, cfg: Config, label2id: dict, names: list
             continue
         out["row"].append(rows[i])
         out["text"].append(text)
+        if pairs is not None:
+            out["text_pair"].append(pairs[i] or "")
         out["label"].append(label_id)
         if image_col is not None:
             out["image"].append(image)
     features = {"row": datasets.Value("int64"), "text": datasets.Value("string"), "label": datasets.Value("int64")}
+    if pairs is not None:
+        features["text_pair"] = datasets.Value("string")
     if image_col is not None:
         features["image"] = datasets.Image(decode=False) if image_is_feature else datasets.Value("string")
     table = datasets.Dataset.from_dict(out, features=datasets.Features(features))
@@ -555,7 +566,7 @@ def _percentage_split(cfg: Config, train):
 
 def _split_record(cfg: Config, out: dict) -> dict:
     """What summary.json records of a percentage split: enough to see that two runs held out the same rows."""
-    rows = sorted(out["validation"]["row"])
+    rows = sorted(column_values(out["validation"], "row"))
     return {"percentage": cfg.data.validation_split_percentage, "seed": cfg.train.seed,
             "validation_rows": len(rows), "first_rows": rows[:10],
             "rows_sha256": hashlib.sha256(",".join(map(str, rows)).encode()).hexdigest()}

@@ -248,3 +248,19 @@ def test_save_to_disk_folders_and_embedded_images_train_from_bytes_or_the_image_
     assert torch.equal(cached, decoded)
     with pytest.raises(ConfigError, match=r"--image-cache .*the images of the validation split changed|no complete cache"):
         open_source_image_cache(cfg, "validation", ["other"])
+
+
+def test_label_names_fix_the_order_and_reach_the_hf_config_of_an_export(tmp_path):
+    from shardtrain.models import text_config_for
+
+    f = write_csv(tmp_path / "t.csv", ["text", "label"], [["a", "pos"], ["b", "neg"], ["c", "neutral"]])
+    cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "neutral", "pos"])
+    s = load_splits(cfg)
+    assert s.label_names == ["neg", "neutral", "pos"] and list(s.train["label"]) == [2, 0, 1]
+    cfg.model.text_model = "allenai/longformer-base-4096"  # in the offline table of known architectures
+    cfg.model.text_config = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    hf = text_config_for(cfg.model, cfg.data, 100)  # Longformer's own config: what save_pretrained writes
+    assert hf.id2label == {0: "neg", 1: "neutral", 2: "pos"} and hf.label2id["pos"] == 2 and hf.num_labels == 3
+    cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "pos"])
+    with pytest.raises(ConfigError, match=r"labels \['neutral'\] are not in --label-names \(data.label_names\)"):
+        load_splits(cfg)
