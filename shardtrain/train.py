@@ -17,6 +17,7 @@ from shardtrain.autoplan import resolve_auto_strategy
 from shardtrain.banner import memory_prediction
 from shardtrain.config import Config, is_builtin_workload
 from shardtrain.data import batch_to_device, build_loaders
+from shardtrain.data.sources import check_resumed_labels
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.final_model import write_final_model
 from shardtrain.gpu_guard import check_devices
@@ -67,6 +68,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
 
     # ---- data
     train_ds, eval_ds = workload.datasets()
+    if state:
+        check_resumed_labels(state.get("config") or {}, cfg)  # the checkpoint's class ids mean the data's classes
     loaders = build_loaders(cfg, None, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
                             dist_info.device.type, collate=CheckedCollate(workload))
 

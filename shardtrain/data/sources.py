@@ -570,3 +570,14 @@ def _split_record(cfg: Config, out: dict) -> dict:
     return {"percentage": cfg.data.validation_split_percentage, "seed": cfg.train.seed,
             "validation_rows": len(rows), "first_rows": rows[:10],
             "rows_sha256": hashlib.sha256(",".join(map(str, rows)).encode()).hexdigest()}
+
+
+def check_resumed_labels(saved_config: dict, cfg: Config) -> None:
+    """A checkpoint's output ids stand for its run's classes: resuming on data whose classes differ (another
+    file, a class added) would train and report under the wrong names."""
+    saved = (saved_config.get("data") or {}).get("label_names") or []
+    now = cfg.data.label_names
+    if saved and now and saved != now:
+        raise ConfigError(f"the checkpoint was trained on the classes {saved}, but the data now has {now}: resume "
+                          f"on the same classes (or pass --label-names {','.join(saved)} to keep its order), or "
+                          f"start over with --resume none")

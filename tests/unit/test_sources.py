@@ -264,3 +264,15 @@ def test_label_names_fix_the_order_and_reach_the_hf_config_of_an_export(tmp_path
     cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "pos"])
     with pytest.raises(ConfigError, match=r"labels \['neutral'\] are not in --label-names \(data.label_names\)"):
         load_splits(cfg)
+
+
+def test_resuming_on_data_with_other_classes_is_an_error(tmp_path):
+    from shardtrain.data.sources import check_resumed_labels
+
+    cfg = config()
+    cfg.data.label_names = ["neg", "pos"]
+    check_resumed_labels({"data": {"label_names": ["neg", "pos"]}}, cfg)
+    check_resumed_labels({"data": {}}, cfg)  # a checkpoint from integer labels, or from before names were kept
+    with pytest.raises(ConfigError, match=r"trained on the classes \['neg', 'neutral', 'pos'\], but the data now "
+                                          r"has \['neg', 'pos'\].*--label-names neg,neutral,pos"):
+        check_resumed_labels({"data": {"label_names": ["neg", "neutral", "pos"]}}, cfg)
