@@ -276,3 +276,22 @@ def test_resuming_on_data_with_other_classes_is_an_error(tmp_path):
     with pytest.raises(ConfigError, match=r"trained on the classes \['neg', 'neutral', 'pos'\], but the data now "
                                           r"has \['neg', 'pos'\].*--label-names neg,neutral,pos"):
         check_resumed_labels({"data": {"label_names": ["neg", "neutral", "pos"]}}, cfg)
+
+
+def test_a_users_workload_takes_any_source_through_load_splits(tmp_path):
+    """README 'Your data': the public helper, from a workload of one's own (text only, images if the source has
+    them): canonical datasets.Dataset splits, map-style, that the loop's DataLoader indexes."""
+    from shardtrain import Workload
+    from shardtrain.data import load_splits as public
+
+    class Reviews(Workload):
+        def datasets(self):
+            s = public(self.cfg)
+            return s.train, s.validation
+
+    f = write_csv(tmp_path / "r.csv", ["body", "stars"], [["fine", "good"], ["meh", "bad"], ["ok", "good"]])
+    cfg = from_dict({"workload": "reviews:Reviews", "data": {"train_file": str(f), "validation_file": str(f),
+                                                             "text_column_names": "body", "label_column_name": "stars"}})
+    train, validation = Reviews(cfg).datasets()
+    assert train[0] == {"row": 0, "text": "fine", "label": 1} and len(validation) == 3
+    assert cfg.model.num_labels == 2 and cfg.data.label_names == ["bad", "good"]
