@@ -106,7 +106,7 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
     skip = d.skip_bad_samples or report is not None
     columns = {split: _columns(r, cfg, images) for split, r in raw.items() if r is not None}
     names, int_labels = _label_scheme(cfg, raw["train"], columns["train"]["label"])
-    num_labels = _num_labels(cfg, names, columns["train"]["label"], raw["train"], int_labels)
+    num_labels = _num_labels(cfg, names, columns["train"]["label"], raw["train"])
     label2id = {name: i for i, name in enumerate(names)}
     out, skipped, unlabelled, source = {}, {}, {}, {}
     for split, r in raw.items():
@@ -325,7 +325,7 @@ def _columns(r: RawSplit, cfg: Config, images: str) -> dict[str, Any]:
     """{"text": [column names], "label": name, "image": name or None}, each checked to exist in the split."""
     d = cfg.data
     have = list(r.ds.column_names)
-    if r.problems is not None:  # the jsonl layout, already canonical
+    if r.problems is not None:  # a reader of canonical rows (the jsonl layout)
         return {"text": ["text"], "label": "label", "image": "image" if "image" in have else None,
                 "text_pair": "text_pair" if "text_pair" in have else None}
 
@@ -343,7 +343,8 @@ def _columns(r: RawSplit, cfg: Config, images: str) -> dict[str, Any]:
 
 def _label_scheme(cfg: Config, r: RawSplit, column: str) -> tuple[list[str], bool]:
     """(class names in id order, whether labels are integer class ids). From a ClassLabel feature's names, else
-    the training split's string or bool values sorted; integer labels keep their ids (names '0'..'n-1')."""
+    the training split's string or bool values sorted; integer labels keep their ids and have no names (but
+    --label-names)."""
     import datasets
 
     feature = r.ds.features[column]
@@ -401,15 +402,15 @@ def _label_text(v) -> str:
     return ("true" if v else "false") if isinstance(v, bool) else str(v)
 
 
-def _num_labels(cfg: Config, names: list[str], values_column: str, r: RawSplit, int_labels: bool) -> int:
+def _num_labels(cfg: Config, names: list[str], values_column: str, r: RawSplit) -> int:
+    """The number of classes: the names' (ClassLabel, string/bool labels, --label-names), which an explicit
+    --num-labels must agree with; for integer ids without names --num-labels, else the largest id + 1."""
     explicit = cfg.model.num_labels
-    if not int_labels:
+    if names:
         if explicit is not None and explicit != len(names):
             shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
             raise ConfigError(f"{where('num_labels')}={explicit}, but the data has {len(names)} classes ({shown}) "
                               f"in {r.origin}: drop --num-labels (it is taken from the data) or fix the data")
-        return len(names)
-    if names:  # --label-names with integer ids: the names say how many
         return len(names)
     if explicit is not None:
         return explicit
