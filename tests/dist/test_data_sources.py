@@ -137,7 +137,8 @@ def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
     assert exported["label2id"] == {"negative": 0, "neutral": 1, "positive": 2}
 
 
-def test_check_data_reads_a_source_as_training_does(layouts, mm_data, tmp_path):
+def test_check_data_reads_a_source_as_training_does_and_train_refuses_before_launching(layouts, mm_data, ld_data,
+                                                                                     tmp_path):
     flags = ["--train-file", str(layouts["tweets"] / "train.csv"), "--validation-file",
              str(layouts["tweets"] / "validation.csv"), "--text-column-names", "title,tweet",
              "--label-column-name", "sentiment", "--image-column-name", "photo"]
@@ -147,3 +148,9 @@ def test_check_data_reads_a_source_as_training_does(layouts, mm_data, tmp_path):
                 check=False)
     assert wrong.returncode == 1 and "no column 'pic' in" in wrong.output and "(columns: title, tweet, photo, sentiment)" \
         in wrong.output, wrong.tail()
+    # The same reading refuses a contradicting --num-labels in the launcher, in one line, before any rank starts.
+    refused = cli(["train", *tiny_args("longformer", ld_data, tmp_path / "y", *FAST, "--train-file",
+                                       str(layouts["hyperpartisan"]), "--label-column-name", "hyperpartisan",
+                                       "--num-labels", "3")], check=False)
+    assert refused.returncode == 2 and "--num-labels (model.num_labels)=3, but the data has 2 classes (false, true)" \
+        in refused.output and "ChildFailedError" not in refused.output, refused.tail()
