@@ -71,6 +71,14 @@ def format_banner(info: dict) -> str:
     lines.append(f"  data        {train} train | {info['eval_examples']:,} eval | "
                  f"{per_epoch} steps/epoch | {info.get('max_steps', '?')} steps" +
                  (f" | images from cache {info['image_cache']}" if info.get("image_cache") else ""))
+    dropped = info.get("unlabelled_dropped") or {}
+    if any(dropped.values()):
+        lines.append(f"  unlabelled  label -1 dropped: {dropped.get('train', 0):,} train | "
+                     f"{dropped.get('validation', 0):,} eval rows")
+    names = info.get("label_names") or []
+    if names:
+        lines.append(f"  labels      {len(names)}: " + ", ".join(f"{i}={n}" for i, n in enumerate(names[:8])) +
+                     (", ..." if len(names) > 8 else ""))
     mem = info.get("memory_prediction") or {}
     if "note" in mem and len(mem) == 1:
         lines.append(f"  memory      {mem['note']}")

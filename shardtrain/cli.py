@@ -177,8 +177,10 @@ def make_data_main(argv: list[str]) -> int:
 def check_data_main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="shardtrain check-data")
-    parser.add_argument("dir")
+    parser = argparse.ArgumentParser(
+        prog="shardtrain check-data", description="List every problem of a jsonl data folder (DIR), or of the "
+        "source that training flags name (--config, --dataset-name, --train-file, --train-dir, column flags).")
+    parser.add_argument("dir", nargs="?")
     parser.add_argument("--kind", choices=["multimodal", "longdoc"], default=None,
                         help="default: multimodal if records name images")
     parser.add_argument("--num-labels", type=int, default=None,
@@ -187,6 +189,12 @@ def check_data_main(argv: list[str]) -> int:
                         help="a published layout (mvsa-single, mvsa-multiple, twitter2015, twitter2017): what its "
                              "reader keeps and drops, and every image decoded")
     parser.add_argument("--debug", action="store_true")
+    own = ("--kind", "--num-labels", "--dataset-format", "--debug", "-h", "--help")
+    if not argv or any(a.startswith("--") and a.split("=")[0] not in own for a in argv):
+        # Training flags: a positional DIR may only come first (argparse would take a flag's value for it).
+        folder = argv[0] if argv and not argv[0].startswith("-") else None
+        return run_guarded(lambda _: _check_source_main(folder, [a for a in argv[1 if folder else 0:]
+                                                                 if a != "--debug"]), argv)
     args = parser.parse_args(argv)
 
     def run(_):
@@ -221,6 +229,28 @@ def _check_layout(data_dir: str, fmt: str) -> int:
     return 1 if problems else 0
 
 
+def _check_source_main(folder: str | None, rest: list[str]) -> int:
+    """check-data with training flags: the run's own source, read as the run reads it."""
+    from shardtrain.config import parse_cli
+    from shardtrain.data.check import check_data, check_source
+    from shardtrain.data.records import data_kind
+    from shardtrain.data.sources import source_of
+
+    cfg = parse_cli(rest + (["--data-dir", folder] if folder else []))
+    if cfg.data.dataset_format:
+        return _check_layout(cfg.data.data_dir, cfg.data.dataset_format)
+    if source_of(cfg) == "data_dir":
+        what = cfg.data.data_dir
+        problems = check_data(what, data_kind(cfg.model.name), cfg.model.num_labels)
+    else:
+        what = next(getattr(cfg.data, n) for n in ("dataset_name", "train_file", "train_dir") if getattr(cfg.data, n))
+        problems = check_source(cfg)
+    for line in problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {what}" if problems else f"{what}: no problems found")
+    return 1 if problems else 0
+
+
 def cache_images_main(argv: list[str]) -> int:
     import argparse
 
@@ -245,6 +275,11 @@ def cache_images_main(argv: list[str]) -> int:
             raise ConfigError(f"cache-images: {where('image_cache')} names the folder to write the cache to")
         if args.jobs < 0:
             raise ConfigError(f"cache-images: --jobs must be >= 0, got {args.jobs}")
+        from shardtrain.data.sources import source_of
+        if source_of(cfg) != "data_dir":
+            _cache_source_images(cfg, args.rebuild, args.jobs)
+            print(f"train with: --image-cache {d.image_cache}")
+            return 0
         kind = data_kind(cfg.model.name)
         for split in ("train", "validation"):
             path = config_split_path(cfg, split)
@@ -265,6 +300,37 @@ def cache_images_main(argv: list[str]) -> int:
         return 0
 
     return run_guarded(run, rest)
+
+
+def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
+    """cache-images for --dataset-name / --train-file / --train-dir: the images of the rows training will read
+    (rows with other problems are left to the run, which reports them; check-data lists them)."""
+    import copy
+    from pathlib import Path
+
+    from shardtrain.data.image_cache import build_source_image_cache, open_source_image_cache
+    from shardtrain.data.sources import column_values, image_key, load_splits
+
+    d = cfg.data
+    if cfg.model.name != "multimodal":
+        raise ConfigError(f"cache-images: only the multimodal model reads images; model.name is {cfg.model.name}")
+    splits = load_splits(copy.deepcopy(cfg), check_images=False, report=[])
+    for split, table in (("train", splits.train), ("validation", splits.validation)):
+        if table is None:
+            continue
+        images = column_values(table, "image")
+        if not rebuild:
+            try:
+                cache = open_source_image_cache(cfg, split, [image_key(v) for v in images])
+                print(f"{split} split: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild decodes again)")
+                continue
+            except ConfigError:
+                pass
+        summary = build_source_image_cache(split, images, Path(d.image_cache), d.image_size, workers=jobs,
+                                           progress=print)
+        bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
+        print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
+              f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
 
 
 DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels

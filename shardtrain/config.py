@@ -34,7 +34,9 @@ class ModelConfig:
     fusion: Literal["concat", "gated"] = "concat"
     fusion_hidden: int = 512
     dropout: float = 0.1
-    num_labels: int = 3
+    # None: taken from the data (the classes a ClassLabel, string or bool label column names); 3 for the jsonl
+    # --data-dir layout, whose integer labels do not say how many classes there are.
+    num_labels: Optional[int] = None
     freeze_layers: int = 0
     unfreeze_at_step: Optional[int] = None
     attention_window: int = 512
@@ -68,6 +70,30 @@ class DataConfig:
     streaming: bool = False
     # Processes that tokenise through datasets.map (its num_proc); None: this process. The result is cached.
     preprocessing_num_workers: Optional[int] = None
+    # Other sources than the jsonl --data-dir layout (shardtrain/data/sources.py), with the flag names of HF's
+    # run_classification.py. A hub name or a local path for load_dataset, or a save_to_disk folder.
+    dataset_name: Optional[str] = None
+    # The dataset's configuration (load_dataset's second argument), e.g. a GLUE task.
+    dataset_config_name: Optional[str] = None
+    # One data file per split: csv, json/jsonl or parquet, chosen by the extension.
+    train_file: Optional[str] = None
+    validation_file: Optional[str] = None
+    # Image folders with a metadata.jsonl / metadata.csv (file_name, text, label), read by datasets' imagefolder.
+    train_dir: Optional[str] = None
+    validation_dir: Optional[str] = None
+    # Which splits of a dataset with several (IMDB's validation is its `test`).
+    train_split_name: str = "train"
+    validation_split_name: str = "validation"
+    # For a source without a validation split: this percentage of train, drawn with train.seed.
+    validation_split_percentage: Optional[int] = None
+    # Columns read as text (several are joined with text_column_delimiter), as the label, and as the image.
+    text_column_names: list = field(default_factory=lambda: ["text"])
+    text_column_delimiter: str = " "
+    label_column_name: str = "label"
+    image_column_name: str = "image"
+    # Class names in id order (id2label). Empty: taken from the data; a run records them here, so its saved
+    # config, checkpoints and exports carry the mapping. Set it to fix the order yourself.
+    label_names: list = field(default_factory=list)
 
 
 @dataclass
@@ -557,10 +583,20 @@ def validate(cfg: Config) -> None:
     resolve_shipped_ds_config(p)  # from_dict + validate (plan) never passes through parse_cli
     positive = {"max_steps": t.max_steps, "per_device_batch_size": t.per_device_batch_size,
                 "grad_accum": t.grad_accum, "max_length": d.max_length, "image_size": d.image_size,
-                "num_labels": m.num_labels, "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
+                "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
                 "keep_last": c.keep_last, "attention_window": m.attention_window}
+    if d.streaming and (d.dataset_name or d.train_file or d.train_dir or d.dataset_format):
+        other = next(f for f in ("dataset_name", "train_file", "train_dir", "dataset_format") if getattr(d, f))
+        raise ConfigError(f"{where('streaming')}: streams the jsonl --data-dir layout's train.jsonl; "
+                          f"{where(other)} is read into memory (drop one of them)")
+    if m.num_labels is None and not (d.dataset_name or d.train_file or d.train_dir):
+        # The jsonl --data-dir layout's integer labels do not say how many classes there are; other sources'
+        # labels do (shardtrain/data/sources.py sets it from them).
+        m.num_labels = 3
     if t.eval_batch_size is not None:
         positive["eval_batch_size"] = t.eval_batch_size
+    if m.num_labels is not None:
+        positive["num_labels"] = m.num_labels
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{where(name)} must be positive, got {value}")

@@ -87,13 +87,15 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False) -> 
     if not is_builtin_workload(run_cfg):
         return export_workload(ckpt_dir, run_cfg, out, int8)
     model, cfg = rebuild_from_checkpoint(ckpt_dir)
-    info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config()}
+    info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config(),
+            **label_maps(cfg)}
     if cfg.model.name == "longformer":
-        model.hf.save_pretrained(str(out), safe_serialization=True)  # config.json + model.safetensors
+        # config.json + model.safetensors; the HF config has the run's id2label/label2id (models/archs.py)
+        model.hf.save_pretrained(str(out), safe_serialization=True)
     else:
         from safetensors.torch import save_file
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps(model.export_config(), indent=1))
+        (out / "config.json").write_text(json.dumps({**model.export_config(), **label_maps(cfg)}, indent=1))
     normal_mode(out / "model.safetensors")
     tok = ckpt_dir.parent.parent / "tokenizer"
     if (tok / "tokenizer.json").is_file():
@@ -132,9 +134,18 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool) -> dict:
     for f in out.glob("*.safetensors"):
         normal_mode(f)
     info = {"checkpoint": str(ckpt_dir), "workload": cfg.workload.workload, "workload_args": cfg.workload.workload_args,
-            "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+            **label_maps(cfg), "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
     (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))
     return info
+
+
+def label_maps(cfg) -> dict:
+    """HF's id2label / label2id from the class names a run recorded (data.label_names); {} for integer labels."""
+    names = cfg.data.label_names
+    if not names:
+        return {}
+    return {"id2label": {str(i): name for i, name in enumerate(names)},
+            "label2id": {name: i for i, name in enumerate(names)}}
 
 
 def normal_mode(path: Path) -> None:

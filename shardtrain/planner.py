@@ -120,6 +120,9 @@ def arch_only(cfg):
     if c.model.text_model in KNOWN_TEXT_ARCHS and not (Path(c.model.text_model) / "config.json").is_file():
         c.model.pretrained = False
     c.model.image_weights = None
+    if c.model.num_labels is None:
+        # Taken from the data when the run reads it (sources.py); the head is a few hundred parameters either way.
+        c.model.num_labels = 2
     return c
 
 

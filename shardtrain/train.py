@@ -17,6 +17,7 @@ from shardtrain.autoplan import resolve_auto_strategy
 from shardtrain.banner import memory_prediction
 from shardtrain.config import Config, is_builtin_workload
 from shardtrain.data import batch_to_device, build_loaders
+from shardtrain.data.sources import check_resumed_labels
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.final_model import final_model_folder, write_final_model
 from shardtrain.gpu_guard import check_devices
@@ -67,6 +68,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
 
     # ---- data
     train_ds, eval_ds = workload.datasets()
+    if state:
+        check_resumed_labels(state.get("config") or {}, cfg)  # the checkpoint's class ids mean the data's classes
     loaders = build_loaders(cfg, None, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
                             dist_info.device.type, collate=CheckedCollate(workload))
 
@@ -123,6 +126,11 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
                 # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
                 **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
+                "unlabelled_dropped": {"train": getattr(train_ds, "unlabelled", 0),
+                                       "validation": getattr(eval_ds, "unlabelled", 0)},
+                "data_source": getattr(train_ds, "source", None) or {"source": "workload"
+                                                                      if not predictable else "data_dir"},
+                "label_names": cfg.data.label_names,
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
                 "memory_prediction": (memory_prediction(cfg, world, vocab_size) if predictable else

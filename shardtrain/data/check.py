@@ -1,7 +1,8 @@
-"""`check-data`: every problem in a data folder, not just the first, so one pass fixes them all."""
+"""`check-data`: every problem in a data folder or source, not just the first, so one pass fixes them all."""
 from __future__ import annotations
 
 from pathlib import Path
+import copy
 
 from shardtrain.config import ConfigError
 from shardtrain.data.images import image_problem
@@ -48,3 +49,17 @@ def check_layout(data_dir, fmt: str) -> tuple[list[str], list[str]]:
         if not rows:
             problems.append(f"{layout.files[split]}: no usable posts")
     return layout.report_lines(), problems
+
+
+def check_source(cfg) -> list[str]:
+    """Every problem of the source a training config names (--dataset-name, --train-file, --train-dir): each bad
+    row by file:line or row index (images fully decoded), each empty split; or the one problem that stops the
+    source being read at all (a missing file or column, mixed label types, a num_labels the data contradicts)."""
+    from shardtrain.data.sources import load_splits
+
+    problems: list[str] = []
+    try:
+        load_splits(copy.deepcopy(cfg), check_images=cfg.model.name == "multimodal", report=problems)
+    except ConfigError as e:
+        problems.append(str(e))
+    return problems
