@@ -62,22 +62,27 @@ class SplitDataset(Dataset):
 LABELS_FILE = "labels.json"  # in the run folder: the class names a run's ids stand for
 
 
-def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDataset]]:
-    """(train, validation) of the source the config names, validated and wrapped for the loop. Rank 0 writes
-    the label mapping into the run folder; cfg carries it into checkpoints and exports."""
+def write_label_file(cfg, label_names: list[str]) -> None:
+    """labels.json in the run folder (rank 0): which class name each id stands for."""
     import json
     from pathlib import Path
 
+    out = Path(cfg.checkpoint.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LABELS_FILE).write_text(json.dumps({"id2label": dict(enumerate(label_names)),
+                                               "label2id": {n: i for i, n in enumerate(label_names)}}, indent=1) + "\n")
+
+
+def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDataset]]:
+    """(train, validation) of the source the config names, validated and wrapped for the loop. Rank 0 writes
+    the label mapping into the run folder; cfg carries it into checkpoints and exports."""
     from shardtrain.data.image_cache import open_source_image_cache
     from shardtrain.data.sources import load_splits
 
     # With an image cache, the images that did not decode are known from its build: none is decoded here.
     splits = load_splits(cfg, check_images=False if cfg.data.image_cache else None)
     if is_rank0 and splits.label_names:
-        out = Path(cfg.checkpoint.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / LABELS_FILE).write_text(json.dumps({"id2label": splits.id2label, "label2id": splits.label2id},
-                                                  indent=1) + "\n")
+        write_label_file(cfg, splits.label_names)
     multimodal = cfg.model.name == "multimodal"
     made = []
     for split, table in (("train", splits.train), ("validation", splits.validation)):

@@ -116,8 +116,8 @@ def build_split(cfg: Config, split: str) -> JsonlDataset:
 
 
 # ---- --dataset-format: a published layout (data/layouts.py) as the same datasets as the jsonl splits.
-# MVSA has no validation split. Until --validation-split-percentage exists, this share of its posts (chosen by
-# train.seed) is held out for validation.
+# MVSA has no validation split: --validation-split-percentage of its posts (chosen by train.seed) are held out,
+# this many unless it is given, since the reports evaluate on MVSA.
 LAYOUT_VALIDATION_PERCENT = 10
 
 
@@ -126,11 +126,16 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
     d = cfg.data
     layout = read_layout(d.dataset_format, d.data_dir)
     check_num_labels(d.dataset_format, cfg.model.num_labels)
+    # The names go where every source's go: the saved config (so checkpoints and exports) and labels.json.
+    d.label_names = list(layout.labels)
+    if _is_rank0():
+        from shardtrain.data.split_dataset import write_label_file
+        write_label_file(cfg, d.label_names)
     splits = dict(layout.splits)
     held_out = "validation" not in splits
+    percent = d.validation_split_percentage if d.validation_split_percentage is not None else LAYOUT_VALIDATION_PERCENT
     if held_out:
-        splits["train"], splits["validation"] = hold_out(splits["train"], LAYOUT_VALIDATION_PERCENT,
-                                                         cfg.train.seed)
+        splits["train"], splits["validation"] = hold_out(splits["train"], percent, cfg.train.seed)
     out = []
     for split, limit in (("train", d.max_train_samples), ("validation", d.max_eval_samples)):
         path = layout.files.get(split, layout.files["train"])
@@ -144,13 +149,18 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
         out.append(JsonlDataset(path, "multimodal", records, d.image_size, skipped))
     report, lines = layout.report(), layout.report_lines()
     if held_out:
-        report["validation_held_out"] = {"percent": LAYOUT_VALIDATION_PERCENT, "seed": cfg.train.seed,
+        report["validation_held_out"] = {"percent": percent, "seed": cfg.train.seed,
                                          "posts": len(splits["validation"])}
         lines.insert(1, f"--dataset-format {d.dataset_format}: no validation split of its own; "
-                        f"{len(splits['validation'])} posts ({LAYOUT_VALIDATION_PERCENT}%, chosen by train.seed "
+                        f"{len(splits['validation'])} posts (--validation-split-percentage {percent}, chosen by train.seed "
                         f"{cfg.train.seed}) held out for validation")
     out[0].data_report, out[0].data_report_lines = report, lines
     return out[0], out[1]
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def hold_out(rows: list, percent: int, seed: int) -> tuple[list, list]:

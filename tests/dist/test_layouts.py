@@ -2,6 +2,8 @@
 Twitter-2015 as they unpack (tests/layout_copies.py), under 2 processes, and reports what the readers dropped."""
 from __future__ import annotations
 
+import json
+
 from launch import tiny_args, torchrun
 from layout_copies import DROPPED_MVSA_SINGLE, DROPPED_TWITTER, make_mvsa, make_twitter
 
@@ -19,11 +21,16 @@ def check_one(fmt, top, dropped, out):
     assert data["dataset_format"] == fmt and data["labels"] == ["negative", "neutral", "positive"]
     assert data["dropped"] == dropped and set(data["dropped_examples"]) == set(dropped)
     assert run.summary["final_step"] == 2 and run.summary["eval"]["n_examples"] > 0
+    # The class names travel as every source's do: labels.json and the saved config (checkpoints, exports).
+    names = ["negative", "neutral", "positive"]
+    assert json.loads((out / "labels.json").read_text())["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
+    assert run.summary["config"]["data"]["label_names"] == names
     # One console line per reason, from rank 0 only.
     for reason in dropped:
         assert run.output.count(f"--dataset-format {fmt}: dropped 1 ({reason}), e.g. ") == 1, run.tail()
     if fmt == "mvsa-single":
         assert data["non_utf8_bytes"] == 1 and data["replaced_bytes"] == 1
+        # MVSA has no validation split: --validation-split-percentage of it, 10 unless given.
         assert data["validation_held_out"]["posts"] == run.summary["eval_examples"] == 3
     else:
         assert data["kept"] == {"train": 21, "validation": 8, "test": 6} and run.summary["eval_examples"] == 8
