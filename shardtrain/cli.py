@@ -276,6 +276,10 @@ def cache_images_main(argv: list[str]) -> int:
         if args.jobs < 0:
             raise ConfigError(f"cache-images: --jobs must be >= 0, got {args.jobs}")
         from shardtrain.data.sources import source_of
+        if d.dataset_format:
+            _cache_layout_images(cfg, args.rebuild, args.jobs)
+            print(f"train with: --image-cache {d.image_cache}")
+            return 0
         if source_of(cfg) != "data_dir":
             _cache_source_images(cfg, args.rebuild, args.jobs)
             print(f"train with: --image-cache {d.image_cache}")
@@ -331,6 +335,31 @@ def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
         bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
         print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
               f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
+
+
+def _cache_layout_images(cfg, rebuild: bool, jobs: int) -> None:
+    """cache-images for --dataset-format: every image the layout's kept posts name, in one cache."""
+    from pathlib import Path
+
+    from shardtrain.data.image_cache import build_source_image_cache
+    from shardtrain.data.layouts import read_layout
+    from shardtrain.data.splits import layout_images, open_layout_image_cache
+
+    d = cfg.data
+    layout = read_layout(d.dataset_format, d.data_dir)
+    if not rebuild:
+        try:
+            cache = open_layout_image_cache(cfg, layout)
+            print(f"{d.dataset_format}: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild "
+                  f"decodes again)")
+            return
+        except ConfigError:
+            pass
+    summary = build_source_image_cache(d.dataset_format, layout_images(layout), Path(d.image_cache), d.image_size,
+                                       workers=jobs, progress=print)
+    bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
+    print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
+          f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
 
 
 DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels

@@ -671,8 +671,6 @@ def check_dataset_format(cfg: Config) -> None:
                           f"model, not {cfg.model.name}")
     if d.eval_data_dir is not None:
         raise ConfigError(f"{fmt}: the layout's own files give its validation split; drop {where('eval_data_dir')}")
-    if d.image_cache is not None:
-        raise ConfigError(f"{fmt}: {where('image_cache')} is built from jsonl splits only (for now); drop it")
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -29,6 +29,10 @@ def check_splits(cfg) -> None:
         # A published layout: its files and folders, not its thousands of posts (read once, by the run).
         layout_files(cfg.data.dataset_format, cfg.data.data_dir)
         check_num_labels(cfg.data.dataset_format, cfg.model.num_labels)
+        if cfg.data.image_cache is not None:  # missing or stale: one line now, as below
+            from shardtrain.data.layouts import read_layout
+            from shardtrain.data.splits import open_layout_image_cache
+            open_layout_image_cache(cfg, read_layout(cfg.data.dataset_format, cfg.data.data_dir))
         return
     kind = data_kind(cfg.model.name)
     for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):

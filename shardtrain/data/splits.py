@@ -136,17 +136,18 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
     percent = d.validation_split_percentage if d.validation_split_percentage is not None else LAYOUT_VALIDATION_PERCENT
     if held_out:
         splits["train"], splits["validation"] = hold_out(splits["train"], percent, cfg.train.seed)
+    cache = open_layout_image_cache(cfg, layout)
     out = []
     for split, limit in (("train", d.max_train_samples), ("validation", d.max_eval_samples)):
         path = layout.files.get(split, layout.files["train"])
         records = [Record(r.line, r.text, layout.labels.index(r.label), r.image, r.text_pair) for r in splits[split]]
-        records, skipped = _decodable(path, records, d.skip_bad_samples, limit)
+        records, skipped = _decodable(path, records, d.skip_bad_samples, limit, cache)
         if not records:
             dropped = "; ".join(f"{n} {why}" for why, n in sorted(layout.dropped.items())) or "nothing dropped"
             raise ConfigError(f"--dataset-format {d.dataset_format}: no usable {split} posts in {layout.root} "
                               f"({dropped}; shardtrain check-data {layout.root} --dataset-format "
                               f"{d.dataset_format} shows why)")
-        out.append(JsonlDataset(path, "multimodal", records, d.image_size, skipped))
+        out.append(JsonlDataset(path, "multimodal", records, d.image_size, skipped, cache))
     report, lines = layout.report(), layout.report_lines()
     if held_out:
         report["validation_held_out"] = {"percent": percent, "seed": cfg.train.seed,
@@ -172,14 +173,30 @@ def hold_out(rows: list, percent: int, seed: int) -> tuple[list, list]:
     return ([r for i, r in enumerate(rows) if i not in chosen], [r for i, r in enumerate(rows) if i in chosen])
 
 
-def _decodable(path: Path, records: list[Record], skip_bad: bool, limit: Optional[int]):
-    """(records, skipped messages), at most `limit` records. With skip_bad every image is decoded once here, as
-    read_split does for the jsonl splits; without, a bad image stops the run when it is loaded."""
+def layout_images(layout) -> list[str]:
+    """Every image a layout's rows name, in file order: one image cache covers the whole layout, so the share
+    held out for validation can change (--validation-split-percentage, the seed) without a rebuild."""
+    return [row.image for rows in layout.splits.values() for row in rows]
+
+
+def open_layout_image_cache(cfg: Config, layout) -> Optional[ImageCache]:
+    from shardtrain.data.image_cache import open_source_image_cache
+
+    return open_source_image_cache(cfg, layout.fmt, layout_images(layout))
+
+
+def _decodable(path: Path, records: list[Record], skip_bad: bool, limit: Optional[int],
+               cache: Optional[ImageCache] = None):
+    """(records, skipped messages), at most `limit` records. With skip_bad every image is decoded once here (or
+    looked up in the image cache's build), as read_split does for the jsonl splits; without, a bad image stops
+    the run when it is loaded."""
     kept, skipped = [], []
     for rec in records:
         if limit is not None and len(kept) >= limit:
             break
-        err = image_problem(Path(rec.image)) if skip_bad else None
+        err = None
+        if skip_bad:
+            err = cache.problem(rec.image) if cache is not None else image_problem(Path(rec.image))
         if err:
             skipped.append(f"{path}:{rec.line}: cannot decode image {rec.image}: {err}")
         else:

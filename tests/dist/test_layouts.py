@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from launch import tiny_args, torchrun
+from launch import cli, tiny_args, torchrun
 from layout_copies import DROPPED_MVSA_SINGLE, DROPPED_TWITTER, make_mvsa, make_twitter
 
 
@@ -15,8 +15,14 @@ def test_layouts_train_and_report_their_drops(tmp_path):
 
 
 def check_one(fmt, top, dropped, out):
-    run = torchrun(tiny_args("multimodal", top, out, "--dataset-format", fmt, "--strategy", "ddp",
-                             "--max-steps", "2", "--per-device-batch-size", "4", "--eval-every", "2"))
+    args = tiny_args("multimodal", top, out, "--dataset-format", fmt, "--strategy", "ddp",
+                     "--max-steps", "2", "--per-device-batch-size", "4", "--eval-every", "2")
+    if fmt == "mvsa-single":  # the images decoded once by cache-images, then read from the cache
+        cache = out.parent / "image-cache"
+        args += ["--image-cache", str(cache)]
+        cached = cli(["cache-images", "--jobs", "1", *args])
+        assert "mvsa-single split: 35 images" in cached.output, cached.tail()
+    run = torchrun(args)
     data = run.summary["data"]
     assert data["dataset_format"] == fmt and data["labels"] == ["negative", "neutral", "positive"]
     assert data["dropped"] == dropped and set(data["dropped_examples"]) == set(dropped)
