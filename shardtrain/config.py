@@ -665,6 +665,8 @@ def validate(cfg: Config) -> None:
 def check_dataset_format(cfg: Config) -> None:
     """What a published layout cannot be combined with; its files are checked later, in data/precheck.py."""
     d = cfg.data
+    if d.dataset_format.startswith("mvsa") and d.validation_split_percentage is None:
+        d.validation_split_percentage = 10  # MVSA has no validation split, and the reports evaluate on it
     fmt = f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')})"
     if cfg.model.name != "multimodal":
         raise ConfigError(f"{fmt}: the layouts pair each text with an image; train them with the multimodal "

@@ -43,6 +43,8 @@ def source_of(cfg: Config) -> str:
     given = [name for name in SOURCE_FLAGS if getattr(d, name)]
     if len(given) > 1:
         raise ConfigError(f"{where(given[0])} and {where(given[1])} both name the training data: keep one")
+    if given and d.dataset_format:
+        raise ConfigError(f"{where('dataset_format')} and {where(given[0])} both name the training data: keep one")
     for val, train in (("validation_file", "train_file"), ("validation_dir", "train_dir")):
         if getattr(d, val) and not getattr(d, train):
             raise ConfigError(f"{where(val)} needs {where(train)} beside it (the validation split of which data?)")
@@ -159,6 +161,8 @@ def _flag_of(kind: str, split: str) -> str:
 def read_raw(cfg: Config, kind: str) -> dict[str, Optional[RawSplit]]:
     """{"train": RawSplit, "validation": RawSplit or None} straight from the source."""
     d = cfg.data
+    if d.dataset_format:
+        return _read_published_layout(cfg)
     if kind == "data_dir":
         return _read_jsonl_layout(cfg)
     if kind == "dataset_name":
@@ -316,6 +320,23 @@ def _read_jsonl_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
                 rows["image"].append(rec.image)
         out[split] = RawSplit(datasets.Dataset.from_dict(rows), str(path), path.parent,
                               lambda line, p=path: f"{p}:{line}", problems)
+    return out
+
+
+def _read_published_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
+    """--dataset-format: a research dataset as it unpacks (data/layouts.py), whose reader gives canonical rows
+    (a ClassLabel label, an absolute image path, Twitter's text_pair) and has counted what its rules drop."""
+    from shardtrain.data.layouts import read_layout
+
+    layout = read_layout(cfg.data.dataset_format, cfg.data.data_dir)
+    out: dict[str, Optional[RawSplit]] = {}
+    for split in SPLITS:
+        if split not in layout.splits:  # MVSA: validation from --validation-split-percentage
+            out[split] = None
+            continue
+        path = layout.files[split]
+        ds = layout.to_dataset(split).add_column("row", [row.line for row in layout.splits[split]])
+        out[split] = RawSplit(ds, str(path), layout.root, lambda line, p=path: f"{p}:{line}", problems=[])
     return out
 
 

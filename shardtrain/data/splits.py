@@ -165,11 +165,14 @@ def _is_rank0() -> bool:
 
 
 def hold_out(rows: list, percent: int, seed: int) -> tuple[list, list]:
-    """(kept, held out): `percent` of rows (at least one), the same ones for the same seed, each list in file order."""
-    import random
+    """(kept, held out), each in file order: the rows datasets' train_test_split holds out for this seed, so a
+    workload of one's own that reads the layout through load_splits evaluates on the same posts."""
+    import datasets
 
-    n = max(1, len(rows) * percent // 100) if len(rows) > 1 else 0
-    chosen = set(random.Random(seed).sample(range(len(rows)), n))
+    if len(rows) < 2:
+        return rows, []
+    index = datasets.Dataset.from_dict({"i": list(range(len(rows)))})
+    chosen = set(index.train_test_split(test_size=percent / 100, seed=seed, shuffle=True)["test"]["i"])
     return ([r for i, r in enumerate(rows) if i not in chosen], [r for i, r in enumerate(rows) if i in chosen])
 
 

@@ -37,6 +37,6 @@ def check_one(fmt, top, dropped, out):
     if fmt == "mvsa-single":
         assert data["non_utf8_bytes"] == 1 and data["replaced_bytes"] == 1
         # MVSA has no validation split: --validation-split-percentage of it, 10 unless given.
-        assert data["validation_held_out"]["posts"] == run.summary["eval_examples"] == 3
+        assert data["validation_held_out"]["posts"] == run.summary["eval_examples"] == 4
     else:
         assert data["kept"] == {"train": 21, "validation": 8, "test": 6} and run.summary["eval_examples"] == 8

@@ -147,13 +147,14 @@ def test_mvsa_trains_with_a_held_out_share_and_reports_drops(copies, tmp_path):
     cfg = layout_cfg("mvsa-single", copies["mvsa-single"], tmp_path)
     train, val = build_datasets(cfg)
     kept = 40 - sum(DROPPED_MVSA_SINGLE.values())
-    assert (len(train), len(val)) == (kept - kept // 10, kept // 10)
+    held = -(-kept // 10)  # datasets' train_test_split rounds the held-out share up
+    assert (len(train), len(val)) == (kept - held, held)
     again_train, again_val = build_datasets(cfg)
     assert again_val.table["text"] == val.table["text"]          # the same share for the same seed
     assert not set(train.table["text"]) & set(val.table["text"])
     report = train.data_report
     assert report["dropped"] == DROPPED_MVSA_SINGLE and report["kept"] == {"train": kept}
-    assert report["validation_held_out"] == {"percent": 10, "seed": 42, "posts": kept // 10}
+    assert report["validation_held_out"] == {"percent": 10, "seed": 42, "posts": held}
     lines = train.data_report_lines
     assert len(lines) == 2 + len(DROPPED_MVSA_SINGLE) + 1          # kept, held out, one per reason, decoding
     assert any(line.startswith("--dataset-format mvsa-single: dropped 1 (missing_image), e.g. ") for line in lines)
@@ -201,3 +202,23 @@ def test_skip_bad_samples_and_check_data_on_a_layout(copies, tmp_path, capsys):
     assert "train.tsv:2: cannot decode image" in out[-2] and out[-1] == f"1 problem(s) in {top}"
     assert cli_main(["check-data", str(copies["mvsa-single"]), "--dataset-format", "mvsa-single"]) == 0
     assert capsys.readouterr().out.rstrip().endswith(": no problems found")
+
+
+# ---- a workload of one's own ----------------------------------------------------------------------------
+
+def test_a_users_workload_gets_a_layout_through_load_splits(copies, tmp_path):
+    from shardtrain.data import load_splits
+
+    mvsa = load_splits(layout_cfg("mvsa-single", copies["mvsa-single"], tmp_path))
+    assert mvsa.label_names == ["negative", "neutral", "positive"] and mvsa.num_labels == 3
+    # No validation split in MVSA: --validation-split-percentage, 10 unless given, of the 35 kept posts.
+    assert (len(mvsa.train), len(mvsa.validation)) == (31, 4)
+    assert {"text", "label", "image", "row"} <= set(mvsa.train.column_names)
+    _, builtin_validation = build_datasets(layout_cfg("mvsa-single", copies["mvsa-single"], tmp_path))
+    assert sorted(mvsa.validation["text"]) == sorted(builtin_validation.table["text"])  # the same posts held out
+    twitter = load_splits(layout_cfg("twitter2015", copies["twitter2015"], tmp_path))
+    assert (len(twitter.train), len(twitter.validation)) == (21, 8)
+    row = twitter.train[0]
+    assert row["text_pair"] and row["text_pair"] in row["text"] and "$T$" not in row["text"]
+    with pytest.raises(ConfigError, match="--dataset-format.*and --train-file.*both name the training data"):
+        load_splits(layout_cfg("twitter2015", copies["twitter2015"], tmp_path, train_file="x.csv"))
