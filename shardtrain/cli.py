@@ -177,12 +177,17 @@ def make_data_main(argv: list[str]) -> int:
 def check_data_main(argv: list[str]) -> int:
     import argparse
 
+    from shardtrain.config import add_workload_flags
+
     parser = argparse.ArgumentParser(prog="shardtrain check-data")
-    parser.add_argument("dir")
+    parser.add_argument("dir", nargs="?", default=None, help="a built-in dataset folder (not with a user's --workload)")
     parser.add_argument("--kind", choices=["multimodal", "longdoc"], default=None,
                         help="default: multimodal if records name images")
     parser.add_argument("--num-labels", type=int, default=None,
                         help="labels must be in 0..N-1 (default: what make-data recorded, else 3)")
+    parser.add_argument("--config", default=None, help="a training config whose workload (and its args) to check")
+    add_workload_flags(parser)
+    parser.add_argument("--samples", type=int, default=4, help="with a user's workload: samples read per split")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
 
@@ -190,6 +195,15 @@ def check_data_main(argv: list[str]) -> int:
         from pathlib import Path
 
         from shardtrain.data import check_data
+        if args.config or args.workload:
+            from shardtrain.config import command_config, is_builtin_workload
+            cfg = command_config(args.config, args.workload, args.workload_args)
+            if not is_builtin_workload(cfg):
+                return _check_workload(cfg, args)
+            args.kind = args.kind or {"longformer": "longdoc"}.get(cfg.model.name, "multimodal")
+            args.dir = args.dir or cfg.data.data_dir
+        if args.dir is None:
+            raise ConfigError("check-data: give a dataset folder, or --workload my_pkg.tasks:MyTask for a user's data")
         if not Path(args.dir).is_dir():
             raise ConfigError(f"check-data: folder not found: {args.dir}")
         recorded = _dataset_info(args.dir)
@@ -204,6 +218,25 @@ def check_data_main(argv: list[str]) -> int:
         return 1 if problems else 0
 
     return run_guarded(run, argv)
+
+
+def _check_workload(cfg, args) -> int:
+    """check-data for a user's workload: its datasets() and collate on a few samples (workload_check.py)."""
+    from shardtrain.workload import workload_class
+    from shardtrain.workload_check import check_workload_data
+
+    if args.dir is not None or args.kind is not None:
+        raise ConfigError(f"check-data: {cfg.workload.workload} reads its own data in datasets(); drop "
+                          f"{'the folder ' + args.dir if args.dir else '--kind'} (pass its location in --workload-args)")
+    if args.samples < 1:
+        raise ConfigError(f"check-data: --samples must be positive, got {args.samples}")
+    name = workload_class(cfg).__name__
+    problems, notes = check_workload_data(cfg, args.samples)
+    for line in notes + problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {name}'s data" if problems
+          else f"{name}: datasets() and collate give batches its model takes; no problems found")
+    return 1 if problems else 0
 
 
 def cache_images_main(argv: list[str]) -> int:
