@@ -40,7 +40,7 @@ def user_dir(mm_data, tmp_path_factory) -> Path:
     return d
 
 
-def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, tmp_path):
+def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, tmp_path, capsys):
     args = json.dumps({"model": str(user_dir / "tiny-roberta"), "data": str(mm_data), "num_labels": 3})
     r = cli(["train", "--config", str(user_dir / "my_run.yaml"), "--workload-args", args, "--strategy", "fsdp",
              "--nproc", "2", "--device", "cpu", "--precision", "fp32", "--max-steps", "3",
@@ -59,6 +59,23 @@ def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, 
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert "classifier.out_proj.weight" in exported and exported["roberta.embeddings.word_embeddings.weight"].shape[1] == 32
     assert json.loads((tmp_path / "export" / "workload.json").read_text())["target"] == "my_tasks:Sentiment"
+
+    # --workload / --workload-args on export: rebuild with other args (here the data's place on "this machine")
+    # and evaluate the exported weights with the workload's own metrics.
+    moved = json.dumps({"model": str(user_dir / "tiny-roberta"), "data": str(mm_data), "num_labels": 3})
+    r = run([sys.executable, "-m", "shardtrain", "export", str(tmp_path / "run"), str(tmp_path / "export2"),
+             "--workload", "my_tasks:Sentiment", "--workload-args", moved, "--eval"], cwd=user_dir)
+    evaluated = json.loads((tmp_path / "export2" / "shardtrain_export.json").read_text())["eval_fp32"]
+    assert evaluated["n_examples"] == 64 and "validation: accuracy" in r.output, r.tail()
+    assert abs(evaluated["accuracy"] - summary["eval"]["accuracy"]) < 1e-9, (evaluated, summary["eval"])
+
+    # report --workload reads the run: it shows the workload and its metrics, and refuses another workload.
+    from shardtrain import cli as shardtrain_cli
+    assert shardtrain_cli.main(["report", str(tmp_path / "run"), "--workload", "my_tasks:Sentiment"]) == 0
+    html = (tmp_path / "run" / "report.html").read_text()
+    assert "<h2>workload</h2>" in html and "my_tasks:Sentiment" in html and "macro_f1" in html
+    assert shardtrain_cli.main(["report", str(tmp_path / "run"), "--workload", "my_tasks:Other"]) == 2
+    assert f"report: {tmp_path / 'run'} trained my_tasks:Sentiment with args" in capsys.readouterr().err
 
 
 def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
