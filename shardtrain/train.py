@@ -124,7 +124,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
                 "memory_prediction": (memory_prediction(cfg, world, vocab_size) if predictable else
-                                      {"note": f"not predicted: shardtrain plan knows the built-in models, not {task}"})
+                                      {"note": f"not predicted: activations are measured for the built-in models, not {task} "
+                                               f"(shardtrain plan --workload counts its model states)"})
                 if dist_info.is_rank0 else {}}
     for split, ds in (("train", train_ds), ("validation", eval_ds)):
         if skipped(ds):
