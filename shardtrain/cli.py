@@ -177,10 +177,13 @@ def make_data_main(argv: list[str]) -> int:
 def check_data_main(argv: list[str]) -> int:
     import argparse
 
+    from shardtrain.config import add_workload_flags
+
     parser = argparse.ArgumentParser(
-        prog="shardtrain check-data", description="List every problem of a jsonl data folder (DIR), or of the "
-        "source that training flags name (--config, --dataset-name, --train-file, --train-dir, column flags).")
-    parser.add_argument("dir", nargs="?")
+        prog="shardtrain check-data", description="List every problem of a jsonl data folder (DIR), of the "
+        "source that training flags name (--config, --dataset-name, --train-file, --train-dir, --dataset-format, "
+        "column flags), or of a user's --workload (its datasets() and collate on a few samples).")
+    parser.add_argument("dir", nargs="?", default=None, help="a built-in dataset folder (not with a user's --workload)")
     parser.add_argument("--kind", choices=["multimodal", "longdoc"], default=None,
                         help="default: multimodal if records name images")
     parser.add_argument("--num-labels", type=int, default=None,
@@ -188,8 +191,12 @@ def check_data_main(argv: list[str]) -> int:
     parser.add_argument("--dataset-format", default=None,
                         help="a published layout (mvsa-single, mvsa-multiple, twitter2015, twitter2017): what its "
                              "reader keeps and drops, and every image decoded")
+    parser.add_argument("--config", default=None, help="a training config whose workload (and its args) to check")
+    add_workload_flags(parser)
+    parser.add_argument("--samples", type=int, default=4, help="with a user's workload: samples read per split")
     parser.add_argument("--debug", action="store_true")
-    own = ("--kind", "--num-labels", "--dataset-format", "--debug", "-h", "--help")
+    own = ("--kind", "--num-labels", "--dataset-format", "--workload", "--workload-args", "--samples", "--debug",
+           "-h", "--help")
     if not argv or any(a.startswith("--") and a.split("=")[0] not in own for a in argv):
         # Training flags: a positional DIR may only come first (argparse would take a flag's value for it).
         folder = argv[0] if argv and not argv[0].startswith("-") else None
@@ -201,6 +208,15 @@ def check_data_main(argv: list[str]) -> int:
         from pathlib import Path
 
         from shardtrain.data import check_data
+        if args.config or args.workload:
+            from shardtrain.config import command_config, is_builtin_workload
+            cfg = command_config(args.config, args.workload, args.workload_args)
+            if not is_builtin_workload(cfg):
+                return _check_workload(cfg, args)
+            args.kind = args.kind or {"longformer": "longdoc"}.get(cfg.model.name, "multimodal")
+            args.dir = args.dir or cfg.data.data_dir
+        if args.dir is None:
+            raise ConfigError("check-data: give a dataset folder, or --workload my_pkg.tasks:MyTask for a user's data")
         if not Path(args.dir).is_dir():
             raise ConfigError(f"check-data: folder not found: {args.dir}")
         if args.dataset_format:
@@ -230,13 +246,21 @@ def _check_layout(data_dir: str, fmt: str) -> int:
 
 
 def _check_source_main(folder: str | None, rest: list[str]) -> int:
-    """check-data with training flags: the run's own source, read as the run reads it."""
-    from shardtrain.config import parse_cli
+    """check-data with training flags: the run's own source, read as the run reads it, or a user's workload."""
+    import argparse
+
+    from shardtrain.config import is_builtin_workload, parse_cli
     from shardtrain.data.check import check_data, check_source
     from shardtrain.data.records import data_kind
     from shardtrain.data.sources import source_of
 
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--samples", type=int, default=4)
+    args, rest = own.parse_known_args(rest)
     cfg = parse_cli(rest + (["--data-dir", folder] if folder else []))
+    if not is_builtin_workload(cfg):
+        args.dir, args.kind = folder, None
+        return _check_workload(cfg, args)
     if cfg.data.dataset_format:
         return _check_layout(cfg.data.data_dir, cfg.data.dataset_format)
     if source_of(cfg) == "data_dir":
@@ -248,6 +272,24 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
     for line in problems:
         print(line)
     print(f"{len(problems)} problem(s) in {what}" if problems else f"{what}: no problems found")
+
+
+def _check_workload(cfg, args) -> int:
+    """check-data for a user's workload: its datasets() and collate on a few samples (workload_check.py)."""
+    from shardtrain.workload import workload_class
+    from shardtrain.workload_check import check_workload_data
+
+    if args.dir is not None or args.kind is not None:
+        raise ConfigError(f"check-data: {cfg.workload.workload} reads its own data in datasets(); drop "
+                          f"{'the folder ' + args.dir if args.dir else '--kind'} (pass its location in --workload-args)")
+    if args.samples < 1:
+        raise ConfigError(f"check-data: --samples must be positive, got {args.samples}")
+    name = workload_class(cfg).__name__
+    problems, notes = check_workload_data(cfg, args.samples)
+    for line in notes + problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {name}'s data" if problems
+          else f"{name}: datasets() and collate give batches its model takes; no problems found")
     return 1 if problems else 0
 
 

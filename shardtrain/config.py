@@ -540,6 +540,32 @@ def add_import_paths(config_path: str | None) -> None:
             sys.path.insert(0, folder)
 
 
+def add_workload_flags(parser) -> None:
+    """--workload and --workload-args, spelled as `train` spells them, for the commands that are not `train`
+    (plan, check-data, export, report): read into a Config by command_config()."""
+    parser.add_argument(flag_of("workload"), dest="workload", default=None,
+                        help="my_pkg.tasks:MyTask, or a built-in: " + ", ".join(BUILTIN_WORKLOADS))
+    parser.add_argument(flag_of("workload_args"), dest="workload_args", default=None,
+                        help="the workload's keyword arguments as JSON (YAML workload.args)")
+
+
+def command_config(config_path: str | None, workload: str | None = None, workload_args: str | None = None) -> Config:
+    """A command's Config: the YAML (if any) with --workload / --workload-args over it, their modules importable
+    from the config's folder and the working directory as in training. Not validated: each command checks
+    what it uses."""
+    if config_path is not None and not Path(config_path).is_file():
+        raise ConfigError(f"--config: file not found: {config_path}")
+    cfg = from_dict(load_yaml(config_path) if config_path else {},
+                    source=f"--config {config_path}" if config_path else "config")
+    add_import_paths(config_path)
+    for name, value in (("workload", workload), ("workload_args", workload_args)):
+        if value is not None:
+            setattr(cfg.workload, name, _coerce(name, value, FIELDS[name][2], flag_of(name)))
+    if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
+        cfg.model.name = cfg.workload.workload  # `--workload longformer`, as validate() reads it
+    return cfg
+
+
 def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Fill cfg from the SageMaker environment (shardtrain/sagemaker_env.py), leaving fields in `explicit` (set
     by a flag) alone. Returns what was applied; nothing outside SageMaker."""
@@ -625,6 +651,12 @@ def validate(cfg: Config) -> None:
                           f"(or --strategy zero2 for that shipped file)")
     if p.ds and not Path(p.ds).is_file():
         raise ConfigError(f"{where('ds')}: file not found: {p.ds}")
+    if p.strategy == "auto" and not is_builtin_workload(cfg):
+        # The planner measures activations on the built-in architectures; a user's model it only counts.
+        raise ConfigError(f"{where('strategy')}=auto chooses from predicted activation memory, which shardtrain "
+                          f"measures for the built-in workloads only, not {workload_target(cfg)}; choose "
+                          f"--strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
+                          f"model-state memory)")
     if p.nproc != "auto":
         try:
             if int(p.nproc) < 1:

@@ -134,7 +134,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
                 "memory_prediction": (memory_prediction(cfg, world, vocab_size) if predictable else
-                                      {"note": f"not predicted: shardtrain plan knows the built-in models, not {task}"})
+                                      {"note": f"not predicted: activations are measured for the built-in models, not {task} "
+                                               f"(shardtrain plan --workload counts its model states)"})
                 if dist_info.is_rank0 else {}}
     for line in getattr(train_ds, "data_report_lines", None) or []:
         console.info(line)
@@ -149,7 +150,9 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     throughput = Throughput()
     mem = MemoryMonitor(strategy, dist_info, every=t.memory_every)
     oom = OOMRecovery(cfg, strategy, loaders.train, dist_info, console)
-    health = BadStepPolicy(t.nan_policy, t.max_bad_steps, console, dist_info.is_rank0)
+    # A fresh run's first step follows no update: a non-finite loss there is the workload's, not training's.
+    health = BadStepPolicy(t.nan_policy, t.max_bad_steps, console, dist_info.is_rank0,
+                           first_step=1 if step == 0 else None, loss_method=f"{task}.loss")
     eval_result: dict = {}
     preempted = False
     batch = None
@@ -168,7 +171,9 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0, batch=batch):
                         outputs = workload.forward(strategy.model, batch)
-                        loss = check_loss(workload.loss(outputs, batch), task)
+                        with strategy.shard_read_guard(f"{task}.loss"):  # pitfall 5: no shard read as a weight
+                            loss = workload.loss(outputs, batch)
+                        loss = check_loss(loss, task)
                     if micro == 0:  # test-only (train.inject_nan_at_steps); a no-op otherwise
                         loss = faults.maybe_nan(loss, step + 1, t.inject_nan_at_steps, dist_info.rank, world)
                     strategy.backward(loss)
@@ -297,7 +302,9 @@ def evaluate(workload: Workload, strategy, loaders, dist_info: DistInfo, spare_b
         batch = batch_to_device(batch, dist_info.device)
         with strategy.autocast():
             outputs = workload.forward(strategy.model, batch)
-        for key, value in workload.metric_sums(outputs, batch).items():
+        with strategy.shard_read_guard(f"{type(workload).__name__}.metric_sums"):
+            metric_sums = workload.metric_sums(outputs, batch)
+        for key, value in metric_sums.items():
             value = value.detach().double() * (1.0 if real else 0.0)
             sums[key] = sums[key] + value if key in sums else value
     sums = {key: all_reduce_sum(sums[key], dist_info.device).cpu() for key in sorted(sums)}
