@@ -65,9 +65,20 @@ def format_banner(info: dict) -> str:
                  f"{info['params_frozen']:,} frozen")
     lines.append(f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
                  f"{info['world_size']} = global {info['global_batch_size']}")
-    lines.append(f"  data        {info['train_examples']:,} train | {info['eval_examples']:,} eval | "
-                 f"{info['steps_per_epoch']:,} steps/epoch | {info.get('max_steps', '?')} steps" +
+    # None: a --streaming training split, whose length is unknown until read.
+    train = "streamed" if info["train_examples"] is None else f"{info['train_examples']:,}"
+    per_epoch = "?" if info["steps_per_epoch"] is None else f"{info['steps_per_epoch']:,}"
+    lines.append(f"  data        {train} train | {info['eval_examples']:,} eval | "
+                 f"{per_epoch} steps/epoch | {info.get('max_steps', '?')} steps" +
                  (f" | images from cache {info['image_cache']}" if info.get("image_cache") else ""))
+    dropped = info.get("unlabelled_dropped") or {}
+    if any(dropped.values()):
+        lines.append(f"  unlabelled  label -1 dropped: {dropped.get('train', 0):,} train | "
+                     f"{dropped.get('validation', 0):,} eval rows")
+    names = info.get("label_names") or []
+    if names:
+        lines.append(f"  labels      {len(names)}: " + ", ".join(f"{i}={n}" for i, n in enumerate(names[:8])) +
+                     (", ..." if len(names) > 8 else ""))
     mem = info.get("memory_prediction") or {}
     if "note" in mem and len(mem) == 1:
         lines.append(f"  memory      {mem['note']}")

@@ -223,7 +223,7 @@ def find_resume_dir(resume: str, output_dir: str | Path, label: str = "--resume"
 
 # What a run writes into its output dir; --overwrite-output-dir removes exactly these, nothing of the user's.
 RUN_ARTIFACTS = ("checkpoints", "tokenizer", "metrics.jsonl", "eval.jsonl", "summary.json", "report.html",
-                 "curves.png", "throughput.png", "memory.png")
+                 "labels.json", "curves.png", "throughput.png", "memory.png")
 
 
 def previous_run(output_dir: str | Path) -> str | None:

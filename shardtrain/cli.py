@@ -177,21 +177,50 @@ def make_data_main(argv: list[str]) -> int:
 def check_data_main(argv: list[str]) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="shardtrain check-data")
-    parser.add_argument("dir")
+    from shardtrain.config import add_workload_flags
+
+    parser = argparse.ArgumentParser(
+        prog="shardtrain check-data", description="List every problem of a jsonl data folder (DIR), of the "
+        "source that training flags name (--config, --dataset-name, --train-file, --train-dir, --dataset-format, "
+        "column flags), or of a user's --workload (its datasets() and collate on a few samples).")
+    parser.add_argument("dir", nargs="?", default=None, help="a built-in dataset folder (not with a user's --workload)")
     parser.add_argument("--kind", choices=["multimodal", "longdoc"], default=None,
                         help="default: multimodal if records name images")
     parser.add_argument("--num-labels", type=int, default=None,
                         help="labels must be in 0..N-1 (default: what make-data recorded, else 3)")
+    parser.add_argument("--dataset-format", default=None,
+                        help="a published layout (mvsa-single, mvsa-multiple, twitter2015, twitter2017): what its "
+                             "reader keeps and drops, and every image decoded")
+    parser.add_argument("--config", default=None, help="a training config whose workload (and its args) to check")
+    add_workload_flags(parser)
+    parser.add_argument("--samples", type=int, default=4, help="with a user's workload: samples read per split")
     parser.add_argument("--debug", action="store_true")
+    own = ("--kind", "--num-labels", "--dataset-format", "--workload", "--workload-args", "--samples", "--debug",
+           "-h", "--help")
+    if not argv or any(a.startswith("--") and a.split("=")[0] not in own for a in argv):
+        # Training flags: a positional DIR may only come first (argparse would take a flag's value for it).
+        folder = argv[0] if argv and not argv[0].startswith("-") else None
+        return run_guarded(lambda _: _check_source_main(folder, [a for a in argv[1 if folder else 0:]
+                                                                 if a != "--debug"]), argv)
     args = parser.parse_args(argv)
 
     def run(_):
         from pathlib import Path
 
         from shardtrain.data import check_data
+        if args.config or args.workload:
+            from shardtrain.config import command_config, is_builtin_workload
+            cfg = command_config(args.config, args.workload, args.workload_args)
+            if not is_builtin_workload(cfg):
+                return _check_workload(cfg, args)
+            args.kind = args.kind or {"longformer": "longdoc"}.get(cfg.model.name, "multimodal")
+            args.dir = args.dir or cfg.data.data_dir
+        if args.dir is None:
+            raise ConfigError("check-data: give a dataset folder, or --workload my_pkg.tasks:MyTask for a user's data")
         if not Path(args.dir).is_dir():
             raise ConfigError(f"check-data: folder not found: {args.dir}")
+        if args.dataset_format:
+            return _check_layout(args.dir, args.dataset_format)
         recorded = _dataset_info(args.dir)
         kind = args.kind or recorded.get("kind") or _guess_kind(args.dir)
         num_labels = args.num_labels or recorded.get("num_labels") or 3
@@ -204,6 +233,64 @@ def check_data_main(argv: list[str]) -> int:
         return 1 if problems else 0
 
     return run_guarded(run, argv)
+
+
+def _check_layout(data_dir: str, fmt: str) -> int:
+    from shardtrain.data.check import check_layout
+
+    report, problems = check_layout(data_dir, fmt)
+    for line in report + problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {data_dir}" if problems else f"{data_dir}: no problems found")
+    return 1 if problems else 0
+
+
+def _check_source_main(folder: str | None, rest: list[str]) -> int:
+    """check-data with training flags: the run's own source, read as the run reads it, or a user's workload."""
+    import argparse
+
+    from shardtrain.config import is_builtin_workload, parse_cli
+    from shardtrain.data.check import check_data, check_source
+    from shardtrain.data.records import data_kind
+    from shardtrain.data.sources import source_of
+
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--samples", type=int, default=4)
+    args, rest = own.parse_known_args(rest)
+    cfg = parse_cli(rest + (["--data-dir", folder] if folder else []))
+    if not is_builtin_workload(cfg):
+        args.dir, args.kind = folder, None
+        return _check_workload(cfg, args)
+    if cfg.data.dataset_format:
+        return _check_layout(cfg.data.data_dir, cfg.data.dataset_format)
+    if source_of(cfg) == "data_dir":
+        what = cfg.data.data_dir
+        problems = check_data(what, data_kind(cfg.model.name), cfg.model.num_labels)
+    else:
+        what = next(getattr(cfg.data, n) for n in ("dataset_name", "train_file", "train_dir") if getattr(cfg.data, n))
+        problems = check_source(cfg)
+    for line in problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {what}" if problems else f"{what}: no problems found")
+
+
+def _check_workload(cfg, args) -> int:
+    """check-data for a user's workload: its datasets() and collate on a few samples (workload_check.py)."""
+    from shardtrain.workload import workload_class
+    from shardtrain.workload_check import check_workload_data
+
+    if args.dir is not None or args.kind is not None:
+        raise ConfigError(f"check-data: {cfg.workload.workload} reads its own data in datasets(); drop "
+                          f"{'the folder ' + args.dir if args.dir else '--kind'} (pass its location in --workload-args)")
+    if args.samples < 1:
+        raise ConfigError(f"check-data: --samples must be positive, got {args.samples}")
+    name = workload_class(cfg).__name__
+    problems, notes = check_workload_data(cfg, args.samples)
+    for line in notes + problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {name}'s data" if problems
+          else f"{name}: datasets() and collate give batches its model takes; no problems found")
+    return 1 if problems else 0
 
 
 def cache_images_main(argv: list[str]) -> int:
@@ -230,6 +317,15 @@ def cache_images_main(argv: list[str]) -> int:
             raise ConfigError(f"cache-images: {where('image_cache')} names the folder to write the cache to")
         if args.jobs < 0:
             raise ConfigError(f"cache-images: --jobs must be >= 0, got {args.jobs}")
+        from shardtrain.data.sources import source_of
+        if d.dataset_format:
+            _cache_layout_images(cfg, args.rebuild, args.jobs)
+            print(f"train with: --image-cache {d.image_cache}")
+            return 0
+        if source_of(cfg) != "data_dir":
+            _cache_source_images(cfg, args.rebuild, args.jobs)
+            print(f"train with: --image-cache {d.image_cache}")
+            return 0
         kind = data_kind(cfg.model.name)
         for split in ("train", "validation"):
             path = config_split_path(cfg, split)
@@ -250,6 +346,62 @@ def cache_images_main(argv: list[str]) -> int:
         return 0
 
     return run_guarded(run, rest)
+
+
+def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
+    """cache-images for --dataset-name / --train-file / --train-dir: the images of the rows training will read
+    (rows with other problems are left to the run, which reports them; check-data lists them)."""
+    import copy
+    from pathlib import Path
+
+    from shardtrain.data.image_cache import build_source_image_cache, open_source_image_cache
+    from shardtrain.data.sources import column_values, image_key, load_splits
+
+    d = cfg.data
+    if cfg.model.name != "multimodal":
+        raise ConfigError(f"cache-images: only the multimodal model reads images; model.name is {cfg.model.name}")
+    splits = load_splits(copy.deepcopy(cfg), check_images=False, report=[])
+    for split, table in (("train", splits.train), ("validation", splits.validation)):
+        if table is None:
+            continue
+        images = column_values(table, "image")
+        if not rebuild:
+            try:
+                cache = open_source_image_cache(cfg, split, [image_key(v) for v in images])
+                print(f"{split} split: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild decodes again)")
+                continue
+            except ConfigError:
+                pass
+        summary = build_source_image_cache(split, images, Path(d.image_cache), d.image_size, workers=jobs,
+                                           progress=print)
+        bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
+        print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
+              f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
+
+
+def _cache_layout_images(cfg, rebuild: bool, jobs: int) -> None:
+    """cache-images for --dataset-format: every image the layout's kept posts name, in one cache."""
+    from pathlib import Path
+
+    from shardtrain.data.image_cache import build_source_image_cache
+    from shardtrain.data.layouts import read_layout
+    from shardtrain.data.splits import layout_images, open_layout_image_cache
+
+    d = cfg.data
+    layout = read_layout(d.dataset_format, d.data_dir)
+    if not rebuild:
+        try:
+            cache = open_layout_image_cache(cfg, layout)
+            print(f"{d.dataset_format}: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild "
+                  f"decodes again)")
+            return
+        except ConfigError:
+            pass
+    summary = build_source_image_cache(d.dataset_format, layout_images(layout), Path(d.image_cache), d.image_size,
+                                       workers=jobs, progress=print)
+    bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
+    print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
+          f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
 
 
 DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels

@@ -34,7 +34,9 @@ class ModelConfig:
     fusion: Literal["concat", "gated"] = "concat"
     fusion_hidden: int = 512
     dropout: float = 0.1
-    num_labels: int = 3
+    # None: taken from the data (the classes a ClassLabel, string or bool label column names); 3 for the jsonl
+    # --data-dir layout, whose integer labels do not say how many classes there are.
+    num_labels: Optional[int] = None
     freeze_layers: int = 0
     unfreeze_at_step: Optional[int] = None
     attention_window: int = 512
@@ -61,6 +63,37 @@ class DataConfig:
     eval_data_dir: Optional[str] = None
     # Folder of decoded images written by `shardtrain cache-images` (data/image_cache.py); None: decode each epoch.
     image_cache: Optional[str] = None
+    # A research dataset in its published layout, read from data_dir as unpacked (data/layouts.py): no
+    # conversion script between the download and a run. None: the jsonl splits.
+    dataset_format: Optional[Literal["mvsa-single", "mvsa-multiple", "twitter2015", "twitter2017"]] = None
+    # Read the training split as a stream (a datasets.IterableDataset) instead of into memory: data bigger than RAM.
+    streaming: bool = False
+    # Processes that tokenise through datasets.map (its num_proc); None: this process. The result is cached.
+    preprocessing_num_workers: Optional[int] = None
+    # Other sources than the jsonl --data-dir layout (shardtrain/data/sources.py), with the flag names of HF's
+    # run_classification.py. A hub name or a local path for load_dataset, or a save_to_disk folder.
+    dataset_name: Optional[str] = None
+    # The dataset's configuration (load_dataset's second argument), e.g. a GLUE task.
+    dataset_config_name: Optional[str] = None
+    # One data file per split: csv, json/jsonl or parquet, chosen by the extension.
+    train_file: Optional[str] = None
+    validation_file: Optional[str] = None
+    # Image folders with a metadata.jsonl / metadata.csv (file_name, text, label), read by datasets' imagefolder.
+    train_dir: Optional[str] = None
+    validation_dir: Optional[str] = None
+    # Which splits of a dataset with several (IMDB's validation is its `test`).
+    train_split_name: str = "train"
+    validation_split_name: str = "validation"
+    # For a source without a validation split: this percentage of train, drawn with train.seed.
+    validation_split_percentage: Optional[int] = None
+    # Columns read as text (several are joined with text_column_delimiter), as the label, and as the image.
+    text_column_names: list = field(default_factory=lambda: ["text"])
+    text_column_delimiter: str = " "
+    label_column_name: str = "label"
+    image_column_name: str = "image"
+    # Class names in id order (id2label). Empty: taken from the data; a run records them here, so its saved
+    # config, checkpoints and exports carry the mapping. Set it to fix the order yourself.
+    label_names: list = field(default_factory=list)
 
 
 @dataclass
@@ -130,6 +163,12 @@ class LogConfig:
     wandb_project: Optional[str] = None
     wandb_entity: Optional[str] = None
     wandb_run_name: Optional[str] = None
+    # W&B's system panels (GPU utilisation and memory, where idle GPUs show). Unset: on for CUDA runs, off on
+    # CPU, where its sampler thread only competes with data loading.
+    wandb_system_metrics: Optional[bool] = None
+    # The final model as a W&B artifact (type "model"), as HF Trainer's WANDB_LOG_MODEL=end does; unset follows
+    # that variable. Exported to --final-model-dir, or OUT/final_model when that is unset.
+    wandb_log_model: Optional[bool] = None
     verbose: bool = False
     debug: bool = False
     report: bool = True
@@ -184,6 +223,12 @@ FLAG_ALIASES = {
     "lr_scheduler": ["--lr-scheduler-type"],
     "activation_checkpointing": ["--gradient-checkpointing"],
     "max_length": ["--max-seq-length"],
+    # HF TrainingArguments and `accelerate launch` spellings (docs/migration.md lists every one).
+    "eval_batch_size": ["--per-device-eval-batch-size"],
+    "keep_last": ["--save-total-limit"],
+    "wandb_run_name": ["--run-name"],
+    "num_workers": ["--dataloader-num-workers"],
+    "nproc": ["--num-processes"],
 }
 
 
@@ -202,6 +247,19 @@ MEANT = {
                    "per-device-batch-size x processes x grad-accum"),
     "train_batch_size": ("per_device_batch_size", "the batch of one process: the global batch is "
                          "per-device-batch-size x processes x grad-accum"),
+    "num_train_epochs": ("max_steps", "shardtrain counts optimizer steps; the banner prints the steps per epoch"),
+    "bf16": ("precision", "--precision bf16"),
+    "fp16": ("precision", "--precision fp16"),
+    "mixed_precision": ("precision", "--precision fp32|bf16|fp16"),
+    "resume_from_checkpoint": ("resume", "--resume auto, none or a checkpoint folder"),
+    # Not aliases: DeepSpeed's own launcher convention uses --deepspeed as a switch, not a file.
+    "deepspeed": ("ds", "--ds ds_configs/zero2.json, or --strategy zero2|zero3"),
+    "zero_stage": ("strategy", "--strategy zero2|zero3 (with _offload for CPU offload)"),
+    "use_deepspeed": ("strategy", "--strategy zero2|zero3, or --ds FILE"),
+    "fsdp": ("strategy", "--strategy fsdp; the wrap policy is --fsdp-policy"),
+    "use_fsdp": ("strategy", "--strategy fsdp; the wrap policy is --fsdp-policy"),
+    "eval_strategy": ("eval_every", "--eval-every N evaluates every N steps, 0 only at the end"),
+    "save_strategy": ("save_every", "--save-every N saves every N steps, and a finished run saves its last"),
 }
 
 
@@ -399,7 +457,7 @@ def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
     for name, (section, f, typ) in FIELDS.items():
         names = [flag_of(name)] + FLAG_ALIASES.get(name, [])
-        if typ is bool:
+        if typ in (bool, Optional[bool]):
             # `--activation-checkpointing` alone means true; `--activation-checkpointing false` also works.
             parser.add_argument(*names, dest=name, nargs="?", const="true", default=None,
                                 metavar="{true,false}", help=f"{section}.{name}")
@@ -419,10 +477,12 @@ def _dashed_flag(arg: str) -> str:
 def parse_cli(argv: list[str]) -> Config:
     parser = build_arg_parser()
     # SageMaker passes hyperparameter names verbatim: `--per_device_batch_size 8` must work too.
-    args, unknown = parser.parse_known_args([_dashed_flag(a) for a in argv])
+    dashed = [_dashed_flag(a) for a in argv]
+    args, unknown = parser.parse_known_args(dashed)
     if unknown:
         flag = unknown[0]
-        raise ConfigError(f"unknown argument '{flag}'{_suggest_flag(flag.split('=')[0])}")
+        as_typed = argv[dashed.index(flag)] if flag in dashed else flag
+        raise ConfigError(f"unknown argument '{as_typed}'{_suggest_flag(flag.split('=')[0])}")
     data = load_yaml(args.config) if args.config else {}
     add_import_paths(args.config)  # a tasks.py beside the config imports on every rank
     cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")
@@ -442,6 +502,16 @@ def parse_cli(argv: list[str]) -> Config:
         cfg.parallel.strategy = "deepspeed"
     validate(cfg)
     return cfg
+
+
+def logs_model_artifact(log: LogConfig) -> bool:
+    """--wandb-log-model, else HF's WANDB_LOG_MODEL: "end" (or the older "true"); "checkpoint" gets the final
+    model too, since shardtrain's checkpoints are sharded per strategy and an artifact should load anywhere."""
+    if log.report_to != "wandb":
+        return False
+    if log.wandb_log_model is not None:
+        return log.wandb_log_model
+    return os.environ.get("WANDB_LOG_MODEL", "false").strip().lower() in ("end", "true", "checkpoint")
 
 
 # Built-in workloads by name. Strings, so that naming one imports nothing until it is chosen.
@@ -468,6 +538,32 @@ def add_import_paths(config_path: str | None) -> None:
     for folder in ([str(Path(config_path).resolve().parent)] if config_path else []) + [os.getcwd()]:
         if folder not in sys.path:
             sys.path.insert(0, folder)
+
+
+def add_workload_flags(parser) -> None:
+    """--workload and --workload-args, spelled as `train` spells them, for the commands that are not `train`
+    (plan, check-data, export, report): read into a Config by command_config()."""
+    parser.add_argument(flag_of("workload"), dest="workload", default=None,
+                        help="my_pkg.tasks:MyTask, or a built-in: " + ", ".join(BUILTIN_WORKLOADS))
+    parser.add_argument(flag_of("workload_args"), dest="workload_args", default=None,
+                        help="the workload's keyword arguments as JSON (YAML workload.args)")
+
+
+def command_config(config_path: str | None, workload: str | None = None, workload_args: str | None = None) -> Config:
+    """A command's Config: the YAML (if any) with --workload / --workload-args over it, their modules importable
+    from the config's folder and the working directory as in training. Not validated: each command checks
+    what it uses."""
+    if config_path is not None and not Path(config_path).is_file():
+        raise ConfigError(f"--config: file not found: {config_path}")
+    cfg = from_dict(load_yaml(config_path) if config_path else {},
+                    source=f"--config {config_path}" if config_path else "config")
+    add_import_paths(config_path)
+    for name, value in (("workload", workload), ("workload_args", workload_args)):
+        if value is not None:
+            setattr(cfg.workload, name, _coerce(name, value, FIELDS[name][2], flag_of(name)))
+    if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
+        cfg.model.name = cfg.workload.workload  # `--workload longformer`, as validate() reads it
+    return cfg
 
 
 def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -513,10 +609,20 @@ def validate(cfg: Config) -> None:
     resolve_shipped_ds_config(p)  # from_dict + validate (plan) never passes through parse_cli
     positive = {"max_steps": t.max_steps, "per_device_batch_size": t.per_device_batch_size,
                 "grad_accum": t.grad_accum, "max_length": d.max_length, "image_size": d.image_size,
-                "num_labels": m.num_labels, "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
+                "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
                 "keep_last": c.keep_last, "attention_window": m.attention_window}
+    if d.streaming and (d.dataset_name or d.train_file or d.train_dir or d.dataset_format):
+        other = next(f for f in ("dataset_name", "train_file", "train_dir", "dataset_format") if getattr(d, f))
+        raise ConfigError(f"{where('streaming')}: streams the jsonl --data-dir layout's train.jsonl; "
+                          f"{where(other)} is read into memory (drop one of them)")
+    if m.num_labels is None and not (d.dataset_name or d.train_file or d.train_dir):
+        # The jsonl --data-dir layout's integer labels do not say how many classes there are; other sources'
+        # labels do (shardtrain/data/sources.py sets it from them).
+        m.num_labels = 3
     if t.eval_batch_size is not None:
         positive["eval_batch_size"] = t.eval_batch_size
+    if m.num_labels is not None:
+        positive["num_labels"] = m.num_labels
     for name, value in positive.items():
         if value <= 0:
             raise ConfigError(f"{where(name)} must be positive, got {value}")
@@ -545,6 +651,12 @@ def validate(cfg: Config) -> None:
                           f"(or --strategy zero2 for that shipped file)")
     if p.ds and not Path(p.ds).is_file():
         raise ConfigError(f"{where('ds')}: file not found: {p.ds}")
+    if p.strategy == "auto" and not is_builtin_workload(cfg):
+        # The planner measures activations on the built-in architectures; a user's model it only counts.
+        raise ConfigError(f"{where('strategy')}=auto chooses from predicted activation memory, which shardtrain "
+                          f"measures for the built-in workloads only, not {workload_target(cfg)}; choose "
+                          f"--strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
+                          f"model-state memory)")
     if p.nproc != "auto":
         try:
             if int(p.nproc) < 1:
@@ -563,10 +675,15 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"{where('inject_oom_above')} must be >= 0, got {t.inject_oom_above}")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
+    if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
+        raise ConfigError(f"{where('preprocessing_num_workers')} must be a positive number of processes, "
+                          f"got {d.preprocessing_num_workers}")
     if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
         raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
     if d.image_cache is not None and m.name != "multimodal":
         raise ConfigError(f"{where('image_cache')}: only the multimodal model reads images; drop it for {m.name}")
+    if d.dataset_format is not None:
+        check_dataset_format(cfg)
     if c.final_model_dir is not None and Path(c.final_model_dir).is_file():
         raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
@@ -575,6 +692,19 @@ def validate(cfg: Config) -> None:
         # A pretrained text model needs the tokenizer it was trained with; default to its own.
         d.tokenizer = m.text_model
     check_output_dir(c.output_dir)
+
+
+def check_dataset_format(cfg: Config) -> None:
+    """What a published layout cannot be combined with; its files are checked later, in data/precheck.py."""
+    d = cfg.data
+    if d.dataset_format.startswith("mvsa") and d.validation_split_percentage is None:
+        d.validation_split_percentage = 10  # MVSA has no validation split, and the reports evaluate on it
+    fmt = f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')})"
+    if cfg.model.name != "multimodal":
+        raise ConfigError(f"{fmt}: the layouts pair each text with an image; train them with the multimodal "
+                          f"model, not {cfg.model.name}")
+    if d.eval_data_dir is not None:
+        raise ConfigError(f"{fmt}: the layout's own files give its validation split; drop {where('eval_data_dir')}")
 
 
 def check_output_dir(output_dir: str) -> None:

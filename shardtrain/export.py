@@ -12,6 +12,7 @@ Runs in one process with no process group: it reads the checkpoint's portable `m
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -77,23 +78,30 @@ def rebuild_from_checkpoint(ckpt_dir: Path):
     return model.eval(), cfg
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False) -> dict:
+def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, workload: str | None = None,
+                      workload_args: str | None = None, evaluate: bool = False) -> dict:
+    """`workload` / `workload_args` (--workload, --workload-args): rebuild the model with this workload instead
+    of the one the run recorded (its module moved, or its args name paths of another machine)."""
     ckpt_dir = _resolve(ckpt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     from shardtrain.config import is_builtin_workload
     state = checkpoint.read_trainer_state(ckpt_dir)
     run_cfg = from_dict(state["config"], source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
+    if workload is not None or workload_args is not None:
+        run_cfg = _with_workload(run_cfg, workload, workload_args)
     if not is_builtin_workload(run_cfg):
-        return export_workload(ckpt_dir, run_cfg, out, int8)
+        return export_workload(ckpt_dir, run_cfg, out, int8, evaluate)
     model, cfg = rebuild_from_checkpoint(ckpt_dir)
-    info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config()}
+    info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config(),
+            **label_maps(cfg)}
     if cfg.model.name == "longformer":
-        model.hf.save_pretrained(str(out), safe_serialization=True)  # config.json + model.safetensors
+        # config.json + model.safetensors; the HF config has the run's id2label/label2id (models/archs.py)
+        model.hf.save_pretrained(str(out), safe_serialization=True)
     else:
         from safetensors.torch import save_file
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps(model.export_config(), indent=1))
+        (out / "config.json").write_text(json.dumps({**model.export_config(), **label_maps(cfg)}, indent=1))
     normal_mode(out / "model.safetensors")
     tok = ckpt_dir.parent.parent / "tokenizer"
     if (tok / "tokenizer.json").is_file():
@@ -108,16 +116,33 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False) -> 
     return info
 
 
-def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool) -> dict:
+def _with_workload(run_cfg, workload: str | None, workload_args: str | None):
+    """The run's config with --workload / --workload-args over its own (new args only for a new target)."""
+    from shardtrain.config import command_config, is_builtin_workload, workload_target
+
+    flags = command_config(None, workload, workload_args)
+    cfg = copy.deepcopy(run_cfg)
+    if workload is not None and workload_target(flags) != workload_target(run_cfg):
+        if is_builtin_workload(run_cfg) or is_builtin_workload(flags):
+            raise ConfigError(f"export --workload {workload}: the run trained {workload_target(run_cfg)}; a "
+                              f"built-in's weights fit only that built-in")
+        cfg.workload.workload, cfg.workload.workload_args = workload, {}
+    if workload_args is not None:
+        cfg.workload.workload_args = flags.workload.workload_args
+    return cfg
+
+
+def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool = False) -> dict:
     """A user's workload: its model rebuilt as training built it (same seed), the checkpoint's weights loaded,
     then written by Workload.export (by default model.safetensors + workload.json)."""
-    from shardtrain.config import where
+    from shardtrain.config import add_import_paths, where
     from shardtrain.portable import read_portable
     from shardtrain.workload import load_workload
 
     if int8:
         raise ConfigError(f"export --int8 quantizes the built-in models only; {where('workload')} is "
                           f"{cfg.workload.workload}: quantize its export with torchao")
+    add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
     workload = load_workload(cfg)  # imported from the working directory (and PYTHONPATH)
     torch.manual_seed(cfg.train.seed)
     model = workload.build_model()
@@ -132,9 +157,38 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool) -> dict:
     for f in out.glob("*.safetensors"):
         normal_mode(f)
     info = {"checkpoint": str(ckpt_dir), "workload": cfg.workload.workload, "workload_args": cfg.workload.workload_args,
-            "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+            **label_maps(cfg), "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    if evaluate:
+        info["eval_fp32"] = evaluate_workload(workload, model)
     (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))
     return info
+
+
+def label_maps(cfg) -> dict:
+    """HF's id2label / label2id from the class names a run recorded (data.label_names); {} for integer labels."""
+    names = cfg.data.label_names
+    if not names:
+        return {}
+    return {"id2label": {str(i): name for i, name in enumerate(names)},
+            "label2id": {name: i for i, name in enumerate(names)}}
+
+
+@torch.no_grad()
+def evaluate_workload(workload, model: nn.Module) -> dict:
+    """The exported weights on the workload's own validation set, by its own metric_sums / metrics."""
+    from torch.utils.data import DataLoader
+
+    from shardtrain.workload import CheckedCollate
+
+    validation = workload.datasets()[1]
+    if validation is None:
+        raise ConfigError(f"export --eval: {type(workload).__name__}.datasets() has no validation split")
+    sums: dict = {}
+    for batch in DataLoader(validation, batch_size=workload.cfg.train.eval_batch_size
+                            or workload.cfg.train.per_device_batch_size, collate_fn=CheckedCollate(workload)):
+        for key, value in workload.metric_sums(workload.forward(model, batch), batch).items():
+            sums[key] = sums[key] + value.double() if key in sums else value.double()
+    return workload.metrics(sums)
 
 
 def normal_mode(path: Path) -> None:
@@ -242,6 +296,7 @@ def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
 
 def main(argv: list[str]) -> int:
     from shardtrain.cli import run_guarded
+    from shardtrain.config import add_workload_flags
 
     parser = argparse.ArgumentParser(prog="shardtrain export", description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="a step directory, OUT/checkpoints or a run's OUT (its latest)")
@@ -251,14 +306,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--eval", action="store_true", help="report accuracy/macro-F1 on the validation set")
     parser.add_argument("--data-dir", default=None, help="validation data (default: the run's data_dir)")
     parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings and info lines")
+    add_workload_flags(parser)  # a user's run: rebuild with this workload (default: the one the run recorded)
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
 
     def run(_):
         from shardtrain.chatter import quiet_libraries
         quiet_libraries(args.verbose)
-        info = export_checkpoint(args.checkpoint, args.out, int8=args.int8)
+        info = export_checkpoint(args.checkpoint, args.out, int8=args.int8, workload=args.workload,
+                                 workload_args=args.workload_args, evaluate=args.eval)
         print(f"exported {info['checkpoint']} -> {args.out} ({info['bytes_fp32'] / 1e6:.2f} MB fp32)")
+        if "workload" in info:  # a user's workload: evaluated by its own metrics, if asked
+            if "eval_fp32" in info:
+                print("validation: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                 for k, v in info["eval_fp32"].items()))
+            return 0
         if args.int8:
             print(f"int8 (dynamic, Linear layers; CPU inference only): {info['bytes_int8'] / 1e6:.2f} MB, "
                   f"{100 * info['size_reduction']:.1f}% smaller")

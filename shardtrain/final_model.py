@@ -9,11 +9,21 @@ from __future__ import annotations
 from pathlib import Path
 
 from shardtrain import checkpoint
+from shardtrain.config import logs_model_artifact
 from shardtrain.distributed import barrier
 
 
+def final_model_folder(cfg) -> Path | None:
+    """Where the finished run's model goes: --final-model-dir, else OUT/final_model when W&B is to log it."""
+    if cfg.checkpoint.final_model_dir:
+        return Path(cfg.checkpoint.final_model_dir)
+    if logs_model_artifact(cfg.log):
+        return Path(cfg.checkpoint.output_dir) / "final_model"
+    return None
+
+
 def write_final_model(strategy, trainer_state: dict, cfg, console) -> Path | None:
-    """Every rank calls this. Returns the folder written (on rank 0), else None."""
+    """Every rank calls this (when final_model_folder(cfg) is set). Returns the folder written on rank 0, else None."""
     out = Path(cfg.checkpoint.output_dir)
     ckpt = checkpoint.checkpoints_root(out) / checkpoint.step_dir_name(trainer_state["step"])
     if not checkpoint.is_committed(ckpt):
@@ -22,7 +32,7 @@ def write_final_model(strategy, trainer_state: dict, cfg, console) -> Path | Non
     if strategy.dist.is_rank0:
         from shardtrain.export import export_checkpoint
 
-        written = Path(cfg.checkpoint.final_model_dir)
+        written = final_model_folder(cfg)
         export_checkpoint(ckpt, written)
         console.info(f"final model: {written} (from {ckpt})")
     barrier()

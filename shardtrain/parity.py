@@ -1,6 +1,7 @@
 """`shardtrain parity`: the same seed, data and steps under several strategies, compared step by step.
 
     shardtrain parity --config configs/multimodal_tiny.yaml --strategies ddp,fsdp,zero2,zero3 --steps 10 --nproc 2
+    shardtrain parity --workload tasks:MyTask --workload-args '{"width": 8}' --steps 5   # a user's workload
     shardtrain parity --runs runs/ddp,runs/fsdp        # runs that already finished: nothing is trained
 
 Each strategy is one real `torchrun shardtrain/main.py` run, so what is compared is what users run.
@@ -22,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from shardtrain.config import ConfigError
+from shardtrain.config import ConfigError, add_workload_flags, command_config
 
 REPO = Path(__file__).resolve().parents[1]
 MAIN = REPO / "shardtrain" / "main.py"
@@ -68,14 +69,16 @@ def run_one(name: str, args: argparse.Namespace, common: list[str], extra: list[
 
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
+    config = ["--config", str(Path(args.config).resolve())] if args.config else []
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(MAIN),
-           "--config", args.config, *STRATEGIES[name], "--max-steps", str(args.steps),
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(MAIN), *config, *STRATEGIES[name], "--max-steps", str(args.steps),
            "--output-dir", str(run_dir), "--resume", "none", "--save-every", "0", "--save-final", "false",
            "--eval-every", "0", "--log-every", str(args.steps), "--report", "false", "--report-to", "none", "--predict-memory", "false",
            *common, *extra]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice; unset, the deepspeed path ran ~1.8x slower
+    # The runs start in the checkout; a --workload module in the user's working directory must still import.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     log = run_dir / "parity.log"
     with open(log, "w") as f:
         f.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
@@ -187,12 +190,21 @@ def conclude(results: dict[str, dict[int, dict]], args: argparse.Namespace, out:
     return 0
 
 
+def _workload_flags(flags: list[str]) -> tuple[str | None, str | None]:
+    """--workload and --workload-args among the flags passed through to every run (the last of each wins)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_workload_flags(parser)
+    known, _ = parser.parse_known_args(flags)
+    return known.workload, known.workload_args
+
+
 def main(argv: list[str]) -> int:
     from shardtrain.cli import run_guarded
 
     parser = argparse.ArgumentParser(prog="shardtrain parity", description=__doc__.split("\n\n")[0],
                                      epilog="Other flags (e.g. --data-dir DIR) are passed to every run.")
-    parser.add_argument("--config", help="the training config every strategy runs (required without --runs)")
+    parser.add_argument("--config", help="the training config every strategy runs (without --runs: it, or "
+                                         "--workload, or both)")
     parser.add_argument("--runs", metavar="DIR,DIR[,...]",
                         help="compare these finished runs' metrics.jsonl instead of training; the first is the "
                              "reference")
@@ -224,16 +236,17 @@ def main(argv: list[str]) -> int:
             for note in notes:
                 print(f"parity: note: {note}")
             return conclude(results, args, Path(args.out) if args.out else None)
-        if args.config is None:
-            raise ConfigError("parity: give --config FILE (train each strategy) or --runs DIR,DIR (compare "
-                              "finished runs)")
+        workload = _workload_flags(common)
+        if args.config is None and workload[0] is None:
+            raise ConfigError("parity: give --config FILE or --workload my_pkg.tasks:MyTask (train each strategy), "
+                              "or --runs DIR,DIR (compare finished runs)")
         names = parse_strategies(args.strategies or "ddp,fsdp,zero2,zero3")
         args.steps = 10 if args.steps is None else args.steps
         args.nproc = 2 if args.nproc is None else args.nproc
         if args.steps < 1 or args.nproc < 1:
             raise ConfigError(f"--steps and --nproc must be positive, got {args.steps} and {args.nproc}")
-        if not Path(args.config).is_file():
-            raise ConfigError(f"--config: file not found: {args.config}")
+        from shardtrain.workload import workload_class
+        workload_class(command_config(args.config, *workload))  # imports, and names a Workload, before any run
         extra = parse_args_for(args.args_for, names)
         out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="shardtrain-parity-"))
         results = {}

@@ -123,6 +123,9 @@ def arch_only(cfg):
     if c.model.text_model in KNOWN_TEXT_ARCHS and not (Path(c.model.text_model) / "config.json").is_file():
         c.model.pretrained = False
     c.model.image_weights = None
+    if c.model.num_labels is None:
+        # Taken from the data when the run reads it (sources.py); the head is a few hundred parameters either way.
+        c.model.num_labels = 2
     return c
 
 
@@ -444,12 +447,81 @@ def format_plan(p: dict, gpu_name: str) -> str:
     return "\n".join(lines)
 
 
+def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[ModelCount, str]:
+    """A user's model, built by its Workload on the meta device (nothing allocated, no weights loaded), counted
+    like the built-ins: (the count, the workload class name)."""
+    import torch
+
+    from shardtrain.config import ConfigError
+    from shardtrain.workload import load_workload, resolve_block_classes
+
+    workload = load_workload(cfg)
+    name = type(workload).__name__
+    workload.loads_weights = False
+    torch.manual_seed(cfg.train.seed)
+    try:
+        with torch.device("meta"):
+            model = workload.build_model()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code; one line names the method
+        raise ConfigError(f"plan: {name}.build_model() failed on the meta device, where plan builds it to count "
+                          f"it without allocating: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    blocks = resolve_block_classes(model, workload.block_classes(), f"{name}.block_classes()")
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if blocks and isinstance(m, blocks)]
+    params = [p.numel() for p in model.parameters()]
+    return ModelCount(params=sum(params), largest_unit=max(units, default=max(params, default=0)),
+                      small_params=sum(n for n in params if n < persistence_threshold),
+                      buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()), layers=0), name
+
+
+def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool = True) -> dict:
+    """A user's workload: every variant's model states (exact: counted from its build_model), no activations
+    and so no recommendation. The activation measurement needs an architecture and input shapes the planner
+    knows (the built-ins'); a user's forward and batches are their own."""
+    precision = cfg.train.precision if (cfg.train.precision != "bf16" or bf16_ok) else "fp16"
+    m, name = count_workload_model(cfg)
+    rows = []
+    for variant, (_, _, cost, comm) in VARIANTS.items():
+        states = model_states(variant, m, gpus, precision)
+        g = {**states["gpu"], "activations": None}
+        g["overhead"] += CUDA_CONTEXT if cuda else 0.0
+        total = sum(v for v in g.values() if v is not None)
+        rows.append({"variant": variant, "gpu_bytes": g, "model_state_bytes": total,
+                     "host_bytes_per_gpu": states["host"], "headroom_bytes": capacity_bytes - total,
+                     "fits_before_activations": total <= capacity_bytes * (1 - HEADROOM),
+                     "relative_cost": cost, "communication": comm,
+                     **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None}})
+    return {"workload": name, "model_params": m.params, "largest_unit_params": m.largest_unit, "gpus": gpus,
+            "capacity_bytes": capacity_bytes, "precision": precision, "rows": rows, "recommendation": None,
+            "activations": f"not predicted for {name}: shardtrain measures activations on the built-in "
+                           f"architectures; the headroom column is what {name}'s activations may use"}
+
+
+def format_workload_plan(p: dict, gpu_name: str) -> str:
+    g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
+    lines = [f"plan: {p['workload']}, {p['model_params']:,} parameters (largest block {p['largest_unit_params']:,}) on "
+             f"{p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), {p['precision']}  (GiB per GPU)",
+             f"{'variant':<15}{'params':>7}{'grads':>7}{'optim':>7}{'comm':>7}{'overh':>7}{'states':>7}"
+             f"{'host/GPU':>9}  {'fits':<5}{'headroom':>9}{'cost':>6}  paper"]
+    for r in p["rows"]:
+        b = r["gpu_bytes"]
+        lines.append(f"{r['variant']:<15}{g(b['params']):>7}{g(b['grads']):>7}{g(b['optimizer']):>7}{g(b['comm']):>7}"
+                     f"{g(b['overhead']):>7}{g(r['model_state_bytes']):>7}{g(r['host_bytes_per_gpu']):>9}  "
+                     f"{'yes' if r['fits_before_activations'] else 'NO':<5}{g(r['headroom_bytes']):>9}"
+                     f"{r['relative_cost']:>6}  " + (g(r["zero_paper"]) if "zero_paper" in r else "   -"))
+    lines.append(f"activations: {p['activations']}; no recommendation without them (fits: model states only)")
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     from shardtrain.cli import run_guarded
+    from shardtrain.config import add_workload_flags
 
     def run(_):
         parser = argparse.ArgumentParser(prog="shardtrain plan", allow_abbrev=False)
-        parser.add_argument("--config", required=True)
+        parser.add_argument("--config", help="the training config (optional with --workload)")
+        add_workload_flags(parser)
         parser.add_argument("--gpus", type=int, required=True)
         parser.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
         parser.add_argument("--per-device-batch-size", type=int)
@@ -459,15 +531,20 @@ def main(argv: list[str]) -> int:
         parser.add_argument("--debug", action="store_true")
         args = parser.parse_args(argv)
         cfg = _plan_config(args)
+        if args.gpus < 1:
+            from shardtrain.config import ConfigError
+            raise ConfigError(f"--gpus must be positive, got {args.gpus}")
+        gpu = resolve_gpu(args.gpu)
+        from shardtrain.config import is_builtin_workload
+        if not is_builtin_workload(cfg):
+            p = plan_workload(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)
+            print(json.dumps(p, indent=2) if args.json else format_workload_plan(p, gpu.name))
+            return 0
         # Only a text model missing from the offline table is read from the hub (its config, no weights).
         from shardtrain.hub import check_hub_names
         note = check_hub_names(arch_only(cfg), fields=("text_model",))
         if note:
             print(f"shardtrain: {note}", file=sys.stderr)
-        if args.gpus < 1:
-            from shardtrain.config import ConfigError
-            raise ConfigError(f"--gpus must be positive, got {args.gpus}")
-        gpu = resolve_gpu(args.gpu)
         p = plan(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)
         print(json.dumps(p, indent=2) if args.json else format_plan(p, gpu.name))
         return 0
@@ -476,9 +553,11 @@ def main(argv: list[str]) -> int:
 
 
 def _plan_config(args):
-    from shardtrain.config import from_dict, load_yaml, validate
+    from shardtrain.config import ConfigError, command_config, validate
 
-    cfg = from_dict(load_yaml(args.config), source=f"--config {args.config}")
+    if args.config is None and args.workload is None:
+        raise ConfigError("plan: give --config FILE or --workload my_pkg.tasks:MyTask (or both)")
+    cfg = command_config(args.config, args.workload, args.workload_args)
     if args.per_device_batch_size:
         cfg.train.per_device_batch_size = args.per_device_batch_size
     if args.max_length:

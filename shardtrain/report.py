@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import html
+import json
 from pathlib import Path
 
 from shardtrain.comparable import WORKLOAD, differences, in_groups
+from shardtrain.config import ConfigError
 from shardtrain.runlog import MEMORY_PARTS, MIB, RunLog, load_run, load_runs
 
 COLUMNS = ("run", "strategy", "world", "memory/rank MiB", "samples/s", "final loss", "accuracy", "macro-F1")
@@ -129,8 +131,35 @@ def _memory_rows(run: RunLog) -> list[list[str]]:
             for r in sorted(run.memory, key=int)]
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def run_workload(run: RunLog) -> tuple[str | None, dict]:
+    """(workload target, its args) as the run recorded them in summary.json; (None, {}) if it did not finish."""
+    from shardtrain.config import BUILTIN_WORKLOADS
+
+    cfg = run.summary.get("config") or {}
+    section = cfg.get("workload") or {}
+    name = section.get("workload") or (cfg.get("model") or {}).get("name")
+    return BUILTIN_WORKLOADS.get(name, name), section.get("workload_args") or {}
+
+
+def check_workload(run: RunLog, workload: str | None, workload_args: dict | None) -> None:
+    """--workload / --workload-args name what the user believes the run trained; the report reads the run, so a
+    run of another workload (or other args) is one line, not a report under the wrong name."""
+    from shardtrain.config import BUILTIN_WORKLOADS
+
+    target, args = run_workload(run)
+    if target is None:
+        return  # a run killed before its summary: nothing recorded to check against
+    given = BUILTIN_WORKLOADS.get(workload, workload) if workload is not None else target
+    if given != target or (workload_args is not None and workload_args != args):
+        raise ConfigError(f"report: {run.path} trained {target} with args {json.dumps(args, default=str)}, not "
+                          f"{given}{'' if workload_args is None else ' with ' + json.dumps(workload_args)}: "
+                          f"the report reads the run; drop --workload or give another run")
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None, workload: str | None = None,
+                 workload_args: dict | None = None) -> Path:
     run = load_run(run_dir)
+    check_workload(run, workload, workload_args)
     out = Path(out) if out else run.path
     out.mkdir(parents=True, exist_ok=True)
     figures = _figures([run], out)
@@ -142,6 +171,11 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         parts += ["<h2>ranks</h2>", _html_table(["rank", "host", "local rank", "device", "name"],
                   [[r["rank"], r["host"], r["local_rank"], r["device"], r.get("device_name", "")]
                    for r in info["ranks"]])]
+    target, args = run_workload(run)
+    if target:
+        # The workload's own metrics (perplexity, F1, ...), whatever metrics() returned, beside what it was.
+        parts += ["<h2>workload</h2>", _settings_table({"target": target, "args": args,
+                                                        "validation metrics": run.eval_result})]
     parts += ["<h2>run</h2>", _settings_table(settings)]
     parts.append("<h2>memory per rank (MiB)</h2>")
     parts.append(_html_table(["rank", *MEMORY_PARTS], _memory_rows(run)) if run.memory
@@ -173,15 +207,20 @@ def write_compare(run_dirs: list[str], out: str | Path) -> tuple[Path, str]:
 
 def main(argv: list[str]) -> int:
     from shardtrain.cli import run_guarded
+    from shardtrain.config import add_workload_flags, command_config
 
     parser = argparse.ArgumentParser(prog="shardtrain report", description="OUT/report.html with plots")
     parser.add_argument("run_dir", help="a training run's --output-dir")
     parser.add_argument("--out", help="where to write (default: the run directory)")
+    add_workload_flags(parser)  # checked against what the run recorded: the report reads the run
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
 
     def run(_):
-        path = write_report(args.run_dir, args.out)
+        workload_args = None
+        if args.workload_args is not None:
+            workload_args = command_config(None, workload_args=args.workload_args).workload.workload_args
+        path = write_report(args.run_dir, args.out, args.workload, workload_args)
         print(f"wrote {path}")
         return 0
 

@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from shardtrain.config import ConfigError
 from shardtrain.distributed import DistInfo, all_reduce_sum
 
 
@@ -49,12 +50,21 @@ class BadStepPolicy:
     A non-finite loss or gradient norm is bad in any precision; an fp16 overflow with a finite loss is the
     loss scaler's normal business and is counted apart."""
 
-    def __init__(self, nan_policy: str, max_bad_steps: int, console, is_rank0: bool):
+    def __init__(self, nan_policy: str, max_bad_steps: int, console, is_rank0: bool, first_step: int | None = None,
+                 loss_method: str = "Workload.loss"):
+        """`first_step`: the step a fresh run starts at (None when resumed): no update precedes it, so a
+        non-finite loss there comes from `loss_method` or its inputs, not from training, and no policy helps."""
         self.nan_policy, self.max_bad_steps = nan_policy, max_bad_steps
         self.console, self.is_rank0 = console, is_rank0
+        self.first_step, self.loss_method = first_step, loss_method
         self.skipped = self.nonfinite = self.overflow = self.in_a_row = 0
 
     def update(self, step: int, applied: bool, overflow: bool, agreed: Agreement, grad_norm: float) -> None:
+        if step == self.first_step and agreed.bad_ranks:
+            raise ConfigError(f"step {step}: {self.loss_method} returned a non-finite loss ({agreed.loss_mean}) on rank "
+                              f"{', '.join(map(str, agreed.bad_ranks))} before any update, so no learning rate or "
+                              f"--nan-policy is the cause: check {self.loss_method} and the outputs of the first batch "
+                              f"(--nan-policy handles losses that turn non-finite later)")
         if applied:
             self.in_a_row = 0
             return

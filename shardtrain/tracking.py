@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+from shardtrain.config import logs_model_artifact
+
 
 class Console:
     def __init__(self, rank: int, verbose: bool = False):
@@ -147,7 +149,9 @@ class Tracker:
         log = cfg.log
         self.wandb = WandbRun(log.report_to == "wandb" and self.rank0, console.warn, output_dir,
                               (resume_state or {}).get("wandb_run_id"), wandb_config, project=log.wandb_project,
-                              entity=log.wandb_entity, name=log.wandb_run_name, quiet=not log.verbose)
+                              entity=log.wandb_entity, name=log.wandb_run_name, quiet=not log.verbose,
+                              system_metrics=(log.wandb_system_metrics if log.wandb_system_metrics is not None
+                                              else dist_info.device.type == "cuda"))
         self.progress = None
         if self.rank0:
             self.progress = Progress(cfg.train.max_steps, resume_step, cfg.train.log_every)
@@ -191,8 +195,9 @@ class Tracker:
         self.wandb.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))
                               and k != "n_examples"})
 
-    def finish(self, summary: dict) -> None:
-        """Close the bar, write summary.json (with `run`), close W&B, write the report. Rank 0 only."""
+    def finish(self, summary: dict, final_model: Path | None = None) -> None:
+        """Close the bar, write summary.json (with `run`), close W&B (logging `final_model` as an artifact when
+        it is given), write the report. Rank 0 only."""
         self.metrics.close()
         self.evals.close()
         if not self.rank0:
@@ -201,6 +206,8 @@ class Tracker:
         self.console.progress = None
         summary["run"] = self.run_info
         write_summary(self.out, summary)
+        if final_model is not None and logs_model_artifact(self.cfg.log):
+            self.wandb.log_model(final_model)
         self.wandb.finish({"final_loss": (summary.get("train_loss") or [None])[-1],
                            **{f"eval/{k}": v for k, v in (summary.get("eval") or {}).items()},
                            "samples_per_sec": summary.get("samples_per_sec")})

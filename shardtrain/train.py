@@ -17,8 +17,9 @@ from shardtrain.autoplan import resolve_auto_strategy
 from shardtrain.banner import memory_prediction
 from shardtrain.config import Config, is_builtin_workload
 from shardtrain.data import batch_to_device, build_loaders
+from shardtrain.data.sources import check_resumed_labels
 from shardtrain.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
-from shardtrain.final_model import write_final_model
+from shardtrain.final_model import final_model_folder, write_final_model
 from shardtrain.gpu_guard import check_devices
 from shardtrain.memory import MemoryMonitor, construction_memory, format_table
 from shardtrain.oom import OOMRecovery
@@ -67,6 +68,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
 
     # ---- data
     train_ds, eval_ds = workload.datasets()
+    if state:
+        check_resumed_labels(state.get("config") or {}, cfg)  # the checkpoint's class ids mean the data's classes
     loaders = build_loaders(cfg, None, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
                             dist_info.device.type, collate=CheckedCollate(workload))
 
@@ -123,11 +126,21 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "image_cache": cfg.data.image_cache,
                 "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
                 "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
+                # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
+                **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
+                "unlabelled_dropped": {"train": getattr(train_ds, "unlabelled", 0),
+                                       "validation": getattr(eval_ds, "unlabelled", 0)},
+                "data_source": getattr(train_ds, "source", None) or {"source": "workload"
+                                                                      if not predictable else "data_dir"},
+                "label_names": cfg.data.label_names,
                 "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
                 "ranks": rank_table, "strategy_settings": strategy.describe(),
                 "memory_prediction": (memory_prediction(cfg, world, vocab_size) if predictable else
-                                      {"note": f"not predicted: shardtrain plan knows the built-in models, not {task}"})
+                                      {"note": f"not predicted: activations are measured for the built-in models, not {task} "
+                                               f"(shardtrain plan --workload counts its model states)"})
                 if dist_info.is_rank0 else {}}
+    for line in getattr(train_ds, "data_report_lines", None) or []:
+        console.info(line)
     for split, ds in (("train", train_ds), ("validation", eval_ds)):
         if skipped(ds):
             console.info(f"--skip-bad-samples: skipped {len(skipped(ds))} bad {split} records, "
@@ -139,7 +152,9 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     throughput = Throughput()
     mem = MemoryMonitor(strategy, dist_info, every=t.memory_every)
     oom = OOMRecovery(cfg, strategy, loaders.train, dist_info, console)
-    health = BadStepPolicy(t.nan_policy, t.max_bad_steps, console, dist_info.is_rank0)
+    # A fresh run's first step follows no update: a non-finite loss there is the workload's, not training's.
+    health = BadStepPolicy(t.nan_policy, t.max_bad_steps, console, dist_info.is_rank0,
+                           first_step=1 if step == 0 else None, loss_method=f"{task}.loss")
     eval_result: dict = {}
     preempted = False
     batch = None
@@ -160,7 +175,9 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0, batch=batch):
                         outputs = workload.forward(strategy.model, batch)
-                        loss = check_loss(workload.loss(outputs, batch), task)
+                        with strategy.shard_read_guard(f"{task}.loss"):  # pitfall 5: no shard read as a weight
+                            loss = workload.loss(outputs, batch)
+                        loss = check_loss(loss, task)
                     if micro == 0:  # test-only (train.inject_nan_at_steps); a no-op otherwise
                         loss = faults.maybe_nan(loss, step + 1, t.inject_nan_at_steps, dist_info.rank, world)
                     strategy.backward(loss)
@@ -223,9 +240,10 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                "oom_recovery": oom.summary()}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step, summary["memory"]["predicted"]))
-    tracker.finish(summary)  # summary.json (with `run`), W&B summary, report.html
-    if cfg.checkpoint.final_model_dir and not preempted:
-        write_final_model(strategy, trainer_state(step, loaders, cfg), cfg, console)
+    final_model = None
+    if final_model_folder(cfg) and not preempted:  # before W&B closes: --wandb-log-model uploads it
+        final_model = write_final_model(strategy, trainer_state(step, loaders, cfg), cfg, console)
+    tracker.finish(summary, final_model)  # summary.json (with `run`), W&B summary and model, report.html
     return summary
 
 
@@ -247,7 +265,7 @@ def save(strategy, step: int, loaders, cfg: Config, tracker, out: Path, seconds:
 
 
 def trainer_state(step: int, loaders, cfg: Config) -> dict:
-    return {"step": step, "data": loaders.train.state_dict(), "config": cfg.to_dict()}
+    return {"step": step, "data": loaders.train.checkpoint_state(), "config": cfg.to_dict()}
 
 
 def parameter_counts(strategy, frozen: set[str]) -> dict:
@@ -288,7 +306,9 @@ def evaluate(workload: Workload, strategy, loaders, dist_info: DistInfo, spare_b
         batch = batch_to_device(batch, dist_info.device)
         with strategy.autocast():
             outputs = workload.forward(strategy.model, batch)
-        for key, value in workload.metric_sums(outputs, batch).items():
+        with strategy.shard_read_guard(f"{type(workload).__name__}.metric_sums"):
+            metric_sums = workload.metric_sums(outputs, batch)
+        for key, value in metric_sums.items():
             value = value.detach().double() * (1.0 if real else 0.0)
             sums[key] = sums[key] + value if key in sums else value
     sums = {key: all_reduce_sum(sums[key], dist_info.device).cpu() for key in sorted(sums)}

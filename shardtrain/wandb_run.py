@@ -6,6 +6,8 @@ and training goes on.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import uuid
 
@@ -22,10 +24,13 @@ def new_run_id() -> str:
 class WandbRun:
     def __init__(self, enabled: bool, warn, output_dir, run_id: str | None, config: dict,
                  project: str | None = None, entity: str | None = None, name: str | None = None,
-                 quiet: bool = True):
+                 quiet: bool = True, system_metrics: bool = False):
         self.warn = warn
+        self.quiet = quiet
         self.run = None
-        self.run_id = run_id or new_run_id()
+        # A checkpoint's run id continues that run; else a `wandb agent`'s (WANDB_RUN_ID ties the run to its
+        # sweep); else a new one. It goes into every checkpoint, so a requeued job logs into the same run.
+        self.run_id = run_id or os.environ.get("WANDB_RUN_ID") or new_run_id()
         if not enabled:
             return
         try:
@@ -34,12 +39,16 @@ class WandbRun:
             warn("--report-to wandb: the wandb package is not installed (pip install wandb); continuing without W&B")
             return
         try:
-            os.makedirs(output_dir, exist_ok=True)
-            # console="off": W&B would otherwise wrap our stdout to upload it; stats are off because
-            # the sampler thread competes with data loading for CPU.
-            settings = wandb.Settings(console="off", quiet=quiet, silent=quiet, x_disable_stats=True)
+            # Everything not passed here comes from W&B's own WANDB_* variables (entity, name, group, tags,
+            # notes, mode), as under HF Trainer and Lightning; an explicit flag wins over its variable.
+            run_dir = os.environ.get("WANDB_DIR") or str(output_dir)
+            os.makedirs(run_dir, exist_ok=True)
+            # console="off": W&B would otherwise wrap our stdout to upload it. The system-metrics sampler is a
+            # thread in rank 0 that competes with data loading for CPU, so it runs where its GPU panels are
+            # worth that (CUDA runs) unless --wandb-system-metrics says otherwise.
+            settings = wandb.Settings(console="off", quiet=quiet, silent=quiet, x_disable_stats=not system_metrics)
             self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "shardtrain",
-                                  entity=entity, name=name, id=self.run_id, resume="allow", dir=str(output_dir),
+                                  entity=entity, name=name, id=self.run_id, resume="allow", dir=run_dir,
                                   config=config, settings=settings)
             self.run.define_metric(STEP_METRIC)
             for group in METRIC_GROUPS:
@@ -58,6 +67,20 @@ class WandbRun:
             self.run.log({STEP_METRIC: step, **values})
         except Exception as e:  # noqa: BLE001
             self._fail("log", e)
+
+    def log_model(self, folder) -> None:
+        """The final model as a W&B artifact of type "model" (--wandb-log-model), named as HF Trainer names it."""
+        if self.run is None:
+            return
+        try:
+            import wandb
+            artifact = wandb.Artifact(f"model-{self.run_id}", type="model")
+            # add_dir prints "Adding directory to artifact ... Done." to stderr whatever the run's settings say.
+            with contextlib.redirect_stderr(io.StringIO()) if self.quiet else contextlib.nullcontext():
+                artifact.add_dir(str(folder))
+            self.run.log_artifact(artifact, aliases=["latest", "final"])
+        except Exception as e:  # noqa: BLE001
+            self._fail("log_model", e)
 
     def finish(self, summary: dict) -> None:
         if self.run is None:

@@ -1,6 +1,7 @@
 """Session-wide fixtures: the synthetic datasets are made once and shared (read-only) by every test."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -10,6 +11,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from local_slurm import local_slurm  # noqa: E402,F401 - the session's Slurm cluster, stopped at its end
+
+
+@pytest.fixture(scope="session", autouse=True)
+def datasets_cache(tmp_path_factory) -> Path:
+    """`datasets`' cache (the tokenised splits among it) in the session's temporary folder, not the user's home;
+    launched runs inherit it through the environment."""
+    path = tmp_path_factory.mktemp("hf_datasets_cache")
+    os.environ["HF_DATASETS_CACHE"] = str(path)
+    import datasets.config  # read the variable when first imported: maybe before this fixture ran
+
+    datasets.config.HF_DATASETS_CACHE = path
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -39,10 +39,11 @@ def _payloads(data: bytes):
 
 
 def read_run(path: Path) -> dict:
-    """{'run_id', 'config' {key: value}, 'history' [ {name: value} ], 'kinds' {record type: count}}."""
+    """{'run_id', 'run' {project, entity, run_group, display_name, notes, tags}, 'config' {key: value},
+    'history' [ {name: value} ], 'artifacts' [ {name, type, aliases} ], 'kinds' {record type: count}}."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    out = {"run_id": None, "config": {}, "history": [], "kinds": {}}
+    out = {"run_id": None, "run": {}, "config": {}, "history": [], "artifacts": [], "kinds": {}}
     for payload in _payloads(Path(path).read_bytes()):
         rec = pb.Record()
         rec.ParseFromString(payload)
@@ -50,9 +51,16 @@ def read_run(path: Path) -> dict:
         out["kinds"][kind] = out["kinds"].get(kind, 0) + 1
         if kind == "run":
             out["run_id"] = rec.run.run_id
+            out["run"] = {"project": rec.run.project, "entity": rec.run.entity, "run_group": rec.run.run_group,
+                          "display_name": rec.run.display_name, "notes": rec.run.notes,
+                          "tags": list(rec.run.tags)}
             out["config"].update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
         elif kind == "config":
             out["config"].update({u.key: json.loads(u.value_json) for u in rec.config.update})
+        elif kind == "artifact":
+            out["artifacts"].append({"name": rec.artifact.name, "type": rec.artifact.type,
+                                     "aliases": list(rec.artifact.aliases),
+                                     "files": sorted(e.path for e in rec.artifact.manifest.contents)})
         elif kind == "history":
             out["history"].append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
                                    for i in rec.history.item})

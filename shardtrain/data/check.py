@@ -1,8 +1,12 @@
-"""`check-data`: every problem in a data folder, not just the first, so one pass fixes them all."""
+"""`check-data`: every problem in a data folder or source, not just the first, so one pass fixes them all."""
 from __future__ import annotations
+
+from pathlib import Path
+import copy
 
 from shardtrain.config import ConfigError
 from shardtrain.data.images import image_problem
+from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import iter_split, normalize_kind, split_path
 
 
@@ -28,4 +32,34 @@ def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
                 n_good += 1
         if n_good == 0:
             problems.append(f"{path}: no usable records")
+    return problems
+
+
+def check_layout(data_dir, fmt: str) -> tuple[list[str], list[str]]:
+    """A published layout (--dataset-format): (the reader's report, problems). What the reader drops by its
+    documented rules (disagreeing labels, missing halves) is reported, not a problem: training skips it too.
+    Problems are what would stop a run: an image that does not decode, a split with nothing left."""
+    layout = read_layout(fmt, data_dir)  # a missing file or folder: the ConfigError training would raise
+    problems = []
+    for split, rows in layout.splits.items():
+        for row in rows:
+            err = image_problem(Path(row.image))
+            if err:
+                problems.append(f"{layout.files[split]}:{row.line}: cannot decode image {row.image}: {err}")
+        if not rows:
+            problems.append(f"{layout.files[split]}: no usable posts")
+    return layout.report_lines(), problems
+
+
+def check_source(cfg) -> list[str]:
+    """Every problem of the source a training config names (--dataset-name, --train-file, --train-dir): each bad
+    row by file:line or row index (images fully decoded), each empty split; or the one problem that stops the
+    source being read at all (a missing file or column, mixed label types, a num_labels the data contradicts)."""
+    from shardtrain.data.sources import load_splits
+
+    problems: list[str] = []
+    try:
+        load_splits(copy.deepcopy(cfg), check_images=cfg.model.name == "multimodal", report=problems)
+    except ConfigError as e:
+        problems.append(str(e))
     return problems

@@ -11,6 +11,10 @@ Per split and image size, in the cache folder:
     train-224.json   the index, written last: image path -> row, the split file's sha256, and each image's
                      size and mtime, so that an edited split or image makes the cache stale, never silently wrong;
                      images that did not decode are listed with the reason (--skip-bad-samples reads it).
+
+Other sources (shardtrain/data/sources.py: --dataset-name, --train-file, --train-dir) name their images by
+absolute path, or hold them embedded (an Image feature's bytes, keyed by their sha256). Their split has no one
+file to hash: the sha256 of the set of images it names stands in for it.
 """
 from __future__ import annotations
 
@@ -47,12 +51,14 @@ def _stamp(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-def _decode(job: tuple[int, str, int]) -> tuple[int, Optional[np.ndarray], Optional[str]]:
+def _decode(job: tuple[int, "str | bytes", int]) -> tuple[int, Optional[np.ndarray], Optional[str]]:
+    import io
+
     from shardtrain.data.images import decode_image  # torch and PIL: in the pool's workers only
 
-    row, path, size = job
+    row, source, size = job  # a path, or an image's embedded bytes
     try:
-        return row, decode_image(Path(path), size), None
+        return row, decode_image(io.BytesIO(source) if isinstance(source, bytes) else Path(source), size), None
     except Exception as e:  # noqa: BLE001 - PIL raises many types; the index keeps the reason
         return row, None, f"{type(e).__name__}: {e}"
 
@@ -72,14 +78,46 @@ def build_image_cache(split_file: Path, kind: str, num_labels: int, cache_dir: P
         raise ConfigError(f"{split_file}: no valid record names an image; nothing to cache (check-data says why)")
     # Stamped before decoding: an image edited while the cache is built then reads as stale, never as fresh.
     stamps = {image: _stamp(root / image) for image in images}
-    split_sha = file_sha256(split_file)
+    jobs = [(row, str(root / image), size) for row, image in enumerate(images)]
+    return _write_cache(images, jobs, stamps, file_sha256(split_file), split_file.stem, split_file.name,
+                        str(split_file.resolve()), cache_dir, size, workers, progress)
+
+
+def images_sha256(keys) -> str:
+    """A source split's identity in the index: the set of images it names."""
+    return hashlib.sha256("\n".join(sorted(set(keys))).encode()).hexdigest()
+
+
+def build_source_image_cache(split: str, images: list, cache_dir: Path, size: int, workers: int = 0,
+                             progress: Callable[[str], None] = lambda _: None) -> dict:
+    """The cache of a canonical split's `image` column (sources.py): absolute paths or {"bytes", "path"}."""
+    from shardtrain.data.sources import image_key, image_source
+
+    keys, jobs, stamps, seen = [], [], {}, set()
+    for value in images:
+        key = image_key(value)
+        if key in seen:
+            continue
+        seen.add(key)
+        source = image_source(value)
+        jobs.append((len(keys), str(source) if isinstance(source, Path) else source.getvalue(), size))
+        keys.append(key)
+        if isinstance(source, Path):
+            stamps[key] = _stamp(source)
+    if not keys:
+        raise ConfigError(f"{split} split: no row names an image; nothing to cache (check-data says why)")
+    return _write_cache(keys, jobs, stamps, images_sha256(keys), split, f"{split} split", f"{split} split",
+                        cache_dir, size, workers, progress)
+
+
+def _write_cache(images: list[str], jobs: list, stamps: dict, split_sha: str, stem: str, label: str,
+                 split_file: str, cache_dir: Path, size: int, workers: int, progress: Callable[[str], None]) -> dict:
     cache_dir.mkdir(parents=True, exist_ok=True)
-    array_path, index_path = cache_files(cache_dir, split_file.stem, size)
+    array_path, index_path = cache_files(cache_dir, stem, size)
     index_path.unlink(missing_ok=True)  # from here until the new index exists, the cache is incomplete
     tmp = array_path.with_name(array_path.stem + ".partial.npy")
     pixels = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(len(images), size, size, 3))
     bad: dict[str, str] = {}
-    jobs = [(row, str(root / image), size) for row, image in enumerate(images)]
     workers = workers or os.cpu_count() or 1
     with get_context("spawn").Pool(workers) as pool:  # spawn: no fork of a process holding torch threads
         for done, (row, array, error) in enumerate(pool.imap_unordered(_decode, jobs, chunksize=16), start=1):
@@ -88,18 +126,18 @@ def build_image_cache(split_file: Path, kind: str, num_labels: int, cache_dir: P
             else:
                 bad[images[row]] = error
             if done % 1000 == 0 or done == len(jobs):
-                progress(f"{split_file.name}: {done}/{len(jobs)} images")
+                progress(f"{label}: {done}/{len(jobs)} images")
     pixels.flush()
     del pixels
     os.replace(tmp, array_path)
-    index = {"format": FORMAT, "image_size": size, "split_file": str(split_file.resolve()),
-             "split_sha256": split_sha,
-             "images": {image: [row, *stamps[image]] for row, image in enumerate(images)},
+    index = {"format": FORMAT, "image_size": size, "split_file": split_file, "split_sha256": split_sha,
+             # embedded images (no file) have no size and mtime: their key is their content's sha256
+             "images": {image: [row, *stamps.get(image, [None, None])] for row, image in enumerate(images)},
              "bad": bad}
     tmp_index = index_path.with_name(index_path.name + ".partial")
     tmp_index.write_text(json.dumps(index))
     os.replace(tmp_index, index_path)  # the commit: only now is the cache used
-    return {"split": split_file.name, "images": len(images), "bad": len(bad), "array": str(array_path),
+    return {"split": label, "images": len(images), "bad": len(bad), "array": str(array_path),
             "bytes": array_path.stat().st_size}
 
 
@@ -110,6 +148,13 @@ def open_image_cache(cfg, split_file: Path) -> Optional["ImageCache"]:
     return ImageCache(Path(cfg.data.image_cache), split_file, cfg.data.image_size)
 
 
+def open_source_image_cache(cfg, split: str, keys) -> Optional["ImageCache"]:
+    """A source split's cache (sources.py), checked against the images it names; None when none is configured."""
+    if cfg.data.image_cache is None:
+        return None
+    return ImageCache(Path(cfg.data.image_cache), Path(split), cfg.data.image_size, identity=images_sha256(keys))
+
+
 class UndecodableImage(ValueError):
     """An image the cache build could not decode; the message is PIL's reason, as recorded then."""
 
@@ -118,7 +163,8 @@ class ImageCache:
     """The cache of one split, checked against the split file and its images when opened. Pickles small
     (DataLoader workers): the memory map opens lazily in whichever process reads first."""
 
-    def __init__(self, cache_dir: Path, split_file: Path, size: int):
+    def __init__(self, cache_dir: Path, split_file: Path, size: int, identity: Optional[str] = None):
+        """`identity`: a source split's images_sha256; its `split_file` is then just the split's name."""
         self.array_path, index_path = cache_files(cache_dir, split_file.stem, size)
         rebuild = (f"build it with: shardtrain cache-images <this run's --config and --data-dir flags> "
                    f"--image-size {size} --image-cache {cache_dir}")
@@ -130,10 +176,13 @@ class ImageCache:
         index = json.loads(index_path.read_text())
         if index.get("format") != FORMAT:
             raise ConfigError(f"{where('image_cache')}: {index_path} is from another shardtrain version; {rebuild}")
-        if index["split_sha256"] != file_sha256(split_file):
-            raise ConfigError(f"{where('image_cache')}: {split_file} changed since {index_path} was built; {rebuild}")
-        root = split_file.parent
+        if index["split_sha256"] != (identity or file_sha256(split_file)):
+            what = f"the images of the {split_file} split" if identity else split_file
+            raise ConfigError(f"{where('image_cache')}: {what} changed since {index_path} was built; {rebuild}")
+        root = split_file.parent  # a source's images are absolute paths, which `root /` leaves alone
         for image, (_, nbytes, mtime) in index["images"].items():
+            if nbytes is None:  # embedded: keyed by its content
+                continue
             path = root / image
             if not path.is_file() or _stamp(path) != [nbytes, mtime]:
                 raise ConfigError(f"{where('image_cache')}: {path} changed since {index_path} was built; {rebuild}")

@@ -117,12 +117,18 @@ class TrainStream:
             self.samples_in_epoch = 0
             self._iter = None
 
+    def checkpoint_state(self) -> dict:
+        """What the checkpoint keeps (rank 0 writes it): the position is the same on every rank."""
+        return self.state_dict()
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.samples_in_epoch // self.micro_batch_size,
                 "samples_in_epoch": self.samples_in_epoch, "micro_batch_size": self.micro_batch_size,
                 "world_size": self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
+        if state.get("streaming"):
+            raise ConfigError(f"the checkpoint was saved with {where('streaming')} on; resume with it on")
         self.epoch = int(state["epoch"])
         samples = state.get("samples_in_epoch")
         if samples is None:  # a (epoch, batch_in_epoch)-only state: batches of the size it was saved with
@@ -151,10 +157,10 @@ def even_batches(shard: range, n_batches: int) -> list[list[int]]:
 
 @dataclass
 class Loaders:
-    train: TrainStream
+    train: TrainStream  # or data.streaming.StreamingTrainStream: the same interface
     eval: Optional[DataLoader]  # None: the workload has no validation set
-    steps_per_epoch: int   # optimizer steps per epoch (micro-batches // grad_accum, at least 1)
-    train_size: int        # examples in the training set (all ranks)
+    steps_per_epoch: Optional[int]  # optimizer steps per epoch (micro-batches // grad_accum, at least 1); None: a stream
+    train_size: Optional[int]       # examples in the training set (all ranks); None: a stream, length unknown
     eval_size: int         # examples in the validation set (all ranks)
     # Eval batches every rank yields. Ranks normally all yield exactly this many, so collectives inside forward
     # (FSDP all-gathers, ZeRO-3) stay matched; a rank with fewer examples than this (tiny sets, batch size 1)
@@ -175,12 +181,17 @@ def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Optional[D
                     # Only seeds the workers (shuffling is the sampler's): per rank, so ranks differ.
                     generator=torch.Generator().manual_seed(cfg.train.seed * 1000 + rank * 10 + salt))
 
-    train = TrainStream(train_ds, collate, cfg.train.per_device_batch_size, rank, world_size,
-                        cfg.train.seed, loader_kwargs(0))
+    if isinstance(train_ds, torch.utils.data.IterableDataset):
+        train = streaming_train(train_ds, collate, cfg, rank, world_size)
+        train_size, steps_per_epoch = None, None  # a stream's length is unknown until it has been read
+    else:
+        train = TrainStream(train_ds, collate, cfg.train.per_device_batch_size, rank, world_size,
+                            cfg.train.seed, loader_kwargs(0))
+        train_size, steps_per_epoch = len(train_ds), max(1, train.batches_per_epoch // cfg.train.grad_accum)
 
     if eval_ds is None:
-        return Loaders(train=train, eval=None, steps_per_epoch=max(1, train.batches_per_epoch // cfg.train.grad_accum),
-                       train_size=len(train_ds), eval_size=0, eval_batches=0)
+        return Loaders(train=train, eval=None, steps_per_epoch=steps_per_epoch,
+                       train_size=train_size, eval_size=0, eval_batches=0)
     n_eval = len(eval_ds)
     per_rank_max = -(-n_eval // world_size)
     eval_batches = -(-per_rank_max // cfg.eval_batch_size)
@@ -188,6 +199,19 @@ def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Optional[D
     # rank yields the same number of them, with no padding and no duplicated example.
     eval_loader = DataLoader(eval_ds, batch_sampler=even_batches(eval_shard(n_eval, rank, world_size), eval_batches),
                              collate_fn=collate, **loader_kwargs(1))
-    return Loaders(train=train, eval=eval_loader,
-                   steps_per_epoch=max(1, train.batches_per_epoch // cfg.train.grad_accum),
-                   train_size=len(train_ds), eval_size=n_eval, eval_batches=eval_batches)
+    return Loaders(train=train, eval=eval_loader, steps_per_epoch=steps_per_epoch,
+                   train_size=train_size, eval_size=n_eval, eval_batches=eval_batches)
+
+
+def streaming_train(train_ds, collate: Callable, cfg: Config, rank: int, world_size: int):
+    """A `datasets.IterableDataset` (what --streaming gives) as a resumable stream; any other iterable
+    dataset has no position to save, so no exact resume: refused by name."""
+    import datasets
+
+    from shardtrain.data.streaming import StreamingTrainStream
+
+    if not isinstance(train_ds, datasets.IterableDataset):
+        raise ConfigError(f"Workload.datasets() returned a {type(train_ds).__name__} (a torch IterableDataset) for "
+                          f"training; a stream must be a datasets.IterableDataset, whose state_dict() is the "
+                          f"position a checkpoint keeps (or return a map-style dataset)")
+    return StreamingTrainStream(train_ds, collate, cfg.train.per_device_batch_size, rank, world_size, cfg.train.seed)

@@ -1,18 +1,39 @@
 """The data a run will read, checked before any process starts: records, and the image cache if one is named.
 
-Above records.py and image_cache.py (the cache is built from the records), so neither needs the other's checks.
+Above records.py, sources.py and image_cache.py (the cache is built from the records), so none of them needs
+the others' checks.
 """
 from __future__ import annotations
 
 from shardtrain.config import ConfigError, where
-from shardtrain.data.image_cache import open_image_cache
+from shardtrain.data.image_cache import open_image_cache, open_source_image_cache
+from shardtrain.data.layouts import check_num_labels, layout_files
 from shardtrain.data.records import config_split_path, data_kind, iter_split
+from shardtrain.data.sources import column_values, image_key, load_splits, source_of
 
 
 def check_splits(cfg) -> None:
     """Both splits' records, before any process, process group or model exists: the first bad one raises
     `file:line: message`. Cheap (no torch, no image decoding; images are only checked to exist). With
     --skip-bad-samples only the files must exist: the dataset skips and counts the bad records."""
+    if source_of(cfg) != "data_dir":
+        # Columns, labels, num_labels and every row of another source: what load_splits raises on each rank
+        # later, once, now. Images are only checked to exist here, as below.
+        splits = load_splits(cfg, check_images=False)
+        if cfg.data.image_cache is not None and cfg.model.name == "multimodal":
+            for split, table in (("train", splits.train), ("validation", splits.validation)):
+                if table is not None:  # missing or stale: one line now, as below
+                    open_source_image_cache(cfg, split, [image_key(v) for v in column_values(table, "image")])
+        return
+    if cfg.data.dataset_format:
+        # A published layout: its files and folders, not its thousands of posts (read once, by the run).
+        layout_files(cfg.data.dataset_format, cfg.data.data_dir)
+        check_num_labels(cfg.data.dataset_format, cfg.model.num_labels)
+        if cfg.data.image_cache is not None:  # missing or stale: one line now, as below
+            from shardtrain.data.layouts import read_layout
+            from shardtrain.data.splits import open_layout_image_cache
+            open_layout_image_cache(cfg, read_layout(cfg.data.dataset_format, cfg.data.data_dir))
+        return
     kind = data_kind(cfg.model.name)
     for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):
         path = config_split_path(cfg, split)

@@ -54,7 +54,8 @@ class Record:
     line: int                    # 1-based line in the jsonl file, kept for messages raised later
     text: str
     label: int
-    image: Optional[str] = None  # as written in the file: relative to the data folder
+    image: Optional[str] = None  # as written in the file: relative to the data folder (or absolute)
+    text_pair: Optional[str] = None  # a sentence pair's second segment (a published layout's target)
 
 
 def check_record(obj, kind: str, num_labels: int, root: Path) -> Optional[str]:

@@ -8,17 +8,21 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from shardtrain.config import Config, ConfigError, where
+from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import split_path, read_texts
+from shardtrain.data.sources import source_of
 
 # RoBERTa's order, so a randomly initialised RobertaModel's pad_token_id=1 default is right.
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
-def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callable[[], None]):
-    """-> PreTrainedTokenizerFast (in transformers 5 that is `TokenizersBackend`)."""
+def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callable[[], None],
+                    train_texts: Optional[Callable[[], list[str]]] = None):
+    """-> PreTrainedTokenizerFast (in transformers 5 that is `TokenizersBackend`). `train_texts`: the training
+    text of a source other than the jsonl --data-dir layout (shardtrain/data/sources.py), to train a BPE on."""
     from transformers import AutoTokenizer
 
     if cfg.data.tokenizer:
@@ -37,7 +41,7 @@ def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callabl
     tok_dir = Path(run_dir) / "tokenizer"
     # A resumed run reuses the saved tokenizer: retraining could renumber the vocabulary under the checkpoint.
     if is_rank0 and not (tok_dir / "tokenizer.json").is_file():
-        texts = list(read_texts(split_path(cfg.data.data_dir, "train")))
+        texts = train_texts() if train_texts else training_texts(cfg)[0]
         _save_atomically(train_bpe(texts, cfg.data.tokenizer_vocab_size), tok_dir)
     barrier()
     return AutoTokenizer.from_pretrained(str(tok_dir))
@@ -55,11 +59,24 @@ def planned_vocab_size(cfg: Config) -> tuple[int | None, str]:
             return len(AutoTokenizer.from_pretrained(cfg.data.tokenizer, local_files_only=True)), cfg.data.tokenizer
         except Exception:  # noqa: BLE001 - not here: the architecture's own vocabulary stands in
             return None, f"{cfg.data.tokenizer} not found locally"
-    try:
-        path = split_path(cfg.data.data_dir, "train")
+    try:  # another source than the jsonl layout or a published one is read by the run only (a hub dataset downloads)
+        texts, path = training_texts(cfg) if source_of(cfg) == "data_dir" else ([], None)
     except ConfigError:
+        path = None
+    if path is None:
         return cfg.data.tokenizer_vocab_size, "tokenizer_vocab_size (an upper bound: no training data to train it on)"
-    return len(train_bpe(list(read_texts(path)), cfg.data.tokenizer_vocab_size)), f"the tokenizer trained on {path}"
+    return len(train_bpe(texts, cfg.data.tokenizer_vocab_size)), f"the tokenizer trained on {path}"
+
+
+def training_texts(cfg: Config) -> tuple[list[str], Path]:
+    """(the training split's texts, the file they come from): a published layout's texts and text pairs
+    (--dataset-format), else train.jsonl's."""
+    if cfg.data.dataset_format:
+        layout = read_layout(cfg.data.dataset_format, cfg.data.data_dir)
+        rows = layout.splits["train"]
+        return [r.text for r in rows] + [r.text_pair for r in rows if r.text_pair], layout.files["train"]
+    path = split_path(cfg.data.data_dir, "train")
+    return list(read_texts(path)), path
 
 
 def train_bpe(texts: list[str], vocab_size: int):

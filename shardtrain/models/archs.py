@@ -74,6 +74,9 @@ def text_config_for(mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None 
         setattr(cfg, key, value)
     if vocab_size is not None:  # a locally trained tokenizer
         cfg.vocab_size = vocab_size
+    if dcfg.label_names:  # the data's class names (sources.py): an exported HF model carries them
+        cfg.id2label = dict(enumerate(dcfg.label_names))
+        cfg.label2id = {name: i for i, name in enumerate(dcfg.label_names)}
     cfg.num_labels = mcfg.num_labels
 
     if cfg.model_type == "longformer":

@@ -167,6 +167,23 @@ class Strategy(ABC):
     def forward(self, batch: dict):
         return self.workload.forward(self.model, batch)
 
+    # Strategies whose parameters are only shards between forwards set this and say which tensors are shards.
+    shards_outside_forward = False
+
+    def is_shard(self, p: torch.Tensor) -> bool:
+        return False
+
+    def shard_read_guard(self, what: str) -> ContextManager:
+        """Around workload code that runs outside forward (`what`: the method, e.g. MyTask.loss): reading a
+        parameter that is only a shard there is one line naming the method and the parameter (shard_guard.py)."""
+        if not self.shards_outside_forward:
+            return contextlib.nullcontext()
+        from shardtrain.strategies.shard_guard import ShardReadGuard
+
+        def names() -> dict[int, str]:  # only when reporting: the parameter's name
+            return {id(p): n for n, p in self.named_parameters()}
+        return ShardReadGuard(names, self.is_shard, what, self.name)
+
     def block_classes(self, model: nn.Module) -> tuple[type, ...]:
         """The workload's repeated blocks, as classes that occur in `model` (else one line listing its classes)."""
         return resolve_block_classes(model, self.workload.block_classes(),

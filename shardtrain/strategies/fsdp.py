@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from shardtrain.config import ConfigError, where
 from shardtrain.strategies.base import DTYPES
@@ -132,6 +133,11 @@ def _units(model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...],
 class FSDPStrategy(NativeStrategy):
     name = "fsdp"
     grads_sharded = True  # each rank's share of the gradient norm is its shards'
+    shards_outside_forward = True
+
+    def is_shard(self, p):
+        # A unit's parameters are DTensor shards again after its forward (the root's stay gathered for backward).
+        return isinstance(p, DTensor)
 
     def __init__(self, cfg, dist_info, workload=None):
         super().__init__(cfg, dist_info, workload)

@@ -30,6 +30,12 @@ class ZeroStrategy(Strategy):
         self.stage = self.info["stage"]
         self.name = f"zero{self.stage}"
         self.offload = self.info["offload_optimizer"] != "none" or self.info["offload_param"] != "none"
+        self.shards_outside_forward = self.stage == 3
+
+    def is_shard(self, p):
+        # ZeRO-3 releases each gathered parameter after use (shape [0]); small ones persist whole.
+        from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+        return getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
 
     def autocast(self):
         # The engine applies torch.autocast itself from the "torch_autocast" section.

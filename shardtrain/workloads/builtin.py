@@ -1,4 +1,5 @@
-"""What the two built-in workloads share: jsonl records, a tokenizer, the model section of the config."""
+"""What the two built-in workloads share: the data a config names (jsonl records or any source of
+shardtrain/data/sources.py), a tokenizer, the model section of the config."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,25 +21,54 @@ def _barrier() -> None:
 
 
 class JsonlWorkload(Workload):
-    """train.jsonl / validation.jsonl under data.data_dir, tokenized in collate; the model from `model:`."""
+    """train.jsonl / validation.jsonl under data.data_dir (streamed with --streaming), a published layout
+    (--dataset-format), or the splits another source gives (--dataset-name, --train-file, --train-dir); in-memory
+    splits are tokenised once through datasets.map's cache; the model from `model:`."""
 
     def __init__(self, cfg, **args):
         super().__init__(cfg, **args)
         self._tokenizer = None
         self._collator = None
+        self._train_texts = None  # a source's training text, for the BPE a random-init model trains
 
     @property
     def tokenizer(self):
         # Trained on rank 0 into the output dir (or loaded from the hub) the first time it is needed.
         if self._tokenizer is None:
             from shardtrain.data import build_tokenizer
-            self._tokenizer = build_tokenizer(self.cfg, Path(self.cfg.checkpoint.output_dir), _rank0(), _barrier)
+            self._tokenizer = build_tokenizer(self.cfg, Path(self.cfg.checkpoint.output_dir), _rank0(), _barrier,
+                                              self._train_texts)
         return self._tokenizer
 
     def datasets(self):
-        from shardtrain.data import build_datasets
-        train, validation = build_datasets(self.cfg)  # records validated before the tokenizer is trained
-        self.tokenizer
+        from shardtrain.data.sources import source_of
+        d = self.cfg.data
+        # Records are validated before the tokenizer is trained.
+        if d.dataset_format:
+            from shardtrain.data.splits import layout_datasets
+            train, validation = layout_datasets(self.cfg)
+        elif source_of(self.cfg) != "data_dir":
+            from shardtrain.data.split_dataset import source_datasets
+            from shardtrain.data.sources import column_values
+            train, validation = source_datasets(self.cfg, _rank0())
+            self._train_texts = lambda: column_values(train.table, "text")
+        else:
+            from shardtrain.data.splits import build_split
+            if d.streaming:
+                from shardtrain.data.streaming import jsonl_train_stream
+                train = jsonl_train_stream(self.cfg)
+            else:
+                train = build_split(self.cfg, "train")
+            validation = build_split(self.cfg, "validation")
+        # A stream is tokenised in collate, batch by batch (datasets caches no map over a stream); the in-memory
+        # splits once, through datasets.map's cache, which a second run on the same data reuses.
+        for split, ds in (("train", train), ("validation", validation)):
+            if hasattr(ds, "tokenize"):
+                done = ds.tokenize(self.tokenizer, d.max_length, d.preprocessing_num_workers, _rank0(), _barrier)
+                if _rank0():
+                    how = (f"loaded from the datasets cache {done.cache_file.parent}" if done.from_cache else
+                           f"tokenised and cached in {done.cache_file.parent}")
+                    print(f"{split}: {len(ds):,} token sequences {how} in {done.seconds:.2f}s", flush=True)
         return train, validation
 
     def collate(self, samples):

@@ -1,6 +1,7 @@
 """The examples outside the package (issue 13), trained under ddp / fsdp / zero2 / zero3 on 2 CPU ranks in one
 launch (tests/dist/matrix_driver.py), with parity against DDP: fp32 step-1 grad-norm within 1e-5 relative and
-10-step losses within 1e-4 relative; evaluation counts every validation example (token) once.
+10-step losses within 1e-4 relative (1e-2 for the BatchNorm model); evaluation counts every validation example
+(token) once.
 """
 from __future__ import annotations
 
@@ -15,6 +16,10 @@ from launch import REPO, strategy_variants, torchrun
 DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 STEPS, GRAD_NORM_RTOL, LOSS_RTOL = 10, 1e-5, 1e-4
+# BatchNorm models: all-reduce and reduce-scatter sum in different orders, and Adam amplifies that noise on
+# near-zero gradients (DESIGN-NOTES: 2e-4 absolute at loss 0.02 on the built-in CNN).
+BN_LOSS_RTOL = 1e-2
+FUSION_UNFREEZE_AT = 5
 
 
 def rel(a: float, b: float) -> float:
@@ -57,23 +62,46 @@ def examples(mm_data, tmp_path_factory) -> dict:
                  "model_config": {"model_type": "gpt2", "vocab_size": vocab, "n_embd": 32, "n_layer": 2, "n_head": 2,
                                   "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
                                   "tie_word_embeddings": True}}
+    custom_fusion = {"data_dir": str(mm_data), "tokenizer": str(tok), "num_labels": 3, "max_length": 32,
+                     "image_size": 32, "image_layers": [1, 1, 1, 1], "fusion_hidden": 32,
+                     "text_config": {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2,
+                                     "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64,
+                                     "pad_token_id": 0, "hidden_dropout_prob": 0.0,
+                                     "attention_probs_dropout_prob": 0.0}}
+    # The example's own freeze_layers / unfreeze_at_step, scaled to the run: frozen for the first half.
+    fusion_freeze = ["--freeze-layers", "1", "--unfreeze-at-step", str(FUSION_UNFREEZE_AT)]
     variants = strategy_variants()
     plan = []
+
+    def add(name, example, args, strategy_flags, extra):
+        plan.append({"name": name, "args": [
+            "--config", str(REPO / "examples" / example / "config.yaml"), "--workload-args", json.dumps(args),
+            *strategy_flags, "--device", "cpu", "--output-dir", str(root / name), "--resume", "none",
+            "--max-steps", str(STEPS), "--per-device-batch-size", "8", "--lr", "1e-3", "--warmup-steps", "0",
+            "--num-workers", "0", "--log-every", "100", "--save-final", "false", "--predict-memory", "false",
+            "--report", "false", *extra]})
+
     for example, args, extra in (("hf_text_classifier", hf_text, []),
-                                 ("causal_lm", causal_lm, ["--activation-checkpointing"])):
+                                 ("causal_lm", causal_lm, ["--activation-checkpointing"]),
+                                 ("custom_fusion", custom_fusion, ["--freeze-layers", "0", "--unfreeze-at-step", "none"])):
         for s in STRATEGIES:
-            plan.append({"name": f"{example}/{s}", "args": [
-                "--config", str(REPO / "examples" / example / "config.yaml"), "--workload-args", json.dumps(args),
-                *variants[s], "--device", "cpu", "--output-dir", str(root / example / s), "--resume", "none",
-                "--max-steps", str(STEPS), "--per-device-batch-size", "8", "--lr", "1e-3", "--warmup-steps", "0",
-                "--num-workers", "0", "--log-every", "100", "--save-final", "false", "--predict-memory", "false",
-                "--report", "false", *extra]})
+            add(f"{example}/{s}", example, args, variants[s], extra)
+    for s in STRATEGIES:
+        add(f"custom_fusion/freeze/{s}", "custom_fusion", custom_fusion, variants[s], fusion_freeze)
+    # Pitfall 3: a user's BatchNorm under bf16, with FSDP2's mixed-precision parameters and under ZeRO-2.
+    mp_policy = root / "fsdp_mixed_precision.yaml"
+    mp_policy.write_text((REPO / "fsdp_policies/default.yaml").read_text()
+                         .replace("mixed_precision: false", "mixed_precision: true"))
+    for name, flags in (("fsdp_mp", ["--strategy", "fsdp", "--fsdp-policy", str(mp_policy)]),
+                        ("zero2", variants["zero2"])):
+        add(f"custom_fusion/{name}/bf16", "custom_fusion", custom_fusion, flags,
+            [*fusion_freeze, "--precision", "bf16", "--max-steps", "2", "--unfreeze-at-step", "2"])
     (root / "plan.json").write_text(json.dumps(plan))
     torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=900)
     return json.loads((root / "results.json").read_text())
 
 
-def check_parity(results: dict, example: str) -> dict:
+def check_parity(results: dict, example: str, loss_rtol: float = LOSS_RTOL) -> dict:
     ref = results[f"{example}/ddp"]
     print(f"\nexamples/{example} parity against ddp: strategy | step-1 grad-norm rel | max loss rel")
     for s in STRATEGIES:
@@ -83,7 +111,7 @@ def check_parity(results: dict, example: str) -> dict:
         loss = max(rel(a, b) for a, b in zip(r["losses"], ref["losses"]))
         print(f"  {s:6s} | {g:.2e} | {loss:.2e}")
         assert g <= GRAD_NORM_RTOL, (s, r["grad_norms"][0], ref["grad_norms"][0])
-        assert loss <= LOSS_RTOL, (s, r["losses"], ref["losses"])
+        assert loss <= loss_rtol, (s, r["losses"], ref["losses"])
     assert all(math.isfinite(x) for x in ref["losses"]) and ref["losses"][-1] < ref["losses"][0], ref["losses"]
     return ref
 
@@ -103,3 +131,52 @@ def test_causal_lm_with_tied_embeddings_and_checkpointed_blocks(examples):
         assert e["n_tokens"] == ppl["ddp"]["n_tokens"] > 0 and math.isclose(e["perplexity"], math.exp(e["nll"])), (s, e)
         assert rel(e["perplexity"], ppl["ddp"]["perplexity"]) <= LOSS_RTOL, ppl
         assert examples[f"causal_lm/{s}"]["describe"]["recompute_blocks"] == 2, examples[f"causal_lm/{s}"]["describe"]
+
+
+def test_custom_fusion_trains_on_every_strategy_with_parity(examples):
+    """The report's style: a user FusionLayer over RoBERTa + a torchvision ResNet (BatchNorm), a user Dataset
+    class and dict batches."""
+    check_parity(examples, "custom_fusion", loss_rtol=BN_LOSS_RTOL)
+    for s in STRATEGIES:
+        r = examples[f"custom_fusion/{s}"]
+        assert r["eval"]["n_examples"] == 64 and r["bn_modules"] > 0, (s, r)
+
+
+def test_custom_fusion_frozen_lower_layers_unfreeze_later(examples):
+    """freeze_layers / unfreeze_at_step as in the example's config. FSDP2's root unit mixes frozen parameters
+    (the embeddings, the CNN stem) with trainable ones (the FusionLayer): pitfall 4. It matches DDP, which
+    computes no gradient for frozen parameters, so FSDP computes none either (step-1 gradient norm); ZeRO-3
+    trains the same model to finite losses."""
+    ref = examples["custom_fusion/freeze/ddp"]
+    for s in STRATEGIES:
+        r = examples[f"custom_fusion/freeze/{s}"]
+        assert r["ok"] and r["describe"]["params_frozen"] > 0 and r["eval"]["n_examples"] == 64, (s, r)
+        assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0], (s, r["losses"])
+    fsdp = examples["custom_fusion/freeze/fsdp"]
+    assert rel(fsdp["grad_norms"][0], ref["grad_norms"][0]) <= GRAD_NORM_RTOL, (fsdp["grad_norms"], ref["grad_norms"])
+    assert max(rel(a, b) for a, b in zip(fsdp["losses"], ref["losses"])) <= BN_LOSS_RTOL
+    # Unfreezing changes what trains: the gradient norm jumps at the first step the lower layers join.
+    g = ref["grad_norms"]
+    assert g[FUSION_UNFREEZE_AT] > 1.5 * g[FUSION_UNFREEZE_AT - 1], g
+
+
+@pytest.mark.xfail(strict=True, reason="ZeRO freezes by a zero learning rate today: frozen parameters still get "
+                   "gradients (in the clipped norm) and Adam moments (issue 13, 'Freezing must save the memory'); "
+                   "remove this mark when that lands")
+@pytest.mark.parametrize("strategy", ["zero2", "zero3"])
+def test_custom_fusion_frozen_parity_under_zero(examples, strategy):
+    ref, r = examples["custom_fusion/freeze/ddp"], examples[f"custom_fusion/freeze/{strategy}"]
+    assert rel(r["grad_norms"][0], ref["grad_norms"][0]) <= GRAD_NORM_RTOL, (r["grad_norms"], ref["grad_norms"])
+    assert max(rel(a, b) for a, b in zip(r["losses"], ref["losses"])) <= BN_LOSS_RTOL
+
+
+def test_custom_fusion_batchnorm_stays_fp32_under_bf16(examples):
+    """Pitfall 3 for a user's model: its BatchNorm weights stay fp32 under bf16, FSDP2 mixed precision and
+    ZeRO-2; under ZeRO-2's autocast the convolutions hand BatchNorm bf16 activations."""
+    for name in ("custom_fusion/fsdp_mp/bf16", "custom_fusion/zero2/bf16"):
+        r = examples[name]
+        assert r["ok"] and r["describe"]["precision"] == "bf16", (name, r)
+        assert all(math.isfinite(x) for x in r["losses"]) and r["skipped_steps"] == 0, (name, r["losses"])
+        assert r["bn_modules"] > 0 and r["bn_weight_dtypes"] == ["float32"], (name, r["bn_weight_dtypes"])
+    assert examples["custom_fusion/fsdp_mp/bf16"]["bn_input_dtypes"] == ["float32"]
+    assert "bfloat16" in examples["custom_fusion/zero2/bf16"]["bn_input_dtypes"]

@@ -40,7 +40,7 @@ def user_dir(mm_data, tmp_path_factory) -> Path:
     return d
 
 
-def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, tmp_path):
+def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, tmp_path, capsys):
     args = json.dumps({"model": str(user_dir / "tiny-roberta"), "data": str(mm_data), "num_labels": 3})
     r = cli(["train", "--config", str(user_dir / "my_run.yaml"), "--workload-args", args, "--strategy", "fsdp",
              "--nproc", "2", "--device", "cpu", "--precision", "fp32", "--max-steps", "3",
@@ -59,6 +59,23 @@ def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, 
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
     assert "classifier.out_proj.weight" in exported and exported["roberta.embeddings.word_embeddings.weight"].shape[1] == 32
     assert json.loads((tmp_path / "export" / "workload.json").read_text())["target"] == "my_tasks:Sentiment"
+
+    # --workload / --workload-args on export: rebuild with other args (here the data's place on "this machine")
+    # and evaluate the exported weights with the workload's own metrics.
+    moved = json.dumps({"model": str(user_dir / "tiny-roberta"), "data": str(mm_data), "num_labels": 3})
+    r = run([sys.executable, "-m", "shardtrain", "export", str(tmp_path / "run"), str(tmp_path / "export2"),
+             "--workload", "my_tasks:Sentiment", "--workload-args", moved, "--eval"], cwd=user_dir)
+    evaluated = json.loads((tmp_path / "export2" / "shardtrain_export.json").read_text())["eval_fp32"]
+    assert evaluated["n_examples"] == 64 and "validation: accuracy" in r.output, r.tail()
+    assert abs(evaluated["accuracy"] - summary["eval"]["accuracy"]) < 1e-9, (evaluated, summary["eval"])
+
+    # report --workload reads the run: it shows the workload and its metrics, and refuses another workload.
+    from shardtrain import cli as shardtrain_cli
+    assert shardtrain_cli.main(["report", str(tmp_path / "run"), "--workload", "my_tasks:Sentiment"]) == 0
+    html = (tmp_path / "run" / "report.html").read_text()
+    assert "<h2>workload</h2>" in html and "my_tasks:Sentiment" in html and "macro_f1" in html
+    assert shardtrain_cli.main(["report", str(tmp_path / "run"), "--workload", "my_tasks:Other"]) == 2
+    assert f"report: {tmp_path / 'run'} trained my_tasks:Sentiment with args" in capsys.readouterr().err
 
 
 def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
@@ -99,3 +116,89 @@ def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
     line = next(x for x in r.output.splitlines() if x.startswith("SUMMARY"))
     # One validation example for two ranks: ZeRO-3's rank without one still joins the forward, counts nothing.
     assert json.loads(line.split(" ", 1)[1]) == {"steps": 4, "world": 2, "n": 1}, r.tail()
+
+
+PITFALLS = '''
+import torch
+import torch.nn.functional as F
+from torch import nn
+from shardtrain import Workload
+
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(400, 400)  # 160k weights: above ZeRO-3's persistence threshold, so partitioned
+
+    def forward(self, x):
+        return torch.relu(self.lin(x))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 400)
+        self.blocks = nn.Sequential(Wide(), Wide())
+        self.head = nn.Linear(400, 3)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.inp(x)))
+
+
+class Rows(Workload):
+    def build_model(self):
+        self.model = Net()  # the last one built is the one trained (ZeRO-3 builds a partitioned copy last)
+        return self.model
+
+    def datasets(self):
+        g = torch.Generator().manual_seed(0)
+        rows = [{"x": torch.randn(8, generator=g), "labels": i % 3} for i in range(64)]
+        return rows, rows[:16]
+
+    def block_classes(self):
+        return (Wide,)
+
+
+class WeightDecayInLoss(Rows):
+    """Pitfall 5: an L2 term on a block's weight, read in the loss, outside forward."""
+    def loss(self, outputs, batch):
+        return F.cross_entropy(outputs, batch["labels"]) + 1e-4 * self.model.blocks[0].lin.weight.pow(2).sum()
+
+
+class NanLoss(Rows):
+    """Pitfall 6: a loss that is not finite from the first step (a log of a negative number)."""
+    def loss(self, outputs, batch):
+        return F.cross_entropy(outputs, batch["labels"]) + torch.log(outputs.sum() * 0 - 1)
+'''
+
+
+def test_pitfalls_a_weight_read_in_the_loss_and_a_non_finite_first_loss(tmp_path):
+    """What users see, in one launch of 2 ranks. Pitfall 5: a loss reading a block's weight trains under DDP
+    (the weight is whole there) and is one line naming the loss and the parameter under FSDP2 (a DTensor shard
+    after the block's forward; unguarded: "aten.nll_loss_backward.default got mixed torch.Tensor and DTensor")
+    and ZeRO-3 (shape [0]; unguarded: "PowBackward0 returned an invalid gradient ... got [0]"). Pitfall 6: a
+    loss that is NaN on a fresh run's first step names the loss at once (unguarded, --nan-policy skip skipped
+    every step, and after 5 blamed the learning rate)."""
+    from launch import run_plan, strategy_variants
+
+    (tmp_path / "pitfall_tasks.py").write_text(PITFALLS)
+    variants = strategy_variants()
+    plan = []
+    for name, target, strategy, expect_error in (("l2/ddp", "WeightDecayInLoss", "ddp", False),
+                                                 ("nan/ddp", "NanLoss", "ddp", True),
+                                                 ("l2/fsdp", "WeightDecayInLoss", "fsdp", True),
+                                                 ("l2/zero3", "WeightDecayInLoss", "zero3", True)):
+        (tmp_path / f"{target}.yaml").write_text(f"workload: pitfall_tasks:{target}\n")
+        plan.append({"name": name, "expect_error": expect_error, "args": [
+            "--config", str(tmp_path / f"{target}.yaml"), *variants[strategy], "--device", "cpu",
+            "--output-dir", str(tmp_path / name), "--resume", "none", "--max-steps", "2",
+            "--per-device-batch-size", "8", "--num-workers", "0", "--save-final", "false",
+            "--predict-memory", "false", "--report", "false"]})
+    _, results = run_plan(plan, tmp_path, timeout=300)
+    assert results["l2/ddp"]["ok"] and len(results["l2/ddp"]["losses"]) == 2, results["l2/ddp"]
+    assert results["nan/ddp"]["error"].startswith(
+        "ConfigError: step 1: NanLoss.loss returned a non-finite loss (nan) on rank 0, 1 before any update"), results
+    for s in ("fsdp", "zero3"):
+        assert results[f"l2/{s}"]["error"].startswith(
+            f"ConfigError: WeightDecayInLoss.loss reads blocks.0.lin.weight outside the model's forward, where {s} "
+            f"holds only this rank's shard of it: read parameters inside forward"), (s, results[f"l2/{s}"])

@@ -63,7 +63,8 @@ def test_parse_cli_takes_sagemaker_spellings_and_env(clean_env, tmp_path):
     assert cfg.train.activation_checkpointing is True
     assert cfg.data.data_dir == str(tmp_path) and cfg.data.eval_data_dir == str(tmp_path / "val")
     assert cfg.checkpoint.output_dir == str(tmp_path / "ckpt")
-    with pytest.raises(ConfigError, match="unknown argument '--max-stepz'; did you mean '--max-steps'"):
+    # Quoted as typed, suggested in our spelling.
+    with pytest.raises(ConfigError, match="unknown argument '--max_stepz'; did you mean '--max-steps'"):
         parse_cli(["--max_stepz", "3"])
 
 

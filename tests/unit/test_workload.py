@@ -210,7 +210,7 @@ def test_freezing_without_freezable_parameter_names_says_what_is_missing():
 ])
 def test_builtin_blocks_are_the_models_own(name, overrides):
     from shardtrain.models import build_model
-    cfg = from_dict({"model": {"name": name, "pretrained": False,
+    cfg = from_dict({"model": {"name": name, "pretrained": False, "num_labels": 3,
                                "text_config": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
                                                "intermediate_size": 32, **overrides.pop("text_config", {})},
                                **overrides}})

@@ -1,0 +1,42 @@
+"""--dataset-format through the real CLI: the tiny multimodal config trains on a copy of MVSA-Single and of
+Twitter-2015 as they unpack (tests/layout_copies.py), under 2 processes, and reports what the readers dropped."""
+from __future__ import annotations
+
+import json
+
+from launch import cli, tiny_args, torchrun
+from layout_copies import DROPPED_MVSA_SINGLE, DROPPED_TWITTER, make_mvsa, make_twitter
+
+
+def test_layouts_train_and_report_their_drops(tmp_path):
+    for fmt, make, dropped in (("mvsa-single", make_mvsa, DROPPED_MVSA_SINGLE),
+                               ("twitter2015", make_twitter, DROPPED_TWITTER)):
+        check_one(fmt, make(tmp_path / fmt), dropped, tmp_path / fmt / "run")
+
+
+def check_one(fmt, top, dropped, out):
+    args = tiny_args("multimodal", top, out, "--dataset-format", fmt, "--strategy", "ddp",
+                     "--max-steps", "2", "--per-device-batch-size", "4", "--eval-every", "2")
+    if fmt == "mvsa-single":  # the images decoded once by cache-images, then read from the cache
+        cache = out.parent / "image-cache"
+        args += ["--image-cache", str(cache)]
+        cached = cli(["cache-images", "--jobs", "1", *args])
+        assert "mvsa-single split: 35 images" in cached.output, cached.tail()
+    run = torchrun(args)
+    data = run.summary["data"]
+    assert data["dataset_format"] == fmt and data["labels"] == ["negative", "neutral", "positive"]
+    assert data["dropped"] == dropped and set(data["dropped_examples"]) == set(dropped)
+    assert run.summary["final_step"] == 2 and run.summary["eval"]["n_examples"] > 0
+    # The class names travel as every source's do: labels.json and the saved config (checkpoints, exports).
+    names = ["negative", "neutral", "positive"]
+    assert json.loads((out / "labels.json").read_text())["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
+    assert run.summary["config"]["data"]["label_names"] == names
+    # One console line per reason, from rank 0 only.
+    for reason in dropped:
+        assert run.output.count(f"--dataset-format {fmt}: dropped 1 ({reason}), e.g. ") == 1, run.tail()
+    if fmt == "mvsa-single":
+        assert data["non_utf8_bytes"] == 1 and data["replaced_bytes"] == 1
+        # MVSA has no validation split: --validation-split-percentage of it, 10 unless given.
+        assert data["validation_held_out"]["posts"] == run.summary["eval_examples"] == 4
+    else:
+        assert data["kept"] == {"train": 21, "validation": 8, "test": 6} and run.summary["eval_examples"] == 8

@@ -1,0 +1,297 @@
+"""shardtrain/data/sources.py: every source to canonical splits; labels, columns, splits and their errors."""
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from shardtrain.config import ConfigError, from_dict, validate
+from shardtrain.data.check import check_source
+from shardtrain.data.sources import load_splits
+
+
+def config(name="longformer", **data):
+    cfg = from_dict({"model": {"name": name, "pretrained": False}, "data": data})
+    validate(cfg)
+    return cfg
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(header)
+        w.writerows(rows)
+    return path
+
+
+@pytest.fixture
+def parquet_dir(tmp_path) -> Path:
+    """IMDB style: train/test parquet, a ClassLabel; two unlabelled (-1) training rows."""
+    import datasets
+
+    d = tmp_path / "imdb"
+    d.mkdir()
+    train = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])})
+    datasets.Dataset.from_dict({"text": [f"review {i}" for i in range(10)], "label": [0, 1] * 4 + [-1, -1]},
+                               features=train).to_parquet(d / "train.parquet")
+    datasets.Dataset.from_dict({"text": ["good", "bad"], "label": [1, 0]}, features=train).to_parquet(d / "test.parquet")
+    return d
+
+
+def test_classlabel_names_become_id2label_and_validation_is_mapped_by_name(parquet_dir, tmp_path):
+    import datasets
+
+    cfg = config(dataset_name=str(parquet_dir), validation_split_name="test")
+    s = load_splits(cfg)
+    assert s.label_names == ["neg", "pos"] and s.id2label == {0: "neg", 1: "pos"}
+    assert (cfg.model.num_labels, cfg.data.label_names) == (2, ["neg", "pos"])
+    assert list(s.validation["label"]) == [1, 0]
+    assert len(s.train) == 8 and s.unlabelled == {"train": 2, "validation": 0}
+    assert set(s.train.column_names) == {"row", "text", "label"}
+    # A validation file whose ClassLabel lists the names in another order: its ids differ, its names do not.
+    other = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["pos", "neg"])})
+    datasets.Dataset.from_dict({"text": ["good", "bad"], "label": [0, 1]}, features=other).to_parquet(tmp_path / "v.parquet")
+    s = load_splits(config(train_file=str(parquet_dir / "train.parquet"), validation_file=str(tmp_path / "v.parquet")))
+    assert list(s.validation["label"]) == [1, 0]
+
+
+def test_string_and_bool_labels_are_encoded_in_sorted_order(tmp_path):
+    rows = [["b", "zebra"], ["c", "ant"], ["d", "moth"], ["e", "ant"]]
+    s = load_splits(config(train_file=str(write_csv(tmp_path / "a.csv", ["text", "label"], rows)),
+                           validation_file=str(write_csv(tmp_path / "v.csv", ["text", "label"], [["x", "moth"]]))))
+    assert s.label_names == ["ant", "moth", "zebra"] and list(s.train["label"]) == [2, 0, 1, 0]
+    assert list(s.validation["label"]) == [1]
+    reordered = load_splits(config(train_file=str(write_csv(tmp_path / "b.csv", ["text", "label"], rows[::-1])),
+                                   validation_split_percentage=50))
+    assert reordered.label_names == ["ant", "moth", "zebra"]  # the file's order does not matter
+    hp = write_jsonl(tmp_path / "hp.jsonl", [{"text": f"t{i}", "hyperpartisan": i % 3 == 0} for i in range(6)])
+    s = load_splits(config(train_file=str(hp), label_column_name="hyperpartisan", validation_split_percentage=50))
+    assert s.label_names == ["false", "true"] and s.num_labels == 2
+
+
+def test_a_validation_label_unseen_in_training_is_an_error_listing_the_known_labels(tmp_path):
+    train = write_csv(tmp_path / "t.csv", ["text", "label"], [["a", "pos"], ["b", "neg"]])
+    val = write_csv(tmp_path / "v.csv", ["text", "label"], [["c", "neg"], ["d", "neutral"]])
+    with pytest.raises(ConfigError, match=r"v\.csv row 1 .*validation label 'neutral' is not a class of the "
+                                          r"training split \(its labels: neg, pos\)"):
+        load_splits(config(train_file=str(train), validation_file=str(val)))
+
+
+def test_an_explicit_num_labels_that_contradicts_the_data_names_both(tmp_path, parquet_dir):
+    cfg = config(dataset_name=str(parquet_dir), validation_split_name="test")
+    cfg.model.num_labels = 3
+    with pytest.raises(ConfigError, match=r"--num-labels \(model.num_labels\)=3, but the data has 2 classes "
+                                          r"\(neg, pos\)"):
+        load_splits(cfg)
+    # Integer labels: ids as given, num_labels from the largest unless set; out of range is that row's error.
+    f = write_jsonl(tmp_path / "ids.jsonl", [{"text": "a", "label": 0}, {"text": "b", "label": 4}])
+    assert load_splits(config(train_file=str(f), validation_split_percentage=50)).num_labels == 5
+    cfg = config(train_file=str(f), validation_split_percentage=50)
+    cfg.model.num_labels = 3
+    with pytest.raises(ConfigError, match=r"ids\.jsonl:2: label 4 is outside 0\.\.2"):
+        load_splits(cfg)
+
+
+def test_a_wrong_column_is_named_with_the_columns_that_exist(tmp_path):
+    f = write_csv(tmp_path / "t.csv", ["review", "stars"], [["a", "1"]])
+    with pytest.raises(ConfigError, match=r"--text-column-names \(data.text_column_names\): no column 'text' in "
+                                          r".*t\.csv \(columns: review, stars\)"):
+        load_splits(config(train_file=str(f)))
+    with pytest.raises(ConfigError, match=r"--label-column-name .*no column 'label' .*columns: review, stars"):
+        load_splits(config(train_file=str(f), text_column_names=["review"]))
+    with pytest.raises(ConfigError, match=r"--image-column-name .*no column 'image'"):
+        load_splits(config("multimodal", train_file=str(f), text_column_names=["review"], label_column_name="stars"))
+
+
+def test_text_columns_are_joined_with_the_delimiter(tmp_path):
+    f = write_csv(tmp_path / "t.csv", ["title", "body", "y"], [["Hi", "there", "a"], ["Yo", "", "b"]])
+    s = load_splits(config(train_file=str(f), validation_file=str(f), text_column_names=["title", "body"],
+                           text_column_delimiter=" | ", label_column_name="y"))
+    assert list(s.train["text"]) == ["Hi | there", "Yo"]  # an empty cell adds no delimiter
+
+
+def test_percentage_split_is_deterministic_for_a_seed_and_recorded(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", [{"text": f"t{i}", "label": ["x", "y"][i % 2]} for i in range(40)])
+
+    def held_out(seed):
+        cfg = config(train_file=str(f), validation_split_percentage=25)
+        cfg.train.seed = seed
+        s = load_splits(cfg)
+        assert len(s.train) == 30 and len(s.validation) == 10
+        assert not set(s.train["row"]) & set(s.validation["row"])
+        return list(s.validation["row"]), s.source["validation_split"]
+
+    first, record = held_out(1)
+    assert held_out(1)[0] == first and held_out(2)[0] != first
+    assert (record["percentage"], record["seed"], record["validation_rows"]) == (25, 1, 10)
+    assert record["first_rows"] == sorted(first)[:10]
+
+
+def test_a_missing_validation_split_names_the_splits_and_the_percentage_flag(parquet_dir):
+    with pytest.raises(ConfigError, match=r"--validation-split-name .*no split 'validation' \(splits: train, test\); "
+                                          r"or hold out part of train with --validation-split-percentage"):
+        load_splits(config(dataset_name=str(parquet_dir)))
+
+
+def test_max_samples_apply_to_every_source(parquet_dir):
+    s = load_splits(config(dataset_name=str(parquet_dir), validation_split_name="test", max_train_samples=3,
+                           max_eval_samples=1))
+    assert (len(s.train), len(s.validation)) == (3, 1)
+
+
+def test_two_sources_or_a_lone_validation_flag_are_errors(tmp_path, parquet_dir):
+    with pytest.raises(ConfigError, match=r"--dataset-name .* and --train-file .* both name the training data"):
+        load_splits(config(dataset_name=str(parquet_dir), train_file="x.csv"))
+    with pytest.raises(ConfigError, match=r"--validation-file .* needs --train-file"):
+        load_splits(config(validation_file="x.csv"))
+    with pytest.raises(ConfigError, match=r"--train-file .*unknown extension '.txt' \(csv, json, jsonl or parquet\)"):
+        load_splits(config(train_file=str(tmp_path / "a.txt")))
+
+
+def test_mixed_label_types_are_named_with_their_lines(tmp_path):
+    f = write_jsonl(tmp_path / "m.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": "pos"}])
+    with pytest.raises(ConfigError, match=r"column 'label' mixes label types \(int at .*m\.jsonl:1, str at "
+                                          r".*m\.jsonl:2\)"):
+        load_splits(config(train_file=str(f), validation_split_percentage=50))
+
+
+def images_csv(tmp_path) -> Path:
+    """A CSV whose image paths are relative to its own folder; one image missing, one corrupt."""
+    d = tmp_path / "csvdata"
+    (d / "pics").mkdir(parents=True)
+    for i in range(4):
+        Image.new("RGB", (12, 12), (60 * i, 0, 0)).save(d / "pics" / f"{i}.png")
+    (d / "pics" / "3.png").write_bytes(b"not a png")
+    rows = [["one", "pics/0.png", "a"], ["two", "pics/1.png", "b"], ["", "pics/2.png", "a"],
+            ["four", "pics/3.png", "b"], ["five", "pics/9.png", "a"], ["six", "pics/2.png", "a"]]
+    return write_csv(d / "train.csv", ["tweet", "photo", "label"], rows)
+
+
+def test_image_paths_are_relative_to_the_data_file_and_bad_rows_are_skipped_and_counted(tmp_path, monkeypatch):
+    f = images_csv(tmp_path)
+    monkeypatch.chdir(tmp_path)  # not the CSV's folder
+    cfg = config("multimodal", train_file=str(f.relative_to(tmp_path)), validation_file=str(f), text_column_names=["tweet"],
+                 image_column_name="photo", skip_bad_samples=True)
+    s = load_splits(cfg)
+    assert list(s.train["image"]) == [str(f.parent / "pics" / n) for n in ("0.png", "1.png", "2.png")]
+    assert [m.split(": ", 1)[1][:20] for m in s.skipped["train"]] == ["empty text", "cannot decode image ",
+                                                                       "image not found: pic"]
+    cfg.data.skip_bad_samples = False
+    with pytest.raises(ConfigError, match=r"train\.csv row 2 \(line 4 if no field spans lines\): empty text"):
+        load_splits(cfg)
+
+
+def test_check_data_lists_every_problem_of_a_source(tmp_path):
+    f = images_csv(tmp_path)
+    empty = write_csv(tmp_path / "empty.csv", ["tweet", "photo", "label"], [["", "pics/0.png", "a"]])
+    cfg = config("multimodal", train_file=str(f), validation_file=str(empty), text_column_names=["tweet"],
+                 image_column_name="photo")
+    problems = check_source(cfg)
+    assert len(problems) == 5, problems
+    assert "row 2 (line 4 if no field spans lines): empty text" in problems[0]
+    assert "row 3 (line 5 if no field spans lines): cannot decode image pics/3.png: UnidentifiedImageError" in problems[1]
+    assert "row 4 (line 6 if no field spans lines): image not found: pics/9.png" in problems[2]
+    assert "empty.csv row 0 (line 2 if no field spans lines): empty text" in problems[3]
+    assert problems[4].startswith("--validation-file (data.validation_file): no usable rows in") and "empty.csv" in problems[4]
+    cfg.data.label_column_name = "sentiment"
+    assert check_source(cfg) == [f"--label-column-name (data.label_column_name): no column 'sentiment' in {f} "
+                                 f"(columns: tweet, photo, label)"]
+    cfg.data.label_column_name = "label"
+    write_csv(tmp_path / "empty.csv", ["tweet", "photo", "label"], [])  # the header only
+    assert check_source(cfg) == [f"--validation-file (data.validation_file): {empty} has no rows"]
+
+
+def test_the_jsonl_layout_is_one_source_with_its_file_line_messages(tmp_path):
+    from shardtrain.data import make_data
+
+    d = make_data("longdoc", tmp_path / "ld", n_train=6, n_val=3, min_words=5, max_words=8)
+    s = load_splits(config(data_dir=str(d)))
+    assert len(s.train) == 6 and s.label_names == [] and s.num_labels == 3 and list(s.train["row"]) == list(range(1, 7))
+    with open(d / "train.jsonl", "a") as out:
+        out.write('{"text": "x", "label": 7}\n')
+    with pytest.raises(ConfigError, match=r"train\.jsonl:7: label 7 is outside 0\.\.2 \(model.num_labels=3\)"):
+        load_splits(config(data_dir=str(d)))
+
+
+def test_save_to_disk_folders_and_embedded_images_train_from_bytes_or_the_image_cache(tmp_path):
+    import datasets
+    import torch
+
+    from shardtrain.data.image_cache import build_source_image_cache, open_source_image_cache
+    from shardtrain.data.sources import image_key
+    from shardtrain.data.split_dataset import SplitDataset
+
+    for i in range(4):
+        Image.new("RGB", (16, 16), (0, 60 * i, 0)).save(tmp_path / f"{i}.png")
+    features = datasets.Features({"text": datasets.Value("string"), "image": datasets.Image(),
+                                  "label": datasets.ClassLabel(names=["a", "b"])})
+    ds = datasets.Dataset.from_dict({"text": ["w", "x", "y", "z"], "image": [str(tmp_path / f"{i}.png") for i in range(4)],
+                                     "label": [0, 1, 0, 1]}, features=features)
+    ds.save_to_disk(str(tmp_path / "one"))  # a Dataset (not a DatasetDict): the training split
+    cfg = config("multimodal", dataset_name=str(tmp_path / "one"), validation_split_percentage=25, image_size=8)
+    s = load_splits(cfg)
+    assert s.label_names == ["a", "b"] and len(s.train) == 3 and s.train[0]["image"]["bytes"]  # embedded
+    decoded = SplitDataset(s.train, "t", 8, True, [])[0]["image"]
+    assert decoded.shape == (3, 8, 8) and decoded.dtype == torch.uint8
+    cfg.data.image_cache = str(tmp_path / "cache")
+    build_source_image_cache("train", list(s.train["image"]), tmp_path / "cache", 8)
+    cache = open_source_image_cache(cfg, "train", [image_key(v) for v in s.train["image"]])
+    cached = SplitDataset(s.train, "t", 8, True, [], cache)[0]["image"]
+    assert torch.equal(cached, decoded)
+    with pytest.raises(ConfigError, match=r"--image-cache .*the images of the validation split changed|no complete cache"):
+        open_source_image_cache(cfg, "validation", ["other"])
+
+
+def test_label_names_fix_the_order_and_reach_the_hf_config_of_an_export(tmp_path):
+    from shardtrain.models import text_config_for
+
+    f = write_csv(tmp_path / "t.csv", ["text", "label"], [["a", "pos"], ["b", "neg"], ["c", "neutral"]])
+    cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "neutral", "pos"])
+    s = load_splits(cfg)
+    assert s.label_names == ["neg", "neutral", "pos"] and list(s.train["label"]) == [2, 0, 1]
+    cfg.model.text_model = "allenai/longformer-base-4096"  # in the offline table of known architectures
+    cfg.model.text_config = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    hf = text_config_for(cfg.model, cfg.data, 100)  # Longformer's own config: what save_pretrained writes
+    assert hf.id2label == {0: "neg", 1: "neutral", 2: "pos"} and hf.label2id["pos"] == 2 and hf.num_labels == 3
+    cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "pos"])
+    with pytest.raises(ConfigError, match=r"labels \['neutral'\] are not in --label-names \(data.label_names\)"):
+        load_splits(cfg)
+
+
+def test_resuming_on_data_with_other_classes_is_an_error(tmp_path):
+    from shardtrain.data.sources import check_resumed_labels
+
+    cfg = config()
+    cfg.data.label_names = ["neg", "pos"]
+    check_resumed_labels({"data": {"label_names": ["neg", "pos"]}}, cfg)
+    check_resumed_labels({"data": {}}, cfg)  # a checkpoint from integer labels, or from before names were kept
+    with pytest.raises(ConfigError, match=r"trained on the classes \['neg', 'neutral', 'pos'\], but the data now "
+                                          r"has \['neg', 'pos'\].*--label-names neg,neutral,pos"):
+        check_resumed_labels({"data": {"label_names": ["neg", "neutral", "pos"]}}, cfg)
+
+
+def test_a_users_workload_takes_any_source_through_load_splits(tmp_path):
+    """README 'Your data': the public helper, from a workload of one's own (text only, images if the source has
+    them): canonical datasets.Dataset splits, map-style, that the loop's DataLoader indexes."""
+    from shardtrain import Workload
+    from shardtrain.data import load_splits as public
+
+    class Reviews(Workload):
+        def datasets(self):
+            s = public(self.cfg)
+            return s.train, s.validation
+
+    f = write_csv(tmp_path / "r.csv", ["body", "stars"], [["fine", "good"], ["meh", "bad"], ["ok", "good"]])
+    cfg = from_dict({"workload": "reviews:Reviews", "data": {"train_file": str(f), "validation_file": str(f),
+                                                             "text_column_names": "body", "label_column_name": "stars"}})
+    train, validation = Reviews(cfg).datasets()
+    assert train[0] == {"row": 0, "text": "fine", "label": 1} and len(validation) == 3
+    assert cfg.model.num_labels == 2 and cfg.data.label_names == ["bad", "good"]

@@ -1,0 +1,175 @@
+"""A user's workload beyond `train` (issue 13): plan, check-data and parity take --workload (export and report:
+tests/dist/test_your_own_model.py); --strategy auto refuses it in one line."""
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from shardtrain import cli, parity
+from shardtrain.config import ConfigError, parse_cli
+
+TASKS = textwrap.dedent('''
+    import torch
+    from torch import nn
+    from torch.utils.data import Dataset
+    from shardtrain import Workload
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(Block(), Block())
+            self.head = nn.Linear(8, 3)
+            self.register_buffer("scale", torch.ones(8))
+
+        def forward(self, x):
+            return self.head(self.blocks(x * self.scale))
+
+    class Rows(Dataset):
+        def __init__(self, n, broken_at=None, key="x"):
+            self.n, self.broken_at, self.key = n, broken_at, key
+
+        def __len__(self):
+            return self.n
+
+        def __getitem__(self, i):
+            if i == self.broken_at:
+                raise FileNotFoundError(f"images/{i}.png")
+            return {self.key: torch.full((8,), float(i)), "labels": torch.tensor(i % 3)}
+
+    class Tiny(Workload):
+        def __init__(self, cfg, n=16, broken_at=None, key="x"):
+            super().__init__(cfg, n=n, broken_at=broken_at, key=key)
+
+        def build_model(self):
+            return Net()
+
+        def datasets(self):
+            a = self.args
+            return Rows(a["n"], a["broken_at"], a["key"]), Rows(4)
+
+        def block_classes(self):
+            return ("Block",)
+
+    class Texts(Tiny):
+        def collate(self, samples):
+            return {"x": torch.stack([s["x"] for s in samples]), "labels": [int(s["labels"]) for s in samples]}
+
+    class NoMeta(Tiny):
+        def build_model(self):
+            raise OSError("roberta-base is not in the cache")
+''')
+TINY_PARAMS = 2 * (8 * 8 + 8) + 8 * 3 + 3
+
+
+@pytest.fixture
+def tasks(tmp_path, monkeypatch):
+    (tmp_path / "user_tasks.py").write_text(TASKS)
+    monkeypatch.chdir(tmp_path)  # the working directory is on the import path, as in training
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    sys.modules.pop("user_tasks", None)
+    yield tmp_path
+    sys.modules.pop("user_tasks", None)
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---- plan ------------------------------------------------------------------------------------------------
+def test_plan_counts_a_user_model_on_the_meta_device_and_says_what_it_cannot_predict(tasks, capsys):
+    code, out, err = run_cli(capsys, "plan", "--workload", "user_tasks:Tiny", "--gpus", "2", "--gpu", "a100", "--json")
+    assert code == 0, err
+    p = json.loads(out)
+    assert (p["workload"], p["model_params"], p["largest_unit_params"]) == ("Tiny", TINY_PARAMS, 8 * 8 + 8)
+    rows = {r["variant"]: r["gpu_bytes"] for r in p["rows"]}
+    # Model states as every strategy holds them: fp32 weights, grads and Adam's two moments, sharded or not.
+    assert (rows["ddp"]["params"], rows["ddp"]["grads"], rows["ddp"]["optimizer"]) == (4 * TINY_PARAMS, 4 * TINY_PARAMS,
+                                                                                        8 * TINY_PARAMS)
+    assert rows["fsdp"]["params"] == 4 * TINY_PARAMS / 2 and rows["zero3"]["optimizer"] == 12 * TINY_PARAMS / 2
+    assert all(r["activations"] is None for r in rows.values()) and p["recommendation"] is None
+    assert "not predicted for Tiny" in p["activations"]
+    code, out, _ = run_cli(capsys, "plan", "--workload", "user_tasks:Tiny", "--gpus", "2", "--gpu", "a100")
+    assert out.startswith(f"plan: Tiny, {TINY_PARAMS:,} parameters") and "activations: not predicted for Tiny" in out
+
+
+def test_plan_names_the_workload_method_that_fails(tasks, capsys):
+    code, _, err = run_cli(capsys, "plan", "--workload", "user_tasks:NoMeta", "--gpus", "2", "--gpu", "a100")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "plan: NoMeta.build_model() failed on the meta device" in err and "not in the cache" in err
+    code, _, err = run_cli(capsys, "plan", "--gpus", "2", "--gpu", "a100")
+    assert code == 2 and "plan: give --config FILE or --workload" in err
+
+
+# ---- check-data ------------------------------------------------------------------------------------------
+def test_check_data_batches_a_few_samples_with_the_workloads_collate(tasks, capsys):
+    code, out, err = run_cli(capsys, "check-data", "--workload", "user_tasks:Tiny")
+    assert code == 0, out + err
+    assert "train: 16 samples; 4 batched by Tiny.collate into x (4, 8), labels (4,)" in out
+    assert out.rstrip().endswith("Tiny: datasets() and collate give batches its model takes; no problems found")
+
+
+@pytest.mark.parametrize("target, args, problem", [
+    ("Tiny", {"broken_at": 2}, "Tiny.datasets() train item 2: FileNotFoundError: images/2.png"),
+    ("Tiny", {"key": "pixels"}, "Tiny.collate gives keys labels, pixels, but Net.forward needs x"),
+    ("Texts", {}, "Texts.collate: every value must be a tensor (the loop moves each to the device); 'labels' is a list"),
+    ("Tiny", {"n": 0}, "Tiny.datasets() train is empty"),
+])
+def test_check_data_names_the_workload_method_of_each_problem(tasks, capsys, target, args, problem):
+    code, out, err = run_cli(capsys, "check-data", "--workload", f"user_tasks:{target}", "--workload-args",
+                             json.dumps(args))
+    assert code == 1 and problem in out, out + err
+    assert out.rstrip().endswith(f"problem(s) in {target}'s data")
+
+
+def test_check_data_with_a_workload_takes_no_folder(tasks, capsys):
+    code, _, err = run_cli(capsys, "check-data", "data/x", "--workload", "user_tasks:Tiny")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "check-data: user_tasks:Tiny reads its own data in datasets(); drop the folder data/x" in err
+
+
+# ---- parity ----------------------------------------------------------------------------------------------
+def test_parity_passes_the_workload_to_every_run(tasks, capsys, monkeypatch):
+    launched = []
+
+    def fake_run(cmd, cwd, env, stdout, stderr):
+        launched.append((cmd, env))
+        return type("Done", (), {"returncode": 1})()  # the first run "fails": parity stops there with exit 3
+
+    monkeypatch.setattr(parity.subprocess, "run", fake_run)
+    args = json.dumps({"n": 8})
+    code = parity.main(["--workload", "user_tasks:Tiny", "--workload-args", args, "--strategies", "ddp,fsdp",
+                        "--out", str(tasks / "p")])
+    cmd, env = launched[0]
+    assert code == 3 and "--config" not in cmd, cmd
+    assert cmd[cmd.index("--workload") + 1] == "user_tasks:Tiny" and cmd[cmd.index("--workload-args") + 1] == args
+    assert str(tasks) in env["PYTHONPATH"].split(":")  # the runs start in the checkout, the module is here
+    launched.clear()
+    code = parity.main(["--workload", "user_tasks:Nope", "--strategies", "ddp,fsdp"])
+    assert code == 2 and not launched  # one line, before any run
+    assert "user_tasks has no Workload subclass named Nope" in capsys.readouterr().err
+
+
+# ---- --strategy auto -------------------------------------------------------------------------------------
+def test_strategy_auto_refuses_a_user_workload_in_one_line(tasks, capsys):
+    with pytest.raises(ConfigError, match=r"--strategy \(parallel.strategy\)=auto chooses from predicted activation "
+                                          r"memory, which shardtrain measures for the built-in workloads only, not "
+                                          r"user_tasks:Tiny; choose --strategy ddp, fsdp, zero2 or zero3"):
+        parse_cli(["--workload", "user_tasks:Tiny", "--strategy", "auto", "--output-dir", str(tasks / "o")])
+    code, _, err = run_cli(capsys, "train", "--workload", "user_tasks:Tiny", "--strategy", "auto", "--output-dir",
+                           str(tasks / "o"))
+    assert code == 2 and err.count("\n") == 1 and "built-in workloads only" in err
+    parse_cli(["--strategy", "auto", "--memory-budget-gb", "4", "--output-dir", str(tasks / "o")])  # built-ins plan
