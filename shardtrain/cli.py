@@ -272,6 +272,7 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
     for line in problems:
         print(line)
     print(f"{len(problems)} problem(s) in {what}" if problems else f"{what}: no problems found")
+    return 1 if problems else 0
 
 
 def _check_workload(cfg, args) -> int:
