@@ -44,7 +44,9 @@ def documented_launch_lines() -> dict[str, list[str]]:
     """Every line that launches the Longformer config, in the files a user reads."""
     found = {}
     for path in ("README.md", CONFIG, "shardtrain/train.py"):
-        for n, line in enumerate((REPO / path).read_text().splitlines(), 1):
+        # A command continued with a trailing backslash is one launch line.
+        text = re.sub(r"\\\n\s*", " ", (REPO / path).read_text())
+        for n, line in enumerate(text.splitlines(), 1):
             args = launch_args(line) if CONFIG in line else None
             if args:
                 found[f"{path}:{n}"] = args
