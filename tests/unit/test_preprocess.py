@@ -5,16 +5,12 @@ import torch
 from shardtrain.data import build_tokenizer, make_data
 from shardtrain.data import preprocess
 from shardtrain.data.splits import build_split, make_collator
-from test_data import make_cfg
-
-
-@pytest.fixture(scope="module")
-def mm_dir(tmp_path_factory):
-    return make_data("multimodal", tmp_path_factory.mktemp("mm") / "data", n_train=40, n_val=10)
+from test_data import make_cfg, mm_dir  # noqa: F401 - mm_dir: a fixture, shared
 
 
 @pytest.fixture(scope="module")
 def ld_dir(tmp_path_factory):
+    # Longer documents than test_data's: truncation at max_length must cut some of them.
     return make_data("longdoc", tmp_path_factory.mktemp("ld") / "data", n_train=24, n_val=7,
                      min_words=30, max_words=200)
 
