@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from launch import cli, tiny_args, torchrun
-from layout_copies import DROPPED_MVSA_SINGLE, DROPPED_TWITTER, make_mvsa, make_twitter
+from layout_copies import DROPPED_MVSA_MULTIPLE, DROPPED_MVSA_SINGLE, DROPPED_TWITTER, make_mvsa, make_twitter
 
 
 def test_layouts_train_and_report_their_drops(tmp_path):
@@ -40,3 +40,16 @@ def check_one(fmt, top, dropped, out):
         assert data["validation_held_out"]["posts"] == run.summary["eval_examples"] == 4
     else:
         assert data["kept"] == {"train": 21, "validation": 8, "test": 6} and run.summary["eval_examples"] == 8
+
+
+def test_mvsa_multiple_and_twitter2017_train_through_the_cli(tmp_path):
+    """The other two layouts, one process each (`shardtrain train --nproc 1`): the readers' behaviour is in
+    tests/unit/test_layouts.py; this is the CLI path a user runs."""
+    for fmt, top in (("mvsa-multiple", make_mvsa(tmp_path / "multiple", multiple=True)),
+                     ("twitter2017", make_twitter(tmp_path / "t17", "twitter2017"))):
+        out = tmp_path / fmt / "run"
+        run = cli(["train", "--nproc", "1", *tiny_args("multimodal", top, out, "--dataset-format", fmt,
+                                                       "--max-steps", "1", "--per-device-batch-size", "4")])
+        summary = json.loads((out / "summary.json").read_text())
+        assert summary["final_step"] == 1 and summary["eval"]["n_examples"] > 0, run.tail()
+        assert summary["data"]["dropped"] == (DROPPED_MVSA_MULTIPLE if fmt == "mvsa-multiple" else DROPPED_TWITTER)
