@@ -126,11 +126,9 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
     d = cfg.data
     layout = read_layout(d.dataset_format, d.data_dir)
     check_num_labels(d.dataset_format, cfg.model.num_labels)
-    # The names go where every source's go: the saved config (so checkpoints and exports) and labels.json.
+    # The names go where every source's go: the saved config (so checkpoints and exports); the workload writes
+    # labels.json from it.
     d.label_names = list(layout.labels)
-    if _is_rank0():
-        from shardtrain.data.split_dataset import write_label_file
-        write_label_file(cfg, d.label_names)
     splits = dict(layout.splits)
     held_out = "validation" not in splits
     percent = d.validation_split_percentage if d.validation_split_percentage is not None else LAYOUT_VALIDATION_PERCENT
@@ -157,11 +155,6 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
                         f"{cfg.train.seed}) held out for validation")
     out[0].data_report, out[0].data_report_lines = report, lines
     return out[0], out[1]
-
-
-def _is_rank0() -> bool:
-    import torch.distributed as dist
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def hold_out(rows: list, percent: int, seed: int) -> tuple[list, list]:

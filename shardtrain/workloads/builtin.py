@@ -45,8 +45,11 @@ class JsonlWorkload(Workload):
         d = self.cfg.data
         # Records are validated before the tokenizer is trained.
         if d.dataset_format:
+            from shardtrain.data.split_dataset import write_label_file
             from shardtrain.data.splits import layout_datasets
             train, validation = layout_datasets(self.cfg)
+            if _rank0():
+                write_label_file(self.cfg, d.label_names)
         elif source_of(self.cfg) != "data_dir":
             from shardtrain.data.split_dataset import source_datasets
             from shardtrain.data.sources import column_values
