@@ -20,11 +20,11 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
-from shardtrain.config import Config, parse_cli  # noqa: E402
+from shardtrain.config.settings import Config, parse_cli  # noqa: E402
 from shardtrain.data import batch_to_device, build_datasets, build_tokenizer  # noqa: E402
 from shardtrain.data.splits import make_collator  # noqa: E402
 from shardtrain.models import build_model  # noqa: E402
-from shardtrain.optim import param_groups  # noqa: E402
+from shardtrain.strategies.optim import param_groups  # noqa: E402
 
 
 def load_config(argv: list[str]) -> Config:
@@ -104,7 +104,7 @@ class StepLog:
 
 def finish() -> None:
     """Same exit as shardtrain (distributed.teardown_and_exit): barrier, destroy, os._exit, no gloo abort."""
-    from shardtrain.distributed import teardown_and_exit
+    from shardtrain.runtime.distributed import teardown_and_exit
     teardown_and_exit(0)
 
 

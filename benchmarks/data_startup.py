@@ -68,7 +68,7 @@ def measure_startup(name: str, workload: str, data: Path, tmp: Path, pairs: int)
 def loader_rates(workload: str, data: Path, tmp: Path, reps: int, batches: int) -> dict:
     import datasets
 
-    from shardtrain.config import parse_cli
+    from shardtrain.config.settings import parse_cli
     from shardtrain.data import build_loaders, build_tokenizer
     from shardtrain.data.splits import make_collator
 

@@ -51,7 +51,7 @@ def launch(code: Path, data: Path, root: Path) -> dict:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu",
                OMP_NUM_THREADS="1", PYTHONPATH=str(code))
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
-    from shardtrain.distributed import free_port
+    from shardtrain.runtime.distributed import free_port
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", str(code / "tests/dist/matrix_driver.py"), str(root / "plan.json"),
            str(root / "out")]

@@ -9,14 +9,14 @@ Cases (all world size 1, bf16, random init from known architectures: nothing is 
 - longformer: Longformer-base at 4096 tokens, batch 4, with and without activation checkpointing.
 - strategies: the fusion model (channels_last, eager) under DDP, FSDP2, ZeRO-2, ZeRO-2 + optimizer offload,
   ZeRO-3, ZeRO-3 + optimizer and parameter offload, side by side.
-Every case also records the planner's prediction (shardtrain.planner.predict_run, if present) against the
+Every case also records the planner's prediction (shardtrain.memory.planner.predict_run, if present) against the
 measured peak.
 
-Each case is a fresh child process running shardtrain.train.train(cfg) (so peak memory and failures stay per
+Each case is a fresh child process running shardtrain.loop.train.train(cfg) (so peak memory and failures stay per
 case); --dry-run runs them all in one CPU process to stay fast. Speed is measured as in overhead.py: from
 metrics.jsonl's per-step wall-clock stamps after the warm-up steps (compilation and cuDNN autotuning fall in
-the warm-up). MFU = shardtrain.flops' counted training FLOPs per sample (forward counted once with
-FlopCounterMode on a meta-device copy, x3) x samples/s / the GPU's dense bf16 peak (shardtrain.flops table:
+the warm-up). MFU = shardtrain.memory.flops' counted training FLOPs per sample (forward counted once with
+FlopCounterMode on a meta-device copy, x3) x samples/s / the GPU's dense bf16 peak (shardtrain.memory.flops table:
 H100/H200 989, A100 312 TFLOP/s; V100 has no bf16).
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def case_args(case, work: Path, data: dict, dry: bool) -> list[str]:
 # ---- one case, in this process ----------------------------------------------------------------------------
 def planner_prediction(cfg) -> dict:
     """The planner's per-rank peak, through the same optional contract the startup banner uses."""
-    from shardtrain.banner import memory_prediction
+    from shardtrain.observability.banner import memory_prediction
 
     pred = memory_prediction(cfg, 1)
     # predict_run gives the parts (model states + saved activations), not one peak: their sum is the
@@ -124,7 +124,7 @@ def planner_prediction(cfg) -> dict:
 def flops_per_sample(cfg) -> float | None:
     import torch
 
-    from shardtrain import flops
+    from shardtrain.memory.accounting import flops
     from shardtrain.models import build_model
 
     def factory(on_meta=True):
@@ -154,10 +154,10 @@ def steady_rate(metrics_path: Path, global_batch: int, warmup: int) -> dict:
 def run_case_here(case, args: list[str], dry: bool) -> dict:
     import torch
 
-    from shardtrain.config import parse_cli
-    from shardtrain.flops import mfu, peak_flops
-    from shardtrain.memory import peak_rss_bytes
-    from shardtrain.train import train
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.loop.train import train
+    from shardtrain.memory.accounting import peak_rss_bytes
+    from shardtrain.memory.flops import mfu, peak_flops
 
     name, group, _, flags, steps, warmup = case
     cfg = parse_cli(args)
@@ -196,7 +196,7 @@ def child_main(names: list[str], work: Path, dry: bool, out: Path) -> int:
     """Runs the named cases in this process, one JSON line each to `out`, failures included."""
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
     if "MASTER_PORT" not in os.environ:
-        from shardtrain.distributed import free_port
+        from shardtrain.runtime.distributed import free_port
         os.environ["MASTER_PORT"] = str(free_port())
     data = make_suite_data(work, dry)
     with open(out, "a") as f:
@@ -212,7 +212,7 @@ def child_main(names: list[str], work: Path, dry: bool, out: Path) -> int:
             f.write(json.dumps(row) + "\n")
             f.flush()
             print(f"[gpu_suite] {case[0]}: {row['status']}", flush=True)
-    from shardtrain.distributed import teardown_and_exit
+    from shardtrain.runtime.distributed import teardown_and_exit
     teardown_and_exit(0)
     return 0
 
@@ -221,10 +221,10 @@ def child_main(names: list[str], work: Path, dry: bool, out: Path) -> int:
 def environment() -> dict:
     import torch
 
-    from shardtrain.tracking import library_versions
+    from shardtrain.observability.tracking import library_versions
     env = {"versions": library_versions(), "cuda_available": torch.cuda.is_available()}
     if torch.cuda.is_available():
-        from shardtrain.flops import peak_flops
+        from shardtrain.memory.flops import peak_flops
         name = torch.cuda.get_device_name()
         env.update({"gpu": name, "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2 ** 30,
                     "peak_bf16_flops": peak_flops(name, "bf16")})
@@ -305,7 +305,7 @@ def main(argv=None) -> int:
     fusion_mfu = [r["mfu"] for r in rows if r["group"] == "fusion" and isinstance(r.get("mfu"), float)]
     result = {"suite": "gpu", "dry_run": a.dry_run, "environment": environment(),
               "method": "world size 1 per case, fresh process per case (one process in --dry-run); samples/s "
-                        "from per-step wall-clock stamps after warm-up; MFU from shardtrain.flops counted "
+                        "from per-step wall-clock stamps after warm-up; MFU from shardtrain.memory.flops counted "
                         "FLOPs x samples/s / dense bf16 peak; peak = torch.cuda.max_memory_allocated",
               "targets": {"fusion_mfu_min": FUSION_MFU_TARGET,
                           "fusion_mfu_best": max(fusion_mfu) if fusion_mfu else None,

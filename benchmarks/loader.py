@@ -16,7 +16,7 @@ as many workers as this machine has cores (more only share the same cores).
 
 What the loader must match, per GPU:
   - the FLOP-implied rate at the issue's 40% MFU target: 0.4 x peak bf16 FLOP/s / counted training FLOPs per
-    sample (shardtrain.flops, RoBERTa-base + ResNet-50 at 128 tokens), for an A100 and an H100;
+    sample (shardtrain.memory.flops, RoBERTa-base + ResNet-50 at 128 tokens), for an A100 and an H100;
   - the measured GPU rate from benchmarks/results/gpu_suite.json when that exists (null until it runs on a GPU);
   - this CPU's own training rate (fp32, micro-batch 4), for scale.
 """
@@ -58,7 +58,7 @@ def make_jpeg_data(out: Path, n: int, size: tuple[int, int]) -> Path:
 
 
 def config(data: Path, work: Path, workers: int, batch: int, cache: Path | None = None):
-    from shardtrain.config import parse_cli
+    from shardtrain.config.settings import parse_cli
     cfg = parse_cli(["--config", str(SHIPPED), "--data-dir", str(data), "--output-dir", str(work / "run"),
                      "--pretrained", "false", "--num-workers", str(workers),
                      "--per-device-batch-size", str(batch), "--device", "cpu", "--precision", "fp32",
@@ -147,7 +147,7 @@ def gpu_rates_at_target(cfg, tok) -> dict:
     suite), from counted FLOPs (no GPU needed)."""
     import torch
 
-    from shardtrain import flops
+    from shardtrain.memory.accounting import flops
     from shardtrain.models import build_model
 
     d = cfg.data
@@ -217,7 +217,7 @@ def main(argv=None) -> int:
         if not suite.get("dry_run"):
             ok = [r["samples_per_sec"] for r in suite["cases"] if r["group"] == "fusion" and r["status"] == "ok"]
             gpu_rate = max(ok) if ok else None
-    from shardtrain.config import load_yaml
+    from shardtrain.config.settings import load_yaml
     shipped = load_yaml(SHIPPED)["data"]["num_workers"]
     # Per worker from the most workers that still have a core each (more only share the same cores).
     fit = max([w for w in workers if 0 < w <= (os.cpu_count() or 1)], default=None)

@@ -51,7 +51,7 @@ def launch(world: int, strategies: list[str], data: Path, root: Path) -> dict:
             for s in strategies]
     (root / f"plan-n{world}.json").write_text(json.dumps(plan))
     torchrun = Path(sys.executable).parent / "torchrun"
-    from shardtrain.distributed import free_port
+    from shardtrain.runtime.distributed import free_port
     cmd = [str(torchrun), f"--nproc_per_node={world}", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
            str(REPO / "tests/dist/matrix_driver.py"), str(root / f"plan-n{world}.json"), str(root / f"n{world}")]
     (root / f"n{world}").mkdir(exist_ok=True)
@@ -73,9 +73,9 @@ def main() -> int:
     worlds = [int(w) for w in args.worlds.split(",")]
     strategies = args.strategies.split(",")
 
-    from shardtrain.config import parse_cli
+    from shardtrain.config.settings import parse_cli
     from shardtrain.data import make_data
-    from shardtrain.planner import count_model, model_states, paper_formula
+    from shardtrain.memory.planner import count_model, model_states, paper_formula
 
     root = Path(tempfile.mkdtemp(prefix="memory_vs_zero-"))
     data = make_data("multimodal", root / "data", n_train=64, n_val=16, seed=0)

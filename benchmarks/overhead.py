@@ -77,13 +77,13 @@ def run_one(script: Path, extra: list[str], config: Path, data: Path, out: Path,
 
 
 def global_batch_of(config: Path, nproc: int) -> int:
-    from shardtrain.config import parse_cli
+    from shardtrain.config.settings import parse_cli
     t = parse_cli(["--config", str(config)]).train
     return t.per_device_batch_size * t.grad_accum * nproc
 
 
 def write(result: dict, out: str, t_start: float) -> None:
-    from shardtrain.tracking import library_versions
+    from shardtrain.observability.tracking import library_versions
     result["wall_seconds"] = time.time() - t_start
     result["versions"] = library_versions()
     Path(out).parent.mkdir(parents=True, exist_ok=True)

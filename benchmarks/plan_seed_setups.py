@@ -12,7 +12,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from shardtrain.planner import GIB, GPUS, plan  # noqa: E402
+from shardtrain.memory.planner import GIB, GPUS, plan  # noqa: E402
 
 SETUPS = [  # (label, config, overrides, gpus, gpu)
     ("roberta-base + resnet50", "configs/multimodal_sentiment.yaml", {}, 3, "a100-40gb"),
@@ -26,7 +26,7 @@ SETUPS = [  # (label, config, overrides, gpus, gpu)
 
 
 def config(path: str, overrides: dict):
-    from shardtrain.config import from_dict, load_yaml, validate
+    from shardtrain.config.settings import from_dict, load_yaml, validate
 
     cfg = from_dict(load_yaml(REPO / path))
     for k, v in overrides.items():

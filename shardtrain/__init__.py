@@ -8,7 +8,7 @@ Looked up lazily: `shardtrain doctor` and config errors must not pay for importi
 
 def __getattr__(name):
     if name == "Workload":
-        from shardtrain.workload import Workload
+        from shardtrain.workloads.base import Workload
         return Workload
     if name == "fit":
         from shardtrain.api import fit

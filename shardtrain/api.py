@@ -18,11 +18,11 @@ import os
 import sys
 from pathlib import Path
 
-from shardtrain.config import ConfigError, flag_of
+from shardtrain.config.settings import ConfigError, flag_of
 
 
 def fit(workload, **overrides) -> dict:
-    from shardtrain.workload import Workload, target_of
+    from shardtrain.workloads.base import Workload, target_of
 
     instance = workload if isinstance(workload, Workload) else None
     if instance is not None:
@@ -42,7 +42,7 @@ def fit(workload, **overrides) -> dict:
 
 def _importable_target(cls: type) -> str:
     """module:Class; a class defined in the script being run is importable by the script's file name."""
-    from shardtrain.workload import target_of
+    from shardtrain.workloads.base import target_of
 
     if cls.__module__ != "__main__":
         return target_of(cls)
@@ -73,11 +73,11 @@ def _as_flags(overrides: dict) -> list[str]:
 
 
 def _run(argv: list[str], instance) -> dict:
-    from shardtrain.checkpoint import refuse_to_overwrite
-    from shardtrain.config import parse_cli
-    from shardtrain.launch import maybe_relaunch
+    from shardtrain.checkpointing.store import refuse_to_overwrite
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.runtime.launch import maybe_relaunch
     from shardtrain.strategies import check_strategy_config
-    from shardtrain.workload import workload_class
+    from shardtrain.workloads.base import workload_class
 
     cfg = parse_cli(argv)
     check_strategy_config(cfg)
@@ -93,7 +93,7 @@ def _run(argv: list[str], instance) -> dict:
 
     import torch.distributed as dist
 
-    from shardtrain.train import train
+    from shardtrain.loop.train import train
     if instance is not None:
         instance.cfg = cfg  # the run's config, as a workload built by name gets it
     ours = not dist.is_initialized()  # a group the caller's own code started is the caller's to end

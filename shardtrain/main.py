@@ -13,7 +13,7 @@ _here = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
     sys.path[0] = os.path.dirname(_here)
 
-from shardtrain.cli import train_main  # noqa: E402
+from shardtrain.cli import run_command  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(train_main(sys.argv[1:]))
+    sys.exit(run_command("train", sys.argv[1:]))

@@ -113,7 +113,7 @@ def kill_tree(pid: int) -> None:
 
 def torchrun(args: list[str], nproc: int = 2, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
              env: dict | None = None, extra_launcher_args: list[str] = (), script: Path = MAIN) -> Run:
-    # `script`: a test driver that calls shardtrain.train.train() for several configs in one process group
+    # `script`: a test driver that calls shardtrain.loop.train.train() for several configs in one process group
     # (one launch instead of many); everything else goes through MAIN, the file users run.
     cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", *extra_launcher_args, str(script), *args]
@@ -168,7 +168,7 @@ def cli(args: list[str], check: bool = True, timeout: float = DEFAULT_TIMEOUT, e
 
 def strategy_variants() -> dict[str, list[str]]:
     """shardtrain parity's strategy-name -> flags map, with the short name the test tables print."""
-    from shardtrain.parity import STRATEGIES
+    from shardtrain.commands.parity import STRATEGIES
     return {("fsdp_sgo" if name == "fsdp_shard_grad_op" else name): flags for name, flags in STRATEGIES.items()}
 
 

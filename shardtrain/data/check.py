@@ -4,7 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 import copy
 
-from shardtrain.config import ConfigError
+from shardtrain.config.settings import ConfigError
 from shardtrain.data.images import image_problem
 from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import iter_split, normalize_kind, split_path

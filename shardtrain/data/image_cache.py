@@ -27,7 +27,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from shardtrain.config import ConfigError, where
+from shardtrain.config.settings import ConfigError, where
 from shardtrain.data.records import iter_split
 
 FORMAT = 1

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from shardtrain.config import ConfigError, where
+from shardtrain.config.settings import ConfigError, where
 
 FORMATS = ("mvsa-single", "mvsa-multiple", "twitter2015", "twitter2017")
 # Sorted names, and the order of Twitter's 0/1/2 ids: the same id2label for all four layouts.

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from shardtrain.config import Config, ConfigError, where
+from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.data.splits import make_collator
 
 
@@ -103,7 +103,7 @@ class TrainStream:
             batch = next(self._iter)  # never exhausted: _roll_over() ends the epoch before that
         except ConfigError as e:
             # From a worker, the DataLoader re-raises with the worker's traceback in the message; the CLI
-            # promises one line, which is the traceback's last: "shardtrain.config.ConfigError: file:line: ...".
+            # promises one line, which is the traceback's last: "shardtrain.config.settings.ConfigError: file:line: ...".
             raise ConfigError(str(e).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]) from None
         self.samples_in_epoch += self.micro_batch_size
         self._roll_over()
@@ -170,7 +170,7 @@ class Loaders:
 
 def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Optional[Dataset], rank: int,
                   world_size: int, device_type: str, collate: Optional[Callable] = None) -> Loaders:
-    """`collate`: the workload's (shardtrain.workload.CheckedCollate); None tokenizes jsonl records with `tokenizer`.
+    """`collate`: the workload's (shardtrain.workloads.base.CheckedCollate); None tokenizes jsonl records with `tokenizer`.
     `eval_ds` None: no validation set, so no evaluation."""
     collate = collate or make_collator(cfg, tokenizer)
     workers = cfg.data.num_workers

@@ -5,7 +5,7 @@ the others' checks.
 """
 from __future__ import annotations
 
-from shardtrain.config import ConfigError, where
+from shardtrain.config.settings import ConfigError, where
 from shardtrain.data.image_cache import open_image_cache, open_source_image_cache
 from shardtrain.data.layouts import check_num_labels, layout_files
 from shardtrain.data.records import config_split_path, data_kind, iter_split

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from shardtrain.config import ConfigError
+from shardtrain.config.settings import ConfigError
 
 # Bump when what `Tokenize` writes changes: cache files of the old form must stop matching.
 FORMAT_VERSION = 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from shardtrain.config import ConfigError, where
+from shardtrain.config.settings import ConfigError, where
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
 KINDS = ("multimodal", "longdoc")

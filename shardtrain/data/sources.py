@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from shardtrain.config import Config, ConfigError, is_builtin_workload, where
+from shardtrain.config.settings import Config, ConfigError, is_builtin_workload, where
 
 # The flags that each name the training data; at most one of them, and none means the jsonl --data-dir layout.
 SOURCE_FLAGS = ("dataset_name", "train_file", "train_dir")

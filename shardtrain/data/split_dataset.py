@@ -10,7 +10,7 @@ from typing import Optional
 
 from torch.utils.data import Dataset
 
-from shardtrain.config import ConfigError
+from shardtrain.config.settings import ConfigError
 from shardtrain.data.image_cache import ImageCache, UndecodableImage
 from shardtrain.data.images import load_image
 from shardtrain.data.sources import column_values, image_key, image_source

@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
-from shardtrain.config import Config, ConfigError, where
+from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
 from shardtrain.data.images import image_problem, load_image
 from shardtrain.data.layouts import check_num_labels, read_layout

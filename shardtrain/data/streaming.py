@@ -28,7 +28,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from shardtrain.config import ConfigError, where
+from shardtrain.config.settings import ConfigError, where
 
 # Examples held for shuffling, as datasets' own default for IterableDataset.shuffle.
 SHUFFLE_BUFFER = 1000

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from shardtrain.config import ConfigError
+from shardtrain.config.settings import ConfigError
 from shardtrain.data.records import SPLIT_FILES, normalize_kind
 
 CLASS_WORDS = [
@@ -95,3 +95,16 @@ def make_data(kind: str, out_dir, n_train: int = 512, n_val: int = 128, seed: in
             lines.append(json.dumps(rec))
         (out / SPLIT_FILES[split]).write_text("\n".join(lines) + "\n", encoding="utf-8")
     return out
+
+
+DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels, for check-data
+
+
+def dataset_info(data_dir: str) -> dict:
+    """What make-data recorded about the folder ({} for a folder it did not write)."""
+    import json
+
+    try:
+        return json.loads((Path(data_dir) / DATASET_INFO).read_text())
+    except (OSError, ValueError):
+        return {}

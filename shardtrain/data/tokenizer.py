@@ -10,7 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Optional
 
-from shardtrain.config import Config, ConfigError, where
+from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import split_path, read_texts
 from shardtrain.data.sources import source_of

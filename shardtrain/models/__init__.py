@@ -9,7 +9,7 @@ import dataclasses
 
 from torch import nn
 
-from shardtrain.config import ConfigError, DataConfig, ModelConfig
+from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig
 from shardtrain.models.archs import KNOWN_TEXT_ARCHS, text_config_for
 
 __all__ = ["build_model", "uses_batchnorm", "build_model_from_export", "batchnorm_modules", "text_config_for", "KNOWN_TEXT_ARCHS"]

@@ -12,7 +12,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from shardtrain.config import ConfigError, DataConfig, ModelConfig, where
+from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig, where
 
 _ROBERTA_COMMON = dict(model_type="roberta", vocab_size=50265, type_vocab_size=1, pad_token_id=1, bos_token_id=0,
                        eos_token_id=2, layer_norm_eps=1e-5, hidden_act="gelu", initializer_range=0.02,

@@ -6,7 +6,7 @@ from torch import nn
 from transformers import LongformerForSequenceClassification, PretrainedConfig
 from transformers.models.longformer.modeling_longformer import LongformerLayer
 
-from shardtrain.config import ModelConfig
+from shardtrain.config.settings import ModelConfig
 from shardtrain.models.archs import config_from_dict, load_pretrained
 from shardtrain.models.multimodal import present_classes
 

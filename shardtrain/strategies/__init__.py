@@ -1,8 +1,8 @@
 """Pick the strategy from the config: the only place that knows all of them."""
 from __future__ import annotations
 
-from shardtrain.config import Config
-from shardtrain.distributed import DistInfo
+from shardtrain.config.settings import Config
+from shardtrain.runtime.distributed import DistInfo
 from shardtrain.strategies.base import Strategy, StepResult
 
 
@@ -31,8 +31,8 @@ def check_strategy_config(cfg: Config) -> None:
     elif kind == "deepspeed":
         import os
 
-        from shardtrain.ds_config import resolve_ds_config
-        from shardtrain.launch import resolve_nproc, under_launcher
+        from shardtrain.runtime.launch import resolve_nproc, under_launcher
+        from shardtrain.strategies.ds_config import resolve_ds_config
         env = os.environ
         world = (int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1) if under_launcher()
                  else resolve_nproc(cfg))

@@ -18,11 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtrain.config import Config, ConfigError, where
-from shardtrain.distributed import DistInfo
-from shardtrain.optim import adamw, build_scheduler, param_groups
-from shardtrain.recompute import apply_activation_checkpointing
-from shardtrain.workload import Workload, resolve_block_classes
+from shardtrain.config.settings import Config, ConfigError, where
+from shardtrain.runtime.distributed import DistInfo
+from shardtrain.strategies.optim import adamw, build_scheduler, param_groups
+from shardtrain.strategies.recompute import apply_activation_checkpointing
+from shardtrain.workloads.base import Workload, resolve_block_classes
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -125,7 +125,7 @@ class Strategy(ABC):
             print(f"[shardtrain] warning: {msg}", flush=True)
 
     def memory_tensors(self):
-        """(category, tensor) for every tensor this rank holds for training; shardtrain.memory dedupes
+        """(category, tensor) for every tensor this rank holds for training; shardtrain.memory.accounting dedupes
         storages and sums them. Categories: params, grads, optimizer, buffers, comm. DTensors count their
         local shard. Backends that keep state outside the module and the torch optimizer override this."""
         for p in self.unwrapped.parameters():

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
-from shardtrain.config import ConfigError, where
+from shardtrain.config.settings import ConfigError, where
 from shardtrain.strategies.base import DTYPES
 from shardtrain.strategies.native import NativeStrategy
 

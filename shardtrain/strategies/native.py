@@ -8,7 +8,7 @@ import torch
 
 from shardtrain.strategies.base import (Strategy, StepResult, clip_and_norm, clip_to, extra_state, load_extra_state,
                                         local_grads, squared_norm)
-from shardtrain.strategies.dcp_state import load_dcp, save_dcp
+from shardtrain.checkpointing.dcp_state import load_dcp, save_dcp
 
 
 class NativeStrategy(Strategy):

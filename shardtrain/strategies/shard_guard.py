@@ -17,7 +17,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from shardtrain.config import ConfigError
+from shardtrain.config.settings import ConfigError
 
 
 class ShardReadGuard(TorchFunctionMode):

@@ -12,11 +12,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtrain.config import ConfigError
-from shardtrain.ds_config import describe_ds, resolve_ds_config
+from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable
+from shardtrain.checkpointing.unpickle_guard import check_torch_file
+from shardtrain.config.settings import ConfigError
 from shardtrain.strategies.base import Strategy, StepResult, extra_state, load_extra_state
-from shardtrain.strategies.dcp_state import EXTRA_FILE, save_portable
-from shardtrain.unpickle_guard import check_torch_file
+from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
 
 TAG = "engine"
 
@@ -284,7 +284,7 @@ class ZeroStrategy(Strategy):
     def _load_portable(self, ckpt_dir: Path, load_optimizer: bool) -> None:
         import torch.distributed.checkpoint as dcp
 
-        from shardtrain.strategies.dcp_state import MODEL_DIR, check_model_fits, read_metadata, tensor_shapes
+        from shardtrain.checkpointing.dcp_state import MODEL_DIR, check_model_fits, read_metadata, tensor_shapes
 
         shapes = tensor_shapes(read_metadata(ckpt_dir))
         params = dict(self._inner.named_parameters())

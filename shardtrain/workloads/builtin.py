@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardtrain.workload import Workload
+from shardtrain.workloads.base import Workload
 
 
 def _rank0() -> bool:
@@ -51,8 +51,8 @@ class JsonlWorkload(Workload):
             if _rank0():
                 write_label_file(self.cfg, d.label_names)
         elif source_of(self.cfg) != "data_dir":
-            from shardtrain.data.split_dataset import source_datasets
             from shardtrain.data.sources import column_values
+            from shardtrain.data.split_dataset import source_datasets
             train, validation = source_datasets(self.cfg, _rank0())
             self._train_texts = lambda: column_values(train.table, "text")
         else:

@@ -25,9 +25,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from shardtrain.config import parse_cli  # noqa: E402
-from shardtrain.distributed import barrier, teardown_and_exit  # noqa: E402
-from shardtrain.train import train  # noqa: E402
+from shardtrain.config.settings import parse_cli  # noqa: E402
+from shardtrain.loop.train import train  # noqa: E402
+from shardtrain.runtime.distributed import barrier, teardown_and_exit  # noqa: E402
 
 
 class BatchNormWatch:

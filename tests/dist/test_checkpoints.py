@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from launch import REPO, test_env, tiny_args, torchrun, torchrun_background
-from shardtrain.checkpoint import checkpoints_root, committed_steps, latest_committed
-from shardtrain.portable import read_portable
+from shardtrain.checkpointing.portable import read_portable
+from shardtrain.checkpointing.store import checkpoints_root, committed_steps, latest_committed
 
 STRATEGIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
               "zero2": ["--ds", "ds_configs/zero2.json"], "zero3": ["--ds", "ds_configs/zero3.json"]}
@@ -150,7 +150,7 @@ def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
     run_eval = json.loads((z2 / "summary.json").read_text())["eval"]
     assert info["eval_fp32"]["accuracy"] == run_eval["accuracy"]
     assert info["eval_fp32"]["macro_f1"] == pytest.approx(run_eval["macro_f1"], abs=1e-12)
-    from shardtrain.export import load_export
+    from shardtrain.checkpointing.export import load_export
     model = load_export(exp)
     from safetensors.torch import load_file
     exported = load_file(str(exp / "model.safetensors"))

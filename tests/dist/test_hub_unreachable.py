@@ -2,7 +2,7 @@
 and its flag within seconds, or, when the files are in the local HF cache, a run that goes offline by itself.
 
 HF_ENDPOINT points at 127.0.0.1 only (a socket that listens and never answers, a port that refuses); HF_HUB_OFFLINE
-is unset in these runs' environment alone. Before shardtrain/hub.py the first took ~56 s of retries and blamed
+is unset in these runs' environment alone. Before shardtrain/runtime/hub.py the first took ~56 s of retries and blamed
 --tokenizer, the second ~220 s (every file retried before the cache was used)."""
 from __future__ import annotations
 

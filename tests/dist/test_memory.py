@@ -1,4 +1,4 @@
-"""Memory accounting (shardtrain.memory) against the planner's prediction (shardtrain.planner), every strategy;
+"""Memory accounting (shardtrain.memory.accounting) against the planner's prediction (shardtrain.memory.planner), every strategy;
 --oom-recovery and --strategy auto. 2 CPU ranks, ONE launch (tests/dist/matrix_driver.py runs each
 configuration through parse_cli -> train).
 
@@ -93,8 +93,8 @@ def rel(a: float, b: float) -> float:
 
 
 def test_measured_memory_matches_the_plan_for_every_strategy(runs):
-    from shardtrain.config import parse_cli
-    from shardtrain.planner import activation_bytes, count_model, model_states
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.memory.planner import activation_bytes, count_model, model_states
 
     table = {}
     for variant, (args, summary) in runs.items():
@@ -120,8 +120,8 @@ def test_measured_memory_matches_the_plan_for_every_strategy(runs):
 def test_banner_and_plan_predict_the_tiny_configs_within_the_readme_claim(launched):
     """Parameters exactly (the trained tokenizer's vocabulary), model state, saved activations and their sum
     within 4% per rank; the banner's own figure where the batch has its shape; plan's row = the banner."""
-    from shardtrain.config import parse_cli
-    from shardtrain.planner import GIB, plan
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.memory.planner import GIB, plan
 
     table = []
     for workload, precision, extra in TINY:

@@ -8,7 +8,7 @@ import launch
 from launch import cli, tiny_args, torchrun
 from wandb_records import read_run
 
-from shardtrain.checkpoint import TRAINER_STATE, checkpoints_root, step_dir_name
+from shardtrain.checkpointing.store import TRAINER_STATE, checkpoints_root, step_dir_name
 
 # Two sequential 2-process runs; a DeepSpeed one took ~4 min on the shared 2-core box under load.
 PARITY_TIMEOUT = 900

@@ -43,7 +43,7 @@ def launch_args(line: str) -> list[str] | None:
 def documented_launch_lines() -> dict[str, list[str]]:
     """Every line that launches the Longformer config, in the files a user reads."""
     found = {}
-    for path in ("README.md", CONFIG, "shardtrain/train.py"):
+    for path in ("README.md", CONFIG, "shardtrain/loop/train.py"):
         # A command continued with a trailing backslash is one launch line.
         text = re.sub(r"\\\n\s*", " ", (REPO / path).read_text())
         for n, line in enumerate(text.splitlines(), 1):
@@ -79,8 +79,8 @@ def sagemaker_launch() -> list[str]:
 
 
 def test_shipped_longformer_launches_are_what_plan_recommends(recommendation, tmp_path, monkeypatch):
-    from shardtrain.config import parse_cli
-    from shardtrain.planner import variant_of
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.memory.planner import variant_of
 
     monkeypatch.chdir(REPO)  # the launch lines name files relative to the repository root
     launches = {"slurm/train_4xv100.sbatch": sbatch_launch(tmp_path), "examples/sagemaker": sagemaker_launch(),

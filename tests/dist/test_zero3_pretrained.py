@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from launch import run_plan, tiny_args
-from shardtrain.portable import read_portable
+from shardtrain.checkpointing.portable import read_portable
 
 ZERO3 = ["--ds", "ds_configs/zero3.json"]
 DDP = ["--strategy", "ddp"]

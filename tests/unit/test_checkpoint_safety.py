@@ -10,11 +10,11 @@ import sys
 import pytest
 import torch
 
-from shardtrain import checkpoint
-from shardtrain.config import Config, ConfigError
-from shardtrain.preemption import slurm_job_to_requeue
-from shardtrain.strategies.dcp_state import check_model_fits
-from shardtrain.unpickle_guard import UnsafeCheckpoint, check_dcp_metadata, check_torch_file
+from shardtrain.checkpointing import store as checkpoint
+from shardtrain.checkpointing.dcp_state import check_model_fits
+from shardtrain.checkpointing.unpickle_guard import UnsafeCheckpoint, check_dcp_metadata, check_torch_file
+from shardtrain.config.settings import Config, ConfigError
+from shardtrain.runtime.preemption import slurm_job_to_requeue
 
 
 class Evil:

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from shardtrain.distributed import DistInfo
-from shardtrain.step_health import agree
+from shardtrain.loop.step_health import agree
+from shardtrain.runtime.distributed import DistInfo
 from shardtrain.strategies.base import clip_to, local_grads, squared_norm
 
 INFO = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torchvision
 
-from shardtrain.config import ConfigError, parse_cli
-from shardtrain.ds_config import resolve_ds_config
+from shardtrain.config.settings import ConfigError, parse_cli
+from shardtrain.strategies.ds_config import resolve_ds_config
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardtrain.config import Config, ConfigError
+from shardtrain.config.settings import Config, ConfigError
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer, check_data, make_data
 
 

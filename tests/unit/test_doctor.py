@@ -8,7 +8,7 @@ import sys
 from launch import REPO, cli
 from launch import test_env as launch_env
 
-from shardtrain import doctor
+from shardtrain.commands import doctor
 
 
 def levels(problems):
@@ -75,7 +75,7 @@ def test_ops_without_compiler():
 
 
 def test_import_is_light():
-    code = "import sys, shardtrain.doctor; print('deepspeed' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, shardtrain.commands.doctor; print('deepspeed' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
                          env=launch_env(), check=True).stdout.split()
     assert out == ["False", "False"]

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from shardtrain import cli
-from shardtrain.config import ConfigError, check_output_dir, parse_cli
+from shardtrain.config.settings import ConfigError, check_output_dir, parse_cli
+from shardtrain.observability.tracking import MetricsLog
 from shardtrain.strategies.base import check_precision_supported
-from shardtrain.tracking import MetricsLog
 
 
 def fail_with(exc):

@@ -14,11 +14,11 @@ SCRIPT = r"""
 import json, math, sys
 import torch, torch.distributed as dist
 from torch import nn
-from shardtrain.config import Config
-from shardtrain.distributed import DistInfo
+from shardtrain.config.settings import Config
+from shardtrain.runtime.distributed import DistInfo
 from shardtrain.strategies.ddp import DDPStrategy
 from shardtrain.strategies.fsdp import FSDPStrategy
-from shardtrain.workload import Workload
+from shardtrain.workloads.base import Workload
 
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardtrain.config import ConfigError
-from shardtrain.gpu_guard import check_devices, check_rank_table
+from shardtrain.config.settings import ConfigError
+from shardtrain.runtime.gpu_guard import check_devices, check_rank_table
 
 
 def row(rank, host="h1", local_rank=None, device=None, visible=4, uuid=""):
@@ -69,7 +69,7 @@ def test_check_devices_raises_one_line_and_only_rank0_warns():
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_requested_without_gpu_is_one_line():
-    from shardtrain.distributed import resolve_device_type
+    from shardtrain.runtime.distributed import resolve_device_type
     with pytest.raises(ConfigError) as e:
         resolve_device_type("cuda")
     assert "\n" not in str(e.value) and "--device cpu" in str(e.value)
@@ -77,7 +77,7 @@ def test_cuda_requested_without_gpu_is_one_line():
 
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
-    from shardtrain import distributed
+    from shardtrain.runtime import distributed
     # Pretend 2 GPUs; the check fires before any CUDA or process-group call.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -90,7 +90,7 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
 
 
 def test_world_size_without_rank_is_an_error_not_a_hang(monkeypatch):
-    from shardtrain.distributed import adopt_launcher_env
+    from shardtrain.runtime.distributed import adopt_launcher_env
     for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")

@@ -1,4 +1,4 @@
-"""The pre-launch check of hub names (shardtrain/hub.py) against endpoints on 127.0.0.1 only: a port that
+"""The pre-launch check of hub names (shardtrain/runtime/hub.py) against endpoints on 127.0.0.1 only: a port that
 refuses, a socket that listens and never answers, and a tiny HTTP server. Never the real hub."""
 import http.server
 import os
@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from huggingface_hub import constants
 
-from shardtrain import hub
-from shardtrain.config import ConfigError, parse_cli
+from shardtrain.config.settings import ConfigError, parse_cli
+from shardtrain.runtime import hub
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from shardtrain.cli import main as cli_main
-from shardtrain.config import ConfigError
+from shardtrain.config.settings import ConfigError
 from shardtrain.data import batch_to_device, build_datasets, make_data
 from shardtrain.data.image_cache import build_image_cache
 from shardtrain.data.images import decode_image, load_image, normalize_pixels

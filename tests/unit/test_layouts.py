@@ -7,7 +7,7 @@ import pytest
 from layout_copies import (DROPPED_MVSA_MULTIPLE, DROPPED_MVSA_SINGLE, DROPPED_TWITTER, jpeg, make_mvsa,
                            make_twitter)
 from shardtrain.cli import main as cli_main
-from shardtrain.config import ConfigError, from_dict, validate
+from shardtrain.config.settings import ConfigError, from_dict, validate
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
 from shardtrain.data.layouts import decode_leniently, layout_files, read_layout
 from shardtrain.data.precheck import check_splits

@@ -1,14 +1,14 @@
-"""shardtrain.memory counting rules and shardtrain.planner arithmetic, in one process."""
+"""shardtrain.memory.accounting counting rules and shardtrain.memory.planner arithmetic, in one process."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from shardtrain.config import ConfigError, parse_cli
-from shardtrain.memory import SavedActivations, count_bytes
-from shardtrain.oom import smaller_micro_batch
-from shardtrain.planner import GIB, ModelCount, model_states, paper_formula, plan, resolve_gpu
+from shardtrain.config.settings import ConfigError, parse_cli
+from shardtrain.loop.oom import smaller_micro_batch
+from shardtrain.memory.accounting import SavedActivations, count_bytes
+from shardtrain.memory.planner import GIB, ModelCount, model_states, paper_formula, plan, resolve_gpu
 from launch import REPO
 
 
@@ -87,8 +87,8 @@ def test_nothing_fits_gives_a_smaller_micro_batch_with_the_same_global_batch(tmp
 def test_parameters_frozen_for_the_whole_run_get_no_grads_or_optimizer_state_in_the_prediction():
     from dataclasses import replace
 
-    from shardtrain.config import parse_cli
-    from shardtrain.planner import count_model
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.memory.planner import count_model
 
     m = ModelCount(params=1_000_000, largest_unit=10_000, small_params=1_000, buffer_bytes=0, layers=2)
     part, n = replace(m, frozen=750_000), 2

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shardtrain import Workload
-from shardtrain.config import FIELDS, ConfigError, build_arg_parser, parse_cli
+from shardtrain.config.settings import FIELDS, ConfigError, build_arg_parser, parse_cli
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "migration.md"
 FLAG = re.compile(r"--[a-z][a-z0-9_-]*")

@@ -6,7 +6,7 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
-from shardtrain.config import ConfigError, DataConfig, ModelConfig
+from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig
 from shardtrain.models import batchnorm_modules, build_model, build_model_from_export
 
 TINY_TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)

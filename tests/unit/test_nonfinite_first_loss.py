@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from shardtrain.config import ConfigError
-from shardtrain.step_health import Agreement, BadStepPolicy
+from shardtrain.config.settings import ConfigError
+from shardtrain.loop.step_health import Agreement, BadStepPolicy
 
 
 class Quiet:

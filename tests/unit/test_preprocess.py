@@ -92,7 +92,7 @@ def test_preprocessing_num_workers_splits_the_map_and_the_ids_agree(mm_dir, cach
 def test_unwritable_cache_is_one_line_naming_the_variable(mm_dir, tmp_path, monkeypatch):
     import datasets.config
 
-    from shardtrain.config import ConfigError
+    from shardtrain.config.settings import ConfigError
 
     blocker = tmp_path / "a-file"
     blocker.write_text("")

@@ -11,10 +11,10 @@ from pathlib import Path
 from launch import REPO
 from launch import test_env as launch_env
 
-from shardtrain import parity
-from shardtrain.config import Config
-from shardtrain.report import write_compare, write_report
-from shardtrain.runlog import load_run
+from shardtrain import cli
+from shardtrain.config.settings import Config
+from shardtrain.observability.report import write_compare, write_report
+from shardtrain.observability.runlog import load_run
 
 MIB = 2 ** 20
 
@@ -99,18 +99,18 @@ def test_memory_figure_counts_the_zero3_comm_buffer_like_every_part(tmp_path):
 def test_parity_compares_finished_runs_without_training(tmp_path, capsys):
     a = write_run(tmp_path / "ddp", config(), losses=[1.0, 0.9, 0.8])
     b = write_run(tmp_path / "fsdp", config(), losses=[1.0, 0.90000001, 0.8])
-    assert parity.main(["--runs", f"{a},{b}", "--out", str(tmp_path / "p")]) == 0
+    assert cli.main(["parity", "--runs", f"{a},{b}", "--out", str(tmp_path / "p")]) == 0
     out = capsys.readouterr().out
     assert "relative differences from ddp" in out and "parity: OK, ddp, fsdp agree over 3 steps" in out
     assert [r["step"] for r in json.loads((tmp_path / "p" / "parity.json").read_text())["steps"]] == [1, 2, 3]
 
     off = write_run(tmp_path / "zero3", config(), losses=[1.0, 0.9, 0.8], grad_norms=[2.0, 2.0, 4.0])
-    assert parity.main(["--runs", f"{a},{off}"]) == 1
+    assert cli.main(["parity", "--runs", f"{a},{off}"]) == 1
     assert "DIVERGED at step 3: zero3 vs ddp" in capsys.readouterr().out
 
     # A learning rate may differ (as --args-for can make it): a note, then the comparison.
     lr = write_run(tmp_path / "lr", config(**{"train.lr": 1e-3}))
-    assert parity.main(["--runs", f"{a},{lr}"]) == 0
+    assert cli.main(["parity", "--runs", f"{a},{lr}"]) == 0
     assert "parity: note: runs differ in learning rate (--lr): 3e-05 (ddp) vs 0.001 (lr)" in capsys.readouterr().out
 
 
@@ -122,12 +122,12 @@ def test_parity_refuses_runs_that_cannot_agree_in_one_line(tmp_path, capsys):
                        "runs differ in batch geometry (micro x accum x world): 32 x 1 x 2 (ddp) vs 32 x 2 x 2 (other)")}
     for name, (cfg, message) in cases.items():
         other = write_run(tmp_path / name / "other", cfg)
-        assert parity.main(["--runs", f"{a},{other}"]) == 2, name
+        assert cli.main(["parity", "--runs", f"{a},{other}"]) == 2, name
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("shardtrain: error: --runs: not comparable step by step: ")
         assert message in err[0], err[0]
-    assert parity.main(["--runs", f"{a},{a}"]) == 2
-    assert parity.main(["--runs", f"{a},{tmp_path / 'fsdp'}", "--data-dir", "x"]) == 2
+    assert cli.main(["parity", "--runs", f"{a},{a}"]) == 2
+    assert cli.main(["parity", "--runs", f"{a},{tmp_path / 'fsdp'}", "--data-dir", "x"]) == 2
     assert "--runs compares finished runs and trains nothing: drop --data-dir" in capsys.readouterr().err
 
 
@@ -148,7 +148,7 @@ def test_report_html_shows_formatted_values_not_python_dicts(tmp_path):
 NOISY = """
 import sys, tempfile, warnings
 import torch, torch.distributed as dist, transformers
-from shardtrain.chatter import quiet_libraries
+from shardtrain.runtime.chatter import quiet_libraries
 quiet_libraries(verbose=sys.argv[1] == "verbose")
 tmp = tempfile.mkdtemp()
 
@@ -162,11 +162,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp + "/dcp", no_dist=True)
 dcp.load({"w": torch.zeros(2)}, checkpoint_id=tmp + "/dcp", no_dist=True)
-from shardtrain.export import quantize
+from shardtrain.checkpointing.export import quantize
 quantize(nn.Sequential(nn.Linear(8, 8)))
 
 # a pretrained text model whose pooler the multimodal model leaves out
-from shardtrain.config import parse_cli
+from shardtrain.config.settings import parse_cli
 from shardtrain.models import build_model
 cfg = parse_cli(["--config", "configs/multimodal_tiny.yaml"])
 text = build_model(cfg.model, cfg.data, vocab_size=1000, load_weights=False).text

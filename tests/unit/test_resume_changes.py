@@ -6,10 +6,10 @@ from types import SimpleNamespace
 
 import torch
 
-from shardtrain.config import Config
-from shardtrain.optim import build_scheduler, lr_lambda
-from shardtrain.resume_changes import resume_changes
+from shardtrain.config.settings import Config
+from shardtrain.loop.resume_changes import resume_changes
 from shardtrain.strategies.base import Strategy, extra_state, load_extra_state
+from shardtrain.strategies.optim import build_scheduler, lr_lambda
 
 
 def saved_state(step: int, world_size: int = 2, **train) -> dict:

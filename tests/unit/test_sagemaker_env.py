@@ -6,8 +6,8 @@ import importlib.util
 import pytest
 from launch import REPO
 
-from shardtrain.config import Config, ConfigError, apply_sagemaker_env, parse_cli
-from shardtrain.sagemaker_env import sagemaker_settings
+from shardtrain.config.sagemaker_env import sagemaker_settings
+from shardtrain.config.settings import Config, ConfigError, apply_sagemaker_env, parse_cli
 
 SM_KEYS = ("SM_CHANNEL_TRAIN", "SM_CHANNEL_TRAINING", "SM_CHANNEL_VALIDATION", "SM_MODEL_DIR", "SM_HOSTS",
            "SM_CURRENT_HOST", "SM_TRAINING_ENV", "SHARDTRAIN_SM_CHECKPOINT_DIR")
@@ -98,7 +98,7 @@ def test_example_launcher_builds_the_job_without_sdk_or_aws():
     assert hp["strategy"] == "ddp"  # shardtrain plan's pick for 4 x V100 (tests/dist/test_seed_setup.py)
     assert job["input_data"] == {"train": "s3://bkt/train", "validation": "s3://bkt/val"}
     # every hyperparameter is a flag shardtrain accepts, spelled as SageMaker passes it
-    from shardtrain.config import FIELDS
+    from shardtrain.config.settings import FIELDS
     assert all(k in FIELDS or k == "config" for k in hp)
 
     on_demand = ex.build_job("r", "i", "b", "s3://b/t", spot=False)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from shardtrain.config import ConfigError, from_dict, validate
+from shardtrain.config.settings import ConfigError, from_dict, validate
 from shardtrain.data.check import check_source
 from shardtrain.data.sources import load_splits
 

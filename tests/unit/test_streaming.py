@@ -4,7 +4,7 @@ import json
 import datasets
 import pytest
 
-from shardtrain.config import ConfigError
+from shardtrain.config.settings import ConfigError
 from shardtrain.data.streaming import StreamingTrainStream
 
 
@@ -87,7 +87,7 @@ def test_build_loaders_streams_a_datasets_iterable_and_refuses_other_iterables(t
     epoch); a plain torch IterableDataset has no position to checkpoint and is refused by name."""
     import torch
 
-    from shardtrain.config import Config
+    from shardtrain.config.settings import Config
     from shardtrain.data import build_loaders
 
     cfg = Config()
@@ -107,7 +107,7 @@ def test_build_loaders_streams_a_datasets_iterable_and_refuses_other_iterables(t
 def test_jsonl_stream_checks_lines_first_and_skips_bad_ones_by_row(tmp_path):
     """--streaming checks every line before training (file:line, as in memory); --skip-bad-samples leaves
     those rows out of the stream, which still reads through datasets' json loader."""
-    from shardtrain.config import Config
+    from shardtrain.config.settings import Config
     from shardtrain.data.streaming import jsonl_train_stream
 
     rows = [{"text": f"doc {i}", "label": i % 3} for i in range(6)]

@@ -6,7 +6,7 @@ from typing import Literal, Optional, Union, get_args, get_origin
 
 import pytest
 
-from shardtrain.config import FIELDS, _coerce, _dashed_flag, build_arg_parser, flag_of
+from shardtrain.config.settings import FIELDS, _coerce, _dashed_flag, build_arg_parser, flag_of
 
 
 def _sample(typ) -> str:

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from shardtrain.config import Config, ConfigError, from_dict, parse_cli
-from shardtrain.workload import (CheckedCollate, Workload, check_loss, load_workload, model_inputs,
+from shardtrain.config.settings import Config, ConfigError, from_dict, parse_cli
+from shardtrain.workloads.base import (CheckedCollate, Workload, check_loss, load_workload, model_inputs,
                                  resolve_block_classes, workload_class)
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,13 +79,14 @@ def _names_in_code(path: Path) -> tuple[set[str], list[str]]:
     return imports, words
 
 
-@pytest.mark.parametrize("path", [REPO / "shardtrain" / "train.py",
+@pytest.mark.parametrize("path", [REPO / "shardtrain" / "loop" / "train.py",
                                   *sorted((REPO / "shardtrain" / "strategies").glob("*.py"))],
                          ids=lambda p: p.name)
 def test_loop_and_strategies_use_only_the_public_api(path):
     imports, words = _names_in_code(path)
-    private = sorted(m for m in imports if m.startswith(("shardtrain.workloads", "shardtrain.models")))
-    assert not private, f"{path.name} imports {private}: the built-ins must come through shardtrain.workload"
+    private = sorted(m for m in imports if m.startswith(("shardtrain.workloads", "shardtrain.models"))
+                     and not m.startswith("shardtrain.workloads.base"))
+    assert not private, f"{path.name} imports {private}: the built-ins must come through shardtrain.workloads.base"
     named = sorted({w for w in words if "multimodal" in w.lower() or "longformer" in w.lower()})
     assert not named, f"{path.name} names a built-in model: {named}"
 
@@ -227,7 +228,7 @@ def test_shardtrain_exports_workload_and_fit():
 
 # ---- freezing: frozen BatchNorm keeps its running statistics ---------------------------------------------------
 def test_frozen_batchnorm_uses_and_keeps_its_running_stats_until_unfrozen():
-    from shardtrain.distributed import DistInfo
+    from shardtrain.runtime.distributed import DistInfo
     from shardtrain.strategies.base import Strategy
 
     class Plain(Strategy):  # the base class's freezing and train/eval, with no backend behind it

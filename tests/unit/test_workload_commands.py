@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from shardtrain import cli, parity
-from shardtrain.config import ConfigError, parse_cli
+from shardtrain import cli
+from shardtrain.commands import parity
+from shardtrain.config.settings import ConfigError, parse_cli
 
 TASKS = textwrap.dedent('''
     import torch
@@ -151,14 +152,14 @@ def test_parity_passes_the_workload_to_every_run(tasks, capsys, monkeypatch):
 
     monkeypatch.setattr(parity.subprocess, "run", fake_run)
     args = json.dumps({"n": 8})
-    code = parity.main(["--workload", "user_tasks:Tiny", "--workload-args", args, "--strategies", "ddp,fsdp",
+    code = cli.main(["parity", "--workload", "user_tasks:Tiny", "--workload-args", args, "--strategies", "ddp,fsdp",
                         "--out", str(tasks / "p")])
     cmd, env = launched[0]
     assert code == 3 and "--config" not in cmd, cmd
     assert cmd[cmd.index("--workload") + 1] == "user_tasks:Tiny" and cmd[cmd.index("--workload-args") + 1] == args
     assert str(tasks) in env["PYTHONPATH"].split(":")  # the runs start in the checkout, the module is here
     launched.clear()
-    code = parity.main(["--workload", "user_tasks:Nope", "--strategies", "ddp,fsdp"])
+    code = cli.main(["parity", "--workload", "user_tasks:Nope", "--strategies", "ddp,fsdp"])
     assert code == 2 and not launched  # one line, before any run
     assert "user_tasks has no Workload subclass named Nope" in capsys.readouterr().err
 

@@ -1,0 +1,346 @@
+"""`shardtrain export CKPT OUT [--int8] [--eval]`: one consolidated model from any strategy's checkpoint.
+
+Runs in one process with no process group: it reads the checkpoint's portable `model_optim/` form
+(strategies/dcp_state.py), which DDP, FSDP and DeepSpeed checkpoints all hold.
+
+    OUT/model.safetensors + OUT/config.json
+        longformer: Hugging Face layout, LongformerForSequenceClassification.from_pretrained(OUT)
+        multimodal: config.json is model.export_config(); load with load_export(OUT)
+    OUT/tokenizer/            the run's tokenizer, when it trained its own
+    OUT/model_int8.safetensors (--int8) Linear weights as int8 + per-tensor scale, for CPU inference only
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from shardtrain.checkpointing import store as checkpoint
+from shardtrain.config.settings import ConfigError, from_dict
+
+EXPORT_META = "shardtrain_export.json"
+
+
+def _resolve(ckpt: str | Path) -> Path:
+    path = Path(ckpt)
+    if not path.exists():
+        raise ConfigError(f"export: checkpoint not found: {path}")
+    found = checkpoint.find_resume_dir(str(path), path, label="export")
+    run = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
+    if run is not None:  # a run folder stands for the model it ended with; a step directory is explicit
+        _refuse_older_than_run(run, found, path)
+    return found
+
+
+def _refuse_older_than_run(run: Path, found: Path, asked: Path) -> None:
+    try:
+        final = json.loads((run / "summary.json").read_text()).get("final_step")
+    except (OSError, ValueError):
+        return  # still running, or crashed: its newest checkpoint is all there is
+    saved = checkpoint.read_trainer_state(found)["step"]
+    if final is not None and saved < final:
+        raise ConfigError(f"export {asked}: the newest checkpoint is step {saved}, but the run ended at step "
+                          f"{final} (summary.json), so steps {saved + 1}-{final} were never saved "
+                          f"(--save-final false); export step {saved} by naming it ({found}), or resume the "
+                          f"run to save its end")
+
+
+def _vocab_size(model_sd: dict) -> int | None:
+    for k, v in model_sd.items():
+        if k.endswith("embeddings.word_embeddings.weight"):
+            return v.shape[0]
+    return None
+
+
+def rebuild_from_checkpoint(ckpt_dir: Path):
+    """(model with the checkpoint's weights, Config of the run)."""
+    from shardtrain.checkpointing.portable import read_portable
+    from shardtrain.models import build_model
+
+    state = checkpoint.read_trainer_state(ckpt_dir)
+    cfg = from_dict(state["config"], source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
+    weights = read_portable(ckpt_dir)["model"]
+    model = build_model(cfg.model, cfg.data, _vocab_size(weights), load_weights=False)
+    own = model.state_dict()
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    shapes = [k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape)]
+    if missing or unexpected or shapes:
+        raise ConfigError(f"export {ckpt_dir}: weights do not fit the model in its config: missing {missing[:4]}, "
+                          f"unexpected {unexpected[:4]}, shape mismatches {sorted(shapes)[:4]}")
+    model.load_state_dict(weights, strict=True)
+    return model.eval(), cfg
+
+
+def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, workload: str | None = None,
+                      workload_args: str | None = None, evaluate: bool = False) -> dict:
+    """`workload` / `workload_args` (--workload, --workload-args): rebuild the model with this workload instead
+    of the one the run recorded (its module moved, or its args name paths of another machine)."""
+    ckpt_dir = _resolve(ckpt)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    from shardtrain.config.settings import is_builtin_workload
+    state = checkpoint.read_trainer_state(ckpt_dir)
+    run_cfg = from_dict(state["config"], source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
+    if workload is not None or workload_args is not None:
+        run_cfg = _with_workload(run_cfg, workload, workload_args)
+    if not is_builtin_workload(run_cfg):
+        return export_workload(ckpt_dir, run_cfg, out, int8, evaluate)
+    model, cfg = rebuild_from_checkpoint(ckpt_dir)
+    info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config(),
+            **label_maps(cfg)}
+    if cfg.model.name == "longformer":
+        # config.json + model.safetensors; the HF config has the run's id2label/label2id (models/archs.py)
+        model.hf.save_pretrained(str(out), safe_serialization=True)
+    else:
+        from safetensors.torch import save_file
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps({**model.export_config(), **label_maps(cfg)}, indent=1))
+    normal_mode(out / "model.safetensors")
+    tok = ckpt_dir.parent.parent / "tokenizer"
+    if (tok / "tokenizer.json").is_file():
+        shutil.copytree(tok, out / "tokenizer", dirs_exist_ok=True)
+    info["bytes_fp32"] = (out / "model.safetensors").stat().st_size
+    if int8:
+        save_int8(model, out / "model_int8.safetensors")
+        normal_mode(out / "model_int8.safetensors")
+        info["bytes_int8"] = (out / "model_int8.safetensors").stat().st_size
+        info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
+    (out / EXPORT_META).write_text(json.dumps(info, indent=1))
+    return info
+
+
+def _with_workload(run_cfg, workload: str | None, workload_args: str | None):
+    """The run's config with --workload / --workload-args over its own (new args only for a new target)."""
+    from shardtrain.config.settings import command_config, is_builtin_workload, workload_target
+
+    flags = command_config(None, workload, workload_args)
+    cfg = copy.deepcopy(run_cfg)
+    if workload is not None and workload_target(flags) != workload_target(run_cfg):
+        if is_builtin_workload(run_cfg) or is_builtin_workload(flags):
+            raise ConfigError(f"export --workload {workload}: the run trained {workload_target(run_cfg)}; a "
+                              f"built-in's weights fit only that built-in")
+        cfg.workload.workload, cfg.workload.workload_args = workload, {}
+    if workload_args is not None:
+        cfg.workload.workload_args = flags.workload.workload_args
+    return cfg
+
+
+def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool = False) -> dict:
+    """A user's workload: its model rebuilt as training built it (same seed), the checkpoint's weights loaded,
+    then written by Workload.export (by default model.safetensors + workload.json)."""
+    from shardtrain.checkpointing.portable import read_portable
+    from shardtrain.config.settings import add_import_paths, where
+    from shardtrain.workloads.base import load_workload
+
+    if int8:
+        raise ConfigError(f"export --int8 quantizes the built-in models only; {where('workload')} is "
+                          f"{cfg.workload.workload}: quantize its export with torchao")
+    add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
+    workload = load_workload(cfg)  # imported from the working directory (and PYTHONPATH)
+    torch.manual_seed(cfg.train.seed)
+    model = workload.build_model()
+    weights = read_portable(ckpt_dir)["model"]
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    if missing or unexpected:
+        raise ConfigError(f"export {ckpt_dir}: weights do not fit {type(workload).__name__}.build_model(): "
+                          f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    model.load_state_dict(weights, strict=True)
+    workload.export(model.eval(), out)
+    for f in out.glob("*.safetensors"):
+        normal_mode(f)
+    info = {"checkpoint": str(ckpt_dir), "workload": cfg.workload.workload, "workload_args": cfg.workload.workload_args,
+            **label_maps(cfg), "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+    if evaluate:
+        info["eval_fp32"] = evaluate_workload(workload, model)
+    (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))
+    return info
+
+
+def label_maps(cfg) -> dict:
+    """HF's id2label / label2id from the class names a run recorded (data.label_names); {} for integer labels."""
+    names = cfg.data.label_names
+    if not names:
+        return {}
+    return {"id2label": {str(i): name for i, name in enumerate(names)},
+            "label2id": {name: i for i, name in enumerate(names)}}
+
+
+@torch.no_grad()
+def evaluate_workload(workload, model: nn.Module) -> dict:
+    """The exported weights on the workload's own validation set, by its own metric_sums / metrics."""
+    from torch.utils.data import DataLoader
+
+    from shardtrain.workloads.base import CheckedCollate
+
+    validation = workload.datasets()[1]
+    if validation is None:
+        raise ConfigError(f"export --eval: {type(workload).__name__}.datasets() has no validation split")
+    sums: dict = {}
+    for batch in DataLoader(validation, batch_size=workload.cfg.train.eval_batch_size
+                            or workload.cfg.train.per_device_batch_size, collate_fn=CheckedCollate(workload)):
+        for key, value in workload.metric_sums(workload.forward(model, batch), batch).items():
+            sums[key] = sums[key] + value.double() if key in sums else value.double()
+    return workload.metrics(sums)
+
+
+def normal_mode(path: Path) -> None:
+    """The mode open() would have given the file (0644 under umask 022). safetensors writes its files 0600,
+    unreadable to the other users and services that an exported model is meant for."""
+    path.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    # Read, not set-and-restore: os.umask(0) would briefly apply to files other threads create (W&B, loaders).
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# ---- loading exports ---------------------------------------------------------------------------------
+def load_export(out: str | Path) -> nn.Module:
+    """The fp32 model of an export (either model), ready for eval."""
+    from safetensors.torch import load_file
+
+    from shardtrain.models import build_model_from_export
+
+    out = Path(out)
+    meta = json.loads((out / EXPORT_META).read_text())
+    model = build_model_from_export(meta["export_config"])
+    sd = load_file(str(out / "model.safetensors"))
+    if meta["model"] == "longformer":
+        sd = {f"hf.{k}": v for k, v in sd.items()}
+    model.load_state_dict(sd, strict=True)
+    return model.eval()
+
+
+def quantize(model: nn.Module) -> nn.Module:
+    """Dynamic INT8 quantization of every nn.Linear (weights int8, activations quantized per batch)."""
+    from torch.ao.quantization import quantize_dynamic
+    return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+
+
+def save_int8(model: nn.Module, path: Path) -> None:
+    """Plain tensors only (safetensors): int8 Linear weights with their scale and zero point; the rest fp32."""
+    from safetensors.torch import save_file
+
+    q = quantize(model)
+    tensors = {}
+    for name, mod in q.named_modules():
+        if hasattr(mod, "_packed_params") and hasattr(mod, "weight") and callable(mod.weight):
+            w = mod.weight()
+            tensors[f"{name}.weight.int8"] = w.int_repr().contiguous()
+            tensors[f"{name}.weight.scale"] = torch.tensor(w.q_scale(), dtype=torch.float64)
+            tensors[f"{name}.weight.zero_point"] = torch.tensor(w.q_zero_point(), dtype=torch.int64)
+            if mod.bias() is not None:
+                tensors[f"{name}.bias"] = mod.bias().contiguous()
+    quantized = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    for k, v in model.state_dict().items():
+        if k.rpartition(".")[0] not in quantized:
+            tensors[k] = v.contiguous()
+    save_file(tensors, str(path))
+
+
+def load_int8(out: str | Path) -> nn.Module:
+    """The INT8 model of an export with --int8: rebuild, quantize, then set the saved int8 weights."""
+    from safetensors.torch import load_file
+
+    out = Path(out)
+    model = load_export(out)  # fp32 weights for the layers that stay fp32 come from model.safetensors
+    saved = load_file(str(out / "model_int8.safetensors"))
+    q = quantize(model)
+    for name, mod in q.named_modules():
+        key = f"{name}.weight.int8"
+        if key in saved:
+            w = torch._make_per_tensor_quantized_tensor(saved[key], float(saved[f"{name}.weight.scale"]),
+                                                       int(saved[f"{name}.weight.zero_point"]))
+            mod.set_weight_bias(w, saved.get(f"{name}.bias"))
+    return q.eval()
+
+
+# ---- accuracy on the validation set -------------------------------------------------------------------
+@torch.no_grad()
+def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    from shardtrain.data import batch_to_device, build_datasets, build_loaders
+    from shardtrain.workloads.base import classification_metrics
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if cfg.data.tokenizer is None \
+        else AutoTokenizer.from_pretrained(cfg.data.tokenizer)
+    train_ds, eval_ds = build_datasets(cfg, tokenizer)
+    loaders = build_loaders(cfg, tokenizer, train_ds, eval_ds, 0, 1, "cpu")
+    n = cfg.model.num_labels
+    confusion = torch.zeros(n * n, dtype=torch.float64)
+    for batch in loaders.eval:
+        batch = batch_to_device(batch, torch.device("cpu"))
+        inputs = {k: batch[k] for k in model.batch_keys if k in batch}
+        preds = model(**inputs).argmax(dim=-1)
+        confusion.index_add_(0, batch["labels"] * n + preds, torch.ones(len(preds), dtype=torch.float64))
+    return classification_metrics(confusion.view(n, n))
+
+
+def main(argv: list[str]) -> int:
+    from shardtrain.config.settings import add_workload_flags
+
+    parser = argparse.ArgumentParser(prog="shardtrain export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="a step directory, OUT/checkpoints or a run's OUT (its latest)")
+    parser.add_argument("out")
+    parser.add_argument("--int8", action="store_true",
+                        help="also write a dynamically quantized INT8 copy for CPU inference (not for training)")
+    parser.add_argument("--eval", action="store_true", help="report accuracy/macro-F1 on the validation set")
+    parser.add_argument("--data-dir", default=None, help="validation data (default: the run's data_dir)")
+    parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings and info lines")
+    add_workload_flags(parser)  # a user's run: rebuild with this workload (default: the one the run recorded)
+    parser.add_argument("--debug", action="store_true")
+    args = parser.parse_args(argv)
+
+    from shardtrain.runtime.chatter import quiet_libraries
+    quiet_libraries(args.verbose)
+    info = export_checkpoint(args.checkpoint, args.out, int8=args.int8, workload=args.workload,
+                             workload_args=args.workload_args, evaluate=args.eval)
+    print(f"exported {info['checkpoint']} -> {args.out} ({info['bytes_fp32'] / 1e6:.2f} MB fp32)")
+    if "workload" in info:  # a user's workload: evaluated by its own metrics, if asked
+        if "eval_fp32" in info:
+            print("validation: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                             for k, v in info["eval_fp32"].items()))
+        return 0
+    if args.int8:
+        print(f"int8 (dynamic, Linear layers; CPU inference only): {info['bytes_int8'] / 1e6:.2f} MB, "
+              f"{100 * info['size_reduction']:.1f}% smaller")
+    if args.eval or args.int8:
+        ckpt_dir = Path(info["checkpoint"])
+        cfg = from_dict(checkpoint.read_trainer_state(ckpt_dir)["config"])
+        if args.data_dir:
+            cfg.data.data_dir = args.data_dir
+        # The run's tokenizer, when it was a hub name, is loaded again for the evaluation.
+        from shardtrain.runtime.hub import check_hub_names
+        note = check_hub_names(cfg, fields=("tokenizer",))
+        if note:
+            print(f"shardtrain: {note}")
+        tok = Path(args.out) / "tokenizer"
+        info["eval_fp32"] = evaluate_model(load_export(args.out), cfg, tok)
+        print(f"fp32 validation: accuracy {info['eval_fp32']['accuracy']:.4f}, "
+              f"macro-F1 {info['eval_fp32']['macro_f1']:.4f} ({info['eval_fp32']['n_examples']} examples)")
+        if args.int8:
+            info["eval_int8"] = evaluate_model(load_int8(args.out), cfg, tok)
+            e8, e32 = info["eval_int8"], info["eval_fp32"]
+            print(f"int8 validation: accuracy {e8['accuracy']:.4f} ({e8['accuracy'] - e32['accuracy']:+.4f}), "
+                  f"macro-F1 {e8['macro_f1']:.4f} ({e8['macro_f1'] - e32['macro_f1']:+.4f})")
+        (Path(args.out) / EXPORT_META).write_text(json.dumps(info, indent=1))
+    return 0
+

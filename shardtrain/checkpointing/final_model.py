@@ -1,0 +1,39 @@
+"""The model a finished run hands over (`--final-model-dir`; SageMaker's SM_MODEL_DIR becomes model.tar.gz).
+
+Sharded strategies hold no full copy of the weights on any rank, so the consolidated model is made the
+one way that works for all of them: commit a checkpoint of the last step (every rank), then rank 0
+exports it with shardtrain.checkpointing.export, which reads any strategy's checkpoint in one process.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from shardtrain.checkpointing import store as checkpoint
+from shardtrain.config.settings import logs_model_artifact
+from shardtrain.runtime.distributed import barrier
+
+
+def final_model_folder(cfg) -> Path | None:
+    """Where the finished run's model goes: --final-model-dir, else OUT/final_model when W&B is to log it."""
+    if cfg.checkpoint.final_model_dir:
+        return Path(cfg.checkpoint.final_model_dir)
+    if logs_model_artifact(cfg.log):
+        return Path(cfg.checkpoint.output_dir) / "final_model"
+    return None
+
+
+def write_final_model(strategy, trainer_state: dict, cfg, console) -> Path | None:
+    """Every rank calls this (when final_model_folder(cfg) is set). Returns the folder written on rank 0, else None."""
+    out = Path(cfg.checkpoint.output_dir)
+    ckpt = checkpoint.checkpoints_root(out) / checkpoint.step_dir_name(trainer_state["step"])
+    if not checkpoint.is_committed(ckpt):
+        ckpt = checkpoint.save_checkpoint(strategy, trainer_state, out, cfg.checkpoint.keep_last)
+    written = None
+    if strategy.dist.is_rank0:
+        from shardtrain.checkpointing.export import export_checkpoint
+
+        written = final_model_folder(cfg)
+        export_checkpoint(ckpt, written)
+        console.info(f"final model: {written} (from {ckpt})")
+    barrier()
+    return written

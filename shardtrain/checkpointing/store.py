@@ -1,0 +1,261 @@
+"""Checkpoints that never lose work.
+
+Layout:  OUT/checkpoints/step-000120/{model_optim/ | engine/, strategy_state.json, trainer_state.json,
+         rng/rank-00000.safetensors, COMMITTED}      OUT/checkpoints/latest  ("step-000120")
+A step directory counts only once COMMITTED exists; it is written last, after every rank has finished.
+`latest` is replaced atomically. Nothing here is ever unpickled: JSON and safetensors only.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from shardtrain.runtime import faults
+from shardtrain.runtime.distributed import any_rank, barrier
+
+FORMAT_VERSION = 1
+COMMIT_MARKER = "COMMITTED"
+TRAINER_STATE = "trainer_state.json"
+STEP_DIR = re.compile(r"^step-(\d{6,})$")
+
+
+def checkpoints_root(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def is_committed(path: Path) -> bool:
+    return (path / COMMIT_MARKER).is_file() and (path / TRAINER_STATE).is_file()
+
+
+def committed_steps(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and is_committed(p)]
+    return [p for _, p in sorted(found)]
+
+
+def latest_committed(root: Path) -> Path | None:
+    """`latest` if it points at a committed checkpoint, else the newest committed directory."""
+    pointer = root / "latest"
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if is_committed(candidate):
+            return candidate
+    steps = committed_steps(root)
+    return steps[-1] if steps else None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save_rng(path: Path, rank: int) -> None:
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    py_state = random.getstate()
+    np_state = np.random.get_state()
+    meta = {"python": json.dumps([py_state[0], list(py_state[1]), py_state[2]]),
+            "numpy": json.dumps([np_state[0], np_state[1].tolist(), *np_state[2:]])}
+    save_file(rng_state(), str(path / f"rank-{rank:05d}.safetensors"), metadata=meta)
+
+
+def load_rng(path: Path, rank: int) -> None:
+    from safetensors import safe_open
+
+    file = path / f"rank-{rank:05d}.safetensors"
+    if not file.is_file():
+        return  # a different world size: ranks without a saved state keep their fresh seeds
+    with safe_open(str(file), framework="pt") as f:
+        meta = f.metadata()
+        torch.set_rng_state(f.get_tensor("torch"))
+        if "cuda" in f.keys() and torch.cuda.is_available():
+            torch.cuda.set_rng_state(f.get_tensor("cuda"))
+    version, internal, gauss = json.loads(meta["python"])
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = json.loads(meta["numpy"])
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_last: int) -> Path:
+    """Every rank calls this. Returns the committed directory."""
+    rank0 = strategy.dist.is_rank0
+    root = checkpoints_root(output_dir)
+    path = root / step_dir_name(trainer_state["step"])
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # an earlier, interrupted save of this same step
+            shutil.rmtree(path)
+        path.mkdir()
+    barrier()
+    step, rank = trainer_state["step"], strategy.dist.rank
+    failure = None
+    try:
+        strategy.save(path)
+        faults.maybe_disk_full(step, rank)  # here every rank is past the strategy's own collectives
+        save_rng(path / "rng", rank)
+    except (OSError, CheckpointException) as e:
+        failure = e
+    # Ranks agree before anything is committed: one rank's full disk must not leave the others waiting.
+    if any_rank(failure is not None, strategy.device):
+        # Every rank says the same thing: the highest errno seen anywhere (ENOSPC, EDQUOT, EIO...).
+        code = all_reduce_max(float(getattr(failure, "errno", None) or (-1 if failure else 0)), strategy.device)
+        _abandon(path, root, rank0)
+        from shardtrain.config.settings import ConfigError
+        previous = latest_committed(root)
+        cause = (_cause(failure) if failure and getattr(failure, "errno", None) == code
+                 else os.strerror(int(code)) if code > 0 else "a rank failed to write its shards")
+        raise ConfigError(f"saving checkpoint {path} failed ({cause}); "
+                          f"{'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'}"
+                          f"; free space under {root} and rerun with --resume auto")
+    faults.maybe_kill("save", step, rank)
+    barrier()  # every rank's shards are on disk before the commit marker
+    if rank0:
+        state = {**trainer_state, "format_version": FORMAT_VERSION, "strategy": strategy.describe(),
+                 "world_size": strategy.dist.world_size}
+        _write_atomic(path / TRAINER_STATE, json.dumps(state, indent=1))
+        _write_atomic(path / COMMIT_MARKER, "ok\n")
+        _fsync_dir(path)
+        _write_atomic(root / "latest", path.name + "\n")
+        prune(root, keep_last, keep=path)
+    barrier()
+    return path
+
+
+def all_reduce_max(value: float, device) -> float:
+    import torch.distributed as dist
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _abandon(path: Path, root: Path, rank0: bool) -> None:
+    """A failed save leaves no partial directory (a later start would also ignore it: no COMMITTED)."""
+    barrier()
+    if rank0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _cause(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    text = " ".join(str(e).split())
+    return ("No space left on device" if "No space left" in text else text[:200]) or type(e).__name__
+
+
+def prune(root: Path, keep_last: int, keep: Path) -> None:
+    """Drop old committed checkpoints beyond keep_last (never `keep`) and abandoned partial ones."""
+    committed = committed_steps(root)
+    for old in committed[:-keep_last] if keep_last > 0 else []:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+    for p in root.iterdir():
+        if STEP_DIR.match(p.name) and not is_committed(p) and p != keep:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def read_trainer_state(path: Path) -> dict:
+    from shardtrain.config.settings import ConfigError
+
+    try:
+        state = json.loads((path / TRAINER_STATE).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"--resume {path}: not a committed shardtrain checkpoint (no {TRAINER_STATE})") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--resume {path / TRAINER_STATE}: corrupt JSON at line {e.lineno}: {e.msg}") from None
+    if state.get("format_version", 0) > FORMAT_VERSION:
+        raise ConfigError(f"--resume {path}: checkpoint format {state['format_version']} is newer than this "
+                          f"shardtrain understands ({FORMAT_VERSION}); upgrade shardtrain")
+    return state
+
+
+def find_resume_dir(resume: str, output_dir: str | Path, label: str = "--resume") -> Path | None:
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return latest_committed(checkpoints_root(output_dir))
+    path = Path(resume)
+    if path.name in ("checkpoints",) or (path / "checkpoints").is_dir():
+        root = path if path.name == "checkpoints" else path / "checkpoints"
+        path = latest_committed(root) or path
+    if not is_committed(path):
+        from shardtrain.config.settings import ConfigError
+        if path.is_dir() and not STEP_DIR.match(path.name):
+            raise ConfigError(f"{label} {resume}: no committed checkpoint in this run folder "
+                              f"(a run writes one at its end unless --save-final false, and every --save-every N steps)")
+        raise ConfigError(f"{label} {resume}: not a committed checkpoint (missing {COMMIT_MARKER})")
+    return path
+
+
+# What a run writes into its output dir; --overwrite-output-dir removes exactly these, nothing of the user's.
+RUN_ARTIFACTS = ("checkpoints", "tokenizer", "metrics.jsonl", "eval.jsonl", "summary.json", "report.html",
+                 "labels.json", "curves.png", "throughput.png", "memory.png")
+
+
+def previous_run(output_dir: str | Path) -> str | None:
+    """The first sign that output_dir already holds a run, or None."""
+    out = Path(output_dir)
+    latest = latest_committed(checkpoints_root(out))
+    if latest is not None:
+        return f"checkpoint {latest.name}"
+    if (out / "metrics.jsonl").is_file():
+        return "metrics.jsonl"
+    return None
+
+
+def refuse_to_overwrite(cfg) -> None:
+    """A fresh run (--resume none) in a folder that holds a run would overwrite its metrics and checkpoints:
+    only with --overwrite-output-dir. Checked by `train` before any process starts."""
+    from shardtrain.config.settings import ConfigError, where
+
+    c = cfg.checkpoint
+    found = previous_run(c.output_dir) if c.resume == "none" and not c.overwrite_output_dir else None
+    if found:
+        raise ConfigError(f"{where('output_dir')} {c.output_dir} already holds a run ({found}) and --resume is "
+                          f"none: --resume auto continues it, --overwrite-output-dir starts over in it "
+                          f"(deleting its checkpoints and metrics), or choose another --output-dir")
+
+
+def clear_previous_run(output_dir: str | Path) -> None:
+    """Rank 0, before anything of the new run is written (--overwrite-output-dir)."""
+    out = Path(output_dir)
+    for name in RUN_ARTIFACTS:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()

@@ -1,0 +1,138 @@
+"""`shardtrain check-data`: every problem of a dataset at once (file:line or row), before a run finds the first.
+
+A jsonl folder, the source that training flags name, a published layout, or a user's workload (its datasets()
+and collate on a few samples).
+"""
+from __future__ import annotations
+
+from shardtrain.config.errors import ConfigError
+
+
+def main(argv: list[str]) -> int:
+    import argparse
+
+    from shardtrain.config.settings import add_workload_flags
+
+    parser = argparse.ArgumentParser(
+        prog="shardtrain check-data", description="List every problem of a jsonl data folder (DIR), of the "
+        "source that training flags name (--config, --dataset-name, --train-file, --train-dir, --dataset-format, "
+        "column flags), or of a user's --workload (its datasets() and collate on a few samples).")
+    parser.add_argument("dir", nargs="?", default=None, help="a built-in dataset folder (not with a user's --workload)")
+    parser.add_argument("--kind", choices=["multimodal", "longdoc"], default=None,
+                        help="default: multimodal if records name images")
+    parser.add_argument("--num-labels", type=int, default=None,
+                        help="labels must be in 0..N-1 (default: what make-data recorded, else 3)")
+    parser.add_argument("--dataset-format", default=None,
+                        help="a published layout (mvsa-single, mvsa-multiple, twitter2015, twitter2017): what its "
+                             "reader keeps and drops, and every image decoded")
+    parser.add_argument("--config", default=None, help="a training config whose workload (and its args) to check")
+    add_workload_flags(parser)
+    parser.add_argument("--samples", type=int, default=4, help="with a user's workload: samples read per split")
+    parser.add_argument("--debug", action="store_true")
+    own = ("--kind", "--num-labels", "--dataset-format", "--workload", "--workload-args", "--samples", "--debug",
+           "-h", "--help")
+    if not argv or any(a.startswith("--") and a.split("=")[0] not in own for a in argv):
+        # Training flags: a positional DIR may only come first (argparse would take a flag's value for it).
+        folder = argv[0] if argv and not argv[0].startswith("-") else None
+        return _check_source_main(folder, [a for a in argv[1 if folder else 0:] if a != "--debug"])
+    args = parser.parse_args(argv)
+
+    from pathlib import Path
+
+    from shardtrain.data import check_data
+    from shardtrain.data.synthetic import dataset_info
+    if args.config or args.workload:
+        from shardtrain.config.settings import command_config, is_builtin_workload
+        cfg = command_config(args.config, args.workload, args.workload_args)
+        if not is_builtin_workload(cfg):
+            return _check_workload(cfg, args)
+        args.kind = args.kind or {"longformer": "longdoc"}.get(cfg.model.name, "multimodal")
+        args.dir = args.dir or cfg.data.data_dir
+    if args.dir is None:
+        raise ConfigError("check-data: give a dataset folder, or --workload my_pkg.tasks:MyTask for a user's data")
+    if not Path(args.dir).is_dir():
+        raise ConfigError(f"check-data: folder not found: {args.dir}")
+    if args.dataset_format:
+        return _check_layout(args.dir, args.dataset_format)
+    recorded = dataset_info(args.dir)
+    kind = args.kind or recorded.get("kind") or _guess_kind(args.dir)
+    num_labels = args.num_labels or recorded.get("num_labels") or 3
+    problems = check_data(args.dir, kind, num_labels)
+    for line in problems:
+        print(line)
+    if problems and args.num_labels is None and any("is outside 0.." in p for p in problems):
+        print(f"(labels were checked against {num_labels} classes: pass --num-labels with the model's num_labels)")
+    print(f"{len(problems)} problem(s) in {args.dir}" if problems else f"{args.dir}: no problems found")
+    return 1 if problems else 0
+
+
+
+def _check_layout(data_dir: str, fmt: str) -> int:
+    from shardtrain.data.check import check_layout
+
+    report, problems = check_layout(data_dir, fmt)
+    for line in report + problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {data_dir}" if problems else f"{data_dir}: no problems found")
+    return 1 if problems else 0
+
+
+def _check_source_main(folder: str | None, rest: list[str]) -> int:
+    """check-data with training flags: the run's own source, read as the run reads it, or a user's workload."""
+    import argparse
+
+    from shardtrain.config.settings import is_builtin_workload, parse_cli
+    from shardtrain.data.check import check_data, check_source
+    from shardtrain.data.records import data_kind
+    from shardtrain.data.sources import source_of
+
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--samples", type=int, default=4)
+    args, rest = own.parse_known_args(rest)
+    cfg = parse_cli(rest + (["--data-dir", folder] if folder else []))
+    if not is_builtin_workload(cfg):
+        args.dir, args.kind = folder, None
+        return _check_workload(cfg, args)
+    if cfg.data.dataset_format:
+        return _check_layout(cfg.data.data_dir, cfg.data.dataset_format)
+    if source_of(cfg) == "data_dir":
+        what = cfg.data.data_dir
+        problems = check_data(what, data_kind(cfg.model.name), cfg.model.num_labels)
+    else:
+        what = next(getattr(cfg.data, n) for n in ("dataset_name", "train_file", "train_dir") if getattr(cfg.data, n))
+        problems = check_source(cfg)
+    for line in problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {what}" if problems else f"{what}: no problems found")
+    return 1 if problems else 0
+
+
+def _check_workload(cfg, args) -> int:
+    """check-data for a user's workload: its datasets() and collate on a few samples (workload_check.py)."""
+    from shardtrain.workloads.base import workload_class
+    from shardtrain.workloads.check import check_workload_data
+
+    if args.dir is not None or args.kind is not None:
+        raise ConfigError(f"check-data: {cfg.workload.workload} reads its own data in datasets(); drop "
+                          f"{'the folder ' + args.dir if args.dir else '--kind'} (pass its location in --workload-args)")
+    if args.samples < 1:
+        raise ConfigError(f"check-data: --samples must be positive, got {args.samples}")
+    name = workload_class(cfg).__name__
+    problems, notes = check_workload_data(cfg, args.samples)
+    for line in notes + problems:
+        print(line)
+    print(f"{len(problems)} problem(s) in {name}'s data" if problems
+          else f"{name}: datasets() and collate give batches its model takes; no problems found")
+    return 1 if problems else 0
+
+
+def _guess_kind(data_dir: str) -> str:
+    import json
+    from pathlib import Path
+
+    first = Path(data_dir) / "train.jsonl"
+    try:
+        with open(first) as f:
+            return "multimodal" if "image" in json.loads(f.readline() or "{}") else "longdoc"
+    except (OSError, ValueError):
+        return "multimodal"

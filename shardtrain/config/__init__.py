@@ -1,0 +1,3 @@
+"""The one typed config: flags, YAML and the SageMaker environment in, validated settings out.
+The bottom layer: it imports nothing else of shardtrain.
+"""

@@ -1,0 +1,60 @@
+"""The SageMaker training-toolkit environment, mapped onto shardtrain settings.
+
+The toolkit describes the job in SM_* variables and passes hyperparameters as `--name value` flags.
+Where neither a flag nor a hyperparameter set them, these fill in (YAML values are overridden: a
+config written for a laptop names local folders that do not exist in the container):
+
+    SM_CHANNEL_TRAIN (or SM_CHANNEL_TRAINING, the SDK's name for `fit("s3://...")`)  -> --data-dir
+        a folder with train.jsonl (+ validation.jsonl and images, if no validation channel)
+    SM_CHANNEL_VALIDATION                                                            -> --eval-data-dir
+        a folder with validation.jsonl (+ its images)
+    SM_MODEL_DIR                                                                     -> --final-model-dir
+    /opt/ml/checkpoints                                                              -> --output-dir
+
+The whole run folder goes to /opt/ml/checkpoints, not only the checkpoints: a resumed run also needs
+the tokenizer and metrics.jsonl it wrote, and SageMaker syncs that folder to checkpoint_s3_uri and
+restores it after a spot interruption, where `--resume auto` (the default) picks it up.
+Not named sagemaker.py: it would shadow the SDK.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Mapping
+
+from shardtrain.config.errors import ConfigError
+
+CHECKPOINT_DIR = "/opt/ml/checkpoints"
+# For a checkpoint_local_path other than the default, and for tests that cannot write /opt/ml.
+CHECKPOINT_DIR_ENV = "SHARDTRAIN_SM_CHECKPOINT_DIR"
+MARKERS = ("SM_MODEL_DIR", "SM_CURRENT_HOST", "SM_HOSTS", "SM_TRAINING_ENV")
+
+
+def in_sagemaker(env: Mapping[str, str]) -> bool:
+    return any(k in env for k in MARKERS) or any(k.startswith("SM_CHANNEL_") for k in env)
+
+
+def sagemaker_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """Config field -> value that the SageMaker environment implies."""
+    out = {}
+    train = env.get("SM_CHANNEL_TRAIN") or env.get("SM_CHANNEL_TRAINING")
+    if train:
+        out["data_dir"] = train
+    if env.get("SM_CHANNEL_VALIDATION"):
+        out["eval_data_dir"] = env["SM_CHANNEL_VALIDATION"]
+    if env.get("SM_MODEL_DIR"):
+        out["final_model_dir"] = env["SM_MODEL_DIR"]
+    out["output_dir"] = env.get(CHECKPOINT_DIR_ENV) or CHECKPOINT_DIR
+    return out
+
+
+def check_hosts(env: Mapping[str, str]) -> None:
+    """Several hosts and no launcher: each host would relaunch a standalone job of its own and train
+    a separate model on the same data, so refuse."""
+    try:
+        hosts = json.loads(env.get("SM_HOSTS", "[]"))
+    except json.JSONDecodeError:
+        raise ConfigError(f"SM_HOSTS is not a JSON list: {env['SM_HOSTS']!r}") from None
+    if len(hosts) > 1 and "RANK" not in env:
+        raise ConfigError(f"SageMaker job on {len(hosts)} hosts started without a launcher: enable "
+                          f"distribution={{'torch_distributed': {{'enabled': True}}}} in the estimator")

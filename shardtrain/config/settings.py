@@ -1,0 +1,726 @@
+"""One typed config: YAML file + command-line overrides, validated before any heavy work.
+
+Sections exist only to keep YAML files readable; every field name is unique across sections,
+so each one is also a flat command-line flag (`train.per_device_batch_size` <-> `--per-device-batch-size`).
+Errors name the flag or the YAML key, and show the arithmetic where there is some.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+
+from shardtrain.config.errors import ConfigError  # everyone imports it from here; sagemaker_env, below us, from errors
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["multimodal", "longformer"] = "multimodal"
+    # Hub name or local folder. With pretrained=false the architecture alone is used (random init).
+    text_model: str = "roberta-base"
+    pretrained: bool = True
+    # Overrides of the text model's HF config; tiny test models are built from these.
+    text_config: dict = field(default_factory=dict)
+    image_model: Literal["resnet50", "resnet18", "densenet121"] = "resnet50"
+    # None: random init; a torchvision weights name (e.g. IMAGENET1K_V2) or a local .pth/.safetensors file.
+    image_weights: Optional[str] = None
+    # Overrides of the torchvision constructor (e.g. {layers: [1,1,1,1]} or DenseNet's block_config).
+    image_config: dict = field(default_factory=dict)
+    fusion: Literal["concat", "gated"] = "concat"
+    fusion_hidden: int = 512
+    dropout: float = 0.1
+    # None: taken from the data (the classes a ClassLabel, string or bool label column names); 3 for the jsonl
+    # --data-dir layout, whose integer labels do not say how many classes there are.
+    num_labels: Optional[int] = None
+    freeze_layers: int = 0
+    unfreeze_at_step: Optional[int] = None
+    attention_window: int = 512
+    # Channels-last layout for the CNN's activations (its input is converted): faster convolutions on GPUs.
+    channels_last: bool = False
+    # The HF text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls.
+    attention: Literal["sdpa", "eager"] = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    data_dir: str = "data/multimodal"
+    # Hub name or folder; None trains a byte-level BPE on the training text (only for pretrained=false).
+    tokenizer: Optional[str] = None
+    tokenizer_vocab_size: int = 2000
+    max_length: int = 128
+    image_size: int = 224
+    num_workers: int = 4
+    pin_memory: bool = True
+    skip_bad_samples: bool = False
+    max_train_samples: Optional[int] = None
+    max_eval_samples: Optional[int] = None
+    # Folder holding validation.jsonl when it is not data_dir (SageMaker's separate validation channel).
+    eval_data_dir: Optional[str] = None
+    # Folder of decoded images written by `shardtrain cache-images` (data/image_cache.py); None: decode each epoch.
+    image_cache: Optional[str] = None
+    # A research dataset in its published layout, read from data_dir as unpacked (data/layouts.py): no
+    # conversion script between the download and a run. None: the jsonl splits.
+    dataset_format: Optional[Literal["mvsa-single", "mvsa-multiple", "twitter2015", "twitter2017"]] = None
+    # Read the training split as a stream (a datasets.IterableDataset) instead of into memory: data bigger than RAM.
+    streaming: bool = False
+    # Processes that tokenise through datasets.map (its num_proc); None: this process. The result is cached.
+    preprocessing_num_workers: Optional[int] = None
+    # Other sources than the jsonl --data-dir layout (shardtrain/data/sources.py), with the flag names of HF's
+    # run_classification.py. A hub name or a local path for load_dataset, or a save_to_disk folder.
+    dataset_name: Optional[str] = None
+    # The dataset's configuration (load_dataset's second argument), e.g. a GLUE task.
+    dataset_config_name: Optional[str] = None
+    # One data file per split: csv, json/jsonl or parquet, chosen by the extension.
+    train_file: Optional[str] = None
+    validation_file: Optional[str] = None
+    # Image folders with a metadata.jsonl / metadata.csv (file_name, text, label), read by datasets' imagefolder.
+    train_dir: Optional[str] = None
+    validation_dir: Optional[str] = None
+    # Which splits of a dataset with several (IMDB's validation is its `test`).
+    train_split_name: str = "train"
+    validation_split_name: str = "validation"
+    # For a source without a validation split: this percentage of train, drawn with train.seed.
+    validation_split_percentage: Optional[int] = None
+    # Columns read as text (several are joined with text_column_delimiter), as the label, and as the image.
+    text_column_names: list = field(default_factory=lambda: ["text"])
+    text_column_delimiter: str = " "
+    label_column_name: str = "label"
+    image_column_name: str = "image"
+    # Class names in id order (id2label). Empty: taken from the data; a run records them here, so its saved
+    # config, checkpoints and exports carry the mapping. Set it to fix the order yourself.
+    label_names: list = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 1000
+    per_device_batch_size: int = 32
+    eval_batch_size: Optional[int] = None
+    grad_accum: int = 1
+    lr: float = 3e-5
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    max_grad_norm: float = 1.0
+    seed: int = 42
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    activation_checkpointing: bool = False
+    eval_every: int = 0
+    log_every: int = 10
+    nan_policy: Literal["skip", "abort"] = "skip"
+    max_bad_steps: int = 5
+    oom_recovery: bool = True
+    # Test-only fault injection: raise a real torch.OutOfMemoryError on rank 0 while the
+    # micro-batch is above this size. None disables it.
+    inject_oom_above: Optional[int] = None
+    # Walk every tensor each rank holds (memory accounting) on steps 1, 2 and every this many steps; 0: only 1, 2.
+    memory_every: int = 100
+    # torch.compile backend for the model; none = eager mode. "inductor" generates fused kernels (the GPU
+    # choice); "aot_eager" / "eager" only trace, which tests use to exercise the path cheaply on CPU.
+    compile: Literal["none", "inductor", "aot_eager", "eager"] = "none"
+    # Fused AdamW kernels on CUDA (one launch for all parameters); CPU always uses the foreach implementation.
+    fused_adamw: bool = True
+    # Test-only fault injection: the last rank's loss becomes NaN at these optimizer steps (1-based),
+    # e.g. `--inject-nan-at-steps 3,4`. Exercises --nan-policy and the ranks' agreement to skip.
+    inject_nan_at_steps: list = field(default_factory=list)
+
+
+@dataclass
+class ParallelConfig:
+    # zero2, zero3, zero2_offload, zero3_offload: DeepSpeed with the shipped ds_configs/<name>.json.
+    strategy: Literal["ddp", "fsdp", "deepspeed", "auto", "zero2", "zero3", "zero2_offload", "zero3_offload"] = "ddp"
+    ds: Optional[str] = None
+    fsdp_policy: str = "fsdp_policies/default.yaml"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    # Processes to start when `shardtrain train` is run as one plain process: "auto" = one per visible GPU.
+    nproc: str = "auto"
+    memory_budget_gb: Optional[float] = None
+
+
+@dataclass
+class CheckpointConfig:
+    output_dir: str = "runs/default"
+    save_every: int = 0
+    # Every run that finishes commits its last step too, so `export` and `--resume` see the model it ended
+    # with; false keeps only the --save-every checkpoints (and a preemption's).
+    save_final: bool = True
+    keep_last: int = 2
+    resume: str = "auto"
+    # With --resume none, an output dir that already holds a run is refused unless this says start over.
+    overwrite_output_dir: bool = False
+    # At the end, rank 0 writes the consolidated model here (SageMaker: SM_MODEL_DIR, uploaded as model.tar.gz).
+    final_model_dir: Optional[str] = None
+
+
+@dataclass
+class LogConfig:
+    report_to: Literal["none", "wandb"] = "none"
+    wandb_project: Optional[str] = None
+    wandb_entity: Optional[str] = None
+    wandb_run_name: Optional[str] = None
+    # W&B's system panels (GPU utilisation and memory, where idle GPUs show). Unset: on for CUDA runs, off on
+    # CPU, where its sampler thread only competes with data loading.
+    wandb_system_metrics: Optional[bool] = None
+    # The final model as a W&B artifact (type "model"), as HF Trainer's WANDB_LOG_MODEL=end does; unset follows
+    # that variable. Exported to --final-model-dir, or OUT/final_model when that is unset.
+    wandb_log_model: Optional[bool] = None
+    verbose: bool = False
+    debug: bool = False
+    report: bool = True
+    # The banner's memory prediction measures activations on CPU at startup (seconds on rank 0); false skips it.
+    predict_memory: bool = True
+
+
+@dataclass
+class WorkloadConfig:
+    # YAML `workload: my_pkg.tasks:MyTask` or `workload: {target: ..., args: {...}}`; --workload. A dotted module
+    # path (the config file's folder is on the import path) or a built-in: multimodal, longformer. None: the
+    # built-in that model.name names (the configs written before workloads existed).
+    workload: Optional[str] = None
+    # Keyword arguments for the workload's constructor (YAML workload.args).
+    workload_args: dict = field(default_factory=dict)
+
+
+@dataclass
+class Config:
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.train.eval_batch_size or self.train.per_device_batch_size
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+
+REPO = Path(__file__).resolve().parents[2]
+# `--strategy zero3` is short for `--ds ds_configs/zero3.json`, the names `plan`, `parity` and `compare` print.
+# Found beside the package, so the name works from any working directory.
+SHIPPED_DS_CONFIGS = {name: REPO / "ds_configs" / f"{name}.json"
+                      for name in ("zero2", "zero3", "zero2_offload", "zero3_offload")}
+
+# Hugging Face TrainingArguments spellings accepted as aliases of ours.
+FLAG_ALIASES = {
+    "per_device_batch_size": ["--per-device-train-batch-size"],
+    "grad_accum": ["--gradient-accumulation-steps"],
+    "lr": ["--learning-rate"],
+    "save_every": ["--save-steps"],
+    "eval_every": ["--eval-steps"],
+    "log_every": ["--logging-steps"],
+    "lr_scheduler": ["--lr-scheduler-type"],
+    "activation_checkpointing": ["--gradient-checkpointing"],
+    "max_length": ["--max-seq-length"],
+    # HF TrainingArguments and `accelerate launch` spellings (docs/migration.md lists every one).
+    "eval_batch_size": ["--per-device-eval-batch-size"],
+    "keep_last": ["--save-total-limit"],
+    "wandb_run_name": ["--run-name"],
+    "num_workers": ["--dataloader-num-workers"],
+    "nproc": ["--num-processes"],
+}
+
+
+def _section_classes() -> dict[str, type]:
+    hints = get_type_hints(Config)
+    return {name: hints[name] for name in SECTIONS}
+
+
+# The same aliases as YAML keys (`learning_rate` -> `lr`): YAML takes only our names, but suggests them.
+KEY_ALIASES = {alias[2:].replace("-", "_"): name for name, aliases in FLAG_ALIASES.items() for alias in aliases}
+
+# Names from other trainers whose nearest spelling here is the wrong setting (`--batch-size` is closest to
+# `--eval-batch-size` by letters): what they mean here, and the one thing to know about it.
+MEANT = {
+    "batch_size": ("per_device_batch_size", "the batch of one process: the global batch is "
+                   "per-device-batch-size x processes x grad-accum"),
+    "train_batch_size": ("per_device_batch_size", "the batch of one process: the global batch is "
+                         "per-device-batch-size x processes x grad-accum"),
+    "num_train_epochs": ("max_steps", "shardtrain counts optimizer steps; the banner prints the steps per epoch"),
+    "bf16": ("precision", "--precision bf16"),
+    "fp16": ("precision", "--precision fp16"),
+    "mixed_precision": ("precision", "--precision fp32|bf16|fp16"),
+    "resume_from_checkpoint": ("resume", "--resume auto, none or a checkpoint folder"),
+    # Not aliases: DeepSpeed's own launcher convention uses --deepspeed as a switch, not a file.
+    "deepspeed": ("ds", "--ds ds_configs/zero2.json, or --strategy zero2|zero3"),
+    "zero_stage": ("strategy", "--strategy zero2|zero3 (with _offload for CPU offload)"),
+    "use_deepspeed": ("strategy", "--strategy zero2|zero3, or --ds FILE"),
+    "fsdp": ("strategy", "--strategy fsdp; the wrap policy is --fsdp-policy"),
+    "use_fsdp": ("strategy", "--strategy fsdp; the wrap policy is --fsdp-policy"),
+    "eval_strategy": ("eval_every", "--eval-every N evaluates every N steps, 0 only at the end"),
+    "save_strategy": ("save_every", "--save-every N saves every N steps, and a finished run saves its last"),
+}
+
+
+def _field_index() -> dict[str, tuple[str, dataclasses.Field, Any]]:
+    """field name -> (section, field, resolved type)."""
+    index = {}
+    for section, cls in _section_classes().items():
+        hints = get_type_hints(cls)
+        for f in fields(cls):
+            assert f.name not in index, f"duplicate config field {f.name}"
+            index[f.name] = (section, f, hints[f.name])
+    return index
+
+
+FIELDS = _field_index()
+
+
+def flag_of(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+# Keys whose YAML spelling is not section.field: `workload: {target, args}` reads better than workload.workload.
+YAML_KEYS = {"workload": "workload.target", "workload_args": "workload.args"}
+
+
+def key_of(name: str) -> str:
+    return YAML_KEYS.get(name) or f"{FIELDS[name][0]}.{name}"
+
+
+def where(name: str) -> str:
+    """How to name a setting in an error: both its flag and its YAML key."""
+    return f"{flag_of(name)} ({key_of(name)})"
+
+
+def _suggest(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _meant(name: str) -> tuple[str, str] | None:
+    """(our field, why) for a name another trainer uses, or None."""
+    if name in MEANT:
+        return MEANT[name]
+    if name in KEY_ALIASES:
+        target = KEY_ALIASES[name]
+        return target, f"{flag_of(name)} is accepted as a flag; YAML takes {key_of(target)}"
+    return None
+
+
+def _suggest_flag(flag: str) -> str:
+    meant = _meant(flag.lstrip("-").replace("-", "_"))
+    if meant:
+        return f"; did you mean '{flag_of(meant[0])}'? ({meant[1]})"
+    known = [flag_of(n) for n in FIELDS] + [a for v in FLAG_ALIASES.values() for a in v] + ["--config"]
+    return _suggest(flag, known)
+
+
+def _suggest_key(key: str, own) -> str:
+    meant = _meant(key)
+    if meant:
+        return f"; did you mean '{key_of(meant[0])}'? ({meant[1]})"
+    hint = _suggest(key, own)
+    if not hint and key in FIELDS:
+        hint = f"; it belongs in section '{FIELDS[key][0]}'"
+    return hint
+
+
+def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
+    """Check/convert one value against its annotated type; error names the key or flag."""
+    origin = get_origin(typ)
+    if origin is Union:
+        args = [a for a in get_args(typ) if a is not type(None)]
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and str not in args):
+            return None
+        return _coerce(name, value, args[0], origin_desc)
+    if origin is Literal:
+        choices = get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"{origin_desc}: '{value}' is not one of {', '.join(map(str, choices))}"
+                              f"{_suggest(str(value), map(str, choices))}")
+        return value
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ConfigError(f"{origin_desc}: expected true or false, got {value!r}")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise ConfigError(f"{origin_desc}: expected an integer, got {value!r}")
+        try:
+            return int(value)
+        except ValueError:
+            raise ConfigError(f"{origin_desc}: expected an integer, got {value!r}") from None
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ConfigError(f"{origin_desc}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except ValueError:
+            raise ConfigError(f"{origin_desc}: expected a number, got {value!r}") from None
+    if typ is str:
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ConfigError(f"{origin_desc}: expected a string, got {value!r}")
+        return str(value)
+    if typ is dict:
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{origin_desc}: expected a JSON object, {e.msg} at column {e.colno}") from None
+        if not isinstance(value, dict):
+            raise ConfigError(f"{origin_desc}: expected a mapping, got {value!r}")
+        return value
+    if typ is list:
+        if isinstance(value, str):  # from a flag: comma-separated
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{origin_desc}: expected a list, got {value!r}")
+        return value
+    raise AssertionError(f"unhandled type {typ} for {name}")
+
+
+def load_yaml(path: str | os.PathLike) -> dict:
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--config: file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        loc = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"--config {p}:{loc}: invalid YAML: {getattr(e, 'problem', e)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"--config {p}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
+    return data
+
+
+def from_dict(data: dict, source: str = "config") -> Config:
+    cfg = Config()
+    section_objs = {name: getattr(cfg, name) for name in SECTIONS}
+    for section, values in data.items():
+        if section not in section_objs:
+            raise ConfigError(f"{source}: unknown section '{section}'{_suggest(section, SECTIONS)}"
+                              f" (sections: {', '.join(SECTIONS)})")
+        if values is None:
+            continue
+        if section == "workload":
+            values = _workload_section(values, source)
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section '{section}' must be a mapping")
+        obj = section_objs[section]
+        own = {f.name for f in fields(obj)}
+        for key, value in values.items():
+            if key not in own:
+                raise ConfigError(f"{source}: unknown key '{section}.{key}'{_suggest_key(key, own)}")
+            typ = FIELDS[key][2]
+            setattr(obj, key, _coerce(key, value, typ, f"{source}: {section}.{key}"))
+    return cfg
+
+
+def _workload_section(values, source: str) -> dict:
+    """`workload: my_pkg.tasks:MyTask` or `{target: ..., args: {...}}` -> the section's own field names.
+    (A config saved by a run, to_dict(), already uses those names.)"""
+    if isinstance(values, str):
+        return {"workload": values}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{source}: workload must be 'module:Class' or a mapping with target and args")
+    renamed = {}
+    for key, value in values.items():
+        own = {"target": "workload", "args": "workload_args"}.get(key, key)
+        if own not in ("workload", "workload_args"):
+            raise ConfigError(f"{source}: unknown key 'workload.{key}'{_suggest(key, ['target', 'args'])} "
+                              f"(keys: target, args)")
+        renamed[own] = value
+    return renamed
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse would print the whole usage (70 lines) and exit; a ConfigError is one line, exit 2."""
+
+    def error(self, message):
+        hint = ("; for a negative value write it as --flag=-1e-3" if "expected one argument" in message
+                else "")
+        raise ConfigError(f"{message}{hint} (shardtrain train --help lists every flag)")
+
+
+def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
+    parser = _OneLineParser(prog=prog, description="Train with DDP, FSDP or DeepSpeed ZeRO.",
+                            allow_abbrev=False)
+    parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
+    for name, (section, f, typ) in FIELDS.items():
+        names = [flag_of(name)] + FLAG_ALIASES.get(name, [])
+        if typ in (bool, Optional[bool]):
+            # `--activation-checkpointing` alone means true; `--activation-checkpointing false` also works.
+            parser.add_argument(*names, dest=name, nargs="?", const="true", default=None,
+                                metavar="{true,false}", help=f"{section}.{name}")
+        else:
+            parser.add_argument(*names, dest=name, default=None, help=f"{section}.{name}")
+    return parser
+
+
+def _dashed_flag(arg: str) -> str:
+    """`--per_device_batch_size[=8]` -> `--per-device-batch-size[=8]`; values are left alone."""
+    if not arg.startswith("--") or "_" not in arg.split("=", 1)[0]:
+        return arg
+    name, sep, value = arg.partition("=")
+    return "--" + name[2:].replace("_", "-") + sep + value
+
+
+def parse_cli(argv: list[str]) -> Config:
+    parser = build_arg_parser()
+    # SageMaker passes hyperparameter names verbatim: `--per_device_batch_size 8` must work too.
+    dashed = [_dashed_flag(a) for a in argv]
+    args, unknown = parser.parse_known_args(dashed)
+    if unknown:
+        flag = unknown[0]
+        as_typed = argv[dashed.index(flag)] if flag in dashed else flag
+        raise ConfigError(f"unknown argument '{as_typed}'{_suggest_flag(flag.split('=')[0])}")
+    data = load_yaml(args.config) if args.config else {}
+    add_import_paths(args.config)  # a tasks.py beside the config imports on every rank
+    cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")
+    for name, (section, f, typ) in FIELDS.items():
+        value = getattr(args, name)
+        if value is not None:
+            setattr(getattr(cfg, section), name, _coerce(name, value, typ, flag_of(name)))
+    # SageMaker's channels and folders fill in what neither a flag nor a hyperparameter set.
+    apply_sagemaker_env(cfg, explicit={name for name in FIELDS if getattr(args, name) is not None})
+    resolve_shipped_ds_config(cfg.parallel)
+    # `--ds FILE` alone means DeepSpeed; combined with another explicit strategy it is a contradiction.
+    if cfg.parallel.ds:
+        explicit = args.strategy is not None or "strategy" in (data.get("parallel") or {})
+        if explicit and cfg.parallel.strategy not in ("deepspeed",):
+            raise ConfigError(f"--ds {cfg.parallel.ds} selects DeepSpeed, but --strategy is "
+                              f"'{cfg.parallel.strategy}': drop one of them")
+        cfg.parallel.strategy = "deepspeed"
+    validate(cfg)
+    return cfg
+
+
+def logs_model_artifact(log: LogConfig) -> bool:
+    """--wandb-log-model, else HF's WANDB_LOG_MODEL: "end" (or the older "true"); "checkpoint" gets the final
+    model too, since shardtrain's checkpoints are sharded per strategy and an artifact should load anywhere."""
+    if log.report_to != "wandb":
+        return False
+    if log.wandb_log_model is not None:
+        return log.wandb_log_model
+    return os.environ.get("WANDB_LOG_MODEL", "false").strip().lower() in ("end", "true", "checkpoint")
+
+
+# Built-in workloads by name. Strings, so that naming one imports nothing until it is chosen.
+BUILTIN_WORKLOADS = {"multimodal": "shardtrain.workloads.multimodal:MultimodalWorkload",
+                     "longformer": "shardtrain.workloads.longformer:LongformerWorkload"}
+
+
+def workload_target(cfg: Config) -> str:
+    """`module:Class`, from --workload (workload.target), else the built-in that model.name names."""
+    name = cfg.workload.workload or cfg.model.name
+    return BUILTIN_WORKLOADS.get(name, name)
+
+
+def is_builtin_workload(cfg: Config) -> bool:
+    """The built-ins read jsonl records from data.data_dir and a text model from the hub; a user's workload
+    brings its own data and model, so those checks are not run for it."""
+    return workload_target(cfg) in BUILTIN_WORKLOADS.values()
+
+
+def add_import_paths(config_path: str | None) -> None:
+    """The config file's folder (a tasks.py beside the YAML) and the working directory, where --workload's
+    module is imported from, on every rank."""
+    import sys
+    for folder in ([str(Path(config_path).resolve().parent)] if config_path else []) + [os.getcwd()]:
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+
+
+def add_workload_flags(parser) -> None:
+    """--workload and --workload-args, spelled as `train` spells them, for the commands that are not `train`
+    (plan, check-data, export, report): read into a Config by command_config()."""
+    parser.add_argument(flag_of("workload"), dest="workload", default=None,
+                        help="my_pkg.tasks:MyTask, or a built-in: " + ", ".join(BUILTIN_WORKLOADS))
+    parser.add_argument(flag_of("workload_args"), dest="workload_args", default=None,
+                        help="the workload's keyword arguments as JSON (YAML workload.args)")
+
+
+def command_config(config_path: str | None, workload: str | None = None, workload_args: str | None = None) -> Config:
+    """A command's Config: the YAML (if any) with --workload / --workload-args over it, their modules importable
+    from the config's folder and the working directory as in training. Not validated: each command checks
+    what it uses."""
+    if config_path is not None and not Path(config_path).is_file():
+        raise ConfigError(f"--config: file not found: {config_path}")
+    cfg = from_dict(load_yaml(config_path) if config_path else {},
+                    source=f"--config {config_path}" if config_path else "config")
+    add_import_paths(config_path)
+    for name, value in (("workload", workload), ("workload_args", workload_args)):
+        if value is not None:
+            setattr(cfg.workload, name, _coerce(name, value, FIELDS[name][2], flag_of(name)))
+    if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
+        cfg.model.name = cfg.workload.workload  # `--workload longformer`, as validate() reads it
+    return cfg
+
+
+def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Fill cfg from the SageMaker environment (shardtrain/sagemaker_env.py), leaving fields in `explicit` (set
+    by a flag) alone. Returns what was applied; nothing outside SageMaker."""
+    from shardtrain.config.sagemaker_env import check_hosts, in_sagemaker, sagemaker_settings
+
+    env = os.environ if env is None else env
+    if not in_sagemaker(env):
+        return {}
+    check_hosts(env)
+    applied = {}
+    for name, value in sagemaker_settings(env).items():
+        if name not in explicit:
+            setattr(getattr(cfg, FIELDS[name][0]), name, value)
+            applied[name] = value
+    # parse_cli runs on every rank; RANK is unset in a plain process, which is rank 0 too.
+    if applied and env.get("RANK", "0") == "0":
+        print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()),
+              flush=True)
+    return applied
+
+
+def resolve_shipped_ds_config(p: ParallelConfig) -> None:
+    """`--strategy zero3` -> strategy deepspeed with ds_configs/zero3.json; another --ds beside it contradicts it."""
+    shipped = SHIPPED_DS_CONFIGS.get(p.strategy)
+    if shipped is None:
+        return
+    if p.ds and Path(p.ds).resolve() != shipped:
+        raise ConfigError(f"--strategy {p.strategy} means {shipped}, but {where('ds')} is {p.ds}: drop one of them "
+                          f"(--ds FILE alone selects DeepSpeed with FILE)")
+    if not shipped.is_file():
+        raise ConfigError(f"--strategy {p.strategy}: {shipped} is missing from this installation; "
+                          f"pass your own DeepSpeed JSON with --ds FILE")
+    p.strategy, p.ds = "deepspeed", str(shipped)
+
+
+def validate(cfg: Config) -> None:
+    """Checks that need no process group, model or data; each error names its flag and key."""
+    t, m, d, p, c = cfg.train, cfg.model, cfg.data, cfg.parallel, cfg.checkpoint
+    if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
+        m.name = cfg.workload.workload  # `--workload longformer`: the built-in reads the model section as model.name did
+    resolve_shipped_ds_config(p)  # from_dict + validate (plan) never passes through parse_cli
+    positive = {"max_steps": t.max_steps, "per_device_batch_size": t.per_device_batch_size,
+                "grad_accum": t.grad_accum, "max_length": d.max_length, "image_size": d.image_size,
+                "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
+                "keep_last": c.keep_last, "attention_window": m.attention_window}
+    if d.streaming and (d.dataset_name or d.train_file or d.train_dir or d.dataset_format):
+        other = next(f for f in ("dataset_name", "train_file", "train_dir", "dataset_format") if getattr(d, f))
+        raise ConfigError(f"{where('streaming')}: streams the jsonl --data-dir layout's train.jsonl; "
+                          f"{where(other)} is read into memory (drop one of them)")
+    if m.num_labels is None and not (d.dataset_name or d.train_file or d.train_dir):
+        # The jsonl --data-dir layout's integer labels do not say how many classes there are; other sources'
+        # labels do (shardtrain/data/sources.py sets it from them).
+        m.num_labels = 3
+    if t.eval_batch_size is not None:
+        positive["eval_batch_size"] = t.eval_batch_size
+    if m.num_labels is not None:
+        positive["num_labels"] = m.num_labels
+    for name, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{where(name)} must be positive, got {value}")
+    if not t.lr > 0:
+        raise ConfigError(f"{where('lr')} must be positive, got {t.lr}")
+    for name in ("weight_decay", "warmup_steps", "max_grad_norm", "eval_every", "save_every",
+                 "freeze_layers", "num_workers", "dropout"):
+        value = getattr(getattr(cfg, FIELDS[name][0]), name)
+        if value < 0:
+            raise ConfigError(f"{where(name)} must be >= 0, got {value}")
+    if m.unfreeze_at_step is not None:
+        if m.freeze_layers == 0:
+            raise ConfigError(f"{where('unfreeze_at_step')} is set but {where('freeze_layers')} is 0: nothing to unfreeze")
+        if not 0 < m.unfreeze_at_step <= t.max_steps:
+            raise ConfigError(f"{where('unfreeze_at_step')}={m.unfreeze_at_step} is outside 1..max_steps "
+                              f"({t.max_steps}): the frozen layers would never train")
+    try:
+        t.inject_nan_at_steps = sorted({int(v) for v in t.inject_nan_at_steps})
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where('inject_nan_at_steps')} must be step numbers, e.g. 3,4; "
+                          f"got {t.inject_nan_at_steps!r}") from None
+    if m.name == "longformer" and d.max_length > 16384:
+        raise ConfigError(f"{where('max_length')}={d.max_length} is beyond what Longformer positions support")
+    if p.strategy == "deepspeed" and not p.ds:
+        raise ConfigError(f"--strategy deepspeed needs {where('ds')}, e.g. --ds ds_configs/zero2.json "
+                          f"(or --strategy zero2 for that shipped file)")
+    if p.ds and not Path(p.ds).is_file():
+        raise ConfigError(f"{where('ds')}: file not found: {p.ds}")
+    if p.strategy == "auto" and not is_builtin_workload(cfg):
+        # The planner measures activations on the built-in architectures; a user's model it only counts.
+        raise ConfigError(f"{where('strategy')}=auto chooses from predicted activation memory, which shardtrain "
+                          f"measures for the built-in workloads only, not {workload_target(cfg)}; choose "
+                          f"--strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
+                          f"model-state memory)")
+    if p.nproc != "auto":
+        try:
+            if int(p.nproc) < 1:
+                raise ValueError
+        except ValueError:
+            raise ConfigError(f"{where('nproc')} must be 'auto' or a positive integer, got {p.nproc!r}") from None
+    if t.memory_every < 0:
+        raise ConfigError(f"{where('memory_every')} must be >= 0, got {t.memory_every}")
+    if t.compile != "none" and p.strategy == "deepspeed":
+        raise ConfigError(f"{where('compile')}={t.compile} is wired up for --strategy ddp and fsdp only, "
+                          f"not DeepSpeed; drop --compile or use ddp/fsdp")
+    if m.attention != "sdpa" and m.name == "longformer":
+        raise ConfigError(f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
+                          f"the setting applies to the multimodal model's RoBERTa only")
+    if t.inject_oom_above is not None and t.inject_oom_above < 0:
+        raise ConfigError(f"{where('inject_oom_above')} must be >= 0, got {t.inject_oom_above}")
+    if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
+        raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
+    if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
+        raise ConfigError(f"{where('preprocessing_num_workers')} must be a positive number of processes, "
+                          f"got {d.preprocessing_num_workers}")
+    if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
+        raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
+    if d.image_cache is not None and m.name != "multimodal":
+        raise ConfigError(f"{where('image_cache')}: only the multimodal model reads images; drop it for {m.name}")
+    if d.dataset_format is not None:
+        check_dataset_format(cfg)
+    if c.final_model_dir is not None and Path(c.final_model_dir).is_file():
+        raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
+    if c.resume not in ("auto", "none") and not Path(c.resume).exists():
+        raise ConfigError(f"{where('resume')}: checkpoint not found: {c.resume} (use 'auto', 'none' or a path)")
+    if m.pretrained and d.tokenizer is None:
+        # A pretrained text model needs the tokenizer it was trained with; default to its own.
+        d.tokenizer = m.text_model
+    check_output_dir(c.output_dir)
+
+
+def check_dataset_format(cfg: Config) -> None:
+    """What a published layout cannot be combined with; its files are checked later, in data/precheck.py."""
+    d = cfg.data
+    if d.dataset_format.startswith("mvsa") and d.validation_split_percentage is None:
+        d.validation_split_percentage = 10  # MVSA has no validation split, and the reports evaluate on it
+    fmt = f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')})"
+    if cfg.model.name != "multimodal":
+        raise ConfigError(f"{fmt}: the layouts pair each text with an image; train them with the multimodal "
+                          f"model, not {cfg.model.name}")
+    if d.eval_data_dir is not None:
+        raise ConfigError(f"{fmt}: the layout's own files give its validation split; drop {where('eval_data_dir')}")
+
+
+def check_output_dir(output_dir: str) -> None:
+    """Fail now, not after the model and data are built, if the run could not write its outputs.
+    Creates nothing: an anonymous temporary file in the nearest existing folder is the probe."""
+    import tempfile
+
+    probe = Path(output_dir).absolute()
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ConfigError(f"{where('output_dir')} {output_dir}: {probe} is a file, not a folder; "
+                          f"choose another --output-dir")
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as e:
+        raise ConfigError(f"{where('output_dir')} {output_dir}: cannot write in {probe} ({e.strerror}); "
+                          f"choose a writable --output-dir") from None

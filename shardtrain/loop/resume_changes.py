@@ -1,0 +1,53 @@
+"""What a resume changes when its settings differ from the checkpoint's, said in one line, never silently.
+
+Extending a run (a larger --max-steps) is a choice to make visible, not to forbid. The learning-rate
+schedule is a function of max_steps, warmup and the peak rate, so a resume with other values follows another
+schedule from its first step on. The batch geometry sets how many samples a step takes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from shardtrain.config.settings import Config, flag_of
+from shardtrain.strategies.optim import lr_lambda
+
+SCHEDULE = ("max_steps", "lr", "warmup_steps", "lr_scheduler")
+GEOMETRY = ("per_device_batch_size", "grad_accum")
+
+
+@dataclass
+class ResumeChanges:
+    changes: list[str]      # one phrase per changed setting, with its effect
+    schedule_changed: bool  # the strategy must then take the learning rate from the new schedule
+
+    def line(self, step: int) -> str:
+        return f"resuming from step {step} with changed settings: {'; '.join(self.changes)}"
+
+
+def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeChanges:
+    saved = (saved_state.get("config") or {}).get("train") or {}
+    t, step = cfg.train, saved_state["step"]
+    changes = [f"{flag_of(k)} {saved[k]} -> {getattr(t, k)}" for k in SCHEDULE
+               if k in saved and saved[k] != getattr(t, k)]
+    schedule_changed = bool(changes)
+    if schedule_changed:
+        old = dataclasses.replace(t, **{k: saved[k] for k in SCHEDULE if k in saved})
+        changes.append(f"the learning rate follows the new schedule: {t.lr * lr_lambda(t)(step):.2e} at step "
+                       f"{step + 1}, where the saved run's would be {old.lr * lr_lambda(old)(step):.2e}")
+
+    saved_world = int(saved_state.get("world_size", world_size))
+    geometry = [f"{flag_of(k)} {saved[k]} -> {getattr(t, k)}" for k in GEOMETRY
+                if k in saved and saved[k] != getattr(t, k)]
+    if saved_world != world_size:
+        geometry.append(f"world size {saved_world} -> {world_size}")
+    if geometry:
+        before = (saved.get("per_device_batch_size", t.per_device_batch_size) *
+                  saved.get("grad_accum", t.grad_accum) * saved_world)
+        after = t.per_device_batch_size * t.grad_accum * world_size
+        effect = (f"global batch {before} -> {after} samples per step" if before != after
+                  else f"global batch unchanged at {after}")
+        if saved_world != world_size:
+            effect += " (the data position carries over as the fraction of the epoch seen)"
+        changes.append(f"{', '.join(geometry)}: {effect}")
+    return ResumeChanges(changes, schedule_changed)

@@ -1,0 +1,60 @@
+"""Model FLOPs utilisation: counted training FLOPs per sample against the GPU's peak.
+
+MFU = (FLOPs per sample x samples/s per GPU) / peak FLOPs of that GPU at the training dtype.
+On CPU there is no meaningful peak, so no MFU is reported there.
+"""
+from __future__ import annotations
+
+import torch
+
+# Dense tensor-core peaks (no sparsity), FLOP/s, from the vendors' datasheets. fp32 is plain FP32
+# (torch does not enable TF32 matmuls by default).
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
+
+
+def peak_flops(device_name: str, precision: str) -> float | None:
+    """Peak FLOP/s for a torch.cuda.get_device_name() string, or None when the GPU is not in the table."""
+    for key, peaks in PEAK_FLOPS.items():  # "H100 PCIe" is listed before "H100": first match wins
+        if all(part in device_name for part in key.split()):
+            return peaks.get(precision)
+    return None
+
+
+def train_flops_per_sample(model_factory, batch: dict, trainable_params: int) -> float:
+    """Forward FLOPs of one sample counted once on a meta-device copy of the model (so CNN convolutions
+    and attention are counted as they are, no weights materialised), x3 for forward + backward.
+    Models whose forward needs real values (data-dependent shapes) fall back to 6 x params x tokens."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    one = {k: v[:1] for k, v in batch.items()}
+    try:
+        model = model_factory(on_meta=True).eval()  # one sample: train-mode BatchNorm refuses a 1x1 map
+        from shardtrain.workloads.base import model_inputs
+        one = model_inputs(model, one)
+        inputs = {k: torch.empty_like(v, device="meta") if v.is_floating_point()
+                  else torch.zeros_like(v, device="meta") for k, v in one.items()}
+        if "attention_mask" in inputs:
+            # No mask, the same FLOPs: HF's mask helpers read the mask's values (is it all ones?), which a
+            # meta tensor does not have, and the count would fall back to the rough estimate below.
+            inputs["attention_mask"] = None
+        with torch.no_grad(), FlopCounterMode(display=False) as counter:
+            model(**inputs)
+        forward = counter.get_total_flops()
+        if forward > 0:
+            return 3.0 * forward
+    except Exception:  # noqa: BLE001 - any meta-device failure means "count the simple way"
+        pass
+    tokens = one["input_ids"].numel() if "input_ids" in one else 1
+    return 6.0 * trainable_params * tokens
+
+
+def mfu(flops_per_sample: float, samples_per_sec: float, world_size: int, peak: float | None) -> float | None:
+    if not peak or flops_per_sample <= 0:
+        return None
+    return flops_per_sample * samples_per_sec / world_size / peak

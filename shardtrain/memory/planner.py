@@ -1,0 +1,525 @@
+"""`shardtrain plan`: predict per-GPU memory for every strategy before a job starts, and pick one.
+
+    shardtrain plan --config configs/longformer_4096.yaml --gpus 4 --gpu v100-16gb [--per-device-batch-size 8
+                    --max-length 4096] [--json]
+
+Model states are counted on the meta device (nothing allocated) and priced the way shardtrain really holds
+them, which is what `shardtrain.memory.accounting` measures on a run (Ψ = parameter count, N = ranks):
+  - every strategy keeps fp32 master weights (DDP/FSDP and DeepSpeed bf16 run under torch.autocast);
+    DeepSpeed fp16 keeps 16-bit weights in the model and the fp32 master copy in the optimizer;
+  - DeepSpeed always keeps its own fp32 master partition, also when the weights are already fp32 (its
+    ZeRO-3 "no copy" test compares a torch.device with a string, which is never equal: measured here);
+  - ZeRO-3 keeps parameters under stage3_param_persistence_threshold whole on every rank, and a reduce bucket
+    (reduce_bucket_size elements) allocated for the whole run.
+The ZeRO paper's formulas (Rajbhandari et al. 2020; fp16 weights and grads, K=12 for mixed-precision Adam) are
+printed beside ours: baseline (2+2+K)Ψ, stage 2 2Ψ+(2+K)Ψ/N, stage 3 (4+K)Ψ/N; DeepSpeed's own stage-2
+estimator uses 2Ψ+18Ψ/N.
+
+Activations come from a measurement: the real architecture with 1 and 2 encoder layers, forward + loss on CPU
+under saved-tensor hooks (shardtrain.memory.accounting.SavedActivations), batch 2 at three sequence lengths and batch 4 at
+the shortest. What is saved is a part per sample plus a part per forward that no batch size changes: under
+autocast the low-precision copy of every weight a matmul or convolution used (autocast casts each weight once
+per forward and backward needs it: 2 bytes per such parameter, ~10 MiB of the tiny multimodal model's ~12 at
+bf16 micro-batch 8), and per-channel BatchNorm statistics. Batch 2 against batch 4 separates the two (the
+per-forward part does not depend on the length: measured at 4..256 tokens); scaling all of batch 2's bytes
+with the batch counted the weight copies micro-batch/2 times over.
+Per layer and per length the per-sample bytes are fitted in the length: a quadratic through three lengths for
+full attention (it may grow as L²); Longformer's sliding window is linear in L (x window) from two windows on,
+so a line through 2 and 3 windows (one window is a special case, and a quadratic through it bent the
+extrapolation to 16 windows 21% low). Then they are scaled to the layer count and the batch.
+With activation checkpointing the same measurement runs with the blocks checkpointed; backward then also
+needs one block's activations again while it is recomputed, which goes into overhead.
+DeepSpeed fp16 keeps 16-bit weights, so there are no weight copies to save; it is measured as autocast all
+the same (an upper bound by those copies).
+
+The model is counted with the vocabulary the run's tokenizer will have (shardtrain.data.tokenizer.
+planned_vocab_size); the banner passes the run's own tokenizer length.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import gc
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 1024 ** 3
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gib: float
+    bf16: bool
+
+
+GPUS = {
+    "a100-40gb": GPU("A100 40GB", 40.0, True), "a100-80gb": GPU("A100 80GB", 80.0, True),
+    "v100-16gb": GPU("V100 16GB", 16.0, False), "v100-32gb": GPU("V100 32GB", 32.0, False),
+    "h100-80gb": GPU("H100 80GB", 80.0, True), "h200-141gb": GPU("H200 141GB", 141.0, True),
+}
+GPU_ALIASES = {"a100": "a100-40gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb", "v100": "v100-16gb",
+               "v100-16": "v100-16gb", "v100-32": "v100-32gb", "h100": "h100-80gb", "h200": "h200-141gb"}
+# Resident outside the allocator's view: the CUDA context and kernels (~0.3-0.5 GiB on A100/H100).
+CUDA_CONTEXT = 0.5 * GIB
+# Below this much free memory a run fits on paper but fragments into an OOM.
+HEADROOM = 0.05
+
+# Variant -> (strategy, fsdp policy or ds config, relative cost, communication per step in Ψ-sized payloads).
+# The cost is a heuristic for ranking, not a measurement: sharding adds collectives (FSDP/ZeRO-3 gather
+# parameters again for backward), offload moves state over PCIe and runs Adam on the CPU.
+VARIANTS = {
+    "ddp": ("ddp", None, 1.00, "all-reduce grads (2Ψ)"),
+    "zero2": ("deepspeed", "ds_configs/zero2.json", 1.05, "reduce-scatter grads + all-gather params (2Ψ)"),
+    "fsdp_sgo": ("fsdp", "fsdp_policies/shard_grad_op.yaml", 1.05, "all-gather once + reduce-scatter (2Ψ)"),
+    "fsdp": ("fsdp", "fsdp_policies/default.yaml", 1.12, "all-gather twice + reduce-scatter (3Ψ)"),
+    "zero3": ("deepspeed", "ds_configs/zero3.json", 1.15, "all-gather twice + reduce-scatter (3Ψ)"),
+    "zero2_offload": ("deepspeed", "ds_configs/zero2_offload.json", 1.6, "2Ψ + grads/params over PCIe, CPU Adam"),
+    "fsdp_offload": ("fsdp", "fsdp_policies/offload.yaml", 2.0, "3Ψ, all state over PCIe, CPU Adam"),
+    "zero3_offload": ("deepspeed", "ds_configs/zero3_offload.json", 2.2, "3Ψ, all state over PCIe, CPU Adam"),
+}
+RECOMPUTE_COST = 1.33  # one more forward per step: ~1/3 of forward + backward
+
+
+# ---- the model, counted without allocating it ---------------------------------------------------------------
+@dataclass
+class ModelCount:
+    params: int
+    largest_unit: int     # parameters of the biggest wrapped block / layer (gathered whole at a time)
+    small_params: int     # parameters in tensors below ZeRO-3's persistence threshold (kept whole)
+    buffer_bytes: int
+    layers: int           # repeated text encoder layers
+    # Parameters frozen for the whole run (freeze_layers without unfreeze_at_step): no gradient and no optimizer
+    # state under any strategy. With unfreeze_at_step they get both before the end, so they count in full.
+    frozen: int = 0
+
+
+def _vocab(cfg) -> int | None:
+    # For the activation measurement only: the vocabulary changes the embedding table (a parameter, not a
+    # saved tensor), so the configured size does as well as the trained tokenizer's and costs no training.
+    return None if cfg.model.pretrained or cfg.data.tokenizer else cfg.data.tokenizer_vocab_size
+
+
+def run_vocab(cfg) -> tuple[int | None, str]:
+    """(vocab size, source) of the model train.py builds: the checkpoint's own when pretrained (None), else
+    len(tokenizer), which for a trained tokenizer can be well under tokenizer_vocab_size."""
+    from shardtrain.data.tokenizer import planned_vocab_size
+
+    if cfg.model.pretrained:
+        return None, f"{cfg.model.text_model}'s own"
+    return planned_vocab_size(cfg)
+
+
+def arch_only(cfg):
+    """The same architecture with nothing to load: the offline table stands in for hub configs it knows
+    (identical shapes), so plan works with no network and never downloads weights."""
+    from shardtrain.models import KNOWN_TEXT_ARCHS
+
+    c = copy.deepcopy(cfg)
+    if c.model.text_model in KNOWN_TEXT_ARCHS and not (Path(c.model.text_model) / "config.json").is_file():
+        c.model.pretrained = False
+    c.model.image_weights = None
+    if c.model.num_labels is None:
+        # Taken from the data when the run reads it (sources.py); the head is a few hundred parameters either way.
+        c.model.num_labels = 2
+    return c
+
+
+def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | None = None) -> ModelCount:
+    """`vocab_size`: the run's tokenizer length when known (the banner); otherwise planned (run_vocab)."""
+    import torch
+
+    from shardtrain.models import build_model, text_config_for
+
+    if vocab_size is None:
+        vocab_size, _ = run_vocab(cfg)
+    cfg = arch_only(cfg)
+    with torch.device("meta"):
+        model = build_model(cfg.model, cfg.data, vocab_size, load_weights=False)
+    blocks = model.block_classes()
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, blocks)]
+    params = [p.numel() for p in model.parameters()]
+    text_cfg = text_config_for(cfg.model, cfg.data, vocab_size)
+    frozen = set(model.freezable_parameter_names(cfg.model.freeze_layers)) \
+        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None else set()
+    return ModelCount(params=sum(params), largest_unit=max(units, default=max(params)),
+                      small_params=sum(n for n in params if n < persistence_threshold),
+                      buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+                      layers=text_cfg.num_hidden_layers,
+                      frozen=sum(p.numel() for name, p in model.named_parameters() if name in frozen))
+
+
+# ---- activations, measured at small shapes -------------------------------------------------------------------
+def _with_layers(cfg, n: int):
+    c = arch_only(cfg)
+    c.model.text_config = {**c.model.text_config, "num_hidden_layers": n}
+    return c
+
+
+def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int = 2) -> int:
+    """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
+    train mode rejects one value per channel, which a small image pooled to 1x1 would give)."""
+    import torch
+    import torch.nn.functional as F
+
+    from shardtrain.memory.accounting import SavedActivations
+    from shardtrain.models import build_model
+    from shardtrain.strategies.recompute import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.data, _vocab(cfg) or None, load_weights=False)
+    model.train()
+    if recompute:
+        apply_activation_checkpointing(model, model.block_classes())
+    vocab = model.text_cfg.vocab_size
+    inputs = {"input_ids": torch.randint(3, vocab, (batch, seq_len)),
+              "attention_mask": torch.ones(batch, seq_len, dtype=torch.long)}
+    if "pixel_values" in model.batch_keys:
+        size = cfg.data.image_size
+        inputs["pixel_values"] = torch.randn(batch, 3, size, size)
+    amp = (torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32"
+           else torch.autocast("cpu", enabled=False))
+    with SavedActivations() as saved, amp:
+        logits = model(**inputs)
+        loss = F.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long))
+    # With saved-tensor hooks a saved output and its grad_fn hold each other through C++, where the cycle
+    # collector cannot see: only backward releases them (measured: ~600 MB kept per call otherwise).
+    loss.backward()
+    del loss, logits, model
+    gc.collect()
+    return saved.bytes
+
+
+def _fit_quadratic(xs: list[int], ys: list[float]):
+    """Exact quadratic through three points (Lagrange form): bytes as a function of sequence length."""
+    (x0, x1, x2), (y0, y1, y2) = xs, ys
+
+    def f(x):
+        return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+                + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
+    return f
+
+
+def _fit_line(xs: list[int], ys: list[float]):
+    """The line through two points: bytes as a function of sequence length (sliding-window attention)."""
+    (x0, x1), (y0, y1) = xs, ys
+    return lambda x: y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+def _window(cfg) -> int | None:
+    return cfg.model.attention_window if cfg.model.name == "longformer" else None
+
+
+def sample_lengths(cfg, seq_len: int) -> list[int]:
+    w = _window(cfg)
+    if w:  # Longformer pads to whole windows; linear from 2 windows on (see the module docstring)
+        return [2 * w, 3 * w]
+    top = min(seq_len, 512)
+    pts = sorted({max(4, top // 4), max(6, top // 2), max(8, top)})
+    return pts if len(pts) == 3 else [4, 6, 8]
+
+
+@functools.lru_cache(maxsize=32)
+def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: tuple[int, ...]):
+    """(per-sample bytes outside the layers, per-sample bytes per layer) as functions of the length, and the
+    per-forward bytes (weight copies, BatchNorm statistics) outside the layers and per layer."""
+    from shardtrain.config.settings import from_dict
+
+    cfg = from_dict(json.loads(cfg_json))
+    per_sample, per_forward = {}, {}
+    for n in (1, 2):
+        c = _with_layers(cfg, n)
+        at2 = [_saved_bytes(c, length, recompute, precision) for length in lengths]
+        per_forward[n] = max(0, 2 * at2[0] - _saved_bytes(c, lengths[0], recompute, precision, batch=4))
+        per_sample[n] = [(b - per_forward[n]) / 2 for b in at2]
+    per_layer = [b - a for a, b in zip(per_sample[1], per_sample[2])]
+    fixed = [a - p for a, p in zip(per_sample[1], per_layer)]
+    fit = _fit_quadratic if len(lengths) == 3 else _fit_line
+    layer_forward = per_forward[2] - per_forward[1]
+    return fit(list(lengths), fixed), fit(list(lengths), per_layer), per_forward[1] - layer_forward, layer_forward
+
+
+def activation_bytes(cfg, batch: int, seq_len: int, recompute: bool, precision: str, layers: int,
+                     planned_length: int | None = None) -> dict:
+    """Predicted bytes saved for backward per micro-batch, and one layer's worth (the recompute working set).
+    `planned_length`: the length the measurement is planned for (default seq_len); the end of a run evaluates
+    the banner's fit (planned for max_length) at the length a batch really had."""
+    w = _window(cfg)
+    if w:
+        seq_len = -(-seq_len // w) * w
+    d = cfg.to_dict()
+    cfg_json = json.dumps({k: v for k, v in d.items() if k in ("model", "data")}, sort_keys=True)
+    lengths = tuple(sample_lengths(cfg, planned_length or seq_len))
+    fixed, per_layer, fixed_forward, layer_forward = _activation_model(cfg_json, recompute, precision, lengths)
+    _, per_layer_full, _, layer_forward_full = _activation_model(cfg_json, False, precision, lengths)
+    total = batch * (fixed(seq_len) + layers * per_layer(seq_len)) + fixed_forward + layers * layer_forward
+    return {"saved": max(0.0, total),
+            "one_layer": max(0.0, batch * per_layer_full(seq_len) + layer_forward_full)}
+
+
+# ---- model states per variant --------------------------------------------------------------------------------
+def _ds_settings(path: str) -> dict:
+    data = json.loads((REPO / path).read_text())
+    z = data.get("zero_optimization", {})
+    return {"bucket": int(z.get("reduce_bucket_size", 5e8)), "prefetch": int(z.get("stage3_prefetch_bucket_size", 5e7)),
+            "persist": int(z.get("stage3_param_persistence_threshold", 1e5))}
+
+
+def model_states(variant: str, m: ModelCount, n: int, precision: str) -> dict:
+    """Bytes per rank on the GPU (params/grads/optimizer/comm/overhead) and in host RAM, steady state after
+    backward (what shardtrain.memory.accounting measures) plus the transient peak in `overhead`."""
+    psi = m.params
+    psi_t = m.params - m.frozen  # what gets gradients and optimizer state (strategies: frozen parameters get none)
+    lp = 2 if precision != "fp32" else 4       # bytes per 16-bit-or-fp32 weight where the backend keeps them so
+    native_fp16 = precision == "fp16"          # only DeepSpeed fp16 keeps 16-bit weights (others: autocast)
+    gpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "comm": 0.0, "overhead": 0.0}
+    host = 0.0
+    if variant == "ddp":
+        gpu.update(params=4 * psi, grads=4 * psi_t, optimizer=8 * psi_t)
+    elif variant in ("fsdp", "fsdp_sgo"):
+        gpu.update(params=4 * psi / n, grads=4 * psi_t / n, optimizer=8 * psi_t / n)
+        # Gathered units: the current and the prefetched one; SHARD_GRAD_OP keeps all of them from forward to backward.
+        gpu["overhead"] = 4 * psi * (1 - 1 / n) if variant == "fsdp_sgo" else 2 * 4 * m.largest_unit
+    elif variant == "fsdp_offload":
+        host = 4 * psi / n + 12 * psi_t / n
+        gpu["overhead"] = 2 * 4 * m.largest_unit + 4 * m.largest_unit  # gathered units + a unit's gradient
+    else:
+        ds = _ds_settings(VARIANTS[variant][1])
+        w = lp if native_fp16 else 4
+        if variant.startswith("zero2"):
+            gpu["params"] = w * psi
+            part = {"grads": 4 * psi_t / n, "optimizer": 12 * psi_t / n}  # fp32 master + Adam m, v
+            if variant == "zero2":
+                gpu.update(part)
+            else:
+                host = sum(part.values())
+            # During backward: two reduce buckets (overlap_comm); at the step the flat fp32 gradient.
+            gpu["overhead"] = 2 * w * min(ds["bucket"], psi_t) + 4 * psi_t / n
+        else:
+            persistent = m.small_params
+            shard = {"params": w * (psi / n) + w * persistent, "grads": 4 * psi_t / n, "optimizer": 12 * psi_t / n}
+            gpu["comm"] = 4 * ds["bucket"]  # allocated for the whole run (measured)
+            gathered = w * min(ds["prefetch"], psi) + 2 * w * m.largest_unit
+            if variant == "zero3":
+                gpu.update(shard)
+            else:
+                # Offloaded, the gradient partition buffer moves to host RAM and the CPU optimizer gets an
+                # fp32 gradient buffer of its own beside it (measured: 8Ψ/N of gradients per rank).
+                gpu["params"] = w * persistent
+                host = shard["params"] - w * persistent + 2 * shard["grads"] + shard["optimizer"]
+            gpu["overhead"] = gathered
+    gpu["overhead"] += m.buffer_bytes
+    return {"gpu": gpu, "host": host}
+
+
+def paper_formula(variant: str, psi: int, n: int) -> dict:
+    """ZeRO paper model-state bytes (fp16 weights and grads, K=12) and DeepSpeed's estimator where it exists."""
+    k = 12
+    base = variant.split("_")[0]
+    paper = {"ddp": (2 + 2 + k) * psi, "zero2": 2 * psi + (2 + k) * psi / n, "fsdp_sgo": 2 * psi + (2 + k) * psi / n,
+             "zero3": (4 + k) * psi / n, "fsdp": (4 + k) * psi / n}.get(base if base != "fsdp" else variant.split("_offload")[0])
+    out = {"zero_paper": paper}
+    if variant == "zero2":
+        out["deepspeed_estimator"] = 2 * psi + 18 * psi / n
+    return out
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------
+def resolve_gpu(name: str) -> GPU:
+    from shardtrain.config.settings import ConfigError
+
+    key = GPU_ALIASES.get(name.lower(), name.lower())
+    if key not in GPUS:
+        raise ConfigError(f"--gpu {name}: unknown GPU; known: {', '.join(GPUS)}")
+    return GPUS[key]
+
+
+def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool = True) -> dict:
+    """Every variant with activation checkpointing off and on, at the config's micro-batch; the recommendation."""
+    t = cfg.train
+    precision = t.precision if (t.precision != "bf16" or bf16_ok) else "fp16"
+    vocab, vocab_source = run_vocab(cfg)
+    m = count_model(cfg, vocab_size=vocab)
+    global_batch = t.per_device_batch_size * t.grad_accum * gpus
+    context = CUDA_CONTEXT if cuda else 0.0
+
+    def rows_at(micro: int) -> list[dict]:
+        rows = []
+        for variant, (_, _, cost, comm) in VARIANTS.items():
+            states = model_states(variant, m, gpus, precision)
+            for ac in (False, True):
+                act = activation_bytes(cfg, micro, cfg.data.max_length, ac, precision, m.layers)
+                g = dict(states["gpu"])
+                g["activations"] = act["saved"]
+                g["overhead"] += context + act["one_layer"] * (1 if ac else 0.5)  # backward's working set
+                total = sum(g.values())
+                rows.append({"variant": variant, "activation_checkpointing": ac, "micro_batch_size": micro,
+                             "grad_accum": global_batch // (micro * gpus), "gpu_bytes": g, "total_bytes": total,
+                             "host_bytes_per_gpu": states["host"], "host_bytes_total": states["host"] * gpus,
+                             "headroom_bytes": capacity_bytes - total,
+                             "fits": total <= capacity_bytes * (1 - HEADROOM),
+                             "relative_cost": round(cost * (RECOMPUTE_COST if ac else 1.0), 3),
+                             "communication": comm, "recompute": "one extra forward per step" if ac else "none",
+                             **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None}})
+        return rows
+
+    micro = t.per_device_batch_size
+    rows = rows_at(micro)
+    fitting = [r for r in rows if r["fits"]]
+    recommendation, note = None, ""
+    while not fitting and micro > 1:
+        # Keep the global batch: halve the micro-batch while it still divides it, doubling accumulation.
+        micro //= 2
+        if global_batch % (micro * gpus):
+            continue
+        fitting = [r for r in rows_at(micro) if r["fits"]]
+        note = f"nothing fits at micro-batch {t.per_device_batch_size}; keeps global batch {global_batch}"
+    if fitting:
+        recommendation = min(fitting, key=lambda r: (r["relative_cost"], r["total_bytes"]))
+    return {"model_params": m.params, "vocab_size": vocab, "vocab_source": vocab_source, "gpus": gpus,
+            "capacity_bytes": capacity_bytes, "precision": precision,
+            "seq_len": cfg.data.max_length, "micro_batch_size": t.per_device_batch_size,
+            "global_batch_size": global_batch, "rows": rows, "recommendation": recommendation, "note": note}
+
+
+def variant_of(cfg) -> str:
+    """The planner's name for the strategy a config runs."""
+    from shardtrain.strategies.ds_config import describe_ds, read_json
+    from shardtrain.strategies.fsdp import load_policy
+
+    kind = cfg.parallel.strategy
+    if kind == "fsdp":
+        pol = load_policy(cfg.parallel.fsdp_policy)
+        return "fsdp_offload" if pol.cpu_offload else ("fsdp" if pol.reshard_after_forward else "fsdp_sgo")
+    if kind == "deepspeed":
+        info = describe_ds(read_json(cfg.parallel.ds))
+        return f"zero{info['stage']}" + ("_offload" if info["offload_optimizer"] != "none" else "")
+    return "ddp"
+
+
+def predict_run(cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None) -> dict:
+    """Per-rank prediction (GiB) for the run this config describes. The startup banner shows it at the
+    config's micro-batch and max_length (the largest batch the run can meet: padding is to the longest text
+    of each batch), with the run's own `vocab_size` (None: planned, as `plan` does). The end of the run
+    repeats it at `batch_shape`, the [micro-batch, tokens] a rank's memory was measured at, with the same fit."""
+    m = count_model(cfg, vocab_size=vocab_size)
+    variant = variant_of(cfg)
+    s = model_states(variant, m, world_size, cfg.train.precision)
+    batch, seq_len = batch_shape or (cfg.train.per_device_batch_size, cfg.data.max_length)
+    act = activation_bytes(cfg, batch, seq_len, cfg.train.activation_checkpointing, cfg.train.precision, m.layers,
+                           planned_length=cfg.data.max_length)
+    g = s["gpu"]
+    return {"variant": variant, "parameters": m.params, "batch": f"{batch} x {seq_len} tokens",
+            "params_gib": g["params"] / GIB, "grads_gib": g["grads"] / GIB,
+            "optimizer_gib": g["optimizer"] / GIB, "activations_gib": act["saved"] / GIB,
+            "model_state_gib": (g["params"] + g["grads"] + g["optimizer"]) / GIB, "host_gib": s["host"] / GIB}
+
+
+def memory_prediction(cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None) -> dict:
+    """predict_run for the startup banner and summary.json: a run is never stopped by its advice, so a failure
+    (or --predict-memory false) becomes a one-entry {"note": why} the banner prints instead."""
+    if not cfg.log.predict_memory:
+        return {"note": "not predicted (--predict-memory false)"}
+    try:
+        return predict_run(cfg, world_size, vocab_size, batch_shape)
+    except Exception as e:  # noqa: BLE001 - a prediction is advice; it must not stop a run
+        return {"note": f"no prediction: planner failed ({type(e).__name__}: {str(e)[:120]})"}
+
+
+def format_plan(p: dict, gpu_name: str) -> str:
+    g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
+    vocab = f"vocabulary {p['vocab_size']:,}: {p['vocab_source']}" if p.get("vocab_size") else ""
+    lines = [f"plan: {p['model_params']:,} parameters{f' ({vocab})' if vocab else ''} on {p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), "
+             f"{p['precision']}, micro-batch {p['micro_batch_size']}, seq {p['seq_len']}, global batch "
+             f"{p['global_batch_size']}  (GiB per GPU)",
+             f"{'variant':<15}{'AC':<4}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'comm':>7}{'overh':>7}"
+             f"{'total':>7}{'host/GPU':>9}  {'fits':<5}{'headroom':>9}{'cost':>6}  paper"]
+    for r in p["rows"]:
+        b = r["gpu_bytes"]
+        lines.append(f"{r['variant']:<15}{'on' if r['activation_checkpointing'] else 'off':<4}{g(b['params']):>7}"
+                     f"{g(b['grads']):>7}{g(b['optimizer']):>7}{g(b['activations']):>7}{g(b['comm']):>7}"
+                     f"{g(b['overhead']):>7}{g(r['total_bytes']):>7}{g(r['host_bytes_per_gpu']):>9}  "
+                     f"{'yes' if r['fits'] else 'NO':<5}{g(r['headroom_bytes']):>9}{r['relative_cost']:>6}  "
+                     + (g(r["zero_paper"]) if "zero_paper" in r else "   -"))
+    rec = p["recommendation"]
+    if rec:
+        lines.append(f"recommendation: {rec['variant']} with activation checkpointing "
+                     f"{'on' if rec['activation_checkpointing'] else 'off'}, micro-batch {rec['micro_batch_size']} x "
+                     f"accum {rec['grad_accum']} ({g(rec['total_bytes']).strip()} GiB of {p['capacity_bytes'] / GIB:.0f})"
+                     + (f" -- {p['note']}" if p["note"] else ""))
+    else:
+        lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
+    lines.append("cost: relative step time (heuristic ranking: communication, offload, recompute); paper: ZeRO "
+                 "paper model states (fp16 weights, K=12)")
+    return "\n".join(lines)
+
+
+def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[ModelCount, str]:
+    """A user's model, built by its Workload on the meta device (nothing allocated, no weights loaded), counted
+    like the built-ins: (the count, the workload class name)."""
+    import torch
+
+    from shardtrain.config.settings import ConfigError
+    from shardtrain.workloads.base import load_workload, resolve_block_classes
+
+    workload = load_workload(cfg)
+    name = type(workload).__name__
+    workload.loads_weights = False
+    torch.manual_seed(cfg.train.seed)
+    try:
+        with torch.device("meta"):
+            model = workload.build_model()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's code; one line names the method
+        raise ConfigError(f"plan: {name}.build_model() failed on the meta device, where plan builds it to count "
+                          f"it without allocating: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+    blocks = resolve_block_classes(model, workload.block_classes(), f"{name}.block_classes()")
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if blocks and isinstance(m, blocks)]
+    params = [p.numel() for p in model.parameters()]
+    return ModelCount(params=sum(params), largest_unit=max(units, default=max(params, default=0)),
+                      small_params=sum(n for n in params if n < persistence_threshold),
+                      buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()), layers=0), name
+
+
+def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool = True) -> dict:
+    """A user's workload: every variant's model states (exact: counted from its build_model), no activations
+    and so no recommendation. The activation measurement needs an architecture and input shapes the planner
+    knows (the built-ins'); a user's forward and batches are their own."""
+    precision = cfg.train.precision if (cfg.train.precision != "bf16" or bf16_ok) else "fp16"
+    m, name = count_workload_model(cfg)
+    rows = []
+    for variant, (_, _, cost, comm) in VARIANTS.items():
+        states = model_states(variant, m, gpus, precision)
+        g = {**states["gpu"], "activations": None}
+        g["overhead"] += CUDA_CONTEXT if cuda else 0.0
+        total = sum(v for v in g.values() if v is not None)
+        rows.append({"variant": variant, "gpu_bytes": g, "model_state_bytes": total,
+                     "host_bytes_per_gpu": states["host"], "headroom_bytes": capacity_bytes - total,
+                     "fits_before_activations": total <= capacity_bytes * (1 - HEADROOM),
+                     "relative_cost": cost, "communication": comm,
+                     **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None}})
+    return {"workload": name, "model_params": m.params, "largest_unit_params": m.largest_unit, "gpus": gpus,
+            "capacity_bytes": capacity_bytes, "precision": precision, "rows": rows, "recommendation": None,
+            "activations": f"not predicted for {name}: shardtrain measures activations on the built-in "
+                           f"architectures; the headroom column is what {name}'s activations may use"}
+
+
+def format_workload_plan(p: dict, gpu_name: str) -> str:
+    g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
+    lines = [f"plan: {p['workload']}, {p['model_params']:,} parameters (largest block {p['largest_unit_params']:,}) on "
+             f"{p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), {p['precision']}  (GiB per GPU)",
+             f"{'variant':<15}{'params':>7}{'grads':>7}{'optim':>7}{'comm':>7}{'overh':>7}{'states':>7}"
+             f"{'host/GPU':>9}  {'fits':<5}{'headroom':>9}{'cost':>6}  paper"]
+    for r in p["rows"]:
+        b = r["gpu_bytes"]
+        lines.append(f"{r['variant']:<15}{g(b['params']):>7}{g(b['grads']):>7}{g(b['optimizer']):>7}{g(b['comm']):>7}"
+                     f"{g(b['overhead']):>7}{g(r['model_state_bytes']):>7}{g(r['host_bytes_per_gpu']):>9}  "
+                     f"{'yes' if r['fits_before_activations'] else 'NO':<5}{g(r['headroom_bytes']):>9}"
+                     f"{r['relative_cost']:>6}  " + (g(r["zero_paper"]) if "zero_paper" in r else "   -"))
+    lines.append(f"activations: {p['activations']}; no recommendation without them (fits: model states only)")
+    return "\n".join(lines)

@@ -1,0 +1,64 @@
+"""The startup banner: what is about to run, on which devices, at what batch size and memory.
+
+Built once on rank 0 from the run-info dict train.py assembles (the same dict goes into
+summary.json under `run`), so the log and the summary never disagree.
+"""
+from __future__ import annotations
+
+import json
+
+
+def _size(key: str, value) -> str:
+    if key.endswith("_gib") and isinstance(value, (int, float)):
+        name = key[:-4]
+        return f"{name} {value:.2f} GiB" if value >= 1 else f"{name} {value * 1024:.1f} MiB"
+    return f"{key} {value:,}" if isinstance(value, int) else f"{key} {value}"
+
+
+def _strategy_lines(info: dict) -> list[str]:
+    skip = {"strategy", "ds_config"}
+    settings = ", ".join(f"{k}={v}" for k, v in info.get("strategy_settings", {}).items() if k not in skip)
+    lines = [f"  strategy    {info['strategy']} ({settings})" if settings else f"  strategy    {info['strategy']}"]
+    ds = info.get("strategy_settings", {}).get("ds_config")
+    if ds:
+        lines.append("  ds config   " + json.dumps(ds, sort_keys=True, default=str))
+    return lines
+
+
+def format_banner(info: dict) -> str:
+    ranks = info.get("ranks", [])
+    lines = ["=" * 78, f"shardtrain run: {info['strategy']} on {info['world_size']} process{'es' if info['world_size'] != 1 else ''}"]
+    lines.append("  rank  host                      local  device       name")
+    for r in ranks:
+        lines.append(f"  {r['rank']:>4}  {r['host'][:24]:<24}  {r['local_rank']:>5}  {r['device']:<11}  "
+                     f"{r.get('device_name', '')}")
+    lines += _strategy_lines(info)
+    lines.append(f"  precision   {info['precision']} | activation checkpointing "
+                 f"{'on' if info['activation_checkpointing'] else 'off'}"
+                 f" ({info.get('strategy_settings', {}).get('recompute_blocks', 0)} blocks)")
+    lines.append(f"  params      {info['params_total']:,} total | {info['params_trainable']:,} trainable | "
+                 f"{info['params_frozen']:,} frozen")
+    lines.append(f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
+                 f"{info['world_size']} = global {info['global_batch_size']}")
+    # None: a --streaming training split, whose length is unknown until read.
+    train = "streamed" if info["train_examples"] is None else f"{info['train_examples']:,}"
+    per_epoch = "?" if info["steps_per_epoch"] is None else f"{info['steps_per_epoch']:,}"
+    lines.append(f"  data        {train} train | {info['eval_examples']:,} eval | "
+                 f"{per_epoch} steps/epoch | {info.get('max_steps', '?')} steps" +
+                 (f" | images from cache {info['image_cache']}" if info.get("image_cache") else ""))
+    dropped = info.get("unlabelled_dropped") or {}
+    if any(dropped.values()):
+        lines.append(f"  unlabelled  label -1 dropped: {dropped.get('train', 0):,} train | "
+                     f"{dropped.get('validation', 0):,} eval rows")
+    names = info.get("label_names") or []
+    if names:
+        lines.append(f"  labels      {len(names)}: " + ", ".join(f"{i}={n}" for i, n in enumerate(names[:8])) +
+                     (", ..." if len(names) > 8 else ""))
+    mem = info.get("memory_prediction") or {}
+    if "note" in mem and len(mem) == 1:
+        lines.append(f"  memory      {mem['note']}")
+    else:
+        lines.append("  memory      predicted per rank (shardtrain plan): " +
+                     ", ".join(_size(k, v) for k, v in mem.items()))
+    lines.append("=" * 78)
+    return "\n".join(lines)

@@ -1,0 +1,145 @@
+"""Whether runs measured the same thing: the settings in which runs may differ before `compare` ranks them or
+`parity` compares them step by step.
+
+Read from what each run wrote: summary.json (its resolved config and run block), else, for a run killed
+before its summary, the config in its latest committed checkpoint. A setting a run did not record is not
+compared for that run.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from shardtrain.config.settings import flag_of
+from shardtrain.observability.runlog import RunLog
+
+# Groups, by what a difference breaks:
+#   model, data   the runs do different work per sample: neither speed nor memory rank them
+#   seed, batch   the same work in another order or grouping: step-by-step losses cannot agree
+#   training      optimisation settings: losses differ, throughput and memory still compare
+WORKLOAD = ("model", "data")
+TRAJECTORY = ("seed", "batch")
+
+
+@dataclass(frozen=True)
+class Setting:
+    label: str
+    group: str
+    path: str                 # "config.<section>.<field>" or "run.<key>" (summary.json's run block)
+    only_for: str | None = None  # compared only between runs of this model.name
+
+    @property
+    def name(self) -> str:
+        field = self.path.rpartition(".")[2]
+        return f"{self.label} ({flag_of(field)})" if self.path.startswith("config.") else self.label
+
+
+def _m(label, field, only_for=None):
+    return Setting(label, "model", f"config.model.{field}", only_for)
+
+
+SETTINGS = (
+    _m("model", "name"), _m("text model", "text_model"), _m("pretrained weights", "pretrained"),
+    _m("text model config", "text_config"), _m("image model", "image_model", "multimodal"),
+    _m("image weights", "image_weights", "multimodal"), _m("image model config", "image_config", "multimodal"),
+    _m("fusion", "fusion", "multimodal"), _m("fusion width", "fusion_hidden", "multimodal"),
+    _m("labels", "num_labels"), _m("attention window", "attention_window", "longformer"), _m("dropout", "dropout"),
+    _m("frozen layers", "freeze_layers"), _m("unfreeze step", "unfreeze_at_step"),
+    Setting("data", "data", "config.data.data_dir"), Setting("validation data", "data", "config.data.eval_data_dir"),
+    Setting("tokenizer", "data", "config.data.tokenizer"),
+    Setting("sequence length", "data", "config.data.max_length"),
+    Setting("image size", "data", "config.data.image_size", "multimodal"),
+    Setting("train examples", "data", "run.train_examples"), Setting("eval examples", "data", "run.eval_examples"),
+    Setting("seed", "seed", "config.train.seed"),
+    Setting("batch geometry (micro x accum x world)", "batch", "run.batch"),
+    Setting("precision", "training", "run.precision"), Setting("max_steps", "training", "config.train.max_steps"),
+    Setting("learning rate", "training", "config.train.lr"),
+    Setting("lr schedule", "training", "config.train.lr_scheduler"),
+    Setting("warmup", "training", "config.train.warmup_steps"),
+    Setting("weight decay", "training", "config.train.weight_decay"),
+    Setting("gradient clipping", "training", "config.train.max_grad_norm"),
+)
+
+
+@dataclass
+class Difference:
+    setting: Setting
+    runs_by_value: dict[str, list[str]]  # displayed value -> labels of the runs with it
+
+    def line(self) -> str:
+        sides = " vs ".join(f"{value} ({', '.join(labels)})" for value, labels in self.runs_by_value.items())
+        return f"runs differ in {self.setting.name}: {sides}"
+
+
+def recorded_settings(run: RunLog) -> dict | None:
+    """{"config": resolved config, "run": run block} as the run wrote them; None when it wrote neither."""
+    cfg = run.summary.get("config")
+    info = dict(run.summary.get("run") or {})
+    if cfg is None:
+        state = _latest_trainer_state(run)
+        if state is None:
+            return None if not info else {"config": {}, "run": _with_batch(info)}
+        cfg = state.get("config") or {}
+        train = cfg.get("train") or {}
+        info.setdefault("world_size", state.get("world_size"))
+        info.setdefault("micro_batch_size", train.get("per_device_batch_size"))
+        info.setdefault("grad_accum", train.get("grad_accum"))
+        info.setdefault("precision", train.get("precision"))
+    return {"config": cfg, "run": _with_batch(info)}
+
+
+def _with_batch(info: dict) -> dict:
+    parts = [info.get(k) for k in ("micro_batch_size", "grad_accum", "world_size")]
+    if all(p is not None for p in parts):
+        info = {**info, "batch": " x ".join(map(str, parts))}
+    return info
+
+
+def _latest_trainer_state(run: RunLog) -> dict | None:
+    from shardtrain.checkpointing import store as checkpoint
+
+    try:
+        latest = checkpoint.latest_committed(checkpoint.checkpoints_root(run.path))
+        return checkpoint.read_trainer_state(latest) if latest is not None else None
+    except Exception:  # noqa: BLE001 - an unreadable checkpoint only means these settings are unknown
+        return None
+
+
+_MISSING = object()
+
+
+def _lookup(settings: dict, path: str):
+    node = settings
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _shown(value) -> str:
+    return json.dumps(value, sort_keys=True) if isinstance(value, (dict, list)) else str(value)
+
+
+def differences(runs: list[RunLog]) -> tuple[list[Difference], list[str]]:
+    """(one Difference per setting that differs, labels of runs whose settings were not recorded)."""
+    recorded = {run.label: recorded_settings(run) for run in runs}
+    unknown = [label for label, s in recorded.items() if s is None]
+    known = {label: s for label, s in recorded.items() if s is not None}
+    out = []
+    for setting in SETTINGS:
+        by_value: dict[str, list[str]] = {}
+        for label, s in known.items():
+            model = _lookup(s, "config.model.name")
+            if setting.only_for and model is not _MISSING and model != setting.only_for:
+                continue
+            value = _lookup(s, setting.path)
+            if value is not _MISSING:
+                by_value.setdefault(_shown(value), []).append(label)
+        if len(by_value) > 1:
+            out.append(Difference(setting, by_value))
+    return out, unknown
+
+
+def in_groups(diffs: list[Difference], groups) -> list[Difference]:
+    return [d for d in diffs if d.setting.group in groups]

@@ -1,0 +1,239 @@
+"""What a run tells people: rank-0 console lines and progress, metrics.jsonl, eval.jsonl, summary.json,
+the W&B run and the end-of-run report.
+
+Only rank 0 writes; other ranks print warnings and errors, prefixed with their rank. The loop talks to
+one `Tracker`: `step()` once per optimizer step, `evaluated()` after an eval, `finish()` at the end.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from shardtrain.config.settings import logs_model_artifact
+
+
+class Console:
+    def __init__(self, rank: int, verbose: bool = False):
+        self.rank = rank
+        self.verbose = verbose
+        self.progress = None  # while a progress bar is up, lines go above it instead of through it
+        from shardtrain.runtime.chatter import quiet_libraries
+        quiet_libraries(verbose)
+
+    def info(self, msg: str) -> None:
+        if self.rank != 0:
+            return
+        if self.progress is not None:
+            self.progress.write(msg)
+        else:
+            print(msg, flush=True)
+
+    def warn(self, msg: str) -> None:
+        prefix = "[shardtrain] warning: " if self.rank == 0 else f"[rank {self.rank}] warning: "
+        print(prefix + msg, file=sys.stderr, flush=True)
+
+
+class MetricsLog:
+    """One JSON line per optimizer step, appended so a resumed run continues the same file."""
+
+    def __init__(self, output_dir: Path, rank: int, resume_step: int, name: str = "metrics.jsonl"):
+        self.enabled = rank == 0
+        self.path = output_dir / name
+        self.resume_step, self.file = resume_step, None
+        if self.enabled:
+            output_dir.mkdir(parents=True, exist_ok=True)
+
+    def _truncate_after(self, step: int) -> None:
+        # Steps after the checkpoint we resume from were never committed: they will be redone.
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        self.path.write_text("".join(line + "\n" for line in kept))
+
+    def write(self, record: dict) -> None:
+        if self.enabled:
+            if self.file is None:
+                # Truncated at the first record, not at start-up: a run that fails before its first step
+                # leaves the previous run's lines as they were.
+                self._truncate_after(self.resume_step)
+                self.file = open(self.path, "a")
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def losses(self) -> list[float]:
+        if not self.path.exists():
+            return []
+        return [json.loads(line)["loss"] for line in self.path.read_text().splitlines() if line.strip()]
+
+    def close(self) -> None:
+        if self.enabled and self.file is not None:
+            self.file.close()
+
+
+class Throughput:
+    """Samples/s over the steps of this process's life, excluding the first (warm-up) step."""
+
+    def __init__(self):
+        self.samples = 0
+        self.seconds = 0.0
+        self.steps = 0
+
+    def add(self, samples: int, seconds: float) -> None:
+        self.steps += 1
+        if self.steps > 1:
+            self.samples += samples
+            self.seconds += seconds
+
+    @property
+    def samples_per_sec(self) -> float:
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+def write_summary(output_dir: Path, summary: dict) -> None:
+    path = output_dir / "summary.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(summary, indent=2, default=str))
+    tmp.replace(path)
+
+
+def library_versions() -> dict:
+    import platform
+
+    import torch
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "cuda": torch.version.cuda, "shardtrain": _own_version()}
+    for name in ("deepspeed", "transformers", "datasets", "tokenizers", "torchvision", "wandb"):
+        try:
+            from importlib.metadata import version
+            versions[name] = version(name)
+        except Exception:  # noqa: BLE001 - an absent optional library is simply not listed
+            pass
+    return versions
+
+
+def _own_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("shardtrain")
+    except Exception:  # noqa: BLE001
+        return "dev"
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+class Tracker:
+    """Everything the loop reports, behind three calls. Rank 0 does the work; other ranks only count."""
+
+    def __init__(self, cfg, dist_info, console: Console, output_dir: Path, resume_step: int, run_info: dict,
+                 resume_state: dict | None = None, model_factory=None):
+        from shardtrain.observability.banner import format_banner
+        from shardtrain.observability.progress import Progress
+        from shardtrain.observability.wandb_run import WandbRun
+
+        self.cfg, self.dist, self.console, self.out = cfg, dist_info, console, output_dir
+        self.rank0 = dist_info.is_rank0
+        self.run_info = run_info
+        self.model_factory = model_factory
+        self.flops_per_sample: float | None = None
+        self.peak_flops: float | None = None
+        self.metrics = MetricsLog(output_dir, dist_info.rank, resume_step)
+        self.evals = MetricsLog(output_dir, dist_info.rank, resume_step, name="eval.jsonl")
+        console.info(format_banner(run_info))
+        wandb_config = {"config": cfg.to_dict(), "run": run_info, "versions": library_versions()}
+        log = cfg.log
+        self.wandb = WandbRun(log.report_to == "wandb" and self.rank0, console.warn, output_dir,
+                              (resume_state or {}).get("wandb_run_id"), wandb_config, project=log.wandb_project,
+                              entity=log.wandb_entity, name=log.wandb_run_name, quiet=not log.verbose,
+                              system_metrics=(log.wandb_system_metrics if log.wandb_system_metrics is not None
+                                              else dist_info.device.type == "cuda"))
+        self.progress = None
+        if self.rank0:
+            self.progress = Progress(cfg.train.max_steps, resume_step, cfg.train.log_every)
+            console.progress = self.progress
+
+    def checkpoint_state(self) -> dict:
+        """Merged into the checkpoint's trainer_state: a resumed job continues the same W&B run."""
+        return {"wandb_run_id": self.wandb.run_id}
+
+    def step(self, record: dict, batch: dict) -> None:
+        """Once per optimizer step, after the step's one host sync: only host arithmetic and rank-0 I/O."""
+        if not self.rank0:
+            return
+        from shardtrain.observability.progress import peak_memory_gb
+
+        t = self.cfg.train
+        if "input_ids" in batch:
+            # Padded tokens, from shapes alone (no sync); ranks see equally shaped micro-batches.
+            tokens = batch["input_ids"].numel() * t.grad_accum * self.dist.world_size
+            record["tokens_per_sec"] = tokens / record["step_seconds"]
+        mfu = self._mfu(record, batch)
+        if mfu is not None:
+            record["mfu"] = mfu
+        self.metrics.write(record)
+        self.progress.update(record, peak_memory_gb(self.dist.device))
+        self.wandb.log(record["step"], self._wandb_values(record))
+
+    def evaluated(self, step: int, result: dict, final: bool = False) -> None:
+        if not self.rank0:
+            return
+        if not result:
+            return  # a workload with no validation set
+        where = "eval" if final else f"step {step} eval"
+        if {"accuracy", "macro_f1", "n_examples"} <= set(result):  # the default metrics
+            self.console.info(f"{where} | accuracy {result['accuracy']:.4f} | macro-F1 {result['macro_f1']:.4f} | "
+                              f"{result['n_examples']} examples")
+        else:  # a workload's own metrics(), as it names them
+            self.console.info(f"{where} | " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                                                         for k, v in result.items()))
+        self.evals.write({"step": step, "final": final, **result})
+        self.wandb.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))
+                              and k != "n_examples"})
+
+    def finish(self, summary: dict, final_model: Path | None = None) -> None:
+        """Close the bar, write summary.json (with `run`), close W&B (logging `final_model` as an artifact when
+        it is given), write the report. Rank 0 only."""
+        self.metrics.close()
+        self.evals.close()
+        if not self.rank0:
+            return
+        self.progress.close()
+        self.console.progress = None
+        summary["run"] = self.run_info
+        write_summary(self.out, summary)
+        if final_model is not None and logs_model_artifact(self.cfg.log):
+            self.wandb.log_model(final_model)
+        self.wandb.finish({"final_loss": (summary.get("train_loss") or [None])[-1],
+                           **{f"eval/{k}": v for k, v in (summary.get("eval") or {}).items()},
+                           "samples_per_sec": summary.get("samples_per_sec")})
+        if self.cfg.log.report:
+            try:
+                from shardtrain.observability.report import write_report
+                path = write_report(self.out)
+                self.console.info(f"report: {path}")
+            except Exception as e:  # noqa: BLE001 - the run is done and saved; a plot must not fail it
+                self.console.warn(f"report not written ({type(e).__name__}: {e}); "
+                                  f"retry with: shardtrain report {self.out}")
+
+    def _mfu(self, record: dict, batch: dict) -> float | None:
+        if self.dist.device.type != "cuda" or self.model_factory is None:
+            return None
+        from shardtrain.memory.accounting import flops
+
+        if self.flops_per_sample is None:  # counted once, on the first step's batch shapes
+            import torch
+            self.peak_flops = flops.peak_flops(torch.cuda.get_device_name(self.dist.device),
+                                               self.cfg.train.precision)
+            self.flops_per_sample = flops.train_flops_per_sample(self.model_factory, batch,
+                                                                 self.run_info["params_trainable"])
+        return flops.mfu(self.flops_per_sample, record["samples_per_sec"], self.dist.world_size, self.peak_flops)
+
+    @staticmethod
+    def _wandb_values(record: dict) -> dict:
+        from shardtrain.observability.wandb_run import wandb_values
+        return wandb_values(record)

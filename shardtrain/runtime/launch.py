@@ -1,0 +1,127 @@
+"""A plain `python -m shardtrain train` on a machine with several GPUs would use only GPU 0.
+Instead it re-launches itself under torch's elastic launcher with one process per GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from shardtrain.config.settings import Config
+from shardtrain.runtime.preemption import STOP_SIGNALS
+
+
+def under_launcher() -> bool:
+    env = os.environ
+    return "RANK" in env or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
+
+
+def resolve_nproc(cfg: Config) -> int:
+    if cfg.parallel.nproc != "auto":
+        return int(cfg.parallel.nproc)
+    wants_gpu = cfg.parallel.device in ("auto", "cuda") and torch.cuda.is_available()
+    return torch.cuda.device_count() if wants_gpu else 1
+
+
+def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
+    """None: carry on in this process. Otherwise the launcher's exit code."""
+    if under_launcher():
+        return None
+    nproc = resolve_nproc(cfg)
+    if nproc <= 1:
+        return None
+    main_py = Path(__file__).parents[1] / "main.py"
+    # The workers see RANK and never relaunch; torchrun's own parser would also reject `--nproc`
+    # anywhere on its command line as an ambiguous prefix of --nproc-per-node.
+    argv = without_flag(argv, "--nproc")
+    cmd = [sys.executable, "-m", "shardtrain.runtime.launch", "--standalone", f"--nproc_per_node={nproc}",
+           str(main_py), *argv]
+    if os.environ.get("RANK", "0") == "0":
+        print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} "
+              f"shardtrain/main.py {' '.join(argv)}", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return run_forwarding_signals(cmd, env)
+
+
+def run_forwarding_signals(cmd: list[str], env: dict) -> int:
+    """A spot interruption (SageMaker) or a Slurm warning signals this parent process; the agent passes it
+    on to the workers (quiet_torchrun below), which finish their step, save and exit. The agent runs in a
+    session of its own, so a terminal's Ctrl-C, sent to this whole process group, reaches the workers once
+    through this parent and not a second time through the agent (a second Ctrl-C means "stop at once")."""
+    import signal
+
+    agent = subprocess.Popen(cmd, env=env, start_new_session=True)
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, frame: agent.send_signal(signum))
+    return agent.wait()
+
+
+def without_flag(argv: list[str], flag: str) -> list[str]:
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == flag:
+            skip = True
+        elif not arg.startswith(flag + "="):
+            out.append(arg)
+    return out
+
+
+def quiet_torchrun(args: list[str]) -> int:
+    """torchrun, without its own traceback and failure report when a worker fails: the failed worker has
+    already said what went wrong in one line. Exits with the first failed worker's code (2 for a config
+    or data error, 130 after Ctrl-C), or 128 + N for a worker killed by signal N, as a shell reports it.
+
+    Stop signals go to the workers, and the agent goes on watching them: they finish their step, save and
+    exit (0 after SIGTERM/SIGUSR1, 130 after Ctrl-C), and the agent exits with their code. torchrun's own
+    handling would stop the workers itself and exit 1 with a traceback (SIGTERM, SIGINT), or die (SIGUSR1)."""
+    import logging
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+    def pass_to_workers(signum, frame):
+        workers = _workers_of(os.getpid())
+        for worker in workers:
+            worker.send_signal(signum)
+        if not workers:  # none started yet: stop as torchrun would, with one line below
+            _terminate_process_handler(signum, frame)
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, pass_to_workers)
+    try:
+        run(parse_args(["--signals-to-handle", "SIGHUP,SIGQUIT", *args]))
+    except ChildFailedError as e:
+        code = e.get_first_failure()[1].exitcode
+        return code if code > 0 else 128 - code
+    except SignalException as e:
+        print(f"shardtrain: the launcher got {e.sigval.name} before its workers started, and stopped",
+              file=sys.stderr)
+        return 128 + int(e.sigval)
+    return 0
+
+
+def _workers_of(agent_pid: int) -> list:
+    import psutil
+
+    workers = []
+    for child in psutil.Process(agent_pid).children():
+        try:
+            if any(part.endswith("main.py") for part in child.cmdline()):
+                workers.append(child)
+        except psutil.Error:  # exited meanwhile
+            pass
+    return workers
+
+
+if __name__ == "__main__":
+    sys.exit(quiet_torchrun(sys.argv[1:]))

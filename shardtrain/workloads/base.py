@@ -1,0 +1,249 @@
+"""The public Workload API: your model, your data, your loss, your metrics; shardtrain runs the rest.
+
+    from shardtrain import Workload
+
+    class MyTask(Workload):
+        def build_model(self):  return MyModel(**self.args)        # same weights on every rank for one seed
+        def datasets(self):     return train_ds, validation_ds     # map-style Datasets (or datasets.Dataset)
+
+shardtrain constructs the workload on every rank, as `MyTask(cfg, **workload.args)`, and the loop calls only
+the methods below. The strategy decides where `build_model` runs (rank 0 only, the meta device, zero.Init), so
+it must not move the model to a device or read a rank. The built-ins (`multimodal`, `longformer`) live in
+shardtrain/workloads/ and use nothing but this API.
+
+The rule for parameters (README, "Your own model"): read parameters only inside the model's forward. Outside
+it, FSDP and ZeRO-3 hold just this rank's shard (ZeRO-3's has shape [0]), so a loss or metric that reads
+`model.weight` gets a fragment.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import default_collate
+
+from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, where, workload_target
+
+class Workload:
+    """Subclass it; `build_model` and `datasets` are required, every other method has a default."""
+
+    def __init__(self, cfg: Config, **args: Any):
+        self.cfg = cfg
+        self.args = args
+        # False while the strategy builds a copy whose weights arrive from rank 0 afterwards (on the meta
+        # device, or partitioned under ZeRO-3's zero.Init, where a from_pretrained load would meet empty
+        # shards): build_model should then skip loading pretrained files.
+        self.loads_weights = True
+
+    # ---- required --------------------------------------------------------------------------------
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError(f"{type(self).__name__}.build_model() must return the nn.Module to train")
+
+    def datasets(self) -> tuple:
+        """(train, validation or None): map-style torch Datasets or `datasets.Dataset`s."""
+        raise NotImplementedError(f"{type(self).__name__}.datasets() must return (train, validation_or_None)")
+
+    # ---- optional --------------------------------------------------------------------------------
+    def collate(self, samples: list) -> dict[str, torch.Tensor]:
+        return default_collate(samples)
+
+    def forward(self, model: nn.Module, batch: dict) -> Any:
+        """The keys of `batch` that the model's forward accepts, as keyword arguments."""
+        return model(**model_inputs(model, batch, type(self).__name__))
+
+    def loss(self, outputs, batch: dict) -> torch.Tensor:
+        return F.cross_entropy(logits_of(outputs).float(), batch["labels"])
+
+    def metric_sums(self, outputs, batch: dict) -> dict[str, torch.Tensor]:
+        """Quantities that add up over batches and ranks; here a confusion matrix (true x predicted)."""
+        logits = logits_of(outputs)
+        n = logits.shape[-1]
+        idx = batch["labels"].reshape(-1) * n + logits.argmax(dim=-1).reshape(-1)
+        return {"confusion": torch.bincount(idx, minlength=n * n).double().view(n, n)}
+
+    def metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        return classification_metrics(sums["confusion"])
+
+    def block_classes(self) -> tuple:
+        """The repeated blocks (FSDP units, activation-checkpointing targets): classes or class names.
+        Empty: the `_no_split_modules` of the Hugging Face models inside the model."""
+        return ()
+
+    def freezable_parameter_names(self, n: int) -> list[str]:
+        """The parameters `freeze_layers: n` freezes (usually the embeddings and the lowest n blocks)."""
+        raise ConfigError(f"{where('freeze_layers')}={n}: {type(self).__name__} does not define "
+                          f"freezable_parameter_names(n), so shardtrain does not know which layers are the lower ones")
+
+    def export(self, model: nn.Module, out_dir: Path) -> None:
+        """model.safetensors, and workload.json: what `load_workload_export` needs to rebuild the model."""
+        import json
+
+        from safetensors.torch import save_file
+        out_dir = Path(out_dir)
+        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"))
+        (out_dir / "workload.json").write_text(json.dumps({"target": target_of(type(self)), "args": self.args},
+                                                          indent=1, default=str))
+
+
+# ---- helpers the defaults (and user code) use ----------------------------------------------------------
+def logits_of(outputs) -> torch.Tensor:
+    return outputs.logits if hasattr(outputs, "logits") else outputs
+
+
+def classification_metrics(confusion: torch.Tensor) -> dict:
+    confusion = confusion.double().cpu()
+    total = confusion.sum().item()
+    tp = confusion.diag()
+    precision = tp / confusion.sum(0).clamp(min=1)
+    recall = tp / confusion.sum(1).clamp(min=1)
+    f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall), torch.zeros_like(tp))
+    return {"accuracy": tp.sum().item() / max(total, 1), "macro_f1": f1.mean().item(), "n_examples": int(total)}
+
+
+def _named_inputs(module: nn.Module) -> tuple[list[inspect.Parameter], bool]:
+    params = list(inspect.signature(module.forward).parameters.values())
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def innermost(model: nn.Module) -> nn.Module:
+    """Through the wrappers whose forward is only (*args, **kwargs): DDP, the DeepSpeed engine, torch.compile.
+    FSDP2 keeps the model's own class, and so its forward's signature."""
+    seen = 0
+    while seen < 8:
+        named, _ = _named_inputs(model)
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if named or not isinstance(inner, nn.Module):
+            return model
+        model, seen = inner, seen + 1
+    return model
+
+
+_CHECKED: set = set()
+
+
+def model_inputs(model: nn.Module, batch: dict, workload_name: str = "Workload") -> dict:
+    """The batch keys the model's forward takes by name. The first batch of each model class is checked:
+    a required argument the batch lacks, or a batch none of whose keys the model takes, is the error users
+    otherwise meet as a TypeError deep inside the strategy's wrapper."""
+    inner = innermost(model)
+    named, _ = _named_inputs(inner)
+    names = [p.name for p in named]
+    inputs = {k: v for k, v in batch.items() if k in names}
+    key = (type(inner), tuple(sorted(batch)))
+    if key not in _CHECKED:
+        required = [p.name for p in named if p.default is p.empty and p.name not in batch]
+        if required or not inputs:
+            need = f"needs {', '.join(required)}" if required else f"takes {', '.join(names) or 'no named argument'}"
+            raise ConfigError(f"{workload_name}.collate gives keys {', '.join(sorted(batch))}, but "
+                              f"{type(inner).__name__}.forward {need}: make collate return those keys, or override "
+                              f"{workload_name}.forward(model, batch) for positional inputs")
+        _CHECKED.add(key)
+    return inputs
+
+
+def check_loss(loss, workload_name: str) -> torch.Tensor:
+    """The loop backpropagates this: a tensor with one element, of a floating type, attached to the graph."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
+                else type(loss).__name__)
+        raise ConfigError(f"{workload_name}.loss must return a scalar floating-point tensor, got {what} "
+                          f"(reduce it, e.g. with .mean())")
+    if loss.requires_grad is False and torch.is_grad_enabled():
+        raise ConfigError(f"{workload_name}.loss returned a tensor that does not depend on the model's parameters "
+                          f"(no grad_fn): compute it from the outputs of Workload.forward")
+    return loss.reshape(())
+
+
+class CheckedCollate:
+    """Workload.collate as the DataLoader calls it; a failure names the method and the dataset it batched.
+    A class, not a closure, so DataLoader workers can pickle it."""
+
+    def __init__(self, workload: Workload):
+        self.workload = workload
+
+    def __call__(self, samples: list) -> dict:
+        name = type(self.workload).__name__
+        try:
+            batch = self.workload.collate(samples)
+        except ConfigError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the user's samples; one line says which method to look at
+            first = type(samples[0]).__name__ if samples else "nothing"
+            raise ConfigError(f"{name}.collate cannot batch the samples of {name}.datasets() ({first} items): "
+                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        if not isinstance(batch, dict):
+            raise ConfigError(f"{name}.collate must return a dict of tensors, got {type(batch).__name__}")
+        return batch
+
+
+# ---- block classes -------------------------------------------------------------------------------------
+def resolve_block_classes(model: nn.Module, spec, what: str = "Workload.block_classes()") -> tuple[type, ...]:
+    """Classes or class names -> the classes as they occur in the model. A name or class that does not occur
+    is an error that lists the module classes the model does have (the wrap-class pitfall)."""
+    present: dict[str, type] = {}
+    for m in model.modules():
+        present.setdefault(type(m).__name__, type(m))
+    if not spec:
+        spec = hf_no_split_modules(model)
+    found = []
+    for item in spec:
+        name = item if isinstance(item, str) else getattr(item, "__name__", str(item))
+        cls = present.get(name) if isinstance(item, str) else next(
+            (c for c in present.values() if issubclass(c, item)), None)
+        if cls is None:
+            raise ConfigError(f"{what} names {name}, which does not occur in the model; "
+                              f"its module classes are: {', '.join(sorted(present))}")
+        if cls not in found:
+            found.append(item if isinstance(item, type) else cls)
+    return tuple(found)
+
+
+def hf_no_split_modules(model: nn.Module) -> list[str]:
+    names: list[str] = []
+    for m in model.modules():
+        for n in getattr(m, "_no_split_modules", None) or []:
+            if n not in names:
+                names.append(n)
+    present = {type(m).__name__ for m in model.modules()}
+    return [n for n in names if n in present]
+
+
+# ---- finding and constructing the workload -------------------------------------------------------------
+def target_of(cls: type) -> str:
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def workload_class(cfg: Config) -> type[Workload]:
+    target = workload_target(cfg)
+    module_name, sep, attr = target.partition(":")
+    if not sep or not module_name or not attr or "/" in module_name or module_name.endswith(".py"):
+        raise ConfigError(f"{where('workload')}: '{target}' is not a workload; write a dotted module path and a class, "
+                          f"e.g. my_pkg.tasks:MyTask, or a built-in: {', '.join(BUILTIN_WORKLOADS)}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{where('workload')}: cannot import {module_name} ({e}); the config file's folder and "
+                          f"the working directory are on the import path") from None
+    cls = module
+    for part in attr.split("."):
+        cls = getattr(cls, part, None)
+    if not (isinstance(cls, type) and issubclass(cls, Workload)):
+        found = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Workload)
+                 and v is not Workload]
+        raise ConfigError(f"{where('workload')}: {module_name} has no Workload subclass named {attr}"
+                          + (f" (it has {', '.join(found)})" if found else ""))
+    return cls
+
+
+def load_workload(cfg: Config) -> Workload:
+    cls = workload_class(cfg)
+    try:
+        return cls(cfg, **cfg.workload.workload_args)
+    except TypeError as e:
+        raise ConfigError(f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}") from None

@@ -1,0 +1,94 @@
+"""`check-data --workload`: a user's data as the loop will meet it, checked in seconds before any process starts.
+
+The workload's datasets() is called, a few samples of each split are read and batched with its collate, and the
+batch keys are matched against the model's forward (the model is built on the meta device: nothing allocated,
+no weights loaded). Every problem found is one line naming the workload method to look at.
+"""
+from __future__ import annotations
+
+import torch
+
+from shardtrain.config.settings import Config, ConfigError
+from shardtrain.workloads.base import CheckedCollate, Workload, load_workload, model_inputs
+
+
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
+def check_workload_data(cfg: Config, samples: int = 4) -> tuple[list[str], list[str]]:
+    """(problems, notes on what was checked). A workload that does not construct raises its ConfigError."""
+    workload = load_workload(cfg)
+    name = type(workload).__name__
+    try:
+        splits = workload.datasets()
+    except Exception as e:  # noqa: BLE001 - the user's code: say which method failed and how
+        return [f"{name}.datasets() raised {_one_line(e)}"], []
+    if not (isinstance(splits, (tuple, list)) and len(splits) == 2):
+        return [f"{name}.datasets() must return (train, validation_or_None), got {type(splits).__name__}"], []
+    problems, notes, batches = [], [], []
+    for split, ds in zip(("train", "validation"), splits):
+        if ds is None:
+            if split == "train":
+                problems.append(f"{name}.datasets() returned None for train: nothing to train on")
+            continue
+        where = f"{name}.datasets() {split}"
+        if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            problems.append(f"{where}: a {type(ds).__name__} is not map-style (no __len__ / __getitem__); shardtrain "
+                            f"shards datasets by index across ranks")
+            continue
+        n = len(ds)
+        if n == 0:
+            problems.append(f"{where} is empty")
+            continue
+        items = []
+        for i in range(min(samples, n)):
+            try:
+                items.append(ds[i])
+            except Exception as e:  # noqa: BLE001
+                problems.append(f"{where} item {i}: {_one_line(e)}")
+        if not items:
+            continue
+        try:
+            batch = CheckedCollate(workload)(items)
+        except ConfigError as e:
+            problems.append(f"{split}: {e}")
+            continue
+        odd = [f"'{k}' is a {type(v).__name__}" for k, v in batch.items() if not isinstance(v, torch.Tensor)]
+        if odd:
+            problems.append(f"{name}.collate: every value must be a tensor (the loop moves each to the device); "
+                            f"{', '.join(odd)}")
+            continue
+        batches.append(batch)
+        notes.append(f"{split}: {n} samples; {len(items)} batched by {name}.collate into "
+                     + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
+    if batches:
+        problems += _check_against_model(workload, name, batches)
+    return problems, notes
+
+
+def _check_against_model(workload: Workload, name: str, batches: list[dict]) -> list[str]:
+    """The batch keys against what the default forward and loss read. An overridden forward or loss is the
+    user's own code, run only in training."""
+    problems = []
+    default_forward = type(workload).forward is Workload.forward
+    if default_forward:
+        workload.loads_weights = False
+        try:
+            with torch.device("meta"):
+                model = workload.build_model()
+        except Exception as e:  # noqa: BLE001
+            return [f"{name}.build_model() failed on the meta device (check-data builds it there to read its "
+                    f"forward's arguments): {_one_line(e)}"]
+        finally:
+            workload.loads_weights = True
+        for batch in batches:
+            try:
+                model_inputs(model, batch, name)
+            except ConfigError as e:
+                problems.append(str(e))
+                break
+    if type(workload).loss is Workload.loss and any("labels" not in b for b in batches):
+        problems.append(f"{name}.collate gives no 'labels' key, which the default Workload.loss reads; return "
+                        f"labels from collate or override {name}.loss")
+    return problems
