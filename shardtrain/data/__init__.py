@@ -1,4 +1,5 @@
-"""Data: jsonl (+images) datasets and every other source, tokenizer, collate, resumable sampler, make-data, check-data.
+"""Data in, batches out: every source (jsonl + images, hub names, files, folders, published layouts, streams)
+as canonical splits, the tokenizer, collate, the resumable sampler, the image cache, make-data and check-data.
 
     splits = load_splits(cfg)                 # any source (sources.py) -> canonical datasets.Dataset splits
 

@@ -1,4 +1,5 @@
-"""Model construction: `build_model(mcfg, dcfg, vocab_size)` and its inverse for exports.
+"""The built-in workloads' networks, built from the config: RoBERTa + ResNet/DenseNet fusion and Longformer,
+and their inverse for exports (`build_model(mcfg, dcfg, vocab_size)`).
 
 Every model is an nn.Module with forward(input_ids, attention_mask, pixel_values=None) -> logits,
 block_classes(), freezable_parameter_names(n), export_config() and batch_keys (docs/ARCHITECTURE.md).

@@ -1,4 +1,6 @@
-"""Pick the strategy from the config: the only place that knows all of them."""
+"""The memory strategies behind one Strategy interface (DDP, FSDP2, DeepSpeed ZeRO-2/3), with their configs,
+optimizer groups and activation checkpointing; make_strategy below is the only place that knows them all.
+"""
 from __future__ import annotations
 
 from shardtrain.config.settings import Config

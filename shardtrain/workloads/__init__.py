@@ -1,5 +1,6 @@
-"""The built-in workloads, `multimodal` and `longformer`: users of the public Workload API like any other.
+"""The public Workload API (base.py) and its pre-launch check (check.py), and the two built-ins that use it as
+any user's workload would: `multimodal` and `longformer`.
 
-Nothing in the loop or the strategies imports this package; `workload: multimodal` (or model.name, as configs
-written before workloads said it) is looked up by name in shardtrain.workloads.base.BUILTIN_WORKLOADS.
+The loop and the strategies import only base.py; `workload: multimodal` (or model.name, as configs written
+before workloads said it) is looked up by name in shardtrain.config.settings.BUILTIN_WORKLOADS.
 """

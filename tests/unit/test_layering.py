@@ -1,0 +1,163 @@
+"""The package layout is the architecture: docs/ARCHITECTURE.md's layer table against every import in shardtrain/.
+
+An import counts wherever it is written (top of a file or inside a function) and so does a module named in a
+string constant (importlib lookups such as the CLI's command table): hiding an import does not hide a layer
+violation or a circle.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "shardtrain"
+ROOT = "."  # the table's name for modules at the package root (entry points)
+
+
+def layer_table(doc: Path = REPO / "docs" / "ARCHITECTURE.md") -> dict[str, int]:
+    """folder -> layer, from the rows `| N | `folder` | ... |` of the doc's layer table."""
+    rows = re.findall(r"^\|\s*(\d+)\s*\|\s*`([^`]+)`\s*\|", doc.read_text(), flags=re.M)
+    table = {}
+    for layer, folder in rows:
+        assert folder not in table, f"{doc.name}: folder {folder} is listed twice"
+        table[folder] = int(layer)
+    return table
+
+
+def module_name(path: Path, package: Path) -> str:
+    parts = list(path.relative_to(package.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, package: Path, modules: set[str]) -> set[str]:
+    """The package's modules this file imports: statements anywhere, and module names in string constants."""
+    name = module_name(path, package)
+    here = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    def add(target: str) -> None:
+        # `from pkg import name`: name is a module when it is one, else an attribute of pkg
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        if target and target != name:
+            found.add(target)
+
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = here.split(".")[: len(here.split(".")) - (node.level - 1)]
+                base = ".".join(up + ([base] if base else []))
+            for alias in node.names:
+                add(f"{base}.{alias.name}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            if re.fullmatch(rf"{package.name}(\.\w+)+", node.value):
+                add(node.value)
+    return {m for m in found if m.split(".")[0] == package.name}
+
+
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    files = sorted(package.rglob("*.py"))
+    modules = {module_name(p, package) for p in files}
+    return {module_name(p, package): imports_of(p, package, modules) for p in files}
+
+
+def folder_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else ROOT
+
+
+def upward_imports(graph: dict[str, set[str]], table: dict[str, int], folder=folder_of) -> list[str]:
+    bad = []
+    for module, targets in sorted(graph.items()):
+        mine = folder(module)
+        for target in sorted(targets):
+            theirs = folder(target)
+            if theirs == mine:
+                continue
+            if table[theirs] > table[mine]:
+                bad.append(f"{module} (layer {table[mine]}, {mine}) imports {target} (layer {table[theirs]}, {theirs})")
+            elif table[theirs] == table[mine]:
+                bad.append(f"{module} ({mine}) imports {target} ({theirs}), a folder of its own layer {table[mine]}")
+    return bad
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), or a module importing itself."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_every_folder_is_in_the_layer_table_and_the_table_names_only_real_folders():
+    table = layer_table()
+    folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
+    assert folders - set(table) == set(), f"docs/ARCHITECTURE.md has no layer for {sorted(folders - set(table))}"
+    assert set(table) - folders - {ROOT} == set(), f"the layer table names missing folders {sorted(set(table) - folders - {ROOT})}"
+    assert ROOT in table
+
+
+def test_no_module_imports_a_higher_layer_or_a_sibling_folder():
+    assert upward_imports(import_graph(), layer_table()) == []
+
+
+def test_no_import_circles_even_inside_functions():
+    assert circles(import_graph()) == []
+
+
+@pytest.mark.parametrize("init", sorted(PACKAGE.glob("*/__init__.py")), ids=lambda p: p.parent.name)
+def test_each_folder_says_what_it_owns_in_two_lines(init):
+    doc = ast.get_docstring(ast.parse(init.read_text()), clean=True)
+    assert doc, f"{init.relative_to(REPO)} has no docstring"
+    first_paragraph = doc.split("\n\n")[0].splitlines()
+    assert 1 <= len(first_paragraph) <= 2, f"{init.relative_to(REPO)}: say what the folder owns in two lines"
+
+
+def test_the_checks_find_an_upward_import_a_hidden_circle_and_a_string_lookup(tmp_path):
+    pkg = tmp_path / "pkg"
+    for folder in ("low", "high"):
+        (pkg / folder).mkdir(parents=True)
+        (pkg / folder / "__init__.py").write_text('"""x"""\n')
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from pkg.high import b\n")  # upward, inside a function
+    (pkg / "high" / "b.py").write_text("from pkg.low import a\n")
+    (pkg / "high" / "c.py").write_text("import importlib\nM = importlib.import_module('pkg.high.d')\n")
+    (pkg / "high" / "d.py").write_text("from . import c\n")  # relative import closing a circle via a string
+    graph = import_graph(pkg)
+    assert graph["pkg.high.c"] == {"pkg.high.d"} and graph["pkg.high.d"] == {"pkg.high.c"}
+    table = {"low": 0, "high": 1, ROOT: 2}
+    bad = upward_imports(graph, table, folder=lambda m: m.split(".")[1] if m.count(".") >= 2 else ROOT)
+    assert bad == ["pkg.low.a (layer 0, low) imports pkg.high.b (layer 1, high)"]
+    assert sorted(circles(graph)) == [["pkg.high.b", "pkg.low.a"], ["pkg.high.c", "pkg.high.d"]]
