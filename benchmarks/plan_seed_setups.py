@@ -1,4 +1,4 @@
-"""The README's table of `shardtrain plan` for the seed setups: roberta-base/large + resnet50/densenet121 on
+"""docs/memory.md's table of `shardtrain plan` for the seed setups: roberta-base/large + resnet50/densenet121 on
 3 x A100-40GB, and longformer-base/large at 4096 tokens on 4 x V100-16GB.
 
     python benchmarks/plan_seed_setups.py  -> benchmarks/results/plan_seed_setups.json and a markdown table

@@ -2,7 +2,7 @@
 
 The signal side is StopFlag below: SIGUSR1/SIGTERM (preemption) and a first Ctrl-C set a flag; the loop
 finishes its step, saves and exits (0 on a preemption signal, 130 on Ctrl-C).
-How the signal reaches the training processes under each launcher: README.md, "Preemption".
+How the signal reaches the training processes under each launcher: docs/checkpoints.md, "Preemption".
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ the methods below. The strategy decides where `build_model` runs (rank 0 only, t
 it must not move the model to a device or read a rank. The built-ins (`multimodal`, `longformer`) live in
 shardtrain/workloads/ and use nothing but this API.
 
-The rule for parameters (README, "Your own model"): read parameters only inside the model's forward. Outside
+The rule for parameters (docs/your-own-model.md): read parameters only inside the model's forward. Outside
 it, FSDP and ZeRO-3 hold just this rank's shard (ZeRO-3's has shape [0]), so a loss or metric that reads
 `model.weight` gets a fragment.
 """

@@ -8,7 +8,7 @@ The planner predicts from the config alone (meta-device count, activations measu
 The shipped tiny configs (configs/*_tiny.yaml) at fp32 and bf16, as configured, under FSDP (the demo's
 strategy) with the startup prediction on: the banner's prediction (for max_length) must hold where the batches
 are that long, and the end-of-run prediction at each rank's measured [micro-batch, tokens] everywhere (the
-README's "within 4%"); `shardtrain plan` must print the same figures as the banner.
+docs/memory.md's "within 4%"); `shardtrain plan` must print the same figures as the banner.
 
 OOM: rank 0 raises a real torch.OutOfMemoryError (--inject-oom-above 8) at micro-batch 16; the run must
 finish at micro-batch 8 x accum 2 with the same global batch and the same losses and gradient norms (fp32,
@@ -34,7 +34,7 @@ OOM_STRATEGIES = ("ddp", "fsdp", "zero2")
 OOM_COMMON = ["--max-steps", "2", "--max-length", "16", "--max-eval-samples", "8", "--report", "false",
               "--log-every", "100"]
 BUDGETS = {"roomy": "1.0", "tight": "0.06"}  # GiB per rank; the tiny model needs ~0.08 under DDP
-README_CLAIM = 0.04
+DOCS_CLAIM = 0.04
 # (workload, precision, extra flags): the configs as shipped, and the multimodal one at --max-length 16, where
 # every text is cut to 16 tokens and so every batch has the banner's shape (the synthetic texts are ~20 tokens,
 # under its max_length 64; the Longformer data's batches reach its 256).
@@ -140,7 +140,7 @@ def test_banner_and_plan_predict_the_tiny_configs_within_the_readme_claim(launch
                 assert at["activations_gib"] == banner["activations_gib"], (name, rank, at, banner)
             for key, value in measured.items():
                 table.append((name, rank, key, value, predicted[key], at["batch"], banner["batch"]))
-                assert rel(predicted[key], value) < README_CLAIM, table[-1]
+                assert rel(predicted[key], value) < DOCS_CLAIM, table[-1]
         cfg = parse_cli(launched["plan"][name])
         row = next(r for r in plan(cfg, 2, GIB, cuda=False)["rows"]
                    if r["variant"] == banner["variant"] and not r["activation_checkpointing"]

@@ -1,6 +1,6 @@
 """The 4 x V100 Longformer seed setup: what `shardtrain plan` recommends is what every shipped place launches
 (configs/longformer_4096.yaml's launch comment and settings, slurm/train_4xv100.sbatch, examples/sagemaker/
-launch.py, the README's and train.py's launch lines).
+launch.py, the launch lines of the README, the docs pages and train.py).
 
 The plan is computed for real, through the CLI users run (about 1.5 min of CPU: activations measured on
 longformer-base's shape at 1024 and 1536 tokens). The sbatch script runs for real too, outside Slurm, with an
@@ -43,7 +43,8 @@ def launch_args(line: str) -> list[str] | None:
 def documented_launch_lines() -> dict[str, list[str]]:
     """Every line that launches the Longformer config, in the files a user reads."""
     found = {}
-    for path in ("README.md", CONFIG, "shardtrain/loop/train.py"):
+    docs = sorted(str(p.relative_to(REPO)) for p in (REPO / "docs").glob("*.md"))
+    for path in ("README.md", *docs, CONFIG, "shardtrain/loop/train.py"):
         # A command continued with a trailing backslash is one launch line.
         text = re.sub(r"\\\n\s*", " ", (REPO / path).read_text())
         for n, line in enumerate(text.splitlines(), 1):
@@ -85,7 +86,7 @@ def test_shipped_longformer_launches_are_what_plan_recommends(recommendation, tm
     monkeypatch.chdir(REPO)  # the launch lines name files relative to the repository root
     launches = {"slurm/train_4xv100.sbatch": sbatch_launch(tmp_path), "examples/sagemaker": sagemaker_launch(),
                 **documented_launch_lines()}
-    assert len(launches) >= 5, launches  # the sbatch script, SageMaker, 2 README lines, the config comment
+    assert len(launches) >= 5, launches  # the sbatch script, SageMaker, README and docs lines, the config comment
     want = (recommendation["variant"], recommendation["activation_checkpointing"],
             recommendation["micro_batch_size"], recommendation["grad_accum"])
     for where, args in launches.items():

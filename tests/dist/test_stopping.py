@@ -1,4 +1,4 @@
-"""How a run stops (README, "Stopping"): on a preemption signal or Ctrl-C it finishes its step, saves and
+"""How a run stops (docs/checkpoints.md, "Stopping"): on a preemption signal or Ctrl-C it finishes its step, saves and
 exits 0 or 130 with one line; a second Ctrl-C stops at once; a reader that goes away (`| head`) never hangs it.
 
 Every launch here goes through an entry point users run: `python -m shardtrain train` (which relaunches
