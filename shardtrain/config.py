@@ -7,13 +7,17 @@ Errors name the flag or the YAML key, and show the arithmetic where there is som
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
+import copy
 import dataclasses
 import difflib
 import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
 from shardtrain.errors import ConfigError  # everyone imports it from here; sagemaker_env, below us, from errors
 
@@ -195,6 +199,9 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # field name -> (`configs/x.yaml:12`, the value read there) for the settings from_dict read from a YAML file,
+    # so that validate() names the file and line. Set per instance; not a field, so saved configs lack it.
+    origins: ClassVar[Mapping[str, tuple[str, Any]]] = MappingProxyType({})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -289,9 +296,37 @@ def key_of(name: str) -> str:
     return YAML_KEYS.get(name) or f"{FIELDS[name][0]}.{name}"
 
 
+# While validate() runs: the config checked and the file locations its error message has named so far.
+_CHECKING: contextvars.ContextVar[tuple[Config, list[str]] | None] = contextvars.ContextVar("checking", default=None)
+
+
 def where(name: str) -> str:
-    """How to name a setting in an error: both its flag and its YAML key."""
+    """How to name a setting in an error: both its flag and its YAML key. Inside validate(), a value still as a
+    YAML file set it is named by its key, and the error starts with the file and line (see located_errors)."""
+    checking = _CHECKING.get()
+    origin = checking and checking[0].origins.get(name)
+    if origin and getattr(getattr(checking[0], FIELDS[name][0]), name) == origin[1]:
+        named = checking[1]
+        named.append(origin[0])
+        return key_of(name) if len(named) == 1 else f"{key_of(name)} ({origin[0]})"
     return f"{flag_of(name)} ({key_of(name)})"
+
+
+@contextlib.contextmanager
+def located_errors(cfg: Config):
+    """A ConfigError raised inside about a value from a YAML file starts with its `file:line:`, as a compiler's
+    does: `configs/x.yaml:12: train.lr must be positive, got -1.0`. Values a flag, SageMaker or a default set
+    keep the flag form."""
+    named: list[str] = []
+    token = _CHECKING.set((cfg, named))
+    try:
+        yield
+    except ConfigError as e:
+        if named:
+            raise ConfigError(f"{named[0]}: {e}") from None
+        raise
+    finally:
+        _CHECKING.reset(token)
 
 
 def _suggest(word: str, options) -> str:
@@ -383,60 +418,104 @@ def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
     raise AssertionError(f"unhandled type {typ} for {name}")
 
 
-def load_yaml(path: str | os.PathLike) -> dict:
+class YamlFile(dict):
+    """A config file's mapping, with the line each key was written on, so that an error about a value names the
+    file and the line: `configs/x.yaml:12: train.lr: expected a number, got 'fast'`."""
+
+    def __init__(self, data: dict, path: str, lines: Mapping[tuple[str, ...], int]):
+        super().__init__(data)
+        self.path = path
+        self.lines = lines  # (section, key, ...) -> 1-based line of that key
+
+    def at(self, *keys: str) -> str:
+        """`path:line` of the innermost of these nested keys that the file spells."""
+        for n in range(len(keys), 0, -1):
+            if keys[:n] in self.lines:
+                return f"{self.path}:{self.lines[keys[:n]]}"
+        return self.path
+
+
+def _key_lines(node, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """(key, nested key, ...) -> 1-based line, for every mapping key in a composed YAML node tree."""
+    import yaml
+
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                keys = prefix + (key_node.value,)
+                lines[keys] = key_node.start_mark.line + 1
+                lines.update(_key_lines(value_node, keys))
+    return lines
+
+
+def load_yaml(path: str | os.PathLike) -> YamlFile:
     import yaml
 
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config: file not found: {p}")
+    # Composed first, then constructed: the node tree keeps each key's line (PyYAML's start_mark).
+    loader = yaml.SafeLoader(p.read_text())
     try:
-        data = yaml.safe_load(p.read_text())
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        loc = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"--config {p}:{loc}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        loc = f"{p}:{mark.line + 1}: " if mark else f"{p}: "
+        column = f" (column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{loc}invalid YAML: {getattr(e, 'problem', None) or e}{column}") from None
+    finally:
+        loader.dispose()
     if data is None:
-        return {}
+        return YamlFile({}, str(p), {})
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {p}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
-    return data
+        raise ConfigError(f"{p}:{node.start_mark.line + 1}: the top level must be a mapping of sections "
+                          f"({', '.join(SECTIONS)})")
+    return YamlFile(data, str(p), _key_lines(node))
 
 
 def from_dict(data: dict, source: str = "config") -> Config:
+    """A Config from a YAML file's mapping (a YamlFile: errors name its file and line) or any other dict (errors
+    name `source`)."""
+    at = data.at if isinstance(data, YamlFile) else lambda *keys: source
     cfg = Config()
+    cfg.origins = {}
     section_objs = {name: getattr(cfg, name) for name in SECTIONS}
     for section, values in data.items():
         if section not in section_objs:
-            raise ConfigError(f"{source}: unknown section '{section}'{_suggest(section, SECTIONS)}"
+            raise ConfigError(f"{at(section)}: unknown section '{section}'{_suggest(section, SECTIONS)}"
                               f" (sections: {', '.join(SECTIONS)})")
         if values is None:
             continue
         if section == "workload":
-            values = _workload_section(values, source)
+            values = _workload_section(values, at)
         if not isinstance(values, dict):
-            raise ConfigError(f"{source}: section '{section}' must be a mapping")
+            raise ConfigError(f"{at(section)}: section '{section}' must be a mapping, got {values!r}")
         obj = section_objs[section]
         own = {f.name for f in fields(obj)}
         for key, value in values.items():
             if key not in own:
-                raise ConfigError(f"{source}: unknown key '{section}.{key}'{_suggest_key(key, own)}")
-            typ = FIELDS[key][2]
-            setattr(obj, key, _coerce(key, value, typ, f"{source}: {section}.{key}"))
+                raise ConfigError(f"{at(section, key)}: unknown key '{section}.{key}'{_suggest_key(key, own)}")
+            line = at(*key_of(key).split("."))  # workload.target, as the file spells workload.workload
+            setattr(obj, key, _coerce(key, value, FIELDS[key][2], f"{line}: {key_of(key)}"))
+            if isinstance(data, YamlFile):
+                cfg.origins[key] = (line, copy.deepcopy(getattr(obj, key)))
     return cfg
 
 
-def _workload_section(values, source: str) -> dict:
+def _workload_section(values, at) -> dict:
     """`workload: my_pkg.tasks:MyTask` or `{target: ..., args: {...}}` -> the section's own field names.
     (A config saved by a run, to_dict(), already uses those names.)"""
     if isinstance(values, str):
         return {"workload": values}
     if not isinstance(values, dict):
-        raise ConfigError(f"{source}: workload must be 'module:Class' or a mapping with target and args")
+        raise ConfigError(f"{at('workload')}: workload must be 'module:Class' or a mapping with target and args")
     renamed = {}
     for key, value in values.items():
         own = {"target": "workload", "args": "workload_args"}.get(key, key)
         if own not in ("workload", "workload_args"):
-            raise ConfigError(f"{source}: unknown key 'workload.{key}'{_suggest(key, ['target', 'args'])} "
+            raise ConfigError(f"{at('workload', key)}: unknown key 'workload.{key}'{_suggest(key, ['target', 'args'])} "
                               f"(keys: target, args)")
         renamed[own] = value
     return renamed
@@ -602,7 +681,13 @@ def resolve_shipped_ds_config(p: ParallelConfig) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no process group, model or data; each error names its flag and key."""
+    """Checks that need no process group, model or data; each error names its flag and key, or the file and
+    line of a value from a YAML file."""
+    with located_errors(cfg):
+        _validate(cfg)
+
+
+def _validate(cfg: Config) -> None:
     t, m, d, p, c = cfg.train, cfg.model, cfg.data, cfg.parallel, cfg.checkpoint
     if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
         m.name = cfg.workload.workload  # `--workload longformer`: the built-in reads the model section as model.name did
