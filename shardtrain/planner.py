@@ -449,7 +449,8 @@ def _plan_table(p: dict, with_activations: bool) -> list[str]:
                 ("total" if act else "states", ">", lambda r: _gib(r[total])),
                 ("host/GPU", ">", lambda r: _gib(r["host_bytes_per_gpu"])),
                 ("fits", "<", lambda r: "yes" if r[fits] else "NO"),
-                ("headroom", ">", lambda r: _gib(r["headroom_bytes"])), ("cost", ">", lambda r: str(r["relative_cost"])),
+                ("headroom", ">", lambda r: _gib(r["headroom_bytes"])),
+                ("cost", ">", lambda r: str(r["relative_cost"])),
                 ("paper", ">", lambda r: _gib(r["zero_paper"]) if "zero_paper" in r else "-")]
     return format_table([name for name, _, _ in columns], [[cell(r) for _, _, cell in columns] for r in p["rows"]],
                         "".join(align for _, align, _ in columns))
