@@ -1,6 +1,8 @@
 """The shipped configs parse and validate; DeepSpeed JSON contradictions and strategy contradictions are
 one-line ConfigErrors that name both sides (checked before any process group or deepspeed.initialize)."""
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -247,3 +249,46 @@ def test_a_yaml_value_that_validate_refuses_names_the_file_and_line(tmp_path):
     assert _error(tmp_path, text, "--lr=-2") == "--lr (train.lr) must be positive, got -2.0"
     assert _error(tmp_path, "model:\n  pretrained: false\nparallel:\n  nproc: lots\n") == (
         "x.yaml:4: parallel.nproc must be 'auto' or a positive integer, got 'lots'")
+
+
+# ---- train --help: every option described, from the config fields' own help ------------------------------------
+
+def _help_entries(help_text: str) -> dict[str, str]:
+    """`train --help`'s options: first flag -> its help text (argparse separates the flags from the text with two
+    or more spaces on the first line, or puts the text on the lines below)."""
+    entries: dict[str, str] = {}
+    flag = None
+    for line in help_text.split("options:", 1)[1].splitlines():
+        head = re.match(r"^  (-\S.*?)(?: {2,}(.*))?$", line)
+        if head:
+            flag = head.group(1).split()[0].rstrip(",")
+            entries[flag] = head.group(2) or ""
+        elif flag and line.strip():
+            entries[flag] = (entries[flag] + " " + line.strip()).strip()
+    return entries
+
+
+def _undescribed(help_text: str) -> list[str]:
+    """Options whose help says no more than their default and YAML key (a description has 3 words or more)."""
+    def description(text: str) -> str:
+        return re.sub(r";? ?default: .*$", "", re.sub(r" ?\(YAML [\w.]+\)$", "", text))
+
+    return [flag for flag, text in _help_entries(help_text).items()
+            if flag not in ("-h", "--config") and len(description(text).split()) < 3]
+
+
+def test_train_help_describes_every_option(monkeypatch):
+    from shardtrain.config import FIELDS, build_arg_parser, flag_of
+
+    monkeypatch.setenv("COLUMNS", "120")
+    text = build_arg_parser().format_help()
+    entries = _help_entries(text)
+    assert set(entries) >= {flag_of(name) for name in FIELDS}
+    assert _undescribed(text) == []
+    lr = entries["--lr"]
+    assert lr.startswith("peak learning rate") and "default: 3e-05" in lr and lr.endswith("(YAML train.lr)"), lr
+    assert entries["--precision"] and "--precision {fp32,bf16,fp16}" in text
+    # A field without a description is caught: only its default and YAML key would be left.
+    section, f, typ = FIELDS["lr"]
+    monkeypatch.setitem(FIELDS, "lr", (section, dataclasses.field(default=f.default), typ))
+    assert _undescribed(build_arg_parser().format_help()) == ["--lr"]
