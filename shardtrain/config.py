@@ -325,8 +325,9 @@ def key_of(name: str) -> str:
     return YAML_KEYS.get(name) or f"{FIELDS[name][0]}.{name}"
 
 
-# While validate() runs: the config checked and the file locations its error message has named so far.
-_CHECKING: contextvars.ContextVar[tuple[Config, list[str]] | None] = contextvars.ContextVar("checking", default=None)
+# While validate() runs: the config checked, and (file:line, YAML key) of each value from a file it has named.
+_CHECKING: contextvars.ContextVar[tuple[Config, list[tuple[str, str]]] | None] = contextvars.ContextVar(
+    "checking", default=None)
 
 
 def where(name: str) -> str:
@@ -336,7 +337,7 @@ def where(name: str) -> str:
     origin = checking and checking[0].origins.get(name)
     if origin and getattr(getattr(checking[0], FIELDS[name][0]), name) == origin[1]:
         named = checking[1]
-        named.append(origin[0])
+        named.append((origin[0], key_of(name)))
         return key_of(name) if len(named) == 1 else f"{key_of(name)} ({origin[0]})"
     return f"{flag_of(name)} ({key_of(name)})"
 
@@ -346,13 +347,15 @@ def located_errors(cfg: Config):
     """A ConfigError raised inside about a value from a YAML file starts with its `file:line:`, as a compiler's
     does: `configs/x.yaml:12: train.lr must be positive, got -1.0`. Values a flag, SageMaker or a default set
     keep the flag form."""
-    named: list[str] = []
+    named: list[tuple[str, str]] = []
     token = _CHECKING.set((cfg, named))
     try:
         yield
     except ConfigError as e:
-        if named:
-            raise ConfigError(f"{named[0]}: {e}") from None
+        # The first value from the file that the message names (not one a where() named for something else).
+        located = next((loc for loc, key in named if key in str(e)), None)
+        if located:
+            raise ConfigError(f"{located}: {e}") from None
         raise
     finally:
         _CHECKING.reset(token)
