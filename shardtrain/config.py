@@ -362,7 +362,8 @@ def located_errors(cfg: Config):
 
 
 def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    # str(): a YAML key such as `3:` loads as a number
+    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
@@ -461,23 +462,25 @@ class YamlFile(dict):
 
     def at(self, *keys: str) -> str:
         """`path:line` of the innermost of these nested keys that the file spells."""
+        keys = tuple(map(str, keys))  # `1:` or `yes:` is not a string once loaded; the node keeps its text
         for n in range(len(keys), 0, -1):
             if keys[:n] in self.lines:
                 return f"{self.path}:{self.lines[keys[:n]]}"
         return self.path
 
 
-def _key_lines(node, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
-    """(key, nested key, ...) -> 1-based line, for every mapping key in a composed YAML node tree."""
+def _key_lines(loader, node, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """(key, nested key, ...) -> 1-based line, for every mapping key in a composed YAML node tree. Keys as
+    loaded, then str(): `yes:` is the key True."""
     import yaml
 
     lines = {}
     if isinstance(node, yaml.MappingNode):
         for key_node, value_node in node.value:
             if isinstance(key_node, yaml.ScalarNode):
-                keys = prefix + (key_node.value,)
+                keys = prefix + (str(loader.construct_object(key_node)),)
                 lines[keys] = key_node.start_mark.line + 1
-                lines.update(_key_lines(value_node, keys))
+                lines.update(_key_lines(loader, value_node, keys))
     return lines
 
 
@@ -492,6 +495,7 @@ def load_yaml(path: str | os.PathLike) -> YamlFile:
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else None
+        lines = _key_lines(loader, node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         loc = f"{p}:{mark.line + 1}: " if mark else f"{p}: "
@@ -504,7 +508,7 @@ def load_yaml(path: str | os.PathLike) -> YamlFile:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}:{node.start_mark.line + 1}: the top level must be a mapping of sections "
                           f"({', '.join(SECTIONS)})")
-    return YamlFile(data, str(p), _key_lines(node))
+    return YamlFile(data, str(p), lines)
 
 
 def from_dict(data: dict, source: str = "config") -> Config:

@@ -229,12 +229,13 @@ def _error(tmp_path, text: str, *flags: str) -> str:
     ("workload:\n  target: my.mod:Task\n  args: [3]\n", "x.yaml:3: workload.args: expected a mapping, got [3]"),
     ("data:\n  max_length: 64\ntrain: 5\n", "x.yaml:3: section 'train' must be a mapping, got 5"),
     ("train:\n  optim:\n    lr: 1\n", "x.yaml:2: unknown key 'train.optim'"),
+    ("train:\n  lr: 1\n3: x\n", "x.yaml:3: unknown section '3'"),  # a key YAML reads as a number
     # YAML syntax
     ("train:\n  lr: 1\n max_steps: 3\n", "x.yaml:3: invalid YAML: expected <block end>, but found"),
     ("train:\n  lr: [1, 2\n", "x.yaml:3: invalid YAML:"),
     ("- train\n- model\n", "x.yaml:1: the top level must be a mapping of sections"),
 ], ids=["type", "type-list", "key", "section", "enum", "workload-key", "workload-args", "section-type",
-        "too-deep", "syntax", "syntax-unclosed", "top-level"])
+        "too-deep", "number-key", "syntax", "syntax-unclosed", "top-level"])
 def test_a_bad_value_in_a_yaml_file_names_the_file_and_line(tmp_path, text, message):
     assert _error(tmp_path, text).startswith(message)
 
