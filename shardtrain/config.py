@@ -462,7 +462,7 @@ class YamlFile(dict):
 
     def at(self, *keys: str) -> str:
         """`path:line` of the innermost of these nested keys that the file spells."""
-        keys = tuple(map(str, keys))  # `1:` or `yes:` is not a string once loaded; the node keeps its text
+        keys = tuple(map(str, keys))  # a loaded key may be a number or a boolean (`3:`, `yes:`); lines has str()
         for n in range(len(keys), 0, -1):
             if keys[:n] in self.lines:
                 return f"{self.path}:{self.lines[keys[:n]]}"
@@ -551,8 +551,8 @@ def _workload_section(values, at) -> dict:
     for key, value in values.items():
         own = {"target": "workload", "args": "workload_args"}.get(key, key)
         if own not in ("workload", "workload_args"):
-            raise ConfigError(f"{at('workload', key)}: unknown key 'workload.{key}'{_suggest(key, ['target', 'args'])} "
-                              f"(keys: target, args)")
+            raise ConfigError(f"{at('workload', key)}: unknown key 'workload.{key}'"
+                              f"{_suggest(key, ['target', 'args'])} (keys: target, args)")
         renamed[own] = value
     return renamed
 
