@@ -97,7 +97,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
             **label_maps(cfg)}
     if cfg.model.name == "longformer":
         # config.json + model.safetensors; the HF config has the run's id2label/label2id (models/archs.py)
-        model.hf.save_pretrained(str(out), safe_serialization=True)
+        save_hf_quietly(model.hf, out)
     else:
         from safetensors.torch import save_file
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
@@ -114,6 +114,20 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
         info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
     (out / EXPORT_META).write_text(json.dumps(info, indent=1))
     return info
+
+
+def save_hf_quietly(hf_model, out: Path) -> None:
+    """save_pretrained without its "Writing model shards" bar: a bar for one file, on stderr, the one line an
+    export printed that was not its own."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        hf_model.save_pretrained(str(out), safe_serialization=True)
+    finally:
+        if was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _with_workload(run_cfg, workload: str | None, workload_args: str | None):

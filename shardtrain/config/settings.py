@@ -7,183 +7,216 @@ Errors name the flag or the YAML key, and show the arithmetic where there is som
 from __future__ import annotations
 
 import argparse
+import contextlib
+import contextvars
+import copy
 import dataclasses
 import difflib
 import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+from types import MappingProxyType
+from typing import Any, ClassVar, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
 from shardtrain.config.errors import ConfigError  # everyone imports it from here; sagemaker_env, below us, from errors
 
 
+def setting(default: Any, help: str) -> Any:
+    """A config field and its one-line description: the one text `train --help` shows for it (with the YAML key
+    and the default, added there)."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ModelConfig:
-    name: Literal["multimodal", "longformer"] = "multimodal"
-    # Hub name or local folder. With pretrained=false the architecture alone is used (random init).
-    text_model: str = "roberta-base"
-    pretrained: bool = True
-    # Overrides of the text model's HF config; tiny test models are built from these.
-    text_config: dict = field(default_factory=dict)
-    image_model: Literal["resnet50", "resnet18", "densenet121"] = "resnet50"
-    # None: random init; a torchvision weights name (e.g. IMAGENET1K_V2) or a local .pth/.safetensors file.
-    image_weights: Optional[str] = None
-    # Overrides of the torchvision constructor (e.g. {layers: [1,1,1,1]} or DenseNet's block_config).
-    image_config: dict = field(default_factory=dict)
-    fusion: Literal["concat", "gated"] = "concat"
-    fusion_hidden: int = 512
-    dropout: float = 0.1
-    # None: taken from the data (the classes a ClassLabel, string or bool label column names); 3 for the jsonl
-    # --data-dir layout, whose integer labels do not say how many classes there are.
-    num_labels: Optional[int] = None
-    freeze_layers: int = 0
-    unfreeze_at_step: Optional[int] = None
-    attention_window: int = 512
-    # Channels-last layout for the CNN's activations (its input is converted): faster convolutions on GPUs.
-    channels_last: bool = False
-    # The HF text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls.
-    attention: Literal["sdpa", "eager"] = "sdpa"
+    name: Literal["multimodal", "longformer"] = setting(
+        "multimodal", "the built-in model: multimodal (text + image fusion) or longformer (long documents)")
+    text_model: str = setting("roberta-base", "the text encoder: a Hugging Face hub name or a local folder")
+    # With pretrained=false the architecture alone is used (random init): the tests' tiny models.
+    pretrained: bool = setting(True, "load the text model's pretrained weights; false: its architecture, randomly "
+                                     "initialised")
+    text_config: dict = setting({}, "overrides of the text model's Hugging Face config, as JSON, e.g. "
+                                    '{"num_hidden_layers": 2}')
+    image_model: Literal["resnet50", "resnet18", "densenet121"] = setting(
+        "resnet50", "the image encoder (torchvision) of the multimodal model")
+    image_weights: Optional[str] = setting(None, "the image encoder's weights: a torchvision weights name (e.g. "
+                                                 "IMAGENET1K_V2) or a local .pth/.safetensors file; unset: random init")
+    image_config: dict = setting({}, "overrides of the torchvision constructor, as JSON, e.g. "
+                                     '{"layers": [1,1,1,1]} or DenseNet\'s block_config')
+    fusion: Literal["concat", "gated"] = setting("concat", "how the multimodal head combines text and image features")
+    fusion_hidden: int = setting(512, "width of the fusion head's hidden layer (units)")
+    dropout: float = setting(0.1, "dropout probability of the text encoder and the fusion head (0..1)")
+    # The jsonl --data-dir layout's integer labels do not say how many classes there are, hence its 3.
+    num_labels: Optional[int] = setting(None, "number of classes; unset: the classes a ClassLabel, string or bool "
+                                              "label column names, or 3 for the jsonl --data-dir layout")
+    freeze_layers: int = setting(0, "freeze the text embeddings and the first N encoder layers (and a matching "
+                                    "share of the CNN); 0: train everything")
+    unfreeze_at_step: Optional[int] = setting(None, "optimizer step at which the frozen layers start to train; "
+                                                    "unset: frozen for the whole run")
+    attention_window: int = setting(512, "Longformer's sliding attention window (tokens)")
+    channels_last: bool = setting(False, "channels-last layout for the CNN's activations: faster convolutions on "
+                                         "GPUs")
+    attention: Literal["sdpa", "eager"] = setting(
+        "sdpa", "the text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls")
 
 
 @dataclass
 class DataConfig:
-    data_dir: str = "data/multimodal"
-    # Hub name or folder; None trains a byte-level BPE on the training text (only for pretrained=false).
-    tokenizer: Optional[str] = None
-    tokenizer_vocab_size: int = 2000
-    max_length: int = 128
-    image_size: int = 224
-    num_workers: int = 4
-    pin_memory: bool = True
-    skip_bad_samples: bool = False
-    max_train_samples: Optional[int] = None
-    max_eval_samples: Optional[int] = None
-    # Folder holding validation.jsonl when it is not data_dir (SageMaker's separate validation channel).
-    eval_data_dir: Optional[str] = None
-    # Folder of decoded images written by `shardtrain cache-images` (data/image_cache.py); None: decode each epoch.
-    image_cache: Optional[str] = None
-    # A research dataset in its published layout, read from data_dir as unpacked (data/layouts.py): no
-    # conversion script between the download and a run. None: the jsonl splits.
-    dataset_format: Optional[Literal["mvsa-single", "mvsa-multiple", "twitter2015", "twitter2017"]] = None
-    # Read the training split as a stream (a datasets.IterableDataset) instead of into memory: data bigger than RAM.
-    streaming: bool = False
-    # Processes that tokenise through datasets.map (its num_proc); None: this process. The result is cached.
-    preprocessing_num_workers: Optional[int] = None
-    # Other sources than the jsonl --data-dir layout (shardtrain/data/sources.py), with the flag names of HF's
-    # run_classification.py. A hub name or a local path for load_dataset, or a save_to_disk folder.
-    dataset_name: Optional[str] = None
-    # The dataset's configuration (load_dataset's second argument), e.g. a GLUE task.
-    dataset_config_name: Optional[str] = None
-    # One data file per split: csv, json/jsonl or parquet, chosen by the extension.
-    train_file: Optional[str] = None
-    validation_file: Optional[str] = None
-    # Image folders with a metadata.jsonl / metadata.csv (file_name, text, label), read by datasets' imagefolder.
-    train_dir: Optional[str] = None
-    validation_dir: Optional[str] = None
-    # Which splits of a dataset with several (IMDB's validation is its `test`).
-    train_split_name: str = "train"
-    validation_split_name: str = "validation"
-    # For a source without a validation split: this percentage of train, drawn with train.seed.
-    validation_split_percentage: Optional[int] = None
-    # Columns read as text (several are joined with text_column_delimiter), as the label, and as the image.
-    text_column_names: list = field(default_factory=lambda: ["text"])
-    text_column_delimiter: str = " "
-    label_column_name: str = "label"
-    image_column_name: str = "image"
-    # Class names in id order (id2label). Empty: taken from the data; a run records them here, so its saved
-    # config, checkpoints and exports carry the mapping. Set it to fix the order yourself.
-    label_names: list = field(default_factory=list)
+    data_dir: str = setting("data/multimodal", "folder of train.jsonl and validation.jsonl (or of a published "
+                                               "layout, with --dataset-format)")
+    # None trains a byte-level BPE on the training text, which only a randomly initialised model can use.
+    tokenizer: Optional[str] = setting(None, "tokenizer: a hub name or folder; unset: the text model's own, or one "
+                                             "trained on the training text when pretrained is false")
+    tokenizer_vocab_size: int = setting(2000, "vocabulary size of the tokenizer trained when none is given")
+    max_length: int = setting(128, "texts are truncated to this many tokens")
+    image_size: int = setting(224, "images are resized to this many pixels square")
+    num_workers: int = setting(4, "data-loading worker processes per rank (0: load in the training process)")
+    pin_memory: bool = setting(True, "page-locked host memory for batches, for faster copies to the GPU (CUDA only)")
+    skip_bad_samples: bool = setting(False, "skip records that do not read (empty text, undecodable image) and "
+                                            "count them, instead of stopping with one line naming the first")
+    max_train_samples: Optional[int] = setting(None, "train on the first N records only; unset: all")
+    max_eval_samples: Optional[int] = setting(None, "evaluate on the first N records only; unset: all")
+    eval_data_dir: Optional[str] = setting(None, "folder holding validation.jsonl when it is not data_dir "
+                                                 "(SageMaker's separate validation channel)")
+    image_cache: Optional[str] = setting(None, "folder of decoded images written by `shardtrain cache-images`; "
+                                               "unset: decode every image every epoch")
+    # No conversion script between the download and a run: the layout is read as unpacked (data/layouts.py).
+    dataset_format: Optional[Literal["mvsa-single", "mvsa-multiple", "twitter2015", "twitter2017"]] = setting(
+        None, "read data_dir as this research dataset's published layout; unset: the jsonl splits")
+    streaming: bool = setting(False, "read the training split as a stream, not into memory: data bigger than RAM")
+    preprocessing_num_workers: Optional[int] = setting(None, "processes that tokenise through datasets.map (cached); "
+                                                             "unset: this process")
+    # Sources other than the jsonl --data-dir layout (shardtrain/data/sources.py), with the flag names of HF's
+    # run_classification.py.
+    dataset_name: Optional[str] = setting(None, "a dataset for datasets.load_dataset: a hub name, a local path, "
+                                                "or a save_to_disk folder")
+    dataset_config_name: Optional[str] = setting(None, "the dataset's configuration (load_dataset's second "
+                                                       "argument), e.g. a GLUE task")
+    train_file: Optional[str] = setting(None, "the training split as one csv, json/jsonl or parquet file (by "
+                                              "its extension)")
+    validation_file: Optional[str] = setting(None, "the validation split as one csv, json/jsonl or parquet file")
+    train_dir: Optional[str] = setting(None, "an image folder with a metadata.jsonl or metadata.csv (file_name, "
+                                             "text, label) for training, read by datasets' imagefolder")
+    validation_dir: Optional[str] = setting(None, "the same for the validation split")
+    # IMDB's validation is its `test`.
+    train_split_name: str = setting("train", "the split of a dataset with several to train on")
+    validation_split_name: str = setting("validation", "the split to evaluate on")
+    validation_split_percentage: Optional[int] = setting(None, "for a source without a validation split: this "
+                                                               "percentage of train, drawn with the seed")
+    text_column_names: list = setting(["text"], "columns read as text, comma-separated; several are joined with "
+                                                "text_column_delimiter")
+    text_column_delimiter: str = setting(" ", "what joins several text columns")
+    label_column_name: str = setting("label", "the column read as the label")
+    image_column_name: str = setting("image", "the column read as the image")
+    # A run records them here, so its saved config, checkpoints and exports carry the mapping.
+    label_names: list = setting([], "class names in id order (id2label), comma-separated; empty: taken from the "
+                                    "data. Set it to fix the order yourself")
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = 1000
-    per_device_batch_size: int = 32
-    eval_batch_size: Optional[int] = None
-    grad_accum: int = 1
-    lr: float = 3e-5
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    activation_checkpointing: bool = False
-    eval_every: int = 0
-    log_every: int = 10
-    nan_policy: Literal["skip", "abort"] = "skip"
-    max_bad_steps: int = 5
-    oom_recovery: bool = True
-    # Test-only fault injection: raise a real torch.OutOfMemoryError on rank 0 while the
-    # micro-batch is above this size. None disables it.
-    inject_oom_above: Optional[int] = None
-    # Walk every tensor each rank holds (memory accounting) on steps 1, 2 and every this many steps; 0: only 1, 2.
-    memory_every: int = 100
-    # torch.compile backend for the model; none = eager mode. "inductor" generates fused kernels (the GPU
-    # choice); "aot_eager" / "eager" only trace, which tests use to exercise the path cheaply on CPU.
-    compile: Literal["none", "inductor", "aot_eager", "eager"] = "none"
-    # Fused AdamW kernels on CUDA (one launch for all parameters); CPU always uses the foreach implementation.
-    fused_adamw: bool = True
-    # Test-only fault injection: the last rank's loss becomes NaN at these optimizer steps (1-based),
-    # e.g. `--inject-nan-at-steps 3,4`. Exercises --nan-policy and the ranks' agreement to skip.
-    inject_nan_at_steps: list = field(default_factory=list)
+    max_steps: int = setting(1000, "optimizer steps to train; the learning-rate schedule follows it")
+    per_device_batch_size: int = setting(32, "samples per process and micro-batch; the global batch is this x "
+                                             "processes x grad_accum")
+    eval_batch_size: Optional[int] = setting(None, "samples per process and evaluation batch; unset: "
+                                                   "per_device_batch_size")
+    grad_accum: int = setting(1, "micro-batches accumulated into one optimizer step")
+    lr: float = setting(3e-5, "peak learning rate of AdamW")
+    weight_decay: float = setting(0.01, "AdamW's decoupled weight decay")
+    warmup_steps: int = setting(0, "optimizer steps of linear warmup from 0 to lr")
+    lr_scheduler: Literal["linear", "cosine", "constant"] = setting(
+        "linear", "learning rate after warmup: linear or cosine decay to 0 at max_steps, or constant")
+    max_grad_norm: float = setting(1.0, "gradients are clipped to this global L2 norm")
+    seed: int = setting(42, "random seed of weights, data order and dropout")
+    precision: Literal["fp32", "bf16", "fp16"] = setting(
+        "fp32", "compute precision: fp32, or bf16 / fp16 under autocast (fp16 with a loss scaler)")
+    activation_checkpointing: bool = setting(False, "recompute each block's activations in backward: less memory, "
+                                                    "about one more forward per step")
+    eval_every: int = setting(0, "evaluate every N optimizer steps; 0: only at the end")
+    log_every: int = setting(10, "log the loss and throughput every N optimizer steps")
+    nan_policy: Literal["skip", "abort"] = setting(
+        "skip", "a step with a non-finite loss or gradient: skip its update (every rank alike), or abort the run")
+    max_bad_steps: int = setting(5, "abort after this many skipped steps in a row")
+    oom_recovery: bool = setting(True, "on CUDA out-of-memory, retry the step with a smaller micro-batch and more "
+                                       "accumulation: the same global batch")
+    # Test-only fault injection: exercises --oom-recovery without a GPU.
+    inject_oom_above: Optional[int] = setting(None, "test only: raise a real torch.OutOfMemoryError on rank 0 while "
+                                                    "the micro-batch is above this size; unset: off")
+    # Every tensor of every rank is walked, so not every step.
+    memory_every: int = setting(100, "account each rank's memory on steps 1, 2 and every N steps; 0: only 1 and 2")
+    # "inductor" generates fused kernels (the GPU choice); "aot_eager" / "eager" only trace, which tests use to
+    # exercise the path cheaply on CPU.
+    compile: Literal["none", "inductor", "aot_eager", "eager"] = setting(
+        "none", "torch.compile backend for the model; none: eager mode")
+    fused_adamw: bool = setting(True, "fused AdamW kernels on CUDA (one launch for all parameters); CPU always "
+                                      "uses the foreach implementation")
+    # Exercises --nan-policy and the ranks' agreement to skip.
+    inject_nan_at_steps: list = setting([], "test only: the last rank's loss becomes NaN at these optimizer steps "
+                                            "(1-based, comma-separated, e.g. 3,4)")
 
 
 @dataclass
 class ParallelConfig:
-    # zero2, zero3, zero2_offload, zero3_offload: DeepSpeed with the shipped ds_configs/<name>.json.
-    strategy: Literal["ddp", "fsdp", "deepspeed", "auto", "zero2", "zero3", "zero2_offload", "zero3_offload"] = "ddp"
-    ds: Optional[str] = None
-    fsdp_policy: str = "fsdp_policies/default.yaml"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    # Processes to start when `shardtrain train` is run as one plain process: "auto" = one per visible GPU.
-    nproc: str = "auto"
-    memory_budget_gb: Optional[float] = None
+    strategy: Literal["ddp", "fsdp", "deepspeed", "auto", "zero2", "zero3", "zero2_offload", "zero3_offload"] = setting(
+        "ddp", "how the model is distributed: ddp, fsdp, deepspeed (with --ds), zero2/zero3[_offload] (DeepSpeed "
+               "with the shipped ds_configs/<name>.json), or auto (the cheapest that fits, as `plan` picks)")
+    ds: Optional[str] = setting(None, "a DeepSpeed JSON config; selects --strategy deepspeed")
+    fsdp_policy: str = setting("fsdp_policies/default.yaml", "FSDP's policy file (blocks to wrap, sharding, "
+                                                             "offload, activation checkpointing) for --strategy fsdp")
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "where to train; auto: CUDA when a GPU is visible, "
+                                                             "else CPU")
+    nproc: str = setting("auto", "processes to start when `shardtrain train` runs as one plain process; auto: one "
+                                 "per visible GPU (1 without)")
+    memory_budget_gb: Optional[float] = setting(None, "memory per device (GB) that --strategy auto must fit in; "
+                                                      "unset: the GPU's own (required on CPU)")
 
 
 @dataclass
 class CheckpointConfig:
-    output_dir: str = "runs/default"
-    save_every: int = 0
-    # Every run that finishes commits its last step too, so `export` and `--resume` see the model it ended
-    # with; false keeps only the --save-every checkpoints (and a preemption's).
-    save_final: bool = True
-    keep_last: int = 2
-    resume: str = "auto"
-    # With --resume none, an output dir that already holds a run is refused unless this says start over.
-    overwrite_output_dir: bool = False
-    # At the end, rank 0 writes the consolidated model here (SageMaker: SM_MODEL_DIR, uploaded as model.tar.gz).
-    final_model_dir: Optional[str] = None
+    output_dir: str = setting("runs/default", "the run's folder: checkpoints, metrics.jsonl, summary.json, report")
+    save_every: int = setting(0, "save a checkpoint every N optimizer steps; 0: only at the end (see save_final)")
+    save_final: bool = setting(True, "commit the last step when the run ends, so export and --resume see the model "
+                                     "it ended with; false keeps only the --save-every checkpoints")
+    keep_last: int = setting(2, "checkpoints kept; older ones are deleted")
+    resume: str = setting("auto", "auto (the latest committed checkpoint in output_dir, if any), none, or a "
+                                  "checkpoint folder")
+    overwrite_output_dir: bool = setting(False, "with --resume none, start over in an output_dir that already "
+                                                "holds a run (otherwise refused)")
+    final_model_dir: Optional[str] = setting(None, "at the end, rank 0 writes the consolidated model here "
+                                                   "(SageMaker: SM_MODEL_DIR); unset: not written")
 
 
 @dataclass
 class LogConfig:
-    report_to: Literal["none", "wandb"] = "none"
-    wandb_project: Optional[str] = None
-    wandb_entity: Optional[str] = None
-    wandb_run_name: Optional[str] = None
-    # W&B's system panels (GPU utilisation and memory, where idle GPUs show). Unset: on for CUDA runs, off on
-    # CPU, where its sampler thread only competes with data loading.
-    wandb_system_metrics: Optional[bool] = None
-    # The final model as a W&B artifact (type "model"), as HF Trainer's WANDB_LOG_MODEL=end does; unset follows
-    # that variable. Exported to --final-model-dir, or OUT/final_model when that is unset.
-    wandb_log_model: Optional[bool] = None
-    verbose: bool = False
-    debug: bool = False
-    report: bool = True
-    # The banner's memory prediction measures activations on CPU at startup (seconds on rank 0); false skips it.
-    predict_memory: bool = True
+    report_to: Literal["none", "wandb"] = setting("none", "where metrics go besides metrics.jsonl: none or wandb")
+    # An unset W&B name comes from W&B's own WANDB_* variable, as under HF Trainer and Lightning.
+    wandb_project: Optional[str] = setting(None, "W&B project; unset: WANDB_PROJECT, else shardtrain")
+    wandb_entity: Optional[str] = setting(None, "W&B entity (team or user); unset: WANDB_ENTITY, else yours")
+    wandb_run_name: Optional[str] = setting(None, "W&B run name; unset: WANDB_NAME, else one W&B makes up")
+    # Off on CPU by default, where W&B's sampler thread only competes with data loading.
+    wandb_system_metrics: Optional[bool] = setting(None, "W&B's system panels (GPU utilisation and memory); unset: "
+                                                         "on for CUDA runs, off on CPU")
+    # As HF Trainer's WANDB_LOG_MODEL=end does.
+    wandb_log_model: Optional[bool] = setting(None, "upload the final model as a W&B artifact (type model); unset: "
+                                                    "follows WANDB_LOG_MODEL")
+    verbose: bool = setting(False, "show the libraries' info lines and warnings (hidden by default) and W&B's "
+                                   "own output")
+    debug: bool = setting(False, "show the full traceback of an error instead of its one line")
+    report: bool = setting(True, "write OUT/report.html with plots at the end of the run")
+    predict_memory: bool = setting(True, "the startup banner predicts memory per rank, measuring activations on CPU "
+                                         "(seconds on rank 0); false skips it")
 
 
 @dataclass
 class WorkloadConfig:
-    # YAML `workload: my_pkg.tasks:MyTask` or `workload: {target: ..., args: {...}}`; --workload. A dotted module
-    # path (the config file's folder is on the import path) or a built-in: multimodal, longformer. None: the
-    # built-in that model.name names (the configs written before workloads existed).
-    workload: Optional[str] = None
-    # Keyword arguments for the workload's constructor (YAML workload.args).
-    workload_args: dict = field(default_factory=dict)
+    # A dotted module path (no file paths: they break in subprocesses); the config file's folder is on the
+    # import path. None: the built-in that model.name names (the configs written before workloads existed).
+    workload: Optional[str] = setting(None, "your Workload, my_pkg.tasks:MyTask, or a built-in (multimodal, "
+                                            "longformer); unset: the one model.name names")
+    workload_args: dict = setting({}, "keyword arguments for the workload's constructor, as JSON")
 
 
 @dataclass
@@ -195,6 +228,9 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # field name -> (`configs/x.yaml:12`, the value read there) for the settings from_dict read from a YAML file,
+    # so that validate() names the file and line. Set per instance; not a field, so saved configs lack it.
+    origins: ClassVar[Mapping[str, tuple[str, Any]]] = MappingProxyType({})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -289,13 +325,45 @@ def key_of(name: str) -> str:
     return YAML_KEYS.get(name) or f"{FIELDS[name][0]}.{name}"
 
 
+# While validate() runs: the config checked, and (file:line, YAML key) of each value from a file it has named.
+_CHECKING: contextvars.ContextVar[tuple[Config, list[tuple[str, str]]] | None] = contextvars.ContextVar(
+    "checking", default=None)
+
+
 def where(name: str) -> str:
-    """How to name a setting in an error: both its flag and its YAML key."""
+    """How to name a setting in an error: both its flag and its YAML key. Inside validate(), a value still as a
+    YAML file set it is named by its key, and the error starts with the file and line (see located_errors)."""
+    checking = _CHECKING.get()
+    origin = checking and checking[0].origins.get(name)
+    if origin and getattr(getattr(checking[0], FIELDS[name][0]), name) == origin[1]:
+        named = checking[1]
+        named.append((origin[0], key_of(name)))
+        return key_of(name) if len(named) == 1 else f"{key_of(name)} ({origin[0]})"
     return f"{flag_of(name)} ({key_of(name)})"
 
 
+@contextlib.contextmanager
+def located_errors(cfg: Config):
+    """A ConfigError raised inside about a value from a YAML file starts with its `file:line:`, as a compiler's
+    does: `configs/x.yaml:12: train.lr must be positive, got -1.0`. Values a flag, SageMaker or a default set
+    keep the flag form."""
+    named: list[tuple[str, str]] = []
+    token = _CHECKING.set((cfg, named))
+    try:
+        yield
+    except ConfigError as e:
+        # The first value from the file that the message names (not one a where() named for something else).
+        located = next((loc for loc, key in named if key in str(e)), None)
+        if located:
+            raise ConfigError(f"{located}: {e}") from None
+        raise
+    finally:
+        _CHECKING.reset(token)
+
+
 def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    # str(): a YAML key such as `3:` loads as a number
+    close = difflib.get_close_matches(str(word), list(options), n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
@@ -383,61 +451,108 @@ def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
     raise AssertionError(f"unhandled type {typ} for {name}")
 
 
-def load_yaml(path: str | os.PathLike) -> dict:
+class YamlFile(dict):
+    """A config file's mapping, with the line each key was written on, so that an error about a value names the
+    file and the line: `configs/x.yaml:12: train.lr: expected a number, got 'fast'`."""
+
+    def __init__(self, data: dict, path: str, lines: Mapping[tuple[str, ...], int]):
+        super().__init__(data)
+        self.path = path
+        self.lines = lines  # (section, key, ...) -> 1-based line of that key
+
+    def at(self, *keys: str) -> str:
+        """`path:line` of the innermost of these nested keys that the file spells."""
+        keys = tuple(map(str, keys))  # a loaded key may be a number or a boolean (`3:`, `yes:`); lines has str()
+        for n in range(len(keys), 0, -1):
+            if keys[:n] in self.lines:
+                return f"{self.path}:{self.lines[keys[:n]]}"
+        return self.path
+
+
+def _key_lines(loader, node, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], int]:
+    """(key, nested key, ...) -> 1-based line, for every mapping key in a composed YAML node tree. Keys as
+    loaded, then str(): `yes:` is the key True."""
+    import yaml
+
+    lines = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                keys = prefix + (str(loader.construct_object(key_node)),)
+                lines[keys] = key_node.start_mark.line + 1
+                lines.update(_key_lines(loader, value_node, keys))
+    return lines
+
+
+def load_yaml(path: str | os.PathLike) -> YamlFile:
     import yaml
 
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"--config: file not found: {p}")
+    # Composed first, then constructed: the node tree keeps each key's line (PyYAML's start_mark).
+    loader = yaml.SafeLoader(p.read_text())
     try:
-        data = yaml.safe_load(p.read_text())
+        node = loader.get_single_node()
+        data = loader.construct_document(node) if node is not None else None
+        lines = _key_lines(loader, node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        loc = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"--config {p}:{loc}: invalid YAML: {getattr(e, 'problem', e)}") from None
+        loc = f"{p}:{mark.line + 1}: " if mark else f"{p}: "
+        column = f" (column {mark.column + 1})" if mark else ""
+        raise ConfigError(f"{loc}invalid YAML: {getattr(e, 'problem', None) or e}{column}") from None
+    finally:
+        loader.dispose()
     if data is None:
-        return {}
+        return YamlFile({}, str(p), {})
     if not isinstance(data, dict):
-        raise ConfigError(f"--config {p}: the top level must be a mapping of sections ({', '.join(SECTIONS)})")
-    return data
+        raise ConfigError(f"{p}:{node.start_mark.line + 1}: the top level must be a mapping of sections "
+                          f"({', '.join(SECTIONS)})")
+    return YamlFile(data, str(p), lines)
 
 
 def from_dict(data: dict, source: str = "config") -> Config:
+    """A Config from a YAML file's mapping (a YamlFile: errors name its file and line) or any other dict (errors
+    name `source`)."""
+    at = data.at if isinstance(data, YamlFile) else lambda *keys: source
     cfg = Config()
+    cfg.origins = {}
     section_objs = {name: getattr(cfg, name) for name in SECTIONS}
     for section, values in data.items():
         if section not in section_objs:
-            raise ConfigError(f"{source}: unknown section '{section}'{_suggest(section, SECTIONS)}"
+            raise ConfigError(f"{at(section)}: unknown section '{section}'{_suggest(section, SECTIONS)}"
                               f" (sections: {', '.join(SECTIONS)})")
         if values is None:
             continue
         if section == "workload":
-            values = _workload_section(values, source)
+            values = _workload_section(values, at)
         if not isinstance(values, dict):
-            raise ConfigError(f"{source}: section '{section}' must be a mapping")
+            raise ConfigError(f"{at(section)}: section '{section}' must be a mapping, got {values!r}")
         obj = section_objs[section]
         own = {f.name for f in fields(obj)}
         for key, value in values.items():
             if key not in own:
-                raise ConfigError(f"{source}: unknown key '{section}.{key}'{_suggest_key(key, own)}")
-            typ = FIELDS[key][2]
-            setattr(obj, key, _coerce(key, value, typ, f"{source}: {section}.{key}"))
+                raise ConfigError(f"{at(section, key)}: unknown key '{section}.{key}'{_suggest_key(key, own)}")
+            line = at(*key_of(key).split("."))  # workload.target, as the file spells workload.workload
+            setattr(obj, key, _coerce(key, value, FIELDS[key][2], f"{line}: {key_of(key)}"))
+            if isinstance(data, YamlFile):
+                cfg.origins[key] = (line, copy.deepcopy(getattr(obj, key)))
     return cfg
 
 
-def _workload_section(values, source: str) -> dict:
+def _workload_section(values, at) -> dict:
     """`workload: my_pkg.tasks:MyTask` or `{target: ..., args: {...}}` -> the section's own field names.
     (A config saved by a run, to_dict(), already uses those names.)"""
     if isinstance(values, str):
         return {"workload": values}
     if not isinstance(values, dict):
-        raise ConfigError(f"{source}: workload must be 'module:Class' or a mapping with target and args")
+        raise ConfigError(f"{at('workload')}: workload must be 'module:Class' or a mapping with target and args")
     renamed = {}
     for key, value in values.items():
         own = {"target": "workload", "args": "workload_args"}.get(key, key)
         if own not in ("workload", "workload_args"):
-            raise ConfigError(f"{source}: unknown key 'workload.{key}'{_suggest(key, ['target', 'args'])} "
-                              f"(keys: target, args)")
+            raise ConfigError(f"{at('workload', key)}: unknown key 'workload.{key}'"
+                              f"{_suggest(key, ['target', 'args'])} (keys: target, args)")
         renamed[own] = value
     return renamed
 
@@ -460,10 +575,45 @@ def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
         if typ in (bool, Optional[bool]):
             # `--activation-checkpointing` alone means true; `--activation-checkpointing false` also works.
             parser.add_argument(*names, dest=name, nargs="?", const="true", default=None,
-                                metavar="{true,false}", help=f"{section}.{name}")
+                                metavar="{true,false}", help=help_of(name))
         else:
-            parser.add_argument(*names, dest=name, default=None, help=f"{section}.{name}")
+            parser.add_argument(*names, dest=name, default=None, metavar=_choices(typ), help=help_of(name))
     return parser
+
+
+def _choices(typ: Any) -> str | None:
+    """`{fp32,bf16,fp16}` for a Literal (checked by _coerce, which names the flag); None: argparse's NAME."""
+    args = [a for a in get_args(typ) if a is not type(None)] if get_origin(typ) is Union else [typ]
+    if get_origin(args[0]) is Literal:
+        return "{" + ",".join(get_args(args[0])) + "}"
+    return None
+
+
+def help_of(name: str) -> str:
+    """A flag's `--help` line: its description (the field's `setting` help), default and YAML key."""
+    _, f, _ = FIELDS[name]
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    described = f.metadata.get("help", "")
+    if default is None and "unset:" in described:
+        shown = described  # it says what unset means
+    else:
+        shown = f"{described}; default: {_shown(default)}" if described else f"default: {_shown(default)}"
+    return f"{shown} (YAML {key_of(name)})".replace("%", "%%")  # argparse %-formats help texts
+
+
+def _shown(value: Any) -> str:
+    """A default as a user would write it on the command line."""
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "none"
+    if isinstance(value, dict):
+        return json.dumps(value)
+    if isinstance(value, str) and (not value or value.isspace()):
+        return repr(value)
+    return str(value)
 
 
 def _dashed_flag(arg: str) -> str:
@@ -602,7 +752,13 @@ def resolve_shipped_ds_config(p: ParallelConfig) -> None:
 
 
 def validate(cfg: Config) -> None:
-    """Checks that need no process group, model or data; each error names its flag and key."""
+    """Checks that need no process group, model or data; each error names its flag and key, or the file and
+    line of a value from a YAML file."""
+    with located_errors(cfg):
+        _validate(cfg)
+
+
+def _validate(cfg: Config) -> None:
     t, m, d, p, c = cfg.train, cfg.model, cfg.data, cfg.parallel, cfg.checkpoint
     if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
         m.name = cfg.workload.workload  # `--workload longformer`: the built-in reads the model section as model.name did

@@ -430,26 +430,53 @@ def memory_prediction(cfg, world_size: int, vocab_size: int | None = None, batch
         return {"note": f"no prediction: planner failed ({type(e).__name__}: {str(e)[:120]})"}
 
 
+def format_table(header: list[str], rows: list[list[str]], align: str, gap: int = 2) -> list[str]:
+    """Lines of a table whose every column is as wide as its widest cell (header included) plus `gap`, so a
+    long variant name or a terabyte figure widens its column instead of running into the next one.
+    `align` has one character per column: '<' for text, '>' for figures (their decimals line up)."""
+    widths = [max(len(cell) for cell in column) for column in zip(header, *rows)]
+    lines = []
+    for cells in [header, *rows]:
+        padded = [f"{cell:{a}{w}}" for cell, a, w in zip(cells, align, widths)]
+        lines.append((" " * gap).join(padded).rstrip())
+    return lines
+
+
+def _gib(b: float) -> str:
+    return f"{b / GIB:.2f}"
+
+
+def _plan_table(p: dict, with_activations: bool) -> list[str]:
+    """The per-variant table of `plan` (built-in models: activations too) and of `plan --workload` (model
+    states only, which fit or not before activations)."""
+    act = with_activations
+    gpu = lambda key: lambda r: _gib(r["gpu_bytes"][key])  # noqa: E731
+    total, fits = ("total_bytes", "fits") if act else ("model_state_bytes", "fits_before_activations")
+    columns = [("variant", "<", lambda r: r["variant"])]
+    columns += [("AC", "<", lambda r: "on" if r["activation_checkpointing"] else "off")] if act else []
+    columns += [("params", ">", gpu("params")), ("grads", ">", gpu("grads")), ("optim", ">", gpu("optimizer"))]
+    columns += [("activ", ">", gpu("activations"))] if act else []
+    columns += [("comm", ">", gpu("comm")), ("overh", ">", gpu("overhead")),
+                ("total" if act else "states", ">", lambda r: _gib(r[total])),
+                ("host/GPU", ">", lambda r: _gib(r["host_bytes_per_gpu"])),
+                ("fits", "<", lambda r: "yes" if r[fits] else "NO"),
+                ("headroom", ">", lambda r: _gib(r["headroom_bytes"])),
+                ("cost", ">", lambda r: str(r["relative_cost"])),
+                ("paper", ">", lambda r: _gib(r["zero_paper"]) if "zero_paper" in r else "-")]
+    return format_table([name for name, _, _ in columns], [[cell(r) for _, _, cell in columns] for r in p["rows"]],
+                        "".join(align for _, align, _ in columns))
+
+
 def format_plan(p: dict, gpu_name: str) -> str:
-    g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
     vocab = f"vocabulary {p['vocab_size']:,}: {p['vocab_source']}" if p.get("vocab_size") else ""
     lines = [f"plan: {p['model_params']:,} parameters{f' ({vocab})' if vocab else ''} on {p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), "
              f"{p['precision']}, micro-batch {p['micro_batch_size']}, seq {p['seq_len']}, global batch "
-             f"{p['global_batch_size']}  (GiB per GPU)",
-             f"{'variant':<15}{'AC':<4}{'params':>7}{'grads':>7}{'optim':>7}{'activ':>7}{'comm':>7}{'overh':>7}"
-             f"{'total':>7}{'host/GPU':>9}  {'fits':<5}{'headroom':>9}{'cost':>6}  paper"]
-    for r in p["rows"]:
-        b = r["gpu_bytes"]
-        lines.append(f"{r['variant']:<15}{'on' if r['activation_checkpointing'] else 'off':<4}{g(b['params']):>7}"
-                     f"{g(b['grads']):>7}{g(b['optimizer']):>7}{g(b['activations']):>7}{g(b['comm']):>7}"
-                     f"{g(b['overhead']):>7}{g(r['total_bytes']):>7}{g(r['host_bytes_per_gpu']):>9}  "
-                     f"{'yes' if r['fits'] else 'NO':<5}{g(r['headroom_bytes']):>9}{r['relative_cost']:>6}  "
-                     + (g(r["zero_paper"]) if "zero_paper" in r else "   -"))
+             f"{p['global_batch_size']}  (GiB per GPU)", *_plan_table(p, with_activations=True)]
     rec = p["recommendation"]
     if rec:
         lines.append(f"recommendation: {rec['variant']} with activation checkpointing "
                      f"{'on' if rec['activation_checkpointing'] else 'off'}, micro-batch {rec['micro_batch_size']} x "
-                     f"accum {rec['grad_accum']} ({g(rec['total_bytes']).strip()} GiB of {p['capacity_bytes'] / GIB:.0f})"
+                     f"accum {rec['grad_accum']} ({_gib(rec['total_bytes'])} GiB of {p['capacity_bytes'] / GIB:.0f})"
                      + (f" -- {p['note']}" if p["note"] else ""))
     else:
         lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
@@ -510,16 +537,8 @@ def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, c
 
 
 def format_workload_plan(p: dict, gpu_name: str) -> str:
-    g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
     lines = [f"plan: {p['workload']}, {p['model_params']:,} parameters (largest block {p['largest_unit_params']:,}) on "
              f"{p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), {p['precision']}  (GiB per GPU)",
-             f"{'variant':<15}{'params':>7}{'grads':>7}{'optim':>7}{'comm':>7}{'overh':>7}{'states':>7}"
-             f"{'host/GPU':>9}  {'fits':<5}{'headroom':>9}{'cost':>6}  paper"]
-    for r in p["rows"]:
-        b = r["gpu_bytes"]
-        lines.append(f"{r['variant']:<15}{g(b['params']):>7}{g(b['grads']):>7}{g(b['optimizer']):>7}{g(b['comm']):>7}"
-                     f"{g(b['overhead']):>7}{g(r['model_state_bytes']):>7}{g(r['host_bytes_per_gpu']):>9}  "
-                     f"{'yes' if r['fits_before_activations'] else 'NO':<5}{g(r['headroom_bytes']):>9}"
-                     f"{r['relative_cost']:>6}  " + (g(r["zero_paper"]) if "zero_paper" in r else "   -"))
+             *_plan_table(p, with_activations=False)]
     lines.append(f"activations: {p['activations']}; no recommendation without them (fits: model states only)")
     return "\n".join(lines)

@@ -145,7 +145,9 @@ def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
     # Export from the DeepSpeed checkpoint, one process: the exported model reproduces the run's eval.
     exp = tmp_path / "export"
     from launch import cli
-    cli(["export", str(z2), str(exp), "--eval"])
+    exported = cli(["export", str(z2), str(exp), "--eval"])
+    # Its own two lines and nothing else: no library warning, deprecation or progress bar (chatter.py).
+    assert [line.split(" ")[0] for line in exported.output.splitlines()] == ["exported", "fp32"], exported.output
     info = json.loads((exp / "shardtrain_export.json").read_text())
     run_eval = json.loads((z2 / "summary.json").read_text())["eval"]
     assert info["eval_fp32"]["accuracy"] == run_eval["accuracy"]
@@ -169,6 +171,8 @@ def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, 
     torchrun(a)
     assert [p.name for p in committed_steps(checkpoints_root(out))] == ["step-000004"]
     exported = cli(["export", str(out), str(tmp_path / "exp4")])
+    # One line, its own: no library warning or HF "Writing model shards" bar on stderr.
+    assert exported.output.startswith("exported ") and len(exported.output.splitlines()) == 1, exported.output
     assert "step-000004" in exported.output, exported.output
 
     extend = [x if x != "none" else "auto" for x in a] + ["--max-steps", "6", "--per-device-batch-size", "2"]

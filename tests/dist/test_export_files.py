@@ -3,6 +3,7 @@ library warnings unless --verbose."""
 from __future__ import annotations
 
 import os
+import re
 
 from launch import cli, tiny_args, torchrun
 
@@ -21,6 +22,9 @@ def test_exported_files_get_the_umask_mode_and_export_is_quiet(mm_data, tmp_path
                      export / "model_int8.safetensors", export / "config.json"):
             assert oct(path.stat().st_mode & 0o777) == oct(0o644), path
         assert not [w for w in WARNINGS if w in quiet.output], quiet.output[-3000:]
+        # Nor any other library line: a warning, one logged in torch's `W1201 06:00:00.000 ...` form, or a bar.
+        noise = [line for line in quiet.output.splitlines() if re.search(r"warn|^[WE]\d{4} |it/s\]", line, re.I)]
+        assert not noise, quiet.output[-3000:]
         loud = cli(["export", str(out), str(tmp_path / "export-verbose"), "--int8", "--verbose"])
     finally:
         os.umask(old)

@@ -1,6 +1,8 @@
 """The shipped configs parse and validate; DeepSpeed JSON contradictions and strategy contradictions are
 one-line ConfigErrors that name both sides (checked before any process group or deepspeed.initialize)."""
+import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -199,3 +201,95 @@ def test_strategy_name_and_another_ds_is_a_contradiction(tmp_path):
     (tmp_path / "c.yaml").write_text("parallel:\n  strategy: zero3\n")
     cfg = parse_cli(["--config", str(tmp_path / "c.yaml"), "--strategy", "ddp", "--output-dir", str(tmp_path / "o")])
     assert (cfg.parallel.strategy, cfg.parallel.ds) == ("ddp", None)
+
+
+# ---- a bad value in a YAML file: the file and the line, then what is wrong ------------------------------------
+
+def _error(tmp_path, text: str, *flags: str) -> str:
+    path = tmp_path / "x.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as e:
+        parse_cli(["--config", str(path), "--output-dir", str(tmp_path / "out"), *flags])
+    return str(e.value).replace(str(path), "x.yaml")
+
+
+@pytest.mark.parametrize("text,message", [
+    # wrong type, below a comment and a blank line
+    ("# tiny\ntrain:\n  max_steps: 3\n\n  lr: fast\n", "x.yaml:5: train.lr: expected a number, got 'fast'"),
+    ("train:\n  max_steps: [3]\n", "x.yaml:2: train.max_steps: expected an integer, got [3]"),
+    # unknown key and section, with a did-you-mean
+    ("train:\n  lr: 1.0e-3\n  max_step: 3\n", "x.yaml:3: unknown key 'train.max_step'; did you mean 'max_steps'?"),
+    ("model:\n  pretrained: false\ntrian:\n  lr: 1\n", "x.yaml:3: unknown section 'trian'; did you mean 'train'?"),
+    # a value not among the allowed ones, in a flow mapping
+    ("model: {pretrained: false}\ntrain: {lr: 0.1, precision: fp8}\n",
+     "x.yaml:2: train.precision: 'fp8' is not one of fp32, bf16, fp16"),
+    # nested: workload's own keys, a section that is not a mapping, a key nested one level too deep
+    ("workload:\n  target: my.mod:Task\n  arg:\n    width: 3\n", "x.yaml:3: unknown key 'workload.arg'; did you mean "
+                                                               "'args'?"),
+    ("workload:\n  target: my.mod:Task\n  args: [3]\n", "x.yaml:3: workload.args: expected a mapping, got [3]"),
+    ("data:\n  max_length: 64\ntrain: 5\n", "x.yaml:3: section 'train' must be a mapping, got 5"),
+    ("train:\n  optim:\n    lr: 1\n", "x.yaml:2: unknown key 'train.optim'"),
+    ("train:\n  lr: 1\n3: x\n", "x.yaml:3: unknown section '3'"),  # a key YAML reads as a number
+    # YAML syntax
+    ("train:\n  lr: 1\n max_steps: 3\n", "x.yaml:3: invalid YAML: expected <block end>, but found"),
+    ("train:\n  lr: [1, 2\n", "x.yaml:3: invalid YAML:"),
+    ("- train\n- model\n", "x.yaml:1: the top level must be a mapping of sections"),
+], ids=["type", "type-list", "key", "section", "enum", "workload-key", "workload-args", "section-type",
+        "too-deep", "number-key", "syntax", "syntax-unclosed", "top-level"])
+def test_a_bad_value_in_a_yaml_file_names_the_file_and_line(tmp_path, text, message):
+    assert _error(tmp_path, text).startswith(message)
+
+
+def test_a_yaml_value_that_validate_refuses_names_the_file_and_line(tmp_path):
+    text = "model:\n  pretrained: false\n  freeze_layers: 0\n  unfreeze_at_step: 2\ntrain:\n  max_steps: 4\n  lr: -1\n"
+    assert _error(tmp_path, text) == "x.yaml:7: train.lr must be positive, got -1.0"
+    # Two values of the file in one message: the first leads, the second carries its own line.
+    assert _error(tmp_path, text, "--lr", "0.1") == ("x.yaml:4: model.unfreeze_at_step is set but "
+                                                    "model.freeze_layers (x.yaml:3) is 0: nothing to unfreeze")
+    # A flag over the file's value is named as the flag: the file's line did not set it.
+    assert _error(tmp_path, text, "--lr=-2") == "--lr (train.lr) must be positive, got -2.0"
+    assert _error(tmp_path, "model:\n  pretrained: false\nparallel:\n  nproc: lots\n") == (
+        "x.yaml:4: parallel.nproc must be 'auto' or a positive integer, got 'lots'")
+
+
+# ---- train --help: every option described, from the config fields' own help ------------------------------------
+
+def _help_entries(help_text: str) -> dict[str, str]:
+    """`train --help`'s options: first flag -> its help text (argparse separates the flags from the text with two
+    or more spaces on the first line, or puts the text on the lines below)."""
+    entries: dict[str, str] = {}
+    flag = None
+    for line in help_text.split("options:", 1)[1].splitlines():
+        head = re.match(r"^  (-\S.*?)(?: {2,}(.*))?$", line)
+        if head:
+            flag = head.group(1).split()[0].rstrip(",")
+            entries[flag] = head.group(2) or ""
+        elif flag and line.strip():
+            entries[flag] = (entries[flag] + " " + line.strip()).strip()
+    return entries
+
+
+def _undescribed(help_text: str) -> list[str]:
+    """Options whose help says no more than their default and YAML key (a description has 3 words or more)."""
+    def description(text: str) -> str:
+        return re.sub(r";? ?default: .*$", "", re.sub(r" ?\(YAML [\w.]+\)$", "", text))
+
+    return [flag for flag, text in _help_entries(help_text).items()
+            if flag not in ("-h", "--config") and len(description(text).split()) < 3]
+
+
+def test_train_help_describes_every_option(monkeypatch):
+    from shardtrain.config import FIELDS, build_arg_parser, flag_of
+
+    monkeypatch.setenv("COLUMNS", "120")
+    text = build_arg_parser().format_help()
+    entries = _help_entries(text)
+    assert set(entries) >= {flag_of(name) for name in FIELDS}
+    assert _undescribed(text) == []
+    lr = entries["--lr"]
+    assert lr.startswith("peak learning rate") and "default: 3e-05" in lr and lr.endswith("(YAML train.lr)"), lr
+    assert entries["--precision"] and "--precision {fp32,bf16,fp16}" in text
+    # A field without a description is caught: only its default and YAML key would be left.
+    section, f, typ = FIELDS["lr"]
+    monkeypatch.setitem(FIELDS, "lr", (section, dataclasses.field(default=f.default), typ))
+    assert _undescribed(build_arg_parser().format_help()) == ["--lr"]

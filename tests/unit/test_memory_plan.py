@@ -1,6 +1,8 @@
 """shardtrain.memory.accounting counting rules and shardtrain.memory.planner arithmetic, in one process."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -101,3 +103,36 @@ def test_parameters_frozen_for_the_whole_run_get_no_grads_or_optimizer_state_in_
     assert 0 < held.frozen < held.params
     # unfrozen before the end: the run needs their state too, so they count in full
     assert count_model(parse_cli([*base, "--unfreeze-at-step", "5"])).frozen == 0
+
+
+def _table_lines(text: str) -> list[str]:
+    lines = text.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("variant"))
+    return lines[first:first + 3]  # the header and the two rows
+
+
+def test_plan_tables_widen_each_column_to_its_widest_cell():
+    """Long names and big figures widen their column instead of running into the next one (both tables)."""
+    from shardtrain.planner import format_plan, format_workload_plan
+
+    huge = 123_456.78 * GIB
+    gpu = {"params": huge, "grads": 1.5 * GIB, "optimizer": huge, "activations": 2.25 * GIB, "comm": 0.0,
+           "overhead": 0.5 * GIB}
+    row = {"variant": "zero3_offload_with_a_long_name", "activation_checkpointing": False, "gpu_bytes": gpu,
+           "total_bytes": 3 * huge, "model_state_bytes": 2 * huge, "host_bytes_per_gpu": huge,
+           "headroom_bytes": -3 * huge, "fits": False, "fits_before_activations": False,
+           "relative_cost": 2.926, "zero_paper": huge}
+    short = {**row, "variant": "ddp", "activation_checkpointing": True, "relative_cost": 1.0, "fits": True}
+    del short["zero_paper"]
+    common = {"model_params": 10**12, "gpus": 8, "capacity_bytes": 80 * GIB, "precision": "bf16", "rows": [row, short]}
+    builtin = format_plan({**common, "seq_len": 4096, "micro_batch_size": 8, "global_batch_size": 64,
+                           "recommendation": None, "note": ""}, "A100 80GB")
+    workload = format_workload_plan({**common, "workload": "Tiny", "largest_unit_params": 10**9,
+                                     "activations": "not predicted"}, "A100 80GB")
+    for text, n_columns in ((builtin, 14), (workload, 12)):
+        table = _table_lines(text)
+        # Every cell is set off from its neighbours by at least two spaces, and right-aligned figures end
+        # where their column does, so every line of the table is equally long.
+        assert [len(re.split(r" {2,}", line)) for line in table] == [n_columns] * 3, "\n".join(table)
+        assert len({len(line) for line in table}) == 1, "\n".join(table)
+        assert "zero3_offload_with_a_long_name  " in table[1] and "123456.78" in table[1], table[1]
