@@ -110,7 +110,7 @@ def case_args(case, work: Path, data: dict, dry: bool) -> list[str]:
 # ---- one case, in this process ----------------------------------------------------------------------------
 def planner_prediction(cfg) -> dict:
     """The planner's per-rank peak, through the same optional contract the startup banner uses."""
-    from shardtrain.observability.banner import memory_prediction
+    from shardtrain.memory.planner import memory_prediction
 
     pred = memory_prediction(cfg, 1)
     # predict_run gives the parts (model states + saved activations), not one peak: their sum is the
@@ -124,7 +124,7 @@ def planner_prediction(cfg) -> dict:
 def flops_per_sample(cfg) -> float | None:
     import torch
 
-    from shardtrain.memory.accounting import flops
+    from shardtrain.memory import flops
     from shardtrain.models import build_model
 
     def factory(on_meta=True):

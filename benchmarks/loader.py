@@ -147,7 +147,7 @@ def gpu_rates_at_target(cfg, tok) -> dict:
     suite), from counted FLOPs (no GPU needed)."""
     import torch
 
-    from shardtrain.memory.accounting import flops
+    from shardtrain.memory import flops
     from shardtrain.models import build_model
 
     d = cfg.data

@@ -223,7 +223,7 @@ class Tracker:
     def _mfu(self, record: dict, batch: dict) -> float | None:
         if self.dist.device.type != "cuda" or self.model_factory is None:
             return None
-        from shardtrain.memory.accounting import flops
+        from shardtrain.memory import flops
 
         if self.flops_per_sample is None:  # counted once, on the first step's batch shapes
             import torch

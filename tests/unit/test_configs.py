@@ -279,7 +279,7 @@ def _undescribed(help_text: str) -> list[str]:
 
 
 def test_train_help_describes_every_option(monkeypatch):
-    from shardtrain.config import FIELDS, build_arg_parser, flag_of
+    from shardtrain.config.settings import FIELDS, build_arg_parser, flag_of
 
     monkeypatch.setenv("COLUMNS", "120")
     text = build_arg_parser().format_help()

@@ -113,7 +113,7 @@ def _table_lines(text: str) -> list[str]:
 
 def test_plan_tables_widen_each_column_to_its_widest_cell():
     """Long names and big figures widen their column instead of running into the next one (both tables)."""
-    from shardtrain.planner import format_plan, format_workload_plan
+    from shardtrain.memory.planner import format_plan, format_workload_plan
 
     huge = 123_456.78 * GIB
     gpu = {"params": huge, "grads": 1.5 * GIB, "optimizer": huge, "activations": 2.25 * GIB, "comm": 0.0,
