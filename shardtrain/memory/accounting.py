@@ -68,24 +68,36 @@ class SavedActivations:
     (a saved weight, or a transposed view of one, is model state, not an activation).
 
     With non-reentrant activation checkpointing the checkpointed block's inputs are saved through these hooks
-    and its inner tensors are not saved at all, so the count is what checkpointing really keeps."""
+    and its inner tensors are not saved at all, so the count is what checkpointing really keeps.
 
-    def __init__(self):
+    `backward=False` is for a forward that nothing will differentiate (the planner's measurement): the graph
+    then keeps no saved tensor, this object holds them until exit, and dropping the outputs frees it all. The
+    graph itself would keep them in C++, each saved output in a cycle with its grad_fn that only a backward
+    breaks, and a backward costs about twice the forward."""
+
+    def __init__(self, backward: bool = True):
         self.bytes = 0
         self._seen: set = set()
         self._hooks = None
+        self._held: list | None = None if backward else []
 
     def _pack(self, t):
+        self._count(t)
+        if self._held is None:
+            return t
+        self._held.append(t)  # alive until exit, as in the graph: a freed storage's address could be reused
+        return None
+
+    def _count(self, t) -> None:
         base = t._base if t._base is not None else t
         if not isinstance(base, nn.Parameter) and t.device.type != "meta":
             try:
                 key, nbytes = _storage_key(t)
             except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
-                return t
+                return
             if key not in self._seen:
                 self._seen.add(key)
                 self.bytes += nbytes
-        return t
 
     @staticmethod
     def _unpack(t):
@@ -99,6 +111,8 @@ class SavedActivations:
     def __exit__(self, *exc):
         self._hooks.__exit__(*exc)
         self._seen.clear()  # the keys only matter while the graph they describe is alive
+        if self._held is not None:
+            self._held.clear()
         return False
 
 

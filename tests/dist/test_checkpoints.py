@@ -33,12 +33,25 @@ def losses(out) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(mm_data, tmp_path_factory) -> dict:
+    """Each strategy's uninterrupted 6-step run, the reference of the kill test: all of them in ONE launch of
+    tests/dist/matrix_driver.py (the same parse_cli -> train as main.py; imports and process-group start paid
+    once). The runs under test, the killed ones, each go through main.py."""
+    from launch import run_plan
+
+    root = tmp_path_factory.mktemp("uninterrupted")
+    plan = [{"name": s, "args": args(mm_data, root / s, s, "--max-steps", "6")} for s in STRATEGIES]
+    run_plan(plan, root, timeout=600)
+    return {s: root / s for s in STRATEGIES}
+
+
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
-def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path):
+def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path, uninterrupted):
     """One torchrun launch with --max-restarts 3 dies three times: rank 1 SIGKILLed mid-step 3, rank 0
     SIGKILLed after writing its step-4 shards but before COMMITTED, rank 0 SIGKILLed mid-step 5. Each
     restart resumes by itself (--resume auto); the result equals an uninterrupted run."""
-    ref = torchrun(args(mm_data, tmp_path / "ref", strategy, "--max-steps", "6"))
+    ref = uninterrupted[strategy]
     out = tmp_path / "killed"
     env = test_env(SHARDTRAIN_FAULT="step@3:1,save@4:0,step@5:0", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired")
     # Two spare restarts beyond the three faults: a slow restart must not fail the test by itself.
@@ -51,15 +64,15 @@ def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path):
     assert [p.name for p in committed_steps(checkpoints_root(out))] == ["step-000002", "step-000004", "step-000006"]
     assert not [p for p in checkpoints_root(out).iterdir() if p.name.startswith("step-")
                 and p not in committed_steps(checkpoints_root(out))], "a partial step directory was left"
-    ref_losses, got = losses(tmp_path / "ref"), losses(out)
+    ref_losses, got = losses(ref), losses(out)
     assert len(got) == 6 and max(abs(a - b) for a, b in zip(ref_losses, got)) <= 1e-6, (ref_losses, got)
-    final_ref = read_portable(latest_committed(checkpoints_root(tmp_path / "ref")), optimizer=True)
+    final_ref = read_portable(latest_committed(checkpoints_root(ref)), optimizer=True)
     final = read_portable(latest_committed(checkpoints_root(out)), optimizer=True)
     assert max_diff(final_ref["model"], final["model"]) <= 1e-6
     assert max_diff(final_ref["optim"], final["optim"]) <= 1e-6
     print(f"\n{strategy}: max |loss diff| {max(abs(a - b) for a, b in zip(ref_losses, got)):.2e}, "
           f"max |weight diff| {max_diff(final_ref['model'], final['model']):.2e}, "
-          f"save seconds {ref.summary['checkpoint_save_seconds']}")
+          f"save seconds {json.loads((ref / 'summary.json').read_text())['checkpoint_save_seconds']}")
 
 
 def _wait_for(pred, proc, timeout=120.0):

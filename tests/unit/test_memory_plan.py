@@ -39,6 +39,36 @@ def test_saved_activations_exclude_weights_and_shrink_with_checkpointing():
     assert ckpt.bytes == 4 * 8 * 64  # only the checkpointed block's input stays
 
 
+def test_a_forward_nothing_differentiates_counts_the_same_and_keeps_nothing():
+    """The planner's measurement (backward=False) needs no backward: the same bytes as with the graph kept for
+    one, checkpointed or not; and a saved output is freed with the outputs, where the graph's C++ cycle with
+    its grad_fn keeps it until a backward."""
+    import gc
+    import weakref
+
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    block = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    x = torch.randn(8, 64, requires_grad=True)
+    for forward in (lambda: block(x).sum(), lambda: checkpoint(block, x, use_reentrant=False).sum()):
+        with SavedActivations() as for_backward:
+            forward()
+        with SavedActivations(backward=False) as forward_only:
+            forward()
+        assert forward_only.bytes == for_backward.bytes > 0
+    alive = {}
+    for backward in (True, False):
+        with SavedActivations(backward=backward) as saved:
+            y = torch.exp(x)  # saves its own output
+        ref = weakref.ref(y)
+        del y
+        gc.collect()
+        alive[backward] = ref() is not None
+        assert saved.bytes == 8 * 64 * 4
+    assert alive == {True: True, False: False}
+
+
 def test_smaller_micro_batch_keeps_the_global_batch_whole():
     assert [smaller_micro_batch(n) for n in (16, 6, 3, 2, 1)] == [8, 3, 1, 1, None]
 
