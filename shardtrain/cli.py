@@ -27,6 +27,9 @@ COMMANDS = {  # name: (module whose main(argv) runs it, help)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from shardtrain.runtime.closed_output import survive_closed_output
+
+    survive_closed_output()  # `shardtrain --help | head` ends quietly; training goes on (see closed_output.py)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: shardtrain <command> [options]\n\ncommands:")
@@ -42,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_command(name: str, argv: list[str]) -> int:
-    """Every command runs here: under the one error guard, and out of a process group the abort-free way."""
+    """Every command runs here (main.py's torchrun entry too): under the one error guard, and out of a process
+    group the abort-free way."""
     from shardtrain.runtime.closed_output import survive_closed_output
 
     survive_closed_output()  # `shardtrain plan | head` ends quietly; training goes on (see closed_output.py)
