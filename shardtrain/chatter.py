@@ -25,6 +25,9 @@ _NOISE = [
     re.compile(r"Setting accelerator to CPU"),
     # torch's C++-extension loader when DeepSpeed JIT-loads a CPU op
     re.compile(r"No CUDA runtime is found"),
+    # torchao 0.18 registers two Enums as pytree constants at import, which torch 2.14 deprecates; transformers
+    # imports torchao whenever it is installed (export --int8 needs it), so every model build would say it
+    re.compile(r".* is an Enum subclass and is now natively supported by torch\.compile"),
 ]
 # transformers' table of the keys a pretrained load skipped or initialised, once per rank and per load.
 _LOAD_REPORT = re.compile(r".*LOAD REPORT")
@@ -91,7 +94,7 @@ def quiet_libraries(verbose: bool) -> None:
     # DeepSpeed's LoggerFactory resets its logger's level at import time; a filter is not reset.
     # A logger's filter sees only records logged to it, not its children's: transformers logs the load report
     # to transformers.modeling_utils.
-    for name in ("DeepSpeed", "deepspeed", "torch.utils.cpp_extension", "torch.distributed",
+    for name in ("DeepSpeed", "deepspeed", "torch.utils.cpp_extension", "torch.distributed", "torch.utils._pytree",
                  "transformers", "transformers.modeling_utils", "datasets", "accelerate"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
