@@ -22,6 +22,7 @@ COMMANDS = {
     "report": ("shardtrain.report", "main", "write OUT/report.html with plots"),
     "compare": ("shardtrain.report", "compare_main", "compare several runs in one table and plot"),
     "parity": ("shardtrain.parity", "main", "run the same steps under several strategies and compare"),
+    "predict": ("shardtrain.commands.predict", "main", "predict with a checkpoint or export; write preds.jsonl"),
 }
 
 
@@ -41,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardtrain: unknown command '{name}' (see shardtrain --help)", file=sys.stderr)
         return 2
     module, func, _ = COMMANDS[name]
-    return getattr(importlib.import_module(module), func)(rest)
+    fn = getattr(importlib.import_module(module), func)
+    # shardtrain/commands/ modules raise ConfigError and leave the one error guard to us.
+    return run_guarded(fn, rest) if module.startswith("shardtrain.commands.") else fn(rest)
 
 
 def _available(module: str) -> bool:

@@ -94,7 +94,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
         return export_workload(ckpt_dir, run_cfg, out, int8, evaluate)
     model, cfg = rebuild_from_checkpoint(ckpt_dir)
     info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config(),
-            **label_maps(cfg)}
+            **label_maps(cfg), "config": cfg.to_dict()}  # the run's data settings: `predict` reads them
     if cfg.model.name == "longformer":
         # config.json + model.safetensors; the HF config has the run's id2label/label2id (models/archs.py)
         model.hf.save_pretrained(str(out), safe_serialization=True)
@@ -157,7 +157,8 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     for f in out.glob("*.safetensors"):
         normal_mode(f)
     info = {"checkpoint": str(ckpt_dir), "workload": cfg.workload.workload, "workload_args": cfg.workload.workload_args,
-            **label_maps(cfg), "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+            **label_maps(cfg), "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+            "config": cfg.to_dict()}  # the run's data settings: `predict` reads them
     if evaluate:
         info["eval_fp32"] = evaluate_workload(workload, model)
     (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))
