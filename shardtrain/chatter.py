@@ -18,9 +18,6 @@ _NOISE = [
     re.compile(r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated"),
     # torch.distributed.checkpoint read in one process (export, portable.py) with no_dist=True: what we ask for
     re.compile(r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to"),
-    # export --int8: torch deprecates its quantized tensors (a C++ warning, once per process); the replacement,
-    # torchao, is not a dependency, and nothing about it is the user's to change
-    re.compile(r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor"),
     # DeepSpeed on a CPU host, before it picks its CPU accelerator
     re.compile(r"Setting accelerator to CPU"),
     # torch's C++-extension loader when DeepSpeed JIT-loads a CPU op
