@@ -110,7 +110,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
         shutil.copytree(tok, out / "tokenizer", dirs_exist_ok=True)
     info["bytes_fp32"] = (out / "model.safetensors").stat().st_size
     if int8:
-        save_int8(model, out / INT8_FILE)
+        save_int8(model.hf if cfg.model.name == "longformer" else model, out / INT8_FILE)
         normal_mode(out / INT8_FILE)
         info["bytes_int8"] = (out / INT8_FILE).stat().st_size
         info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
@@ -248,9 +248,8 @@ def quantize(model: nn.Module) -> nn.Module:
 def save_int8(model: nn.Module, path: Path) -> None:
     """torchao's documented format: torch.save of the quantized state_dict, read back with
     `model.load_state_dict(torch.load(path, weights_only=True), assign=True)` into the fp32 architecture.
-    Longformer's is the Hugging Face model's own state_dict, so transformers + torchao alone load it."""
-    quantized = quantize(model)
-    torch.save((quantized.hf if hasattr(quantized, "hf") else quantized).state_dict(), path)
+    For Longformer, pass the Hugging Face model inside ours, so that transformers + torch alone load the file."""
+    torch.save(quantize(model).state_dict(), path)
 
 
 def load_int8(out: str | Path) -> nn.Module:

@@ -192,6 +192,10 @@ def _export_source(path: Path, args, given: dict) -> Source:
         raise ConfigError(f"predict: {path / EXPORT_META} has no run config and its checkpoint "
                           f"{meta.get('checkpoint')} is gone: export the checkpoint again")
     cfg = _with_flags(saved, given, run_dir=path, where=str(path))
+    from shardtrain.config import is_builtin_workload
+    if ("model" in meta) != is_builtin_workload(cfg):
+        raise ConfigError(f"predict --workload: {path} holds {meta.get('model') or meta.get('workload')}'s model, "
+                          f"which --workload {cfg.workload.workload} cannot rebuild")
     workload = _workload(cfg)
     names = list(cfg.data.label_names) or [meta["id2label"][str(i)] for i in range(len(meta.get("id2label", {})))]
 

@@ -32,7 +32,7 @@ def test_longformer_int8_loads_into_a_plain_transformers_model(longformer, tmp_p
         fp32 = longformer(**batch)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            save_int8(longformer, tmp_path / "model_int8.pt")  # quantizes in place
+            save_int8(longformer.hf, tmp_path / "model_int8.pt")  # quantizes in place
             int8 = longformer(**batch)
     assert not [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))], \
         [str(w.message) for w in caught]
@@ -51,7 +51,7 @@ def test_longformer_int8_loads_into_a_plain_transformers_model(longformer, tmp_p
 
 
 def test_a_cut_off_int8_file_is_one_line(longformer, tmp_path):
-    save_int8(longformer, tmp_path / "model_int8.pt")
+    save_int8(longformer.hf, tmp_path / "model_int8.pt")
     data = (tmp_path / "model_int8.pt").read_bytes()
     (tmp_path / "model_int8.pt").write_bytes(data[: len(data) // 2])
     with pytest.raises(ConfigError, match=r"model_int8.pt: cannot load the INT8 weights \(truncated"):
