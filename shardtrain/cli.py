@@ -19,10 +19,11 @@ COMMANDS = {  # name: (module whose main(argv) runs it, help)
     "cache-images": ("shardtrain.commands.cache_images", "decode a dataset's images once, for --image-cache"),
     "plan": ("shardtrain.commands.plan", "predict per-GPU memory for every strategy"),
     "doctor": ("shardtrain.commands.doctor", "check GPUs, libraries and the launcher environment"),
-    "export": ("shardtrain.checkpointing.export", "write a consolidated safetensors model from a checkpoint"),
+    "export": ("shardtrain.commands.export", "write a consolidated safetensors model from a checkpoint"),
     "report": ("shardtrain.commands.report", "write OUT/report.html with plots"),
     "compare": ("shardtrain.commands.compare", "compare several runs in one table and plot"),
     "parity": ("shardtrain.commands.parity", "run the same steps under several strategies and compare"),
+    "predict": ("shardtrain.commands.predict", "predict with a checkpoint or export; write preds.jsonl"),
 }
 
 

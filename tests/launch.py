@@ -166,6 +166,13 @@ def cli(args: list[str], check: bool = True, timeout: float = DEFAULT_TIMEOUT, e
     return run([sys.executable, "-m", "shardtrain", *args], timeout=timeout, env=env, check=check)
 
 
+def predicted_metrics(run: Run, split: str = "validation") -> dict:
+    """The metrics `shardtrain predict` printed (its `<split> metrics: {json}` line)."""
+    line = next((x for x in run.output.splitlines() if x.startswith(f"{split} metrics: ")), None)
+    assert line is not None, f"predict printed no {split} metrics:\n{run.tail()}"
+    return json.loads(line.split(": ", 1)[1])
+
+
 def strategy_variants() -> dict[str, list[str]]:
     """shardtrain parity's strategy-name -> flags map, with the short name the test tables print."""
     from shardtrain.commands.parity import STRATEGIES

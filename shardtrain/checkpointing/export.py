@@ -1,17 +1,17 @@
-"""`shardtrain export CKPT OUT [--int8] [--eval]`: one consolidated model from any strategy's checkpoint.
+"""One consolidated model from any strategy's checkpoint (`shardtrain export CKPT OUT [--int8] [--eval]`).
 
 Runs in one process with no process group: it reads the checkpoint's portable `model_optim/` form
-(strategies/dcp_state.py), which DDP, FSDP and DeepSpeed checkpoints all hold.
+(checkpointing/dcp_state.py), which DDP, FSDP and DeepSpeed checkpoints all hold.
 
     OUT/model.safetensors + OUT/config.json
         longformer: Hugging Face layout, LongformerForSequenceClassification.from_pretrained(OUT)
         multimodal: config.json is model.export_config(); load with load_export(OUT)
     OUT/tokenizer/            the run's tokenizer, when it trained its own
-    OUT/model_int8.safetensors (--int8) Linear weights as int8 + per-tensor scale, for CPU inference only
+    OUT/model_int8.pt         (--int8) torchao INT8 (Linear: int8 weights and activations; embeddings: int8
+                              weights), torch.save of the state_dict; CPU inference only
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import os
@@ -25,6 +25,7 @@ from shardtrain.checkpointing import store as checkpoint
 from shardtrain.config.settings import ConfigError, from_dict
 
 EXPORT_META = "shardtrain_export.json"
+INT8_FILE = "model_int8.pt"  # export --int8: torchao's format, torch.save of the quantized state_dict
 
 
 def _resolve(ckpt: str | Path) -> Path:
@@ -94,7 +95,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
         return export_workload(ckpt_dir, run_cfg, out, int8, evaluate)
     model, cfg = rebuild_from_checkpoint(ckpt_dir)
     info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config(),
-            **label_maps(cfg)}
+            **label_maps(cfg), "config": cfg.to_dict()}  # the run's data settings: `predict` reads them
     if cfg.model.name == "longformer":
         # config.json + model.safetensors; the HF config has the run's id2label/label2id (models/archs.py)
         save_hf_quietly(model.hf, out)
@@ -108,9 +109,9 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
         shutil.copytree(tok, out / "tokenizer", dirs_exist_ok=True)
     info["bytes_fp32"] = (out / "model.safetensors").stat().st_size
     if int8:
-        save_int8(model, out / "model_int8.safetensors")
-        normal_mode(out / "model_int8.safetensors")
-        info["bytes_int8"] = (out / "model_int8.safetensors").stat().st_size
+        save_int8(model.hf if cfg.model.name == "longformer" else model, out / INT8_FILE)
+        normal_mode(out / INT8_FILE)
+        info["bytes_int8"] = (out / INT8_FILE).stat().st_size
         info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
     (out / EXPORT_META).write_text(json.dumps(info, indent=1))
     return info
@@ -153,9 +154,6 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     from shardtrain.config.settings import add_import_paths, where
     from shardtrain.workloads.base import load_workload
 
-    if int8:
-        raise ConfigError(f"export --int8 quantizes the built-in models only; {where('workload')} is "
-                          f"{cfg.workload.workload}: quantize its export with torchao")
     add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
     workload = load_workload(cfg)  # imported from the working directory (and PYTHONPATH)
     torch.manual_seed(cfg.train.seed)
@@ -171,9 +169,16 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     for f in out.glob("*.safetensors"):
         normal_mode(f)
     info = {"checkpoint": str(ckpt_dir), "workload": cfg.workload.workload, "workload_args": cfg.workload.workload_args,
-            **label_maps(cfg), "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors"))}
+            **label_maps(cfg), "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+            "config": cfg.to_dict()}  # the run's data settings: `predict` reads them
     if evaluate:
         info["eval_fp32"] = evaluate_workload(workload, model)
+    if int8:  # build_model() + load_int8_weights(model, OUT/model_int8.pt) reads it back
+        save_int8(model, out / INT8_FILE)
+        normal_mode(out / INT8_FILE)
+        info["bytes_int8"] = (out / INT8_FILE).stat().st_size
+        if evaluate:
+            info["eval_int8"] = evaluate_workload(workload, model)
     (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))
     return info
 
@@ -243,47 +248,45 @@ def load_export(out: str | Path) -> nn.Module:
 
 
 def quantize(model: nn.Module) -> nn.Module:
-    """Dynamic INT8 quantization of every nn.Linear (weights int8, activations quantized per batch)."""
-    from torch.ao.quantization import quantize_dynamic
-    return quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+    """torchao, in place: every nn.Linear gets int8 weights and int8 activations quantized per batch
+    (Int8DynamicActivationInt8WeightConfig), every nn.Embedding int8 weights (weight-only: its "activation" is a
+    row lookup). Convolutions stay fp32: see the README's INT8 section for why not PT2E."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig, quantize_
+
+    quantize_(model, Int8DynamicActivationInt8WeightConfig())  # its default filter: nn.Linear
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda module, _: isinstance(module, nn.Embedding))
+    return model
 
 
 def save_int8(model: nn.Module, path: Path) -> None:
-    """Plain tensors only (safetensors): int8 Linear weights with their scale and zero point; the rest fp32."""
-    from safetensors.torch import save_file
-
-    q = quantize(model)
-    tensors = {}
-    for name, mod in q.named_modules():
-        if hasattr(mod, "_packed_params") and hasattr(mod, "weight") and callable(mod.weight):
-            w = mod.weight()
-            tensors[f"{name}.weight.int8"] = w.int_repr().contiguous()
-            tensors[f"{name}.weight.scale"] = torch.tensor(w.q_scale(), dtype=torch.float64)
-            tensors[f"{name}.weight.zero_point"] = torch.tensor(w.q_zero_point(), dtype=torch.int64)
-            if mod.bias() is not None:
-                tensors[f"{name}.bias"] = mod.bias().contiguous()
-    quantized = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-    for k, v in model.state_dict().items():
-        if k.rpartition(".")[0] not in quantized:
-            tensors[k] = v.contiguous()
-    save_file(tensors, str(path))
+    """torchao's documented format: torch.save of the quantized state_dict, read back with
+    `model.load_state_dict(torch.load(path, weights_only=True), assign=True)` into the fp32 architecture.
+    For Longformer, pass the Hugging Face model inside ours, so that transformers + torch alone load the file."""
+    torch.save(quantize(model).state_dict(), path)
 
 
 def load_int8(out: str | Path) -> nn.Module:
-    """The INT8 model of an export with --int8: rebuild, quantize, then set the saved int8 weights."""
-    from safetensors.torch import load_file
+    """The INT8 model of an export with --int8: the architecture from config.json, the int8 weights assigned."""
+    from shardtrain.models import build_model_from_export
 
     out = Path(out)
-    model = load_export(out)  # fp32 weights for the layers that stay fp32 come from model.safetensors
-    saved = load_file(str(out / "model_int8.safetensors"))
-    q = quantize(model)
-    for name, mod in q.named_modules():
-        key = f"{name}.weight.int8"
-        if key in saved:
-            w = torch._make_per_tensor_quantized_tensor(saved[key], float(saved[f"{name}.weight.scale"]),
-                                                       int(saved[f"{name}.weight.zero_point"]))
-            mod.set_weight_bias(w, saved.get(f"{name}.bias"))
-    return q.eval()
+    meta = json.loads((out / EXPORT_META).read_text())
+    model = build_model_from_export(meta["export_config"])
+    load_int8_weights(model.hf if meta["model"] == "longformer" else model, out / INT8_FILE)
+    return model.eval()
+
+
+def load_int8_weights(model: nn.Module, path: Path) -> nn.Module:
+    """The documented torchao load; a missing or cut-off file is one line naming it."""
+    if not path.is_file():
+        raise ConfigError(f"{path}: not found; `shardtrain export CKPT OUT --int8` writes it")
+    try:
+        state = torch.load(path, weights_only=True, mmap=True)
+        model.load_state_dict(state, strict=True, assign=True)
+    except Exception as e:  # noqa: BLE001 - torch's unpickling / size errors about the file's bytes
+        raise ConfigError(f"{path}: cannot load the INT8 weights (truncated, or not this model's?): "
+                          f"{' '.join(str(e).split())[:200]}") from None
+    return model.eval()
 
 
 # ---- accuracy on the validation set -------------------------------------------------------------------
@@ -306,55 +309,3 @@ def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
         preds = model(**inputs).argmax(dim=-1)
         confusion.index_add_(0, batch["labels"] * n + preds, torch.ones(len(preds), dtype=torch.float64))
     return classification_metrics(confusion.view(n, n))
-
-
-def main(argv: list[str]) -> int:
-    from shardtrain.config.settings import add_workload_flags
-
-    parser = argparse.ArgumentParser(prog="shardtrain export", description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint", help="a step directory, OUT/checkpoints or a run's OUT (its latest)")
-    parser.add_argument("out")
-    parser.add_argument("--int8", action="store_true",
-                        help="also write a dynamically quantized INT8 copy for CPU inference (not for training)")
-    parser.add_argument("--eval", action="store_true", help="report accuracy/macro-F1 on the validation set")
-    parser.add_argument("--data-dir", default=None, help="validation data (default: the run's data_dir)")
-    parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings and info lines")
-    add_workload_flags(parser)  # a user's run: rebuild with this workload (default: the one the run recorded)
-    parser.add_argument("--debug", action="store_true")
-    args = parser.parse_args(argv)
-
-    from shardtrain.runtime.chatter import quiet_libraries
-    quiet_libraries(args.verbose)
-    info = export_checkpoint(args.checkpoint, args.out, int8=args.int8, workload=args.workload,
-                             workload_args=args.workload_args, evaluate=args.eval)
-    print(f"exported {info['checkpoint']} -> {args.out} ({info['bytes_fp32'] / 1e6:.2f} MB fp32)")
-    if "workload" in info:  # a user's workload: evaluated by its own metrics, if asked
-        if "eval_fp32" in info:
-            print("validation: " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                             for k, v in info["eval_fp32"].items()))
-        return 0
-    if args.int8:
-        print(f"int8 (dynamic, Linear layers; CPU inference only): {info['bytes_int8'] / 1e6:.2f} MB, "
-              f"{100 * info['size_reduction']:.1f}% smaller")
-    if args.eval or args.int8:
-        ckpt_dir = Path(info["checkpoint"])
-        cfg = from_dict(checkpoint.read_trainer_state(ckpt_dir)["config"])
-        if args.data_dir:
-            cfg.data.data_dir = args.data_dir
-        # The run's tokenizer, when it was a hub name, is loaded again for the evaluation.
-        from shardtrain.runtime.hub import check_hub_names
-        note = check_hub_names(cfg, fields=("tokenizer",))
-        if note:
-            print(f"shardtrain: {note}")
-        tok = Path(args.out) / "tokenizer"
-        info["eval_fp32"] = evaluate_model(load_export(args.out), cfg, tok)
-        print(f"fp32 validation: accuracy {info['eval_fp32']['accuracy']:.4f}, "
-              f"macro-F1 {info['eval_fp32']['macro_f1']:.4f} ({info['eval_fp32']['n_examples']} examples)")
-        if args.int8:
-            info["eval_int8"] = evaluate_model(load_int8(args.out), cfg, tok)
-            e8, e32 = info["eval_int8"], info["eval_fp32"]
-            print(f"int8 validation: accuracy {e8['accuracy']:.4f} ({e8['accuracy'] - e32['accuracy']:+.4f}), "
-                  f"macro-F1 {e8['macro_f1']:.4f} ({e8['macro_f1'] - e32['macro_f1']:+.4f})")
-        (Path(args.out) / EXPORT_META).write_text(json.dumps(info, indent=1))
-    return 0
-

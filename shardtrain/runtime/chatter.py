@@ -18,15 +18,12 @@ _NOISE = [
     re.compile(r".*(all_gather_into_tensor|reduce_scatter_tensor).* is deprecated"),
     # torch.distributed.checkpoint read in one process (export, portable.py) with no_dist=True: what we ask for
     re.compile(r"torch\.distributed is (disabled, )?unavailable or uninitialized, assuming the intent is to"),
-    # export --int8: torch deprecates its quantized tensors (a C++ warning, once per process); the replacement,
-    # torchao, is not a dependency, and nothing about it is the user's to change
-    re.compile(r"torch\.quantize_per_tensor, torch\.quantize_per_channel and other quantized tensor"),
     # DeepSpeed on a CPU host, before it picks its CPU accelerator
     re.compile(r"Setting accelerator to CPU"),
     # torch's C++-extension loader when DeepSpeed JIT-loads a CPU op
     re.compile(r"No CUDA runtime is found"),
-    # torchao (imported by transformers' quantizers whenever it is installed, by any model load) registers its
-    # enums with a torch call torch now deprecates: once per enum and process, torchao's to change, not ours
+    # torchao 0.18 registers two Enums as pytree constants at import, which torch 2.14 deprecates; transformers
+    # imports torchao whenever it is installed (export --int8 needs it), so every model build would say it
     re.compile(r".* is an Enum subclass and is now natively supported by torch\.compile"),
 ]
 # transformers' table of the keys a pretrained load skipped or initialised, once per rank and per load.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import REPO, strategy_variants, torchrun
+from launch import REPO, cli, predicted_metrics, strategy_variants, test_env, torchrun
 
 DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
@@ -81,7 +81,8 @@ def examples(mm_data, tmp_path_factory) -> dict:
             "--num-workers", "0", "--log-every", "100", "--save-final", "false", "--predict-memory", "false",
             "--report", "false", *extra]})
 
-    for example, args, extra in (("hf_text_classifier", hf_text, []),
+    # The text classifier keeps its last step: predict's test below reads that checkpoint.
+    for example, args, extra in (("hf_text_classifier", hf_text, ["--save-final", "true"]),
                                  ("causal_lm", causal_lm, ["--activation-checkpointing"]),
                                  ("custom_fusion", custom_fusion, ["--freeze-layers", "0", "--unfreeze-at-step", "none"])):
         for s in STRATEGIES:
@@ -120,6 +121,19 @@ def test_hf_text_classifier_trains_on_every_strategy_with_parity(examples):
     check_parity(examples, "hf_text_classifier")
     for s in STRATEGIES:  # every validation example once across 2 ranks
         assert examples[f"hf_text_classifier/{s}"]["eval"]["n_examples"] == 64, (s, examples[f"hf_text_classifier/{s}"])
+
+
+def test_predict_with_a_users_workload_from_a_zero2_checkpoint(examples, tmp_path):
+    """`shardtrain predict` rebuilds the example's model through its Workload (imported as training imported it)
+    from a ZeRO-2 checkpoint, and reproduces the run's final eval on its validation split."""
+    r = examples["hf_text_classifier/zero2"]
+    run_dir = r["args"][r["args"].index("--output-dir") + 1]
+    preds = tmp_path / "preds.jsonl"
+    env = test_env(PYTHONPATH=f"{REPO}:{REPO / 'examples' / 'hf_text_classifier'}")
+    run = cli(["predict", run_dir, "--output", str(preds), "--batch-size", "16"], env=env)
+    assert predicted_metrics(run) == pytest.approx(r["eval"], rel=1e-9), run.tail()
+    lines = [json.loads(x) for x in preds.read_text().splitlines()]
+    assert [x["index"] for x in lines] == list(range(64)) and all(len(x["probs"]) == 3 for x in lines)
 
 
 def test_causal_lm_with_tied_embeddings_and_checkpointed_blocks(examples):

@@ -6,18 +6,20 @@ train() as shardtrain/main.py, once per configuration, in one process group of 2
   1e-4 (text-only Longformer) / 1e-2 (multimodal with BatchNorm) relative, against DDP;
 - accumulation: micro 4 x accum 2 == micro 8 x accum 1 on every strategy;
 - freezing under DDP, FSDP and ZeRO-3: frozen weights bit-identical until unfreeze_at_step, changed after;
-- bf16 on every strategy (BatchNorm weights stay fp32 while its inputs are bf16), fp16 where CPU allows it.
+- bf16 on every strategy (BatchNorm weights stay fp32 while its inputs are bf16), fp16 where CPU allows it;
+- `shardtrain predict` from a DDP, an FSDP and a ZeRO-3 checkpoint of these runs reproduces their final eval.
 
 Each strategy also runs once through shardtrain/main.py itself: tests/dist/test_entry_points.py.
 """
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 
-from launch import REPO, run_plan, strategy_variants, tiny_args
+from launch import REPO, cli, predicted_metrics, run_plan, strategy_variants, tiny_args
 
 # The one strategy-name -> flags map (shardtrain parity's); the matrix leaves FSDP offload to test_memory.
 STRATEGIES = {name: flags for name, flags in strategy_variants().items() if name != "fsdp_offload"}
@@ -192,3 +194,28 @@ def test_fp16_with_grad_scaler_on_cpu(matrix, strategy, workload):
     assert all(math.isfinite(x) for x in r["losses"]), r["losses"]
     if workload == "multimodal":
         assert r["bn_weight_dtypes"] == ["float32"] and "float16" in r["bn_input_dtypes"], r["bn_input_dtypes"]
+
+
+def _run_dir(result: dict) -> str:
+    return result["args"][result["args"].index("--output-dir") + 1]
+
+
+@pytest.mark.parametrize("name, flags", [("multimodal/ddp/fp32", ["--top-k", "2"]),
+                                         ("longformer/fsdp/fp32", []),
+                                         ("multimodal/zero3/fp32", ["--nproc", "2", "--batch-size", "3"])])
+def test_predict_from_each_strategy_reproduces_the_runs_final_eval(matrix, name, flags, tmp_path):
+    """predict RUN on the run's validation split: the same metrics as the run's own final evaluation (summary.json
+    `eval`), from any strategy's checkpoint; with --nproc 2 every example once, in input order."""
+    preds = tmp_path / "preds.jsonl"
+    run = cli(["predict", _run_dir(matrix[name]), "--output", str(preds), *flags])
+    assert predicted_metrics(run) == pytest.approx(matrix[name]["eval"], rel=1e-9, abs=1e-12), run.tail()
+    lines = [json.loads(x) for x in preds.read_text().splitlines()]
+    assert [x["index"] for x in lines] == list(range(16)), [x["index"] for x in lines]
+    k = 2 if "--top-k" in flags else 3  # 3 classes: the default --top-k 5 gives all of them
+    for x in lines:
+        assert set(x) == {"index", "label", "probs", "true_label"} and len(x["probs"]) == k, x
+        assert x["label"] == next(iter(x["probs"])) and x["label"] in ("0", "1", "2"), x
+        assert list(x["probs"].values()) == sorted(x["probs"].values(), reverse=True), x
+    accuracy = sum(x["label"] == x["true_label"] for x in lines) / len(lines)
+    assert accuracy == pytest.approx(matrix[name]["eval"]["accuracy"])
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "preds.jsonl"]  # no temporary left behind

@@ -157,7 +157,7 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[2], ra
 dist.reduce_scatter_tensor(torch.zeros(2), torch.ones(2))
 dist.destroy_process_group()
 
-# export: the portable checkpoint read in one process, and --int8
+# export: the portable checkpoint read in one process, and --int8 (torchao: a pytree deprecation at import)
 import torch.distributed.checkpoint as dcp
 from torch import nn
 dcp.save({"w": torch.ones(2)}, checkpoint_id=tmp + "/dcp", no_dist=True)
@@ -181,7 +181,7 @@ transformers.RobertaModel(text.config).save_pretrained(tmp + "/short")
 cfg.model.text_model = tmp + "/short"
 build_model(cfg.model, cfg.data, vocab_size=1000)
 """
-SOURCES = ("reduce_scatter_tensor", "assuming the intent is to", "quantize_per_tensor", "LOAD REPORT",
+SOURCES = ("reduce_scatter_tensor", "assuming the intent is to", "is an Enum subclass", "LOAD REPORT",
            "Loading weights")
 
 

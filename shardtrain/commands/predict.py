@@ -1,0 +1,423 @@
+"""`shardtrain predict RUN_OR_CHECKPOINT_OR_EXPORT --data-dir DIR --split validation --output preds.jsonl`
+
+The trained model on data: one JSON line per example, in the split's order,
+
+    {"index": 0, "label": "positive", "probs": {"positive": 0.91, "neutral": 0.06}, "true_label": "neutral"}
+
+(`probs`: the --top-k most likely classes; `true_label` only where the data has labels). With labels it also
+prints the workload's metrics (accuracy / macro-F1 for a classifier), computed as training's evaluation computes
+them, so predicting the run's own validation split reproduces the run's final eval.
+
+The model comes from any strategy's checkpoint (its portable form, checkpointing in one process) or an export
+(fp32, or its INT8 copy with --int8), rebuilt through the Workload API: the built-ins and a user's workload alike.
+The data is the run's own unless data-source flags (`--data-dir`, `--validation-file`, `--dataset-name`, ...:
+any that `train` takes) name other data.
+
+`--nproc N` splits the examples into N contiguous blocks, one per process (torchrun, as `train --nproc` starts
+it); this process then joins the blocks in input order. No process group is needed: nothing is exchanged
+between the workers, and so no example is padded in or counted twice. preds.jsonl appears only complete:
+written to a temporary file beside it, then renamed.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from shardtrain.config.settings import ConfigError
+
+# The parent process tells its workers where to put their blocks; a worker without it was not started by us.
+PARTS_ENV = "SHARDTRAIN_PREDICT_PARTS"
+# Fields of the data section that name where the data is; one given on the command line replaces the run's.
+SOURCE_FIELDS = ("data_dir", "dataset_name", "dataset_config_name", "train_file", "validation_file", "train_dir",
+                 "validation_dir", "dataset_format", "eval_data_dir")
+# Flags of `train` that predict takes besides the data section: which workload rebuilds the model, and where.
+OTHER_FIELDS = ("workload", "workload_args", "device")
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line (a ConfigError), as every shardtrain error is, not argparse's usage block."""
+
+    def error(self, message):
+        raise ConfigError(f"predict: {message} (shardtrain predict --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _OneLineParser(
+        prog="shardtrain predict", allow_abbrev=False, description="Predict with a run's model (any strategy's checkpoint, or an "
+        "export) on a split of the run's data or of the data that training's data-source flags name.",
+        epilog="Data-source flags are train's: --data-dir, --train-file/--validation-file, --dataset-name, "
+               "--train-dir/--validation-dir, --dataset-format, column names, --max-eval-samples, ... "
+               "(shardtrain train --help lists them).")
+    parser.add_argument("source", help="a run's output dir (its latest checkpoint), a checkpoint step dir, or an "
+                                       "export folder")
+    parser.add_argument("--split", choices=["train", "validation"], default="validation")
+    parser.add_argument("--output", default="preds.jsonl", help="one JSON line per example (default: preds.jsonl)")
+    parser.add_argument("--top-k", type=int, default=5, help="classes (most likely first) in each line's probs")
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                        help="autocast dtype (bf16 also on CPU; fp16 on GPU only)")
+    parser.add_argument("--int8", action="store_true", help="an export's INT8 copy (export --int8) instead of fp32")
+    parser.add_argument("--nproc", type=int, default=1, help="data-parallel processes (one per GPU)")
+    parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings and info lines")
+    parser.add_argument("--debug", action="store_true", help="a traceback instead of one line on errors")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    """`shardtrain predict`: the cli calls this inside its error guard; user errors raise ConfigError."""
+    args, rest = parse_args(argv)
+    from shardtrain.runtime.chatter import quiet_libraries
+    quiet_libraries(args.verbose)
+    source = open_source(args, rest)  # every check that needs no model or data: before any process starts
+    if os.environ.get(PARTS_ENV):  # a worker of `--nproc N`
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        predict_block(source, args, rank, world, Path(os.environ[PARTS_ENV]))
+        return 0
+    from shardtrain.runtime.launch import under_launcher
+    if under_launcher():
+        raise ConfigError("predict: run it as one plain process; --nproc N starts the N workers itself")
+    output = Path(args.output)
+    parts = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        if args.nproc > 1:
+            code = launch_workers(argv, args.nproc, parts)
+            if code != 0:
+                return code
+        else:
+            predict_block(source, args, 0, 1, parts)
+        metrics = join_blocks(parts, args.nproc, output, source.workload)
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)
+    print(f"wrote {metrics.pop('_rows')} predictions of the {args.split} split to {output}")
+    if metrics:
+        print(f"{args.split} metrics: {json.dumps(metrics)}")
+    return 0
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
+    """(the parsed flags, {field: value} of the training flags given). Any other training flag is an error."""
+    from shardtrain.config.settings import FIELDS, FLAG_ALIASES, flag_of
+
+    parser = build_parser()
+    taken = [name for name, (section, _, _) in FIELDS.items() if section == "data" or name in OTHER_FIELDS]
+    for name in taken:
+        section, _, typ = FIELDS[name]
+        extra = {"nargs": "?", "const": "true", "metavar": "{true,false}"} if typ is bool else {}
+        parser.add_argument(flag_of(name), *FLAG_ALIASES.get(name, []), dest=name, default=None,
+                            help=f"as in train ({section}.{name})", **extra)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = unknown[0].split("=")[0]
+        trains = flag == "--config" or flag in {flag_of(n) for n in FIELDS} | {a for v in FLAG_ALIASES.values() for a in v}
+        raise ConfigError(f"predict: {flag} is a training setting; the run's own config comes with its checkpoint "
+                          f"or export, and predict takes only data-source flags (--data-dir, --validation-file, ...), "
+                          f"--workload, --workload-args and --device" if trains else
+                          f"predict: unknown argument '{unknown[0]}' (shardtrain predict --help)")
+    given = {name: getattr(args, name) for name in taken if getattr(args, name) is not None}
+    if args.top_k < 1:
+        raise ConfigError(f"predict: --top-k must be positive, got {args.top_k}")
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ConfigError(f"predict: --batch-size must be positive, got {args.batch_size}")
+    if args.nproc < 1:
+        raise ConfigError(f"predict: --nproc must be positive, got {args.nproc}")
+    if args.int8 and args.precision != "fp32":
+        raise ConfigError(f"predict: --int8 runs the quantized model's own int8 kernels; drop --precision "
+                          f"{args.precision}")
+    output = Path(args.output)
+    if output.is_dir():
+        raise ConfigError(f"predict: --output {output} is a folder; name the file to write, e.g. {output}/preds.jsonl")
+    if not output.parent.is_dir():
+        raise ConfigError(f"predict: --output {output}: folder {output.parent} does not exist")
+    return args, given
+
+
+# ---- the model and its config ----------------------------------------------------------------------------
+@dataclass
+class Source:
+    cfg: object            # the run's Config, with the command line's data flags over it
+    workload: object       # the Workload that rebuilds the model and reads the data
+    load_model: object     # () -> nn.Module in eval mode, weights loaded
+    label_names: list
+    where: str             # the checkpoint or export, for messages
+
+
+def open_source(args, given: dict) -> Source:
+    from shardtrain.checkpointing.export import EXPORT_META
+
+    path = Path(args.source)
+    if not path.exists():
+        raise ConfigError(f"predict: {path} not found (give a run's output dir, a checkpoint or an export folder)")
+    if (path / EXPORT_META).is_file():
+        return _export_source(path, args, given)
+    if args.int8:
+        raise ConfigError(f"predict --int8: {path} is not an export; `shardtrain export {path} OUT --int8` writes one")
+    return _checkpoint_source(path, given)
+
+
+def _checkpoint_source(path: Path, given: dict) -> Source:
+    from shardtrain.checkpointing import store as checkpoint
+
+    ckpt = checkpoint.find_resume_dir(str(path), path, label="predict")
+    state = checkpoint.read_trainer_state(ckpt)
+    cfg = _with_flags(state["config"], given, run_dir=ckpt.parent.parent, where=str(ckpt))
+    workload = _workload(cfg)
+
+    def load_model():
+        from shardtrain.checkpointing.portable import read_portable
+        return _load_weights(_build(workload, cfg), read_portable(ckpt)["model"], workload, ckpt)
+
+    return Source(cfg, workload, load_model, list(cfg.data.label_names), str(ckpt))
+
+
+def _export_source(path: Path, args, given: dict) -> Source:
+    from shardtrain.checkpointing import store as checkpoint
+    from shardtrain.checkpointing.export import EXPORT_META
+
+    try:
+        meta = json.loads((path / EXPORT_META).read_text())
+    except ValueError as e:
+        raise ConfigError(f"predict: {path / EXPORT_META} is not JSON ({e}): a truncated export?") from None
+    if "config" in meta:
+        saved = meta["config"]
+    elif Path(meta.get("checkpoint", "")).is_dir():  # exports written before the meta kept the run's config
+        saved = checkpoint.read_trainer_state(Path(meta["checkpoint"]))["config"]
+    else:
+        raise ConfigError(f"predict: {path / EXPORT_META} has no run config and its checkpoint "
+                          f"{meta.get('checkpoint')} is gone: export the checkpoint again")
+    cfg = _with_flags(saved, given, run_dir=path, where=str(path))
+    from shardtrain.config.settings import is_builtin_workload
+    if ("model" in meta) != is_builtin_workload(cfg):
+        raise ConfigError(f"predict --workload: {path} holds {meta.get('model') or meta.get('workload')}'s model, "
+                          f"which --workload {cfg.workload.workload} cannot rebuild")
+    workload = _workload(cfg)
+    names = list(cfg.data.label_names) or [meta["id2label"][str(i)] for i in range(len(meta.get("id2label", {})))]
+
+    def load_model():
+        from shardtrain.checkpointing import export
+        if args.int8 and "model" in meta:
+            return export.load_int8(path)
+        if args.int8:  # a user's workload: its architecture, the int8 weights assigned (torchao's documented load)
+            return export.load_int8_weights(_build(workload, cfg), path / export.INT8_FILE)
+        if "model" in meta:  # a built-in's export
+            return _readable(lambda: export.load_export(path), path / "model.safetensors")
+        from safetensors.torch import load_file
+        file = path / "model.safetensors"
+        if not file.is_file():
+            raise ConfigError(f"predict: {path} has no model.safetensors: {type(workload).__name__}.export wrote "
+                              f"its own files; predict from the run's checkpoint instead")
+        return _load_weights(_build(workload, cfg), _readable(lambda: load_file(str(file)), file), workload, path)
+
+    return Source(cfg, workload, load_model, names, str(path))
+
+
+def _readable(load, file: Path):
+    """A truncated or foreign file is one line naming it, not a library traceback."""
+    try:
+        return load()
+    except ConfigError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors / torch errors about the file's bytes
+        raise ConfigError(f"predict: cannot read {file} (truncated or not this model's?): "
+                          f"{' '.join(str(e).split())[:200]}") from None
+
+
+def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
+    """The run's saved config with the command line's flags over it, read and checked as `train` reads its own."""
+    from shardtrain.config.settings import FIELDS, from_dict, is_builtin_workload, validate
+
+    data = copy.deepcopy(saved)
+    sections = {name: data.setdefault(name, {}) or {} for name in ("workload", "data", "parallel")}
+    if given.get("workload") not in (None, sections["workload"].get("workload")):
+        sections["workload"]["workload_args"] = {}  # another workload: the run's args were for the old one
+    if any(name in given for name in SOURCE_FIELDS):
+        # Other data: none of the run's own source flags (nor its image cache) describe it.
+        for name in SOURCE_FIELDS[1:] + ("image_cache",):
+            sections["data"][name] = None
+    for name, value in given.items():
+        sections[FIELDS[name][0]][name] = value
+    data.update(sections)
+    cfg = from_dict(data, source=f"predict's flags over the config of {where}")
+    cfg.data.streaming = False  # predict reads its split into memory, in order
+    # What trained the model is not predict's business: no resume, strategy or output of its own.
+    cfg.checkpoint.resume, cfg.checkpoint.final_model_dir = "none", None
+    cfg.checkpoint.output_dir = str(run_dir)
+    cfg.parallel.strategy, cfg.parallel.ds = "ddp", None
+    tokenizer = run_dir / "tokenizer"
+    if cfg.data.tokenizer is None and (tokenizer / "tokenizer.json").is_file():
+        cfg.data.tokenizer = str(tokenizer)  # the run's own; never a new one trained on the data to predict
+    validate(cfg)
+    if is_builtin_workload(cfg) and cfg.data.tokenizer is None:
+        raise ConfigError(f"predict: {run_dir} has no tokenizer/ folder, and the run trained its own tokenizer; "
+                          f"pass the one it used with --tokenizer DIR")
+    return cfg
+
+
+def _workload(cfg):
+    from shardtrain.config.settings import add_import_paths
+    from shardtrain.workloads.base import load_workload
+
+    add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
+    return load_workload(cfg)
+
+
+def _build(workload, cfg):
+    import torch
+
+    torch.manual_seed(cfg.train.seed)
+    workload.loads_weights = False  # the checkpoint's weights replace any pretrained ones
+    try:
+        return workload.build_model()
+    finally:
+        workload.loads_weights = True
+
+
+def _load_weights(model, weights: dict, workload, where):
+    """Strict: a checkpoint of another workload or model size is refused by name, not half-loaded."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    shapes = sorted(k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape))
+    if missing or unexpected or shapes:
+        raise ConfigError(f"predict {where}: its weights do not fit {type(workload).__name__}.build_model() "
+                          f"(a checkpoint of another workload or size?): missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}, shape mismatches {shapes[:3]}")
+    model.load_state_dict(weights, strict=True)
+    return model.eval()
+
+
+# ---- predicting one block of the split ---------------------------------------------------------------------
+def block_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
+    """Contiguous blocks in input order, sizes differing by at most one: every example in exactly one block."""
+    per, extra = divmod(n, world)
+    start = rank * per + min(rank, extra)
+    return start, start + per + (1 if rank < extra else 0)
+
+
+def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> None:
+    import torch
+    from torch.utils.data import DataLoader, Subset
+
+    from shardtrain.data import batch_to_device
+    from shardtrain.workloads.base import CheckedCollate, logits_of
+
+    cfg, workload = source.cfg, source.workload
+    device = _device(cfg, args.precision)
+    train, validation = workload.datasets()
+    data = train if args.split == "train" else validation
+    if data is None:
+        raise ConfigError(f"predict --split {args.split}: {type(workload).__name__}.datasets() has no {args.split} "
+                          f"split for this data")
+    start, stop = block_bounds(len(data), rank, world)
+    model = source.load_model().to(device)
+    loader = DataLoader(Subset(data, range(start, stop)), batch_size=args.batch_size or cfg.eval_batch_size,
+                        collate_fn=CheckedCollate(workload), num_workers=cfg.data.num_workers)
+    bar = _progress(stop - start, rank)
+    sums: dict = {}
+    index, names = start, source.label_names
+    with open(parts / f"rank-{rank}.jsonl", "w") as out, torch.no_grad():
+        for batch in loader:
+            batch = batch_to_device(batch, device)
+            with torch.autocast(device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}
+                                                           .get(args.precision, "float32")),
+                                enabled=args.precision != "fp32"):
+                outputs = workload.forward(model, batch)
+            logits = logits_of(outputs).float()
+            if logits.dim() != 2:
+                raise ConfigError(f"predict classifies examples: {type(workload).__name__}.forward gives logits of "
+                                  f"shape {tuple(logits.shape)}, not [batch, classes]")
+            labels = batch.get("labels")
+            if labels is not None:
+                for key, value in workload.metric_sums(outputs, batch).items():
+                    value = value.detach().double().cpu()
+                    sums[key] = sums[key] + value if key in sums else value
+            probs = logits.softmax(-1).cpu()
+            top = probs.topk(min(args.top_k, probs.shape[-1]), dim=-1)
+            for row in range(len(probs)):
+                line = {"index": index, "label": _name(names, int(top.indices[row, 0])),
+                        "probs": {_name(names, int(c)): round(float(p), 6)
+                                  for p, c in zip(top.values[row], top.indices[row])}}
+                if labels is not None:
+                    line["true_label"] = _name(names, int(labels.reshape(-1)[row]))
+                out.write(json.dumps(line) + "\n")
+                index += 1
+            if bar is not None:
+                bar.update(len(probs))
+    if bar is not None:
+        bar.close()
+    torch.save({"rows": index - start, "expected": stop - start, "sums": sums}, parts / f"rank-{rank}.pt")
+
+
+def _device(cfg, precision: str):
+    import torch
+
+    from shardtrain.runtime.distributed import resolve_device_type
+    kind = resolve_device_type(cfg.parallel.device)
+    if precision == "fp16" and kind != "cuda":
+        raise ConfigError("predict --precision fp16: half-precision kernels are a GPU's; on CPU use bf16 or fp32")
+    return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if kind == "cuda" else "cpu")
+
+
+def _name(names: list, i: int) -> str:
+    return names[i] if 0 <= i < len(names) else str(i)
+
+
+def _progress(total: int, rank: int):
+    """A bar on a terminal (rank 0 only); nothing in a log file or a pipe."""
+    if rank != 0 or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, unit="ex", desc="predict", file=sys.stderr, dynamic_ncols=True)
+
+
+# ---- several processes, then one file --------------------------------------------------------------------
+def launch_workers(argv: list[str], nproc: int, parts: Path) -> int:
+    """`--nproc N`: the same command in N torchrun workers (shardtrain/launch.py), each writing its block."""
+    from shardtrain.runtime.launch import run_forwarding_signals, without_flag
+
+    rest = without_flag(argv, "--nproc")
+    cmd = [sys.executable, "-m", "shardtrain.runtime.launch", "--standalone", f"--nproc_per_node={nproc}", "-m",
+           "shardtrain", "predict", *rest]
+    print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m shardtrain "
+          f"predict {' '.join(rest)}", flush=True)
+    env = {**os.environ, PARTS_ENV: str(parts), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return run_forwarding_signals(cmd, env)
+
+
+def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
+    """The blocks in rank order (= input order) into `output`, through a temporary file and a rename; the
+    workload's metrics over the summed metric_sums (with labels). Returns the metrics and `_rows`."""
+    import torch
+
+    from shardtrain.checkpointing.export import normal_mode
+
+    rows, sums = 0, {}
+    tmp = tempfile.NamedTemporaryFile("w", dir=output.parent, prefix=f".{output.name}.", suffix=".tmp", delete=False)
+    try:
+        with tmp:
+            for rank in range(world):
+                done = parts / f"rank-{rank}.pt"
+                if not done.is_file():
+                    raise ConfigError(f"predict: worker {rank} of {world} wrote no predictions")
+                block = torch.load(done, weights_only=True)
+                if block["rows"] != block["expected"]:
+                    raise ConfigError(f"predict: worker {rank} predicted {block['rows']} of its "
+                                      f"{block['expected']} examples")
+                with open(parts / f"rank-{rank}.jsonl") as f:
+                    shutil.copyfileobj(f, tmp)
+                rows += block["rows"]
+                for key, value in block["sums"].items():
+                    sums[key] = sums[key] + value if key in sums else value
+        normal_mode(Path(tmp.name))  # the mode open() would give preds.jsonl, not mkstemp's 0600
+        os.replace(tmp.name, output)
+    except BaseException:
+        Path(tmp.name).unlink(missing_ok=True)
+        raise
+    metrics = workload.metrics(sums) if sums else {}
+    return {**metrics, "_rows": rows}
+
