@@ -161,3 +161,14 @@ def test_the_checks_find_an_upward_import_a_hidden_circle_and_a_string_lookup(tm
     bad = upward_imports(graph, table, folder=lambda m: m.split(".")[1] if m.count(".") >= 2 else ROOT)
     assert bad == ["pkg.low.a (layer 0, low) imports pkg.high.b (layer 1, high)"]
     assert sorted(circles(graph)) == [["pkg.high.b", "pkg.low.a"], ["pkg.high.c", "pkg.high.d"]]
+
+
+def test_the_command_table_the_commands_folder_and_the_architecture_doc_agree():
+    from shardtrain.cli import COMMANDS
+
+    modules = {module for module, _ in COMMANDS.values()}
+    folder = {f"shardtrain.commands.{p.stem}" for p in (PACKAGE / "commands").glob("*.py") if p.stem != "__init__"}
+    assert modules == folder, f"in the table only: {sorted(modules - folder)}; in commands/ only: {sorted(folder - modules)}"
+    entry = re.search(r"^  commands/(.*\n(?: {10,}.*\n)*)", (REPO / "docs" / "ARCHITECTURE.md").read_text(), re.M)
+    listed = set(re.findall(r"(\w+)\.py", entry.group(1)))
+    assert listed == {m.rpartition(".")[2] for m in modules}, f"docs/ARCHITECTURE.md's commands/ lists {sorted(listed)}"
