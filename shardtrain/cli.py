@@ -25,6 +25,8 @@ COMMANDS = {  # name: (module whose main(argv) runs it, help)
     "parity": ("shardtrain.commands.parity", "run the same steps under several strategies and compare"),
     "predict": ("shardtrain.commands.predict", "predict with a checkpoint or export; write preds.jsonl"),
 }
+# These take --verbose and quiet the libraries themselves; every other command never wants their chatter.
+OWN_VERBOSITY = {"train", "export", "predict"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +53,9 @@ def run_command(name: str, argv: list[str]) -> int:
     from shardtrain.runtime.closed_output import survive_closed_output
 
     survive_closed_output()  # `shardtrain plan | head` ends quietly; training goes on (see closed_output.py)
+    if name not in OWN_VERBOSITY:
+        from shardtrain.runtime.chatter import quiet_libraries
+        quiet_libraries(verbose=False)
     command = importlib.import_module(COMMANDS[name][0])
     code = run_guarded(command.main, argv)
     # Looked up, not imported: a config error must not pay seconds for importing torch just to exit.

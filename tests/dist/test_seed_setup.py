@@ -26,6 +26,9 @@ def recommendation() -> dict:
     run = cli(["plan", "--config", str(REPO / CONFIG), "--gpus", "4", "--gpu", "v100-16gb", "--json"], timeout=900)
     plan, _ = json.JSONDecoder().raw_decode(run.output)  # stdout (the JSON) comes before stderr in `output`
     assert plan["recommendation"] is not None, run.output[-2000:]
+    # Only its own lines: no library warning or log line (torch's `W1201 ...`, Python's `...Warning: ...`).
+    noise = [line for line in run.output.splitlines() if re.match(r"\[?\w*\]?[WE]\d{4} |.*Warning: ", line)]
+    assert not noise, noise
     return plan["recommendation"]
 
 
