@@ -147,6 +147,20 @@ def _with_workload(run_cfg, workload: str | None, workload_args: str | None):
     return cfg
 
 
+def load_fitting_weights(model: nn.Module, weights: dict, workload, what: str) -> nn.Module:
+    """Strict: weights of another workload or model size are refused in one line naming the keys, not half-loaded.
+    `what` starts the message (`export CKPT`, `predict CKPT`)."""
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
+    shapes = sorted(k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape))
+    if missing or unexpected or shapes:
+        raise ConfigError(f"{what}: its weights do not fit {type(workload).__name__}.build_model() (a checkpoint "
+                          f"of another workload or size?): missing {missing[:3]}, unexpected {unexpected[:3]}, "
+                          f"shape mismatches {shapes[:3]}")
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
 def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool = False) -> dict:
     """A user's workload: its model rebuilt as training built it (same seed), the checkpoint's weights loaded,
     then written by Workload.export (by default model.safetensors + workload.json)."""
@@ -158,13 +172,7 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     workload = load_workload(cfg)  # imported from the working directory (and PYTHONPATH)
     torch.manual_seed(cfg.train.seed)
     model = workload.build_model()
-    weights = read_portable(ckpt_dir)["model"]
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    if missing or unexpected:
-        raise ConfigError(f"export {ckpt_dir}: weights do not fit {type(workload).__name__}.build_model(): "
-                          f"missing {missing[:4]}, unexpected {unexpected[:4]}")
-    model.load_state_dict(weights, strict=True)
+    load_fitting_weights(model, read_portable(ckpt_dir)["model"], workload, f"export {ckpt_dir}")
     workload.export(model.eval(), out)
     for f in out.glob("*.safetensors"):
         normal_mode(f)

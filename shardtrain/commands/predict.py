@@ -170,8 +170,10 @@ def _checkpoint_source(path: Path, given: dict) -> Source:
     workload = _workload(cfg)
 
     def load_model():
+        from shardtrain.checkpointing.export import load_fitting_weights
         from shardtrain.checkpointing.portable import read_portable
-        return _load_weights(_build(workload, cfg), read_portable(ckpt)["model"], workload, ckpt)
+        weights = read_portable(ckpt)["model"]
+        return load_fitting_weights(_build(workload, cfg), weights, workload, f"predict {ckpt}").eval()
 
     return Source(cfg, workload, load_model, list(cfg.data.label_names), str(ckpt))
 
@@ -208,11 +210,13 @@ def _export_source(path: Path, args, given: dict) -> Source:
         if "model" in meta:  # a built-in's export
             return _readable(lambda: export.load_export(path), path / "model.safetensors")
         from safetensors.torch import load_file
+        from shardtrain.checkpointing.export import load_fitting_weights
         file = path / "model.safetensors"
         if not file.is_file():
             raise ConfigError(f"predict: {path} has no model.safetensors: {type(workload).__name__}.export wrote "
                               f"its own files; predict from the run's checkpoint instead")
-        return _load_weights(_build(workload, cfg), _readable(lambda: load_file(str(file)), file), workload, path)
+        return load_fitting_weights(_build(workload, cfg), _readable(lambda: load_file(str(file)), file), workload,
+                                    f"predict {path}").eval()
 
     return Source(cfg, workload, load_model, names, str(path))
 
@@ -278,19 +282,6 @@ def _build(workload, cfg):
         workload.loads_weights = True
 
 
-def _load_weights(model, weights: dict, workload, where):
-    """Strict: a checkpoint of another workload or model size is refused by name, not half-loaded."""
-    own = model.state_dict()
-    missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
-    shapes = sorted(k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape))
-    if missing or unexpected or shapes:
-        raise ConfigError(f"predict {where}: its weights do not fit {type(workload).__name__}.build_model() "
-                          f"(a checkpoint of another workload or size?): missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]}, shape mismatches {shapes[:3]}")
-    model.load_state_dict(weights, strict=True)
-    return model.eval()
-
-
 # ---- predicting one block of the split ---------------------------------------------------------------------
 def block_bounds(n: int, rank: int, world: int) -> tuple[int, int]:
     """Contiguous blocks in input order, sizes differing by at most one: every example in exactly one block."""
@@ -304,6 +295,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
     from torch.utils.data import DataLoader, Subset
 
     from shardtrain.data import batch_to_device
+    from shardtrain.strategies.base import DTYPES
     from shardtrain.workloads.base import CheckedCollate, logits_of
 
     cfg, workload = source.cfg, source.workload
@@ -323,9 +315,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
     with open(parts / f"rank-{rank}.jsonl", "w") as out, torch.no_grad():
         for batch in loader:
             batch = batch_to_device(batch, device)
-            with torch.autocast(device.type, dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}
-                                                           .get(args.precision, "float32")),
-                                enabled=args.precision != "fp32"):
+            with torch.autocast(device.type, dtype=DTYPES[args.precision], enabled=args.precision != "fp32"):
                 outputs = workload.forward(model, batch)
             logits = logits_of(outputs).float()
             if logits.dim() != 2:
@@ -378,15 +368,11 @@ def _progress(total: int, rank: int):
 # ---- several processes, then one file --------------------------------------------------------------------
 def launch_workers(argv: list[str], nproc: int, parts: Path) -> int:
     """`--nproc N`: the same command in N torchrun workers (shardtrain/launch.py), each writing its block."""
-    from shardtrain.runtime.launch import run_forwarding_signals, without_flag
+    from shardtrain.runtime.launch import launch_local, without_flag
 
     rest = without_flag(argv, "--nproc")
-    cmd = [sys.executable, "-m", "shardtrain.runtime.launch", "--standalone", f"--nproc_per_node={nproc}", "-m",
-           "shardtrain", "predict", *rest]
-    print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} -m shardtrain "
-          f"predict {' '.join(rest)}", flush=True)
-    env = {**os.environ, PARTS_ENV: str(parts), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return run_forwarding_signals(cmd, env)
+    return launch_local(nproc, ["-m", "shardtrain", "predict", *rest], shown=f"-m shardtrain predict {' '.join(rest)}",
+                        extra_env={PARTS_ENV: str(parts)})
 
 
 def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:

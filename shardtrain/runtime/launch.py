@@ -36,12 +36,17 @@ def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
     # The workers see RANK and never relaunch; torchrun's own parser would also reject `--nproc`
     # anywhere on its command line as an ambiguous prefix of --nproc-per-node.
     argv = without_flag(argv, "--nproc")
-    cmd = [sys.executable, "-m", "shardtrain.runtime.launch", "--standalone", f"--nproc_per_node={nproc}",
-           str(main_py), *argv]
+    return launch_local(nproc, [str(main_py), *argv], shown=f"shardtrain/main.py {' '.join(argv)}")
+
+
+def launch_local(nproc: int, program: list[str], shown: str, extra_env: dict | None = None) -> int:
+    """`program` (a script and its arguments, or `-m module ...`) in `nproc` torchrun workers on this machine, as
+    `train --nproc` and `predict --nproc` start them; `shown` is how the line printed names the program."""
+    cmd = [sys.executable, "-m", "shardtrain.runtime.launch", "--standalone", f"--nproc_per_node={nproc}", *program]
     if os.environ.get("RANK", "0") == "0":
-        print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} "
-              f"shardtrain/main.py {' '.join(argv)}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} {shown}",
+              flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
     return run_forwarding_signals(cmd, env)
 
 
