@@ -11,6 +11,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from local_slurm import local_slurm  # noqa: E402,F401 - the session's Slurm cluster, stopped at its end
+import hosts as namespace_hosts_module  # noqa: E402
+
+
+@pytest.fixture
+def namespace_hosts():
+    """`make(count=2)` builds network-namespace hosts node1..nodeN (tests/hosts.py); all are torn down when the
+    test ends, pass or fail. Skipped where they cannot exist (not root, no `ip`), unless SHARDTRAIN_REQUIRE_NETNS=1
+    (CI, which is root) makes that a failure: there the multi-node tests must run."""
+    reason = namespace_hosts_module.unavailable()
+    if reason:
+        if os.environ.get("SHARDTRAIN_REQUIRE_NETNS") == "1":
+            pytest.fail(f"SHARDTRAIN_REQUIRE_NETNS=1 but {reason}")
+        pytest.skip(reason)
+    built: list = []
+
+    def make(count: int = 2):
+        hosts = namespace_hosts_module.Hosts(count, tag=str(len(built)))
+        built.append(hosts)
+        return hosts.__enter__()
+
+    try:
+        yield make
+    finally:
+        for hosts in built:
+            hosts.teardown()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,0 +1,53 @@
+"""The namespace hosts themselves (tests/hosts.py): separate hostnames, addresses only inside them, a working
+link between them, and nothing left behind."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import hosts as hosts_module
+
+PY = sys.executable
+
+
+def test_nodes_are_separate_hosts_on_one_link(namespace_hosts):
+    hosts = namespace_hosts(2)
+    node1, node2 = hosts["node1"], hosts["node2"]
+    server = node1.popen([PY, "-c", "import socket; s = socket.create_server(('0.0.0.0', 29555)); c, _ = s.accept();"
+                                    "c.sendall(socket.gethostname().encode())"], stdout=subprocess.PIPE, text=True)
+    probe = ("import socket, time\n"
+             "for _ in range(100):\n"
+             "    try: c = socket.create_connection(('node1', 29555), timeout=1); break\n"
+             "    except OSError: time.sleep(0.05)\n"
+             "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()), c.recv(64).decode())")
+    seen = node2.run([PY, "-c", probe], capture_output=True, text=True, timeout=30)
+    server.wait(timeout=30)
+    assert seen.returncode == 0, seen.stderr
+    assert seen.stdout.split() == ["node2", "10.213.0.2", "node1"]
+    # Each node has its own /dev/shm, as separate machines do (DeepSpeed's shm ops name segments per local rank).
+    node1.run(["sh", "-c", "touch /dev/shm/shardtrain-probe"], check=True)
+    assert node2.run(["test", "-e", "/dev/shm/shardtrain-probe"]).returncode == 1
+    # The machine's own namespace has no address of the nodes' subnet, and its /etc/hosts is untouched.
+    assert hosts_module.SUBNET not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
+    assert "node1" not in open("/etc/hosts").read()
+
+
+def test_teardown_removes_everything_and_a_leftover_is_named(namespace_hosts, tmp_path):
+    hosts = namespace_hosts(2)
+    names = [n.netns for n in hosts.nodes] + [hosts.switch]
+    sleeper = hosts["node2"].popen(["sleep", "600"])
+    hosts.teardown()
+    assert sleeper.wait(timeout=10) == -9
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(name in listed for name in names)
+
+    stale = f"{hosts_module.PREFIX}-stale-node1"  # as a run killed before its teardown would leave it
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        try:
+            hosts_module.Hosts(2, tag="after").__enter__()
+            raise AssertionError("a leftover namespace did not stop the next start")
+        except RuntimeError as e:
+            assert f"network namespace {stale}" in str(e)
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], check=True)
