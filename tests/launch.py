@@ -135,6 +135,49 @@ def run_plan(plan: list[dict], root: Path, timeout: float, tail: int = 40) -> tu
     return run, results
 
 
+def torchrun_nodes_cmd(args: list[str], nproc: int = 1, nnodes: str = "2", endpoint: str = "node1:29400",
+                       extra_launcher_args: list[str] = (), script: Path = MAIN) -> list[str]:
+    """One node's torchrun of a multi-node job, joined through c10d rendezvous at `endpoint` (run it on each
+    node of tests/hosts.py's namespace hosts: node.wrap(cmd))."""
+    return [str(BIN / "torchrun"), f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={endpoint}", *extra_launcher_args, str(script), *args]
+
+
+def run_together(cmds: list[list[str]], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
+                 check: bool = True) -> list[Run]:
+    """Start every command at once (one per node), wait for all; on a timeout every one is killed and the test
+    fails with each one's tail. Runs come back in the order given."""
+    import tempfile
+    import time
+
+    logs = [tempfile.TemporaryFile("w+") for _ in cmds]
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env or test_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+             for cmd, log in zip(cmds, logs)]
+    deadline = time.monotonic() + timeout
+    try:
+        for proc in procs:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        timed_out = [p.poll() is None for p in procs]
+        for proc in procs:
+            kill_tree(proc.pid)
+            proc.wait()
+    runs = []
+    for cmd, proc, log in zip(cmds, procs, logs):
+        log.seek(0)
+        runs.append(Run(cmd, proc.returncode, log.read(), _output_dir(cmd)))
+        log.close()
+    if any(timed_out):
+        tails = "\n".join(f"--- {' '.join(r.cmd[-6:])}\n{r.tail(30)}" for r in runs)
+        raise AssertionError(f"timed out after {timeout}s (a hang?)\n{tails}")
+    if check:
+        for r in runs:
+            r.check()
+    return runs
+
+
 def torchrun_background(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None,
                         extra_launcher_args: list[str] = ()) -> subprocess.Popen:
     """A torchrun launch the test signals or kills while it runs. The agent is proc.pid; torchrun starts each

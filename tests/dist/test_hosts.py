@@ -51,3 +51,21 @@ def test_teardown_removes_everything_and_a_leftover_is_named(namespace_hosts, tm
             assert f"network namespace {stale}" in str(e)
     finally:
         subprocess.run(["ip", "netns", "del", stale], check=True)
+
+
+def test_torchrun_rendezvous_across_two_nodes(namespace_hosts):
+    """The launch helpers' multi-node form: one torchrun per node, c10d rendezvous at node1."""
+    from launch import run_together, torchrun_nodes_cmd
+    hosts = namespace_hosts(2)
+    probe = hosts.dir / "probe.py"
+    probe.write_text("import os, socket, torch.distributed as dist\n"
+                     "dist.init_process_group('gloo')\n"
+                     "names = [None] * dist.get_world_size()\n"
+                     "dist.all_gather_object(names, socket.gethostname())\n"
+                     "print('hosts', dist.get_rank(), ','.join(names))\n"
+                     "dist.destroy_process_group()\n")
+    runs = run_together([node.wrap(torchrun_nodes_cmd([], nproc=1, script=probe)) for node in hosts.nodes],
+                        timeout=120)
+    seen = [next(line.split()[1:] for line in r.output.splitlines() if line.startswith("hosts ")) for r in runs]
+    assert sorted(rank for rank, _ in seen) == ["0", "1"]
+    assert all(sorted(names.split(",")) == ["node1", "node2"] for _, names in seen), seen
