@@ -134,6 +134,16 @@ class Hosts:
     def __exit__(self, *exc) -> None:
         self.teardown()
 
+    def run_on_script(self) -> Path:
+        """An executable `run-on NODE CMD...` that runs CMD on that node (Node.wrap): how a shell script starts
+        things on these hosts (slurm/local-cluster/start.sh --run-on). It lives, and goes, with the hosts."""
+        path = self.dir / "run-on"
+        cases = "".join(f'    {n.name}) exec {shlex.join(n.wrap([]))} "$@" ;;\n' for n in self.nodes)
+        path.write_text(f'#!/bin/sh\n# run-on NODE CMD...\nnode=$1; shift\ncase "$node" in\n{cases}'
+                        f'    *) echo "run-on: no host $node" >&2; exit 2 ;;\nesac\n')
+        path.chmod(0o755)
+        return path
+
     def _build(self) -> None:
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
