@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from launch import tiny_args, torchrun
-from local_slurm import PACKAGES_UNAVAILABLE, START, STOP, running_daemons
+from local_slurm import PACKAGES_UNAVAILABLE, START, STOP
 from test_slurm import JOB_TIMEOUT, check_banner, job_env, losses, submit, summary
 
 pytestmark = pytest.mark.slurm
@@ -33,9 +33,22 @@ PER_HOST = ("--nodes=2", "--ntasks-per-node=1", "--gres=gpu:a100:1")
 
 @dataclass
 class HostsCluster:
-    conf: str
+    hosts: object  # tests/hosts.py's Hosts
+    state: Path    # start.sh's STATE_DIR
     client: tuple  # runs a Slurm client on the controller's host
     env: dict      # what sbatch exports to the jobs
+
+    def daemons(self) -> dict[str, int]:
+        """munged, slurmctld, slurmd-node1, ... -> pid, from the pid files start.sh and the daemons write."""
+        return {f.stem: int(f.read_text().strip()) for f in (self.state / "run").glob("*.pid")}
+
+
+def alive(pid: int) -> bool:
+    """Not a zombie: a stopped daemon may wait a while for pid 1 to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
 
 
 @pytest.fixture
@@ -55,12 +68,15 @@ def slurm_hosts(namespace_hosts):
         if start.returncode == PACKAGES_UNAVAILABLE:
             pytest.skip(f"Slurm unavailable (start.sh exit 3): {start.stderr.strip()[-300:]}")
         assert start.returncode == 0, f"start.sh --hosts failed ({start.returncode}):\n{start.stdout}\n{start.stderr}"
-        yield HostsCluster(f"{state}/slurm.conf", (str(run_on), CONTROLLER), job_env(f"{state}/slurm.conf"))
+        cluster = HostsCluster(hosts, Path(state), (str(run_on), CONTROLLER), job_env(f"{state}/slurm.conf"))
+        started = cluster.daemons()
+        yield cluster
     finally:
-        subprocess.run(["bash", str(STOP), state], capture_output=True, timeout=120)
-        left = running_daemons(state)
+        stop = subprocess.run(["bash", str(STOP), state], capture_output=True, text=True, timeout=120)
         shutil.rmtree(state, ignore_errors=True)
-        assert not left, f"stop.sh left {left} running"
+    # munged runs outside the namespaces: their teardown would not end it.
+    left = {name: pid for name, pid in started.items() if alive(pid)}
+    assert not left, f"stop.sh left {left} running:\n{stop.stdout}{stop.stderr}"
 
 
 def hosts_in_banner(log: str) -> list[list[str]]:
@@ -75,6 +91,13 @@ def hosts_in_banner(log: str) -> list[list[str]]:
 def test_multinode_sbatch_across_two_hosts(slurm_hosts, mm_data, tmp_path):
     """Two hosts, one rank each: the script's MASTER_ADDR (the first host's name) works from both, and the
     ranks know which host they are on (banner, summary, and the GPU guard's reading of that table)."""
+    # Each daemon where it belongs: a slurmd in each compute host's namespace, slurmctld in node3's, munged here.
+    hosts = slurm_hosts.hosts
+    where = {name: subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True,
+                                  check=True).stdout.strip() for name, pid in slurm_hosts.daemons().items()}
+    assert where == {"munged": "", "slurmctld": hosts[CONTROLLER].netns,
+                     **{f"slurmd-{n}": hosts[n].netns for n in COMPUTE}}, where
+
     out = tmp_path / "out"
     job, rc = submit("train_multinode.sbatch", tmp_path, slurm_hosts.env, {
         "CONFIG": "configs/multimodal_tiny.yaml", "DEVICE": "cpu", "PRECISION": "fp32", "DATA_DIR": mm_data,
