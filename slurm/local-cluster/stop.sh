@@ -89,7 +89,7 @@ done
 for envf in /proc/[0-9]*/environ; do
     p="${envf#/proc/}"; p="${p%/environ}"
     [[ "$(cat "/proc/$p/comm" 2>/dev/null)" == slurmstepd ]] || continue
-    if tr '\0' '\n' <"$envf" 2>/dev/null | grep -qxF "SHARDTRAIN_SLURM_STATE=$STATE_DIR"; then
+    if tr '\0' '\n' 2>/dev/null <"$envf" | grep -qxF "SHARDTRAIN_SLURM_STATE=$STATE_DIR"; then
         kill -KILL "$p" 2>/dev/null || true
     fi
 done
