@@ -40,13 +40,29 @@ def unavailable() -> str | None:
     return None
 
 
+def _owner_alive(netns: str) -> bool:
+    """Whether the process that built `netns` (its name carries that pid) still runs: then the namespace is in
+    use by a concurrent test session on this machine, not left over."""
+    pid = netns[len(PREFIX) + 1:].split("-")[0]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def leftovers(mine: str | None = None) -> list[str]:
     """Namespaces and links of these tests that still exist; `mine`: a name part of this process's own hosts,
-    which are not leftovers."""
+    which are not leftovers, and neither are those of another live test process."""
     found = []
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     found += [f"network namespace {line.split()[0]}" for line in netns
-              if line.startswith(PREFIX) and not (mine and line.startswith(f"{PREFIX}-{mine}-"))]
+              if line.startswith(PREFIX) and not (mine and line.startswith(f"{PREFIX}-{mine}-"))
+              and not (mine and _owner_alive(line.split()[0]))]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()
     found += [f"link {line.split(':')[1].strip().split('@')[0]}" for line in links
               if len(line.split(":")) > 1 and line.split(":")[1].strip().startswith(("st-", PREFIX))]
@@ -117,6 +133,16 @@ class Hosts:
 
     def __exit__(self, *exc) -> None:
         self.teardown()
+
+    def run_on_script(self) -> Path:
+        """An executable `run-on NODE CMD...` that runs CMD on that node (Node.wrap): how a shell script starts
+        things on these hosts (slurm/local-cluster/start.sh --run-on). It lives, and goes, with the hosts."""
+        path = self.dir / "run-on"
+        cases = "".join(f'    {n.name}) exec {shlex.join(n.wrap([]))} "$@" ;;\n' for n in self.nodes)
+        path.write_text(f'#!/bin/sh\n# run-on NODE CMD...\nnode=$1; shift\ncase "$node" in\n{cases}'
+                        f'    *) echo "run-on: no host $node" >&2; exit 2 ;;\nesac\n')
+        path.chmod(0o755)
+        return path
 
     def _build(self) -> None:
         _ip("netns", "add", self.switch)

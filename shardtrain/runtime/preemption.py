@@ -26,7 +26,7 @@ def requeue_if_slurm(log=print) -> bool:
     if job is None:
         return False
     try:
-        proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        proc = _run_through_sigterm(["scontrol", "requeue", job])
     except (OSError, subprocess.SubprocessError) as e:
         log(f"[shardtrain] warning: could not requeue Slurm job {job}: {e}")
         return False
@@ -36,6 +36,22 @@ def requeue_if_slurm(log=print) -> bool:
         return False
     log(f"requeued Slurm job {job}; it resumes from the checkpoint (--resume auto)")
     return True
+
+
+def _run_through_sigterm(cmd: list[str]) -> subprocess.CompletedProcess:
+    """`cmd` with SIGTERM ignored, which the child inherits through exec. An accepted requeue makes Slurm
+    SIGTERM every process of the job at once, scontrol among them: across hosts it often died of that (-15)
+    before it could exit 0, and a requeue that worked was reported as failed. Slurm's SIGKILL after KillWait
+    still ends everything. Our own StopFlag is put back afterwards; this process is stopping already."""
+    try:
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signal dispositions cannot be changed here
+        previous = None
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)

@@ -69,3 +69,23 @@ def test_torchrun_rendezvous_across_two_nodes(namespace_hosts):
     seen = [next(line.split()[1:] for line in r.output.splitlines() if line.startswith("hosts ")) for r in runs]
     assert sorted(rank for rank, _ in seen) == ["0", "1"]
     assert all(sorted(names.split(",")) == ["node1", "node2"] for _, names in seen), seen
+
+
+def test_hosts_of_a_live_test_process_are_not_leftovers(namespace_hosts):
+    """Namespaces of another test session still running on this machine (its pid is in their names) are in use,
+    not left over: they must not stop this session's start. Once that process is gone, they are leftovers."""
+    other = subprocess.Popen(["sleep", "60"])
+    busy = f"{hosts_module.PREFIX}-{other.pid}-0-node1"
+    subprocess.run(["ip", "netns", "add", busy], check=True)
+    try:
+        namespace_hosts(2)  # starts beside the busy namespace
+        other.kill()
+        other.wait()
+        try:
+            hosts_module.Hosts(2, tag="after").__enter__()
+            raise AssertionError("a leftover namespace of a dead process did not stop the next start")
+        except RuntimeError as e:
+            assert f"network namespace {busy}" in str(e)
+    finally:
+        other.kill()
+        subprocess.run(["ip", "netns", "del", busy], check=True)

@@ -30,7 +30,12 @@ COMMON = "--resume none --report false"
 
 @pytest.fixture(scope="module")
 def slurm_env(local_slurm) -> dict:
-    env = launch.test_env(SLURM_CONF=local_slurm.conf)
+    return job_env(local_slurm.conf)
+
+
+def job_env(slurm_conf: str) -> dict:
+    """The environment sbatch exports to the jobs of the cluster configured by `slurm_conf`."""
+    env = launch.test_env(SLURM_CONF=slurm_conf)
     # The jobs' `python` is this interpreter: through the scripts' site block (SHARDTRAIN_VENV) when it
     # lives in a venv, and through PATH in any case.
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
@@ -43,8 +48,10 @@ def slurm_env(local_slurm) -> dict:
 
 
 class Job:
-    def __init__(self, job_id: str, cwd: Path, env: dict):
-        self.id, self.cwd, self.env = job_id, cwd, env
+    def __init__(self, job_id: str, cwd: Path, env: dict, client: tuple = ()):
+        # client: the prefix that runs a Slurm command where slurmctld can be reached (a host of the cluster
+        # across hosts, tests/dist/test_slurm_multi_host.py); none for the local single-node cluster.
+        self.id, self.cwd, self.env, self.client = job_id, cwd, env, tuple(client)
 
     @property
     def out(self) -> str:
@@ -59,12 +66,12 @@ class Job:
 
     def listed(self) -> bool:
         """Still known to Slurm (pending, running, requeued, completing)."""
-        q = subprocess.run(["squeue", "-h", "-j", self.id, "-o", "%T"], capture_output=True, text=True,
+        q = subprocess.run([*self.client, "squeue", "-h", "-j", self.id, "-o", "%T"], capture_output=True, text=True,
                            env=self.env, timeout=30)
         return q.returncode == 0 and bool(q.stdout.strip())
 
     def cancel(self) -> None:
-        subprocess.run(["scancel", self.id], env=self.env, capture_output=True, timeout=30)
+        subprocess.run([*self.client, "scancel", self.id], env=self.env, capture_output=True, timeout=30)
 
 
 def _read(path: Path) -> str:
@@ -72,14 +79,14 @@ def _read(path: Path) -> str:
 
 
 def submit(script: str, cwd: Path, env: dict, overrides: dict, sbatch_args: tuple = (),
-           wait: bool = True) -> tuple[Job, int]:
+           wait: bool = True, client: tuple = ()) -> tuple[Job, int]:
     """`sbatch [--wait] slurm/<script>` from `cwd` (where the %j logs go), the script itself untouched."""
     job_env = {**env, **{k: str(v) for k, v in overrides.items()}}
-    cmd = ["sbatch", "--parsable", *(["--wait"] if wait else []), *sbatch_args, str(REPO / "slurm" / script)]
+    cmd = [*client, "sbatch", "--parsable", *(["--wait"] if wait else []), *sbatch_args, str(REPO / "slurm" / script)]
     proc = subprocess.Popen(cmd, cwd=cwd, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     first = proc.stdout.readline().strip()  # --parsable: "<id>" or "<id>;<cluster>", printed at submission
     assert re.match(r"^\d+", first), f"sbatch did not submit: {first}\n{proc.stderr.read()}"
-    job = Job(first.split(";")[0], cwd, env)
+    job = Job(first.split(";")[0], cwd, env, client)
     try:
         rc = proc.wait(timeout=JOB_TIMEOUT)
     except subprocess.TimeoutExpired:

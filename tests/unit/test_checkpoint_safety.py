@@ -14,7 +14,7 @@ from shardtrain.checkpointing import store as checkpoint
 from shardtrain.checkpointing.dcp_state import check_model_fits
 from shardtrain.checkpointing.unpickle_guard import UnsafeCheckpoint, check_dcp_metadata, check_torch_file
 from shardtrain.config.settings import Config, ConfigError
-from shardtrain.runtime.preemption import slurm_job_to_requeue
+from shardtrain.runtime.preemption import requeue_if_slurm, slurm_job_to_requeue
 
 
 class Evil:
@@ -94,3 +94,18 @@ def test_slurm_requeue_id():
     assert slurm_job_to_requeue({"SLURM_JOB_ID": "813", "SLURM_ARRAY_JOB_ID": "800",
                                  "SLURM_ARRAY_TASK_ID": "13"}) == "800_13"
     assert slurm_job_to_requeue({}) is None
+
+
+def test_slurm_requeue_survives_the_sigterm_it_causes(tmp_path, monkeypatch):
+    """An accepted `scontrol requeue` makes Slurm SIGTERM the whole job, scontrol included, often before it
+    exits: the requeue worked and must be reported so, not as a failure with "resubmit the job"."""
+    fake = tmp_path / "scontrol"
+    fake.write_text('#!/bin/sh\nkill -TERM $$\necho "requeue $2" >> "$0.log"\n')  # as Slurm's kill arrives first
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "814")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    lines = []
+    assert requeue_if_slurm(lines.append) is True, lines
+    assert lines == ["requeued Slurm job 814; it resumes from the checkpoint (--resume auto)"]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 814\n"
