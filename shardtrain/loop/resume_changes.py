@@ -48,6 +48,6 @@ def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeCha
         effect = (f"global batch {before} -> {after} samples per step" if before != after
                   else f"global batch unchanged at {after}")
         if saved_world != world_size:
-            effect += " (the data position carries over as the fraction of the epoch seen)"
+            effect += " (the data position carries over exactly: the epoch's samples seen by all ranks)"
         changes.append(f"{', '.join(geometry)}: {effect}")
     return ResumeChanges(changes, schedule_changed)
