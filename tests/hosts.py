@@ -40,13 +40,29 @@ def unavailable() -> str | None:
     return None
 
 
+def _in_use(name: str) -> bool:
+    """Whether the test process that made namespace `name` (PREFIX-<its pid>-...) still runs: another test
+    session's hosts, used at the same time, are not leftovers."""
+    pid = name[len(PREFIX) + 1:].split("-", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
 def leftovers(mine: str | None = None) -> list[str]:
     """Namespaces and links of these tests that still exist; `mine`: a name part of this process's own hosts,
-    which are not leftovers."""
+    which are not leftovers (nor are those of another test process still running)."""
     found = []
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     found += [f"network namespace {line.split()[0]}" for line in netns
-              if line.startswith(PREFIX) and not (mine and line.startswith(f"{PREFIX}-{mine}-"))]
+              if line.startswith(PREFIX) and not (mine and line.startswith(f"{PREFIX}-{mine}-"))
+              and not _in_use(line.split()[0])]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()
     found += [f"link {line.split(':')[1].strip().split('@')[0]}" for line in links
               if len(line.split(":")) > 1 and line.split(":")[1].strip().startswith(("st-", PREFIX))]
