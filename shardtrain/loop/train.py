@@ -196,6 +196,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 loss_sum += loss.detach()
         mem.mark("after_backward")
         faults.mid_step(step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT): kill or stall; a no-op otherwise
+        faults.hold(stop)  # test-only (SHARDTRAIN_FAULT_HOLD); a no-op otherwise
 
         # The one collective (and host sync) per optimizer step: the mean loss, the gradient norm (from each
         # rank's share; the strategy clips with it), and whether any rank saw a non-finite loss, ran out of
