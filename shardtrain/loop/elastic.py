@@ -63,7 +63,7 @@ def membership(state: dict, cfg: Config, world: int, hosts: list[str]) -> Member
     actual = t.per_device_batch_size * t.grad_accum * world
     if actual != target:
         ours.inexact = (f"the global batch {target} cannot be kept at world size {world}: it is {actual} "
-                          f"(micro-batch {t.per_device_batch_size} x accum {t.grad_accum} x {world} ranks) "
+                        f"(micro-batch {t.per_device_batch_size} x accum {t.grad_accum} x {world} ranks) "
                         f"until a world size that divides {target}")
     if saved_world != world:
         step = int(state["step"])

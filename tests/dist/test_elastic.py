@@ -84,6 +84,7 @@ def test_a_lost_node_rejoins_and_the_job_ends_at_max_steps(namespace_hosts, mm_d
 
     node1 = logs["node1"].read_text()
     assert "resumed from" in node1 and "world size 2 -> 1 at step" in node1, node1[-3000:]
+    assert f"global batch {GLOBAL_BATCH} kept as micro-batch 4 x accum 2 x 1 ranks" in node1, node1[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     changes = summary["membership"]
     assert [(c["world_size_before"], c["world_size_after"]) for c in changes] == [(2, 1), (1, 2)], changes
