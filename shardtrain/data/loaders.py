@@ -7,6 +7,14 @@ number of steps per epoch and no collective waits on a rank that ran out.
 The position is kept in *samples consumed by this rank within the epoch*, not in batches, so the micro-batch
 size can change mid-epoch (OOM recovery halves it) and a resume still continues at the exact next sample.
 Resuming skips by slicing the sampler's index list: no batch is loaded just to be thrown away.
+
+The world size may change at a resume (an elastic job lost or regained a node). The epoch's permutation does
+not depend on it (DistributedSampler seeds one permutation of the whole set by seed + epoch and gives rank r
+its elements r, r+W, r+2W...), so after k samples per rank the samples seen by all ranks are exactly the
+permutation's first k*W. The checkpoint keeps that global position; at any world size W' the rest of the
+epoch is the permutation from there, strided over the W' ranks and cut, as drop_last cuts, to the same count
+on every rank. Within an epoch no sample is then seen twice or skipped, except the permutation's last few
+that every epoch leaves out: fewer than W' (drop_last) plus what does not fill a whole micro-batch per rank.
 """
 from __future__ import annotations
 
@@ -62,11 +70,14 @@ class TrainStream:
                  seed: int, loader_kwargs: dict):
         self.dataset, self.collate, self.loader_kwargs = dataset, collate, loader_kwargs
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=True,
-                                          seed=seed, drop_last=True)
-        self.samples_per_rank = len(self.sampler)  # same on every rank (drop_last)
+        # The whole epoch's permutation, the same at every world size: DistributedSampler's own, taken with one
+        # replica; this rank's share is strided out of it (at the epoch's start, exactly what
+        # DistributedSampler(num_replicas=world_size, rank=rank, drop_last=True) gives).
+        self.order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
+        self.samples_per_rank = len(dataset) // world_size  # a whole epoch's share, same on every rank (drop_last)
         self.epoch = 0
-        self.samples_in_epoch = 0
+        self.epoch_start = 0      # the permutation's samples seen before this world size took the epoch over
+        self.samples_in_epoch = 0  # this rank's samples since epoch_start
         self._positions = _Positions()
         self._iter: Optional[Iterator] = None
         self.micro_batch_size = 0
@@ -90,10 +101,20 @@ class TrainStream:
         self._loader = DataLoader(self.dataset, batch_size=n, sampler=self._positions, drop_last=True,
                                   collate_fn=self.collate, **self.loader_kwargs)
 
-    def _start(self) -> None:
+    @property
+    def _share(self) -> int:
+        """This rank's samples in the rest of the epoch from epoch_start (the same on every rank)."""
+        return (len(self.dataset) - self.epoch_start) // self.world_size
+
+    def epoch_indices(self) -> list[int]:
+        """This rank's samples from epoch_start to the epoch's end."""
         # Same permutation as an uninterrupted run: DistributedSampler seeds with seed + epoch.
-        self.sampler.set_epoch(self.epoch)
-        self._positions.indices = list(self.sampler)[self.samples_in_epoch:]
+        self.order.set_epoch(self.epoch)
+        end = self.epoch_start + self._share * self.world_size
+        return list(self.order)[self.epoch_start + self.rank:end:self.world_size]
+
+    def _start(self) -> None:
+        self._positions.indices = self.epoch_indices()[self.samples_in_epoch:]
         self._iter = iter(self._loader)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
@@ -112,9 +133,9 @@ class TrainStream:
     def _roll_over(self) -> None:
         # Move to the next epoch as soon as no whole batch is left (the tail is dropped), so a checkpoint
         # taken here reads (epoch + 1, 0) rather than "the end of epoch".
-        if self.samples_per_rank - self.samples_in_epoch < self.micro_batch_size:
+        if self._share - self.samples_in_epoch < self.micro_batch_size:
             self.epoch += 1
-            self.samples_in_epoch = 0
+            self.epoch_start = self.samples_in_epoch = 0
             self._iter = None
 
     def checkpoint_state(self) -> dict:
@@ -122,23 +143,27 @@ class TrainStream:
         return self.state_dict()
 
     def state_dict(self) -> dict:
+        """`global_samples_in_epoch`: the epoch's permutation seen by all ranks, what a resume at any world size
+        continues from; `samples_in_epoch` / `batch_in_epoch`: this rank's since the world size last changed."""
         return {"epoch": self.epoch, "batch_in_epoch": self.samples_in_epoch // self.micro_batch_size,
                 "samples_in_epoch": self.samples_in_epoch, "micro_batch_size": self.micro_batch_size,
-                "world_size": self.world_size}
+                "world_size": self.world_size,
+                "global_samples_in_epoch": self.epoch_start + self.samples_in_epoch * self.world_size}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("streaming"):
             raise ConfigError(f"the checkpoint was saved with {where('streaming')} on; resume with it on")
         self.epoch = int(state["epoch"])
-        samples = state.get("samples_in_epoch")
-        if samples is None:  # a (epoch, batch_in_epoch)-only state: batches of the size it was saved with
-            samples = int(state["batch_in_epoch"]) * int(state.get("micro_batch_size", self.micro_batch_size))
-        old_world = int(state.get("world_size", self.world_size))
-        if old_world != self.world_size:
-            # Different rank count: the strided split differs, so only the global count of samples seen
-            # carries over. Best effort: same epoch, same fraction of it; exactness needs the same world size.
-            samples = samples * old_world // self.world_size
-        self.samples_in_epoch = min(int(samples), self.samples_per_rank)
+        seen = state.get("global_samples_in_epoch")
+        if seen is None:  # saved before the global position was kept
+            samples = state.get("samples_in_epoch")
+            if samples is None:  # a (epoch, batch_in_epoch)-only state: batches of the size it was saved with
+                samples = int(state["batch_in_epoch"]) * int(state.get("micro_batch_size", self.micro_batch_size))
+            # Those streams always strided the permutation from the epoch's start over the ranks they had, so
+            # samples per rank x their world size is the global position too, exactly.
+            seen = int(samples) * int(state.get("world_size", self.world_size))
+        # Continuing from the global position is the same at the saved world size and exact at any other.
+        self.epoch_start, self.samples_in_epoch = min(int(seen), len(self.dataset)), 0
         self._iter = None
         self._roll_over()
 

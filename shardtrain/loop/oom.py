@@ -25,12 +25,24 @@ import torch
 from shardtrain.config.settings import where
 
 
-def smaller_micro_batch(micro: int) -> int | None:
-    """The largest micro-batch below `micro` that divides it (half, when even): the global batch stays whole."""
-    for d in range(micro // 2, 0, -1):
-        if micro % d == 0:
+def largest_divisor_at_most(n: int, limit: int) -> int | None:
+    """The largest micro-batch up to `limit` that splits `n` samples into whole micro-batches."""
+    for d in range(min(n, limit), 0, -1):
+        if n % d == 0:
             return d
     return None
+
+
+def smaller_micro_batch(micro: int) -> int | None:
+    """The largest micro-batch below `micro` that divides it (half, when even): the global batch stays whole."""
+    return largest_divisor_at_most(micro, micro // 2)
+
+
+def geometry_for(samples_per_rank: int, max_micro: int) -> tuple[int, int]:
+    """(micro-batch, accumulation) taking `samples_per_rank` per optimizer step with a micro-batch no larger than
+    `max_micro` (what is known to fit): the largest one that divides it, as OOM recovery picks (elastic resumes)."""
+    micro = largest_divisor_at_most(samples_per_rank, max_micro)
+    return micro, samples_per_rank // micro
 
 
 class OOMRecovery:

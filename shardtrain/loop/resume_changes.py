@@ -37,17 +37,22 @@ def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeCha
                        f"{step + 1}, where the saved run's would be {old.lr * lr_lambda(old)(step):.2e}")
 
     saved_world = int(saved_state.get("world_size", world_size))
-    geometry = [f"{flag_of(k)} {saved[k]} -> {getattr(t, k)}" for k in GEOMETRY
-                if k in saved and saved[k] != getattr(t, k)]
-    if saved_world != world_size:
+    # The flags the saved run was given: an elastic resume ran with another geometry to keep its global batch.
+    elastic = saved_state.get("elastic") or {}
+    flags = elastic.get("configured") or saved
+    geometry = [f"{flag_of(k)} {flags[k]} -> {getattr(t, k)}" for k in GEOMETRY
+                if k in flags and flags[k] != getattr(t, k)]
+    # A world size change alone keeps the global batch (shardtrain/loop/elastic.py says so); with changed flags
+    # the flags set the new one.
+    if geometry and saved_world != world_size:
         geometry.append(f"world size {saved_world} -> {world_size}")
     if geometry:
-        before = (saved.get("per_device_batch_size", t.per_device_batch_size) *
-                  saved.get("grad_accum", t.grad_accum) * saved_world)
+        before = elastic.get("global_batch_size") or (flags.get("per_device_batch_size", t.per_device_batch_size) *
+                                                      flags.get("grad_accum", t.grad_accum) * saved_world)
         after = t.per_device_batch_size * t.grad_accum * world_size
         effect = (f"global batch {before} -> {after} samples per step" if before != after
                   else f"global batch unchanged at {after}")
         if saved_world != world_size:
-            effect += " (the data position carries over as the fraction of the epoch seen)"
+            effect += " (the data position carries over exactly: the epoch's samples seen by all ranks)"
         changes.append(f"{', '.join(geometry)}: {effect}")
     return ResumeChanges(changes, schedule_changed)

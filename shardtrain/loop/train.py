@@ -17,6 +17,7 @@ from shardtrain.checkpointing.final_model import final_model_folder, write_final
 from shardtrain.config.settings import Config, is_builtin_workload
 from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.data.sources import check_resumed_labels
+from shardtrain.loop.elastic import membership
 from shardtrain.loop.oom import OOMRecovery
 from shardtrain.loop.resume_changes import resume_changes
 from shardtrain.loop.step_health import BadStepPolicy, agree
@@ -56,6 +57,11 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                      f"{cfg.train.max_steps}; summary.json and the checkpoints are left as they were "
                      f"(a larger --max-steps trains on)")
         return {"final_step": state["step"], "nothing_to_train": True}
+
+    # ---- the batch geometry, before anything is built from it: what the flags change against the checkpoint's,
+    # then the world size. An elastic job resumed at another world size keeps its global batch (loop/elastic.py).
+    changed = resume_changes(state, cfg, dist_info.world_size) if state else None
+    members = membership(state, cfg, dist_info.world_size, [r["host"] for r in rank_table])
 
     # ---- strategy first: a bad DeepSpeed JSON or FSDP policy fails before any data or model work.
     # `--strategy auto` becomes a concrete strategy, batch geometry and checkpointing choice here.
@@ -98,7 +104,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     strategy.hold_frozen_norms(frozen)  # frozen BatchNorm keeps its running statistics until unfrozen
 
     # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
-    step, changed = 0, None
+    step = 0
     unfreeze_at = cfg.model.unfreeze_at_step
     if resume_dir is not None:
         if frozen and unfreeze_at is not None and state["step"] > unfreeze_at:
@@ -110,11 +116,14 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         checkpoint.load_rng(resume_dir / "rng", dist_info.rank)
         step = state["step"]
         console.info(f"resumed from {resume_dir} at step {step}")
-        changed = resume_changes(state, cfg, dist_info.world_size)
         if changed.schedule_changed:
             strategy.follow_configured_schedule()
         if changed.changes and dist_info.is_rank0:
             console.warn(changed.line(step))
+        if members.line:
+            console.info(members.line)
+    if members.inexact and dist_info.is_rank0:
+        console.warn(members.inexact)
     last_saved = step if resumed_here else None  # nothing new to save at a checkpoint of this output dir
     save_seconds: list[float] = []
 
@@ -147,7 +156,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
             console.info(f"--skip-bad-samples: skipped {len(skipped(ds))} bad {split} records, "
                          f"e.g. {skipped(ds)[0]} (shardtrain check-data lists them all)")
     # Prints the banner, opens the W&B run (continuing the checkpoint's one), starts the progress display.
-    tracker = Tracker(cfg, dist_info, console, out, step, run_info, state, model_factory)
+    tracker = Tracker(cfg, dist_info, console, out, step, run_info, state, model_factory, members.state(),
+                      members.change)
 
     # ---- the loop
     throughput = Throughput()
@@ -186,6 +196,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 loss_sum += loss.detach()
         mem.mark("after_backward")
         faults.mid_step(step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT): kill or stall; a no-op otherwise
+        faults.hold(stop)  # test-only (SHARDTRAIN_FAULT_HOLD); a no-op otherwise
 
         # The one collective (and host sync) per optimizer step: the mean loss, the gradient norm (from each
         # rank's share; the strategy clips with it), and whether any rank saw a non-finite loss, ran out of
@@ -238,7 +249,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                "memory": {**mem.summary(), "construction": built.per_rank,
                           "predicted": measured_shape_prediction(cfg, world, vocab_size, mem.last)
                           if predictable else {}},
-               "oom_recovery": oom.summary()}
+               "oom_recovery": oom.summary(), "membership": members.changes}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step, summary["memory"]["predicted"]))
     final_model = None

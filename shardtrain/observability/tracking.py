@@ -131,7 +131,10 @@ class Tracker:
     """Everything the loop reports, behind three calls. Rank 0 does the work; other ranks only count."""
 
     def __init__(self, cfg, dist_info, console: Console, output_dir: Path, resume_step: int, run_info: dict,
-                 resume_state: dict | None = None, model_factory=None):
+                 resume_state: dict | None = None, model_factory=None, elastic: dict | None = None,
+                 membership_change: dict | None = None):
+        """`elastic`: the batch and membership state the checkpoint carries (shardtrain/loop/elastic.py);
+        `membership_change`: this start's change of world size, which the first metrics.jsonl record carries."""
         from shardtrain.observability.banner import format_banner
         from shardtrain.observability.progress import Progress
         from shardtrain.observability.wandb_run import WandbRun
@@ -140,6 +143,7 @@ class Tracker:
         self.rank0 = dist_info.is_rank0
         self.run_info = run_info
         self.model_factory = model_factory
+        self.elastic, self.membership_change = elastic, membership_change
         self.flops_per_sample: float | None = None
         self.peak_flops: float | None = None
         self.metrics = MetricsLog(output_dir, dist_info.rank, resume_step)
@@ -158,8 +162,9 @@ class Tracker:
             console.progress = self.progress
 
     def checkpoint_state(self) -> dict:
-        """Merged into the checkpoint's trainer_state: a resumed job continues the same W&B run."""
-        return {"wandb_run_id": self.wandb.run_id}
+        """Merged into the checkpoint's trainer_state: a resumed job continues the same W&B run, and its final
+        summary lists every membership change."""
+        return {"wandb_run_id": self.wandb.run_id, **({"elastic": self.elastic} if self.elastic else {})}
 
     def step(self, record: dict, batch: dict) -> None:
         """Once per optimizer step, after the step's one host sync: only host arithmetic and rank-0 I/O."""
@@ -175,6 +180,8 @@ class Tracker:
         mfu = self._mfu(record, batch)
         if mfu is not None:
             record["mfu"] = mfu
+        if self.membership_change:  # the first step at a new world size
+            record["membership"], self.membership_change = self.membership_change, None
         self.metrics.write(record)
         self.progress.update(record, peak_memory_gb(self.dist.device))
         self.wandb.log(record["step"], self._wandb_values(record))

@@ -117,9 +117,13 @@ def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
     """torchrun keeps one rendezvous store for all restarts of its workers (--max-restarts). Keys that a
     killed attempt left there (gloo's peer addresses) can be read by the next attempt, which then waits to
     connect to a dead process until the timeout: measured here as a hang after a restart. A prefix per
-    attempt keeps every attempt's keys apart. None (torch's default) outside torchrun."""
+    attempt keeps every attempt's keys apart. None (torch's default) outside torchrun, and where the agent
+    does not share its store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, what elastic jobs need): then rank 0
+    starts a new store at a new port for every attempt, and the restart count, which each agent keeps for
+    itself, differs between a node that restarted and one that joined afresh (pytorch/pytorch#135712): a
+    prefix from it kept the two apart, and the job hung (tests/dist/test_elastic.py)."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None:
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world, timeout=timeout))
     store.set_timeout(timeout)

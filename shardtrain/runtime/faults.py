@@ -7,7 +7,9 @@ POINT is where rank RANK fails while working on optimizer step STEP (1-based):
     save    SIGKILL itself after writing its checkpoint shards, before COMMITTED (a torn save)
     enospc  its checkpoint write fails with "No space left on device" (a full disk, simulated)
     stall   sleeps 120 s after the step's backward (a slow step, for signals that must act within one)
-With SHARDTRAIN_FAULT_ONCE_DIR set, each fault fires once per job: it leaves a marker file there before
+SHARDTRAIN_FAULT_HOLD=PATH: while that file exists every step waits after its backward, until a stop signal
+ends the wait and removes the file (an elastic test holds a run at one world size until the agent restarts it
+for a node that joins). With SHARDTRAIN_FAULT_ONCE_DIR set, each fault fires once per job: it leaves a marker file there before
 killing, so one `torchrun --max-restarts N` launch can crash at several points in turn and prove that
 every restart resumes by itself (an extra restart, e.g. a slow rendezvous, does not shift the schedule).
 Unset (always, outside tests) it costs one set lookup per call.
@@ -62,6 +64,20 @@ def mid_step(step: int, rank: int) -> None:
     if armed("stall", step, rank):
         print(f"[fault injection] rank {rank}: stalling at stall@{step}", flush=True)
         time.sleep(120)  # signal handlers still run: the sleep is interrupted for them, then goes on
+
+
+def hold(stop) -> None:
+    """SHARDTRAIN_FAULT_HOLD: wait while the file exists and `stop` (the loop's StopFlag) is not raised."""
+    path = os.environ.get("SHARDTRAIN_FAULT_HOLD")
+    if not path or not os.path.exists(path):
+        return
+    while os.path.exists(path) and not stop.raised:
+        time.sleep(0.05)
+    if stop.raised:
+        try:
+            os.remove(path)  # the restarted workers run free
+        except FileNotFoundError:
+            pass
 
 
 def maybe_disk_full(step: int, rank: int) -> None:

@@ -152,9 +152,72 @@ def test_epochs_are_reshuffled_and_ranks_disjoint(mm_dir, mm_tok):
     e1 = [seq for _ in range(5) for seq in unpadded(s.next_batch())]
     assert s.state_dict()["epoch"] == 2 and e0 != e1
     ranks = [mm_setup(mm_dir, mm_tok, world_size=2, rank=r).train for r in (0, 1)]
-    for r in ranks:
-        r.sampler.set_epoch(0)
-    assert not set(ranks[0].sampler) & set(ranks[1].sampler)
+    assert not set(ranks[0].epoch_indices()) & set(ranks[1].epoch_indices())
+
+
+# The stream over sample ids alone (a list of ints, collated to a tensor): which samples each rank sees.
+def id_streams(n, world, micro=2, seed=3):
+    from shardtrain.data.loaders import TrainStream
+    return [TrainStream(list(range(n)), torch.tensor, micro, r, world, seed, {}) for r in range(world)]
+
+
+def take(streams, batches):
+    return [i for _ in range(batches) for s in streams for i in s.next_batch().tolist()]
+
+
+def test_an_epoch_starts_as_distributed_sampler_splits_it():
+    from torch.utils.data import DistributedSampler
+    for world in (1, 2, 3):
+        for epoch in (0, 1):
+            for r, s in enumerate(id_streams(41, world)):
+                s.epoch = epoch
+                ref = DistributedSampler(list(range(41)), num_replicas=world, rank=r, seed=3, drop_last=True)
+                ref.set_epoch(epoch)
+                assert s.epoch_indices() == list(ref)
+
+
+@pytest.mark.parametrize("new_world", [1, 2, 3])
+@pytest.mark.parametrize("old_format", [False, True])
+def test_resume_at_another_world_size_sees_every_sample_once(new_world, old_format):
+    """5 micro-batches of 2 at world size 2 (20 of 41 samples), then a resume at world size 1, 2 or 3 to the
+    epoch's end: every sample exactly once but the permutation's last few, fewer than new_world (drop_last)
+    plus new_world x (micro - 1) (whole micro-batches). A checkpoint from before the global position was kept
+    (old_format: per-rank samples and world size only) resumes as exactly."""
+    before = id_streams(41, 2)
+    seen = take(before, 5)
+    state = before[0].checkpoint_state()
+    assert state["global_samples_in_epoch"] == 20 and state["epoch"] == 0
+    if old_format:
+        state = {k: v for k, v in state.items() if k != "global_samples_in_epoch"}
+    after = id_streams(41, new_world)
+    for s in after:
+        s.load_state_dict(state)
+    while after[0].epoch == 0:
+        seen += take(after, 1)
+    assert len(seen) == len(set(seen))  # nothing twice
+    before[0].order.set_epoch(0)
+    perm = list(before[0].order)
+    assert sorted(seen) == sorted(perm[:len(seen)])  # nothing skipped: the permutation up to a tail
+    assert 41 - len(seen) < new_world + new_world * (2 - 1)
+    # The next epoch is a plain one at the new world size.
+    assert all(s.state_dict()["global_samples_in_epoch"] == 0 and s.epoch == 1 for s in after)
+    assert after[0].epoch_indices()[:2] == after[0].next_batch().tolist()
+
+
+def test_the_position_carries_over_twice():
+    """2 -> 1 -> 2 within one epoch, as an elastic job that loses a node and gets it back."""
+    two = id_streams(40, 2)
+    seen = take(two, 3)
+    one = id_streams(40, 1)
+    one[0].load_state_dict(two[0].checkpoint_state())
+    seen += take(one, 2)
+    assert one[0].checkpoint_state()["global_samples_in_epoch"] == 16  # the 24 left divide into whole batches
+    again = id_streams(40, 2)
+    for s in again:
+        s.load_state_dict(one[0].checkpoint_state())
+    while again[0].epoch == 0:
+        seen += take(again, 1)
+    assert sorted(seen) == list(range(40))
 
 
 def unpadded(batch):

@@ -35,7 +35,7 @@ def test_batch_geometry_and_world_size_give_the_global_batch():
     changes = resume_changes(saved_state(5, world_size=4, per_device_batch_size=8, grad_accum=1), cfg, world_size=2)
     assert not changes.schedule_changed
     assert changes.changes == ["--grad-accum 1 -> 2, world size 4 -> 2: global batch unchanged at 32 (the data "
-                               "position carries over as the fraction of the epoch seen)"]
+                               "position carries over exactly: the epoch's samples seen by all ranks)"]
 
 
 def test_first_resumed_step_uses_the_new_schedule():
