@@ -4,6 +4,8 @@ Layout:  OUT/checkpoints/step-000120/{model_optim/ | engine/, strategy_state.jso
          rng/rank-00000.safetensors, COMMITTED}      OUT/checkpoints/latest  ("step-000120")
 A step directory counts only once COMMITTED exists; it is written last, after every rank has finished.
 `latest` is replaced atomically. Nothing here is ever unpickled: JSON and safetensors only.
+With --async-save the shards are written in the background (start_save -> PendingSave); the commit waits until
+every rank's write is on disk (finish_save, or commit_agreed from the loop's per-step agreement).
 """
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ import os
 import random
 import re
 import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -112,25 +117,111 @@ def load_rng(path: Path, rank: int) -> None:
 
 def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_last: int) -> Path:
     """Every rank calls this. Returns the committed directory."""
-    rank0 = strategy.dist.is_rank0
+    return finish_save(strategy, start_save(strategy, trainer_state, output_dir, keep_last, background=False))
+
+
+class AsyncWrite:
+    """One rank's background checkpoint write (Strategy.save_async): done() without blocking, wait() until its
+    files are on disk."""
+
+    def __init__(self, future: Future):
+        self.future = future
+        self.started, self.finished = time.perf_counter(), None
+        future.add_done_callback(self._finish)
+
+    def _finish(self, _future) -> None:
+        self.finished = time.perf_counter()
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def wait(self) -> BaseException | None:
+        """Blocks until the write ends; its error, or None once the files are written and fsynced."""
+        try:
+            self.future.result()
+            return None
+        except Exception as e:  # noqa: BLE001 - the caller agrees with the other ranks, then reports it
+            return e
+
+    @property
+    def seconds(self) -> float:
+        """From the start of the write (after staging) until it ended (until now while it runs)."""
+        return (self.finished or time.perf_counter()) - self.started
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint whose shards are written (or being written, --async-save) but not yet committed."""
+    path: Path
+    keep_last: int
+    state: dict                       # trainer_state.json of the snapshotted step, written at the commit
+    write: AsyncWrite | None = None   # this rank's background write; None: written before start_save returned
+    failure: BaseException | None = None  # this rank's error so far
+
+    @property
+    def step(self) -> int:
+        return self.state["step"]
+
+    def write_done(self) -> bool:
+        """Without blocking: this rank has nothing left to write (written, or failed)."""
+        return self.write is None or self.failure is not None or self.write.done()
+
+    def write_failed(self) -> bool:
+        """This rank's write failed; only meaningful once write_done()."""
+        if self.failure is None and self.write is not None and self.write.done():
+            self.failure = self.write.wait()
+        return self.failure is not None
+
+
+def start_save(strategy, trainer_state: dict, output_dir: str | Path, keep_last: int,
+               background: bool) -> PendingSave:
+    """Every rank calls this: the step's directory, the strategy's shards (`background`: staged to host memory
+    and written by a thread, strategy.save_async) and this rank's RNG state, as of this step. Nothing is committed:
+    finish_save or commit_agreed does that once every rank's shards are on disk."""
     root = checkpoints_root(output_dir)
     path = root / step_dir_name(trainer_state["step"])
-    if rank0:
+    if strategy.dist.is_rank0:
         root.mkdir(parents=True, exist_ok=True)
         if path.exists():  # an earlier, interrupted save of this same step
             shutil.rmtree(path)
         path.mkdir()
     barrier()
     step, rank = trainer_state["step"], strategy.dist.rank
-    failure = None
+    # The trainer state and RNG belong to the step that was snapshotted, not to the step its write finishes at.
+    pending = PendingSave(path, keep_last, {**trainer_state, "format_version": FORMAT_VERSION,
+                                            "strategy": strategy.describe(), "world_size": strategy.dist.world_size})
     try:
-        strategy.save(path)
+        if background:
+            pending.write = strategy.save_async(path)
+        else:
+            strategy.save(path)
         faults.maybe_disk_full(step, rank)  # here every rank is past the strategy's own collectives
         save_rng(path / "rng", rank)
     except (OSError, CheckpointException) as e:
-        failure = e
+        pending.failure = e
+    return pending
+
+
+def finish_save(strategy, pending: PendingSave) -> Path:
+    """Every rank calls this: wait for this rank's write, agree that every rank's is on disk, commit. Returns the
+    committed directory."""
+    if pending.write is not None and pending.failure is None:
+        pending.failure = pending.write.wait()
     # Ranks agree before anything is committed: one rank's full disk must not leave the others waiting.
-    if any_rank(failure is not None, strategy.device):
+    failed = any_rank(pending.failure is not None, strategy.device)
+    return _commit(strategy, pending, failed, agreed_in_loop=False)
+
+
+def commit_agreed(strategy, pending: PendingSave, any_failed: bool) -> Path:
+    """Every rank calls this once the loop's one all-reduce per step (step_health.agree) said that no rank is still
+    writing: that all-reduce already synchronised the ranks, so rank 0 commits without a collective of its own."""
+    return _commit(strategy, pending, any_failed, agreed_in_loop=True)
+
+
+def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) -> Path:
+    rank0, path, failure = strategy.dist.is_rank0, pending.path, pending.failure
+    root = path.parent
+    if failed:
         # Every rank says the same thing: the highest errno seen anywhere (ENOSPC, EDQUOT, EIO...).
         code = all_reduce_max(float(getattr(failure, "errno", None) or (-1 if failure else 0)), strategy.device)
         _abandon(path, root, rank0)
@@ -141,17 +232,17 @@ def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_
         raise ConfigError(f"saving checkpoint {path} failed ({cause}); "
                           f"{'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'}"
                           f"; free space under {root} and rerun with --resume auto")
-    faults.maybe_kill("save", step, rank)
-    barrier()  # every rank's shards are on disk before the commit marker
+    faults.maybe_kill("save", pending.step, strategy.dist.rank)
+    if not agreed_in_loop:
+        barrier()  # every rank's shards are on disk before the commit marker
     if rank0:
-        state = {**trainer_state, "format_version": FORMAT_VERSION, "strategy": strategy.describe(),
-                 "world_size": strategy.dist.world_size}
-        _write_atomic(path / TRAINER_STATE, json.dumps(state, indent=1))
+        _write_atomic(path / TRAINER_STATE, json.dumps(pending.state, indent=1))
         _write_atomic(path / COMMIT_MARKER, "ok\n")
         _fsync_dir(path)
         _write_atomic(root / "latest", path.name + "\n")
-        prune(root, keep_last, keep=path)
-    barrier()
+        prune(root, pending.keep_last, keep=path)
+    if not agreed_in_loop:
+        barrier()  # the caller may read the commit on any rank (final_model.write_final_model does)
     return path
 
 

@@ -3,7 +3,7 @@
 All of it rides on one all-reduce per optimizer step (the loop's only collective and host sync beyond
 the strategy's own): the summed loss, the squared gradient norm (each rank's share; DDP and FSDP then clip
 without a collective or sync of their own), whether any rank was signalled to stop, which ranks saw a
-non-finite loss, and whether any rank ran out of memory.
+non-finite loss, whether any rank ran out of memory, and how many ranks are still writing a checkpoint.
 """
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ class Agreement:
     bad_ranks: list      # ranks whose own loss was non-finite
     oom_ranks: int       # how many ranks hit an out-of-memory error
     grad_norm: Optional[float] = None  # global, from the strategy's shares; None: the strategy has its own
+    writing: int = 0     # ranks whose background checkpoint write (--async-save) is still running
+    write_failed: bool = False  # some rank's finished background write failed
 
     @property
     def finite(self) -> bool:
@@ -31,17 +33,23 @@ class Agreement:
 
 
 def agree(loss_sum: torch.Tensor, micro_steps: int, stop: bool, oom: bool, info: DistInfo,
-          grad_norm_share: Optional[torch.Tensor] = None) -> Agreement:
+          grad_norm_share: Optional[torch.Tensor] = None, writing: bool = False,
+          write_failed: bool = False) -> Agreement:
+    """`writing` / `write_failed`: this rank's background checkpoint write is still running / ended in an error.
+    When no rank is writing any more, every rank learns it here at once, so the save commits with no collective
+    of its own (shardtrain/loop/saves.py)."""
     world, device = info.world_size, info.device
     own_bad = torch.zeros(world, dtype=torch.float64, device=device)
     own_bad[info.rank] = (~torch.isfinite(loss_sum)).double()
-    flags = torch.tensor([float(stop), float(oom)], dtype=torch.float64, device=device)
+    flags = torch.tensor([float(stop), float(oom), float(writing), float(write_failed)], dtype=torch.float64,
+                         device=device)
     share = torch.zeros(1, dtype=torch.float64, device=device) if grad_norm_share is None else \
         grad_norm_share.to(device, torch.float64).reshape(1)
     totals = all_reduce_sum(torch.cat([loss_sum.double().reshape(1), flags, share, own_bad]), device).tolist()
     return Agreement(loss_mean=totals[0] / (micro_steps * world), stop=totals[1] > 0,
-                     bad_ranks=[r for r, v in enumerate(totals[4:]) if v > 0], oom_ranks=int(totals[2]),
-                     grad_norm=None if grad_norm_share is None else math.sqrt(totals[3]))  # nan/inf pass through
+                     bad_ranks=[r for r, v in enumerate(totals[6:]) if v > 0], oom_ranks=int(totals[2]),
+                     grad_norm=None if grad_norm_share is None else math.sqrt(totals[5]),  # nan/inf pass through
+                     writing=int(totals[3]), write_failed=totals[4] > 0)
 
 
 class BadStepPolicy:

@@ -20,6 +20,7 @@ from shardtrain.data.sources import check_resumed_labels
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.oom import OOMRecovery
 from shardtrain.loop.resume_changes import resume_changes
+from shardtrain.loop.saves import Saves
 from shardtrain.loop.step_health import BadStepPolicy, agree
 from shardtrain.memory.accounting import MemoryMonitor, construction_memory, format_table
 from shardtrain.memory.autoplan import resolve_auto_strategy
@@ -125,7 +126,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     if members.inexact and dist_info.is_rank0:
         console.warn(members.inexact)
     last_saved = step if resumed_here else None  # nothing new to save at a checkpoint of this output dir
-    save_seconds: list[float] = []
+    saves = Saves(strategy, out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, console)
 
     t, world = cfg.train, dist_info.world_size
     global_batch = t.per_device_batch_size * t.grad_accum * world
@@ -201,7 +202,10 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         # The one collective (and host sync) per optimizer step: the mean loss, the gradient norm (from each
         # rank's share; the strategy clips with it), and whether any rank saw a non-finite loss, ran out of
         # memory or was signalled to stop. Every rank then decides alike.
-        agreed = agree(loss_sum, t.grad_accum, stop.raised, oom.hit, dist_info, strategy.grad_norm_share())
+        # It also tells whether every rank's background checkpoint write (--async-save) is on disk: then it commits.
+        agreed = agree(loss_sum, t.grad_accum, stop.raised, oom.hit, dist_info, strategy.grad_norm_share(),
+                       writing=saves.writing(), write_failed=saves.write_failed())
+        saves.agreed(agreed.writing, agreed.write_failed)
         if oom.recover(agreed.oom_ranks, step + 1):
             continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
         result = strategy.step(skip=not agreed.finite, grad_norm=agreed.grad_norm)
@@ -227,15 +231,19 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
             tracker.evaluated(step, eval_result)
         preempted = agreed.stop
         if (cfg.checkpoint.save_every and step % cfg.checkpoint.save_every == 0) or preempted:
-            last_saved = save(strategy, step, loaders, cfg, tracker, out, save_seconds, console)
+            saves.save(step, {**trainer_state(step, loaders, cfg), **tracker.checkpoint_state()})
+            last_saved = step
         if preempted:
+            saves.wait()  # the job is about to end: the checkpoint just started must be on disk and committed
             console.info(f"step {step}: stopped on {stop.reason}; resume with --resume auto")
             if dist_info.is_rank0 and stop.requeue:
                 requeue_if_slurm(console.info)
             break
     if cfg.checkpoint.save_final and not preempted and last_saved != step:
         # Every finished run keeps the model it ended with: what `export` and a later --resume should see.
-        last_saved = save(strategy, step, loaders, cfg, tracker, out, save_seconds, console)
+        saves.save(step, {**trainer_state(step, loaders, cfg), **tracker.checkpoint_state()})
+        last_saved = step
+    saves.wait()  # a background write still in flight is committed before the run reports itself done
 
     # ---- the end: evaluate, summarise
     if not preempted:
@@ -244,7 +252,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     summary = {**run_info, "train_loss": tracker.metrics.losses() if dist_info.is_rank0 else [],
                "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
                "wall_seconds": now() - t_start, "final_step": step, **health.counts(), "preempted": preempted,
-               "stopped_by": stop.reason if preempted else None, "checkpoint_save_seconds": save_seconds,
+               "stopped_by": stop.reason if preempted else None, "checkpoint_save_seconds": saves.blocking_seconds,
+               "checkpoint_write_seconds": saves.write_seconds,
                "versions": library_versions(), "config": cfg.to_dict(),
                "memory": {**mem.summary(), "construction": built.per_rank,
                           "predicted": measured_shape_prediction(cfg, world, vocab_size, mem.last)
@@ -265,15 +274,6 @@ def measured_shape_prediction(cfg: Config, world: int, vocab_size: int | None, p
     if not cfg.log.predict_memory or not per_rank:
         return {}
     return {rank: memory_prediction(cfg, world, vocab_size, rec.get("batch")) for rank, rec in per_rank.items()}
-
-
-def save(strategy, step: int, loaders, cfg: Config, tracker, out: Path, seconds: list, console) -> int:
-    t0 = now()
-    path = checkpoint.save_checkpoint(strategy, {**trainer_state(step, loaders, cfg), **tracker.checkpoint_state()},
-                                      out, cfg.checkpoint.keep_last)
-    seconds.append(round(now() - t0, 3))
-    console.info(f"step {step}: saved {path} in {seconds[-1]:.2f}s")
-    return step
 
 
 def trainer_state(step: int, loaders, cfg: Config) -> dict:

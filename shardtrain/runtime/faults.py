@@ -7,11 +7,15 @@ POINT is where rank RANK fails while working on optimizer step STEP (1-based):
     save    SIGKILL itself after writing its checkpoint shards, before COMMITTED (a torn save)
     enospc  its checkpoint write fails with "No space left on device" (a full disk, simulated)
     stall   sleeps 120 s after the step's backward (a slow step, for signals that must act within one)
+    write_stall  the DCP write of step STEP's checkpoint sleeps 300 s (with --async-save: in the background,
+                 while training goes on), so a test can kill -9 the job while that write is in flight
+And, for benchmarks, storage of a fixed speed: SHARDTRAIN_WRITE_DELAY=SECONDS delays every rank's DCP write of
+every checkpoint by that much (sync or async alike), so a benchmark's result does not follow the disk cache.
 SHARDTRAIN_FAULT_HOLD=PATH: while that file exists every step waits after its backward, until a stop signal
 ends the wait and removes the file (an elastic test holds a run at one world size until the agent restarts it
-for a node that joins). With SHARDTRAIN_FAULT_ONCE_DIR set, each fault fires once per job: it leaves a marker file there before
-killing, so one `torchrun --max-restarts N` launch can crash at several points in turn and prove that
-every restart resumes by itself (an extra restart, e.g. a slow rendezvous, does not shift the schedule).
+for a node that joins).
+With SHARDTRAIN_FAULT_ONCE_DIR set, each fault fires once per job: it leaves a marker file there before killing,
+so one `torchrun --max-restarts N` launch can crash at several points in turn and prove that every restart resumes by itself (an extra restart, e.g. a slow rendezvous, does not shift the schedule).
 Unset (always, outside tests) it costs one set lookup per call.
 """
 from __future__ import annotations
@@ -22,7 +26,8 @@ import signal
 import time
 
 ENV = "SHARDTRAIN_FAULT"
-POINTS = ("step", "save", "enospc", "stall")
+POINTS = ("step", "save", "enospc", "stall", "write_stall")
+WRITE_DELAY_ENV = "SHARDTRAIN_WRITE_DELAY"
 
 
 def _parse() -> set[tuple[str, int, int]]:
@@ -78,6 +83,15 @@ def hold(stop) -> None:
             os.remove(path)  # the restarted workers run free
         except FileNotFoundError:
             pass
+
+
+def write_delay(step: int, rank: int) -> float:
+    """Seconds the checkpoint write of `step` on `rank` waits before writing (0.0 outside tests/benchmarks)."""
+    delay = float(os.environ.get(WRITE_DELAY_ENV) or 0.0)
+    if armed("write_stall", step, rank):
+        print(f"[fault injection] rank {rank}: stalling the checkpoint write at write_stall@{step}", flush=True)
+        delay += 300.0
+    return delay
 
 
 def maybe_disk_full(step: int, rank: int) -> None:

@@ -4,7 +4,8 @@ The loop calls, per optimizer step:
     for each micro-batch:  with strategy.micro_step(is_last): loss = model(...); strategy.backward(loss)
     share = strategy.grad_norm_share()      # rides on the loop's one all-reduce (step_health.agree)
     result = strategy.step(skip=..., grad_norm=...)
-and `save` / `load` for checkpoints. Everything backend-specific lives behind these methods.
+and `save` / `load` for checkpoints (`save_async` with --async-save). Everything backend-specific lives behind
+these methods.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtrain.checkpointing.store import AsyncWrite
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.runtime.distributed import DistInfo
 from shardtrain.strategies.optim import adamw, build_scheduler, param_groups
@@ -80,6 +82,12 @@ class Strategy(ABC):
     def save(self, ckpt_dir: Path) -> None:
         """Collective. Writes the strategy's own form plus, where that is not already it, the portable
         FQN-keyed form (`model_optim/`, strategies/dcp_state.py) any other strategy can read."""
+
+    def save_async(self, ckpt_dir: Path) -> AsyncWrite:
+        """Collective, --async-save: what save writes, copied off the live tensors before it returns (the loop
+        then trains on) and written by a background thread; the returned write says when it is on disk. Checkpoint
+        writes go over a process group of their own (checkpoint_group), made at setup when --async-save is on."""
+        raise NotImplementedError(f"{self.name} has no asynchronous save")
 
     @abstractmethod
     def load(self, ckpt_dir: Path, saved: dict | None = None) -> None:
@@ -248,6 +256,14 @@ def load_extra_state(extra: dict, scheduler, optimizer, scaler=None) -> None:
             group["lr"] = lr
     if scaler and "scaler" in extra:
         scaler.load_state_dict(extra["scaler"])
+
+
+def checkpoint_group():
+    """A gloo group of all ranks for the background checkpoint writes alone (dcp_state.save_dcp_async), created
+    once at setup: new_group is itself collective, so every rank makes it at the same point. None in one process."""
+    if not dist.is_initialized():
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def check_precision_supported(precision: str, device: torch.device) -> None:

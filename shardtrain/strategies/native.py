@@ -6,9 +6,9 @@ from pathlib import Path
 
 import torch
 
-from shardtrain.strategies.base import (Strategy, StepResult, clip_and_norm, clip_to, extra_state, load_extra_state,
-                                        local_grads, squared_norm)
-from shardtrain.checkpointing.dcp_state import load_dcp, save_dcp
+from shardtrain.strategies.base import (Strategy, StepResult, checkpoint_group, clip_and_norm, clip_to, extra_state,
+                                        load_extra_state, local_grads, squared_norm)
+from shardtrain.checkpointing.dcp_state import load_dcp, save_dcp, save_dcp_async
 
 
 class NativeStrategy(Strategy):
@@ -23,6 +23,8 @@ class NativeStrategy(Strategy):
         self.optimizer, self.scheduler = self._optimizer_and_scheduler(self.unwrapped.named_parameters(),
                                                                        frozen_names)
         self.scaler = self._make_scaler() if self.precision == "fp16" else None
+        if self.cfg.checkpoint.async_save:
+            self._save_group = checkpoint_group()
         return self.model, self.optimizer, self.scheduler
 
     def backward(self, loss):
@@ -66,8 +68,15 @@ class NativeStrategy(Strategy):
         save_dcp(ckpt_dir, self.unwrapped, self.optimizer, extra_state(self.scheduler, self.optimizer, self.scaler),
                  self.dist.is_rank0)
 
+    def save_async(self, ckpt_dir: Path):
+        self.sync_buffers()  # before the snapshot, as in save
+        return save_dcp_async(ckpt_dir, self.unwrapped, self.optimizer,
+                              extra_state(self.scheduler, self.optimizer, self.scaler), self.dist.is_rank0,
+                              self._save_group)
+
     def load(self, ckpt_dir: Path, saved: dict | None = None, load_optimizer: bool = True):
         # Every checkpoint has the portable model_optim/ (DeepSpeed writes it too), so one path serves
         # DDP, FSDP and foreign checkpoints at any world size.
         extra = load_dcp(ckpt_dir, self.unwrapped, self.optimizer, load_optimizer, warn=self._warn)
         load_extra_state(extra if load_optimizer else {}, self.scheduler, self.optimizer, self.scaler)
+

@@ -12,10 +12,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable
+from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable, save_portable_async
 from shardtrain.checkpointing.unpickle_guard import check_torch_file
 from shardtrain.config.settings import ConfigError
-from shardtrain.strategies.base import Strategy, StepResult, extra_state, load_extra_state
+from shardtrain.strategies.base import Strategy, StepResult, checkpoint_group, extra_state, load_extra_state
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
 
 TAG = "engine"
@@ -48,6 +48,8 @@ class ZeroStrategy(Strategy):
         # unfreeze_at_step set_frozen builds a new engine that has them (see _rebuild).
         self._build_model, self._freezable = build_model, set(frozen_names)
         self._build(frozen_now=set(frozen_names), weights_from_memory=False)
+        if self.cfg.checkpoint.async_save:
+            self._save_group = checkpoint_group()
         return self.model, self.optimizer, self.scheduler
 
     def _build(self, frozen_now: set[str], weights_from_memory: bool) -> None:
@@ -186,6 +188,18 @@ class ZeroStrategy(Strategy):
                  "frozen": len(self._frozen_now)}
         save_portable(ckpt_dir, model_sd, optim_state, extra, self.dist.is_rank0)
 
+    def save_async(self, ckpt_dir: Path):
+        """--async-save writes the portable form alone, in the background: the gather below is the snapshot (full
+        fp32 host copies, collective), and DCP's async_save writes it. The engine's own files are left out:
+        DeepSpeed 0.19.8's one asynchronous writer (the decoupled checkpoint engine) hands its live tensors to a
+        writer process and waits for that write inside the next engine.step(), so training would stall there for
+        the whole write. A resume reads the portable form (load, "engine_files")."""
+        self.sync_buffers()
+        model_sd, optim_state = self._portable_state()
+        extra = {**extra_state(self.scheduler, self.optimizer), "ds_config": self.ds_config,
+                 "frozen": len(self._frozen_now), "engine_files": False}
+        return save_portable_async(ckpt_dir, model_sd, optim_state, extra, self.dist.is_rank0, self._save_group)
+
     def _portable_state(self) -> tuple[dict, dict]:
         """Full fp32 weights and Adam moments per parameter name (none for a frozen parameter: it has no
         optimizer state). Every rank gathers every tensor (the gathers are collective); DCP then writes each
@@ -257,9 +271,12 @@ class ZeroStrategy(Strategy):
         writer = (saved.get("strategy") or {}).get("strategy")
         extra_file = ckpt_dir / EXTRA_FILE
         try:  # how many parameters its engine had frozen (none before this was recorded)
-            saved_frozen = json.loads(extra_file.read_text()).get("frozen", 0) if extra_file.exists() else 0
+            extra = json.loads(extra_file.read_text()) if extra_file.exists() else {}
         except (OSError, ValueError) as e:
             raise ConfigError(f"--resume {ckpt_dir}: cannot read {EXTRA_FILE} (corrupt?): {e}") from None
+        saved_frozen = extra.get("frozen", 0)
+        if extra.get("engine_files") is False:  # written by save_async: the portable form is all there is
+            return self._load_portable(ckpt_dir, load_optimizer)
         if writer != self.name or saved.get("world_size") != self.dist.world_size:
             # The engine's own files only fit the same stage and world size; anything else is portable.
             self._warn(f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
