@@ -181,7 +181,7 @@ class CheckpointConfig:
     save_final: bool = setting(True, "commit the last step when the run ends, so export and --resume see the model "
                                      "it ended with; false keeps only the --save-every checkpoints")
     keep_last: int = setting(2, "checkpoints kept; older ones are deleted")
-    # DDP/FSDP only (torch DCP async_save); DeepSpeed refuses it at start-up (docs/checkpoints.md).
+    # torch DCP async_save for every strategy; DeepSpeed writes only the portable form then (docs/checkpoints.md).
     async_save: bool = setting(False, "write checkpoints in the background: training waits only while the state "
                                       "is copied to host memory; committed once every rank's write is on disk")
     resume: str = setting("auto", "auto (the latest committed checkpoint in output_dir, if any), none, or a "

@@ -14,7 +14,7 @@ from torch import nn
 
 from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable, save_portable_async
 from shardtrain.checkpointing.unpickle_guard import check_torch_file
-from shardtrain.config.settings import ConfigError
+from shardtrain.config.settings import ConfigError, where
 from shardtrain.strategies.base import Strategy, StepResult, checkpoint_group, extra_state, load_extra_state
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
 
@@ -31,6 +31,12 @@ class ZeroStrategy(Strategy):
         self.name = f"zero{self.stage}"
         self.offload = self.info["offload_optimizer"] != "none" or self.info["offload_param"] != "none"
         self.shards_outside_forward = self.stage == 3
+        if cfg.checkpoint.async_save and (self.ds_config.get("fp16") or {}).get("enabled"):
+            # save_async writes the portable form alone, which has no place for DeepSpeed's dynamic loss scale:
+            # a resume would start again from the initial scale and skip steps finding it (not exact).
+            raise ConfigError(f"{where('async_save')} with DeepSpeed fp16: the background save keeps no loss-scaler "
+                              f"state, so a resume would not be exact; use --precision bf16 or fp32, or save "
+                              f"synchronously")
 
     def is_shard(self, p):
         # ZeRO-3 releases each gathered parameter after use (shape [0]); small ones persist whole.

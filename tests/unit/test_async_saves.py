@@ -151,3 +151,16 @@ def test_flag_and_yaml_key(tmp_path):
     yaml_file.write_text("checkpoint:\n  async_save: sometimes\n")
     with pytest.raises(ConfigError, match=r"checkpoint\.async_save.*expected true or false"):
         parse_cli(["--config", str(yaml_file)])
+
+
+def test_deepspeed_fp16_is_refused_in_one_line_before_any_model(tmp_path):
+    """The background ZeRO save writes the portable form alone, which has no place for the dynamic loss scale."""
+    from shardtrain.runtime.distributed import DistInfo
+    from shardtrain.strategies.zero import ZeroStrategy
+
+    dist_info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+    fp16 = parse_cli(["--ds", "ds_configs/zero2.json", "--precision", "fp16", "--async-save", "--device", "cpu"])
+    with pytest.raises(ConfigError, match=r"^--async-save \(checkpoint\.async_save\) with DeepSpeed fp16: .* use --precision bf16 or fp32"):
+        ZeroStrategy(fp16, dist_info, workload=object())
+    bf16 = parse_cli(["--ds", "ds_configs/zero2.json", "--precision", "bf16", "--async-save", "--device", "cpu"])
+    assert ZeroStrategy(bf16, dist_info, workload=object()).name == "zero2"
