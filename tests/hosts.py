@@ -46,11 +46,19 @@ def leftovers(mine: str | None = None) -> list[str]:
     found = []
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
     found += [f"network namespace {line.split()[0]}" for line in netns
-              if line.startswith(PREFIX) and not (mine and line.startswith(f"{PREFIX}-{mine}-"))]
+              if line.startswith(PREFIX) and not (mine and line.startswith(f"{PREFIX}-{mine}-"))
+              and not _owner_alive(line.split()[0])]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()
     found += [f"link {line.split(':')[1].strip().split('@')[0]}" for line in links
               if len(line.split(":")) > 1 and line.split(":")[1].strip().startswith(("st-", PREFIX))]
     return found
+
+
+def _owner_alive(netns: str) -> bool:
+    """Whether the test process whose pid the name holds still runs: its hosts are in use (tests of other
+    checkouts run at the same time on one machine), not left over."""
+    pid = netns[len(PREFIX) + 1:].split("-")[0]
+    return pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
 def _ip(*args: str) -> None:
@@ -64,10 +72,11 @@ class Node:
     netns: str
     hosts_file: Path
     private_dirs: list[Path] = field(default_factory=list)  # folders this node sees empty (its own tmpfs)
+    hostname: str | None = None  # what gethostname() says on it; None: its name (set before starting commands)
 
     def wrap(self, cmd: list[str], setup: str = "") -> list[str]:
         """`cmd` as run on this node. `setup`: shell lines run first, inside the node (e.g. slurmd's mounts)."""
-        lines = [f"hostname {self.name}", f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts",
+        lines = [f"hostname {shlex.quote(self.hostname or self.name)}", f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts",
                  "mount -t tmpfs -o size=2g tmpfs /dev/shm"]
         lines += [f"mount -t tmpfs tmpfs {shlex.quote(str(d))}" for d in self.private_dirs]
         if setup:
