@@ -34,7 +34,7 @@ from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load
 
 def train(cfg: Config, workload: Workload | None = None) -> dict:
     """`workload`: an instance to train (shardtrain.fit); None constructs the one the config names."""
-    dist_info = init_distributed(cfg.parallel.device)
+    dist_info = init_distributed(cfg.parallel.device, cfg.parallel.dist_timeout)
     console = Console(dist_info.rank, cfg.log.verbose)
     rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
     check_devices(rank_table, dist_info.is_rank0, console.warn)

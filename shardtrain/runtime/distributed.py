@@ -98,6 +98,8 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
         device = torch.device("cpu")
         backend = "gloo"
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("SHARDTRAIN_PG_TIMEOUT", 1800)))
+    global _pg_timeout_s
+    _pg_timeout_s = timeout.total_seconds()
     if not dist.is_initialized():
         try:
             dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
@@ -111,6 +113,37 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
                                   f"to a free port") from None
             raise ConfigError(f"cannot start the {backend} process group at {addr}: {msg}") from None
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+_pg_timeout_s: float | None = None  # the process group's collective timeout, for lost_peer_line()
+
+
+def lost_peer_line(e: BaseException) -> str | None:
+    """One line that says what a failed collective means across hosts, or None when it is not one of these:
+    - a timeout: a rank or its link went silent (a dead link sends no reset), and --dist-timeout ran out;
+    - the job's store (MASTER_ADDR:MASTER_PORT) no longer answers: the host that held it is gone, and torchrun's
+      c10d rendezvous keeps its store on one host with no failover, so nothing can go on."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    cause = f"({type(e).__name__}: {first[:300]})"
+    if "timed out" in first.lower() or "timeout" in first.lower():
+        seconds = f" = {_pg_timeout_s:g} s" if _pg_timeout_s else ""
+        return (f"a collective waited {where('dist_timeout')}{seconds} for the other ranks and gave up: a node or "
+                f"the link to it went silent; the job stops here, resume with --resume auto {cause}")
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port and not _answers(addr, int(port)):
+        return (f"lost the job's c10d store at {addr}:{port} (MASTER_ADDR:MASTER_PORT): the host or process that "
+                f"held it is gone, and c10d has no failover, so the job ends; start every node again with --resume "
+                f"auto to go on from the last checkpoint (an etcd rendezvous, --rdzv-backend=etcd-v2, outlives any "
+                f"one host: docs/multi-node.md) {cause}")
+    return None
+
+
+def _answers(addr: str, port: int, seconds: float = 2.0) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=seconds):
+            return True
+    except OSError:
+        return False
 
 
 def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
