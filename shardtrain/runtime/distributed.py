@@ -97,6 +97,8 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    if backend == "gloo":
+        check_gloo_address(world)
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("SHARDTRAIN_PG_TIMEOUT", 1800)))
     global _pg_timeout_s
     _pg_timeout_s = timeout.total_seconds()
@@ -113,6 +115,25 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
                                   f"to a free port") from None
             raise ConfigError(f"cannot start the {backend} process group at {addr}: {msg}") from None
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+def check_gloo_address(world: int) -> None:
+    """Gloo tells the other ranks to reach this one at the address its hostname resolves to. Where that is loopback
+    (`127.0.1.1 myhost` in /etc/hosts, as Debian writes it) the ranks of other nodes connect to themselves and
+    the job hangs at start-up; GLOO_SOCKET_IFNAME names the interface to use instead. Checked only for a job that
+    spans nodes (LOCAL_WORLD_SIZE < WORLD_SIZE): on one host loopback is right."""
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local_world >= world or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return  # gloo fails with its own error naming the host
+    if addr.startswith("127."):
+        raise ConfigError(f"{host}: this host's name resolves to {addr} (loopback), which gloo would give the other "
+                          f"nodes as this rank's address; set GLOO_SOCKET_IFNAME to the network interface the nodes "
+                          f"share (e.g. GLOO_SOCKET_IFNAME=eth0), or make {host} resolve to that interface's address")
 
 
 _pg_timeout_s: float | None = None  # the process group's collective timeout, for lost_peer_line()

@@ -67,3 +67,19 @@ def test_dist_timeout_is_a_positive_setting():
     assert parse_cli([]).parallel.dist_timeout == 1800.0
     with pytest.raises(ConfigError, match=r"--dist-timeout \(parallel.dist_timeout\) must be positive"):
         parse_cli(["--dist-timeout", "0"])
+
+
+def test_a_hostname_on_loopback_is_refused_only_for_a_job_across_nodes(monkeypatch):
+    monkeypatch.setattr(socket, "gethostname", lambda: "trainhost")
+    monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    with pytest.raises(ConfigError, match=r"^trainhost: this host's name resolves to 127.0.1.1 \(loopback\).*"
+                                          r"GLOO_SOCKET_IFNAME"):
+        distributed.check_gloo_address(world=2)
+    distributed.check_gloo_address(world=1)  # one host: loopback is right
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    distributed.check_gloo_address(world=2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    distributed.check_gloo_address(world=2)
