@@ -121,8 +121,9 @@ def check_gloo_address(world: int) -> None:
     """Gloo tells the other ranks to reach this one at the address its hostname resolves to. Where that is loopback
     (`127.0.1.1 myhost` in /etc/hosts, as Debian writes it) the ranks of other nodes connect to themselves and
     the job hangs at start-up; GLOO_SOCKET_IFNAME names the interface to use instead. Checked only for a job that
-    spans nodes (LOCAL_WORLD_SIZE < WORLD_SIZE): on one host loopback is right."""
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    spans nodes (fewer processes on this node than in the job): on one host loopback is right."""
+    # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE; Slurm neither (not checked there).
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
     if local_world >= world or os.environ.get("GLOO_SOCKET_IFNAME"):
         return
     host = socket.gethostname()

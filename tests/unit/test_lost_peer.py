@@ -80,6 +80,9 @@ def test_a_hostname_on_loopback_is_refused_only_for_a_job_across_nodes(monkeypat
     distributed.check_gloo_address(world=1)  # one host: loopback is right
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     distributed.check_gloo_address(world=2)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    monkeypatch.setenv("LOCAL_SIZE", "1")  # the deepspeed launcher's name for it
+    with pytest.raises(ConfigError, match="GLOO_SOCKET_IFNAME"):
+        distributed.check_gloo_address(world=2)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     distributed.check_gloo_address(world=2)
