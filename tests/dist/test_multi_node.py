@@ -87,7 +87,9 @@ def test_deepspeed_launcher_without_ssh_and_the_banner_sees_two_hosts(namespace_
                        "--master_addr", "node1", "--master_port", "29500", str(MAIN),
                        *_short(ld_data, out, "--ds", "ds_configs/zero2.json", "--max-steps", "2")])
             for k, node in enumerate(hosts.nodes)]
+    t0 = time.monotonic()
     node1, _ = run_together(cmds, timeout=300)
+    print(f"\ndeepspeed launcher across 2 hosts: {time.monotonic() - t0:.1f}s")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["final_step"] == 2
     assert [(r["rank"], r["host"]) for r in summary["ranks"]] == [(0, "node1"), (1, "node2")]
