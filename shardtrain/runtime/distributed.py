@@ -212,7 +212,7 @@ def broadcast_object(obj, src: int = 0):
 def gather_rank_info(info: DistInfo) -> list[dict]:
     """Every rank's (host, local rank, device), gathered on all ranks: the banner and the idle-GPU
     guard read the same table."""
-    own = {"rank": info.rank, "host": socket.gethostname(), "local_rank": info.local_rank,
+    own = {"rank": info.rank, "host": socket.gethostname(), "local_rank": info.local_rank, "node": node_index(),
            "device": str(info.device),
            "device_name": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
            "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
@@ -222,6 +222,16 @@ def gather_rank_info(info: DistInfo) -> list[dict]:
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, own)
     return table
+
+
+def node_index() -> str | None:
+    """Which node of the job this process runs on, as its launcher numbers them (torchrun GROUP_RANK, the deepspeed
+    launcher CROSS_RANK, Slurm SLURM_NODEID): nodes can share a hostname (one container image everywhere), and
+    the GPU guard must not take two nodes' cuda:0 for one GPU. None when no launcher says."""
+    for name in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID"):
+        if os.environ.get(name) is not None:
+            return os.environ[name]
+    return None
 
 
 def teardown_and_exit(code: int) -> None:

@@ -92,11 +92,12 @@ def test_deepspeed_launcher_without_ssh_and_the_banner_sees_two_hosts(namespace_
     print(f"\ndeepspeed launcher across 2 hosts: {time.monotonic() - t0:.1f}s")
     summary = json.loads((out / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["final_step"] == 2
-    assert [(r["rank"], r["host"]) for r in summary["ranks"]] == [(0, "node1"), (1, "node2")]
+    assert [(r["rank"], r["host"], r["node"]) for r in summary["ranks"]] == [(0, "node1", "0"), (1, "node2", "1")]
     # The banner's rank table: one row per rank, each on its own host.
     rows = re.findall(r"^\s+(\d+)\s+(node\d)\s+(\d+)\s+cpu", node1.output, re.M)
     assert rows == [("0", "node1", "0"), ("1", "node2", "0")], node1.tail(60)
-    # The GPU guard groups ranks by host: two hosts with local rank 0 each is no clash, and nothing is idle.
+    # The GPU guard groups ranks by host and node (the launcher's CROSS_RANK): two hosts with local rank 0 each
+    # is no clash, and nothing is idle.
     assert "all use" not in node1.output and "!" * 20 not in node1.output
     assert not list(out.glob(".shardtrain-shared-*")), "the start-up marker was left in the output dir"
 
