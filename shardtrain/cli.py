@@ -85,7 +85,17 @@ def run_guarded(fn, argv: list[str]) -> int:
             report_once(str(e), secondary=False)
             return 2
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        report_once(f"{type(e).__name__}: {first} (--debug shows the traceback)", secondary=_lost_peer(e))
+        lost = _lost_peer(e)
+        # Across hosts the raw gloo line ("Connection closed by peer") does not say which failure it was.
+        if lost:
+            from shardtrain.runtime.distributed import lost_peer_line  # torch: imported only on this path
+        explained = lost_peer_line(e) if lost else None
+        if explained and os.environ.get("LOCAL_RANK", "0") == "0":
+            # Said at once by each node's first rank: a node's launcher that lost the store (or the link) stops
+            # its workers within ~0.1 s, before a quiet wait would end; so one line per node, not per job.
+            print(f"shardtrain: error: {explained}", file=sys.stderr, flush=True)
+            return 1
+        report_once(explained or f"{type(e).__name__}: {first} (--debug shows the traceback)", secondary=lost)
         return 1
 
 
@@ -119,7 +129,8 @@ def _lost_peer(e: BaseException) -> bool:
     names = {c.__name__ for c in type(e).__mro__}
     text = str(e).lower()
     return bool(names & {"DistError", "DistBackendError", "DistNetworkError"}) or any(
-        s in text for s in ("closed by peer", "connection reset", "broken pipe", "connection refused"))
+        s in text for s in ("closed by peer", "connection reset", "broken pipe", "connection refused",
+                            "timed out waiting"))  # gloo's line when a peer or its link went silent
 
 
 if __name__ == "__main__":

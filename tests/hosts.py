@@ -80,10 +80,11 @@ class Node:
     netns: str
     hosts_file: Path
     private_dirs: list[Path] = field(default_factory=list)  # folders this node sees empty (its own tmpfs)
+    hostname: str | None = None  # what gethostname() says on it; None: its name (set before starting commands)
 
     def wrap(self, cmd: list[str], setup: str = "") -> list[str]:
         """`cmd` as run on this node. `setup`: shell lines run first, inside the node (e.g. slurmd's mounts)."""
-        lines = [f"hostname {self.name}", f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts",
+        lines = [f"hostname {shlex.quote(self.hostname or self.name)}", f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts",
                  "mount -t tmpfs -o size=2g tmpfs /dev/shm"]
         lines += [f"mount -t tmpfs tmpfs {shlex.quote(str(d))}" for d in self.private_dirs]
         if setup:

@@ -170,6 +170,9 @@ class ParallelConfig:
                                                              "else CPU")
     nproc: str = setting("auto", "processes to start when `shardtrain train` runs as one plain process; auto: one "
                                  "per visible GPU (1 without)")
+    # A peer or link that goes silent (no reset, no FIN) leaves the others inside a collective: only this ends it.
+    dist_timeout: float = setting(1800.0, "seconds a collective waits for the other ranks before the run fails "
+                                          "(the process group's timeout): bounds a hang on a silent node or link")
     memory_budget_gb: Optional[float] = setting(None, "memory per device (GB) that --strategy auto must fit in; "
                                                       "unset: the GPU's own (required on CPU)")
 
@@ -769,7 +772,7 @@ def _validate(cfg: Config) -> None:
     positive = {"max_steps": t.max_steps, "per_device_batch_size": t.per_device_batch_size,
                 "grad_accum": t.grad_accum, "max_length": d.max_length, "image_size": d.image_size,
                 "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
-                "keep_last": c.keep_last, "attention_window": m.attention_window}
+                "keep_last": c.keep_last, "attention_window": m.attention_window, "dist_timeout": p.dist_timeout}
     if d.streaming and (d.dataset_name or d.train_file or d.train_dir or d.dataset_format):
         other = next(f for f in ("dataset_name", "train_file", "train_dir", "dataset_format") if getattr(d, f))
         raise ConfigError(f"{where('streaming')}: streams the jsonl --data-dir layout's train.jsonl; "

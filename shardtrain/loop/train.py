@@ -30,17 +30,19 @@ from shardtrain.runtime import faults
 from shardtrain.runtime.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.runtime.gpu_guard import check_devices
 from shardtrain.runtime.preemption import StopFlag, requeue_if_slurm
+from shardtrain.runtime.shared_dir import require_shared_output_dir
 from shardtrain.strategies import make_strategy
 from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load_workload
 
 
 def train(cfg: Config, workload: Workload | None = None) -> dict:
     """`workload`: an instance to train (shardtrain.fit); None constructs the one the config names."""
-    dist_info = init_distributed(cfg.parallel.device)
+    dist_info = init_distributed(cfg.parallel.device, cfg.parallel.dist_timeout)
     console = Console(dist_info.rank, cfg.log.verbose)
     rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
     check_devices(rank_table, dist_info.is_rank0, console.warn)
     out = Path(cfg.checkpoint.output_dir)
+    require_shared_output_dir(out, dist_info.rank, [r["host"] for r in rank_table])  # across hosts: one folder
     if cfg.checkpoint.overwrite_output_dir and cfg.checkpoint.resume == "none" and dist_info.is_rank0:
         checkpoint.clear_previous_run(out)  # asked for by name; otherwise `train` refused (refuse_to_overwrite)
     barrier()

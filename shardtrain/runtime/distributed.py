@@ -97,7 +97,11 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
     else:
         device = torch.device("cpu")
         backend = "gloo"
+    if backend == "gloo":
+        check_gloo_address(world)
     timeout = datetime.timedelta(seconds=timeout_s or float(os.environ.get("SHARDTRAIN_PG_TIMEOUT", 1800)))
+    global _pg_timeout_s
+    _pg_timeout_s = timeout.total_seconds()
     if not dist.is_initialized():
         try:
             dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
@@ -111,6 +115,57 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
                                   f"to a free port") from None
             raise ConfigError(f"cannot start the {backend} process group at {addr}: {msg}") from None
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+def check_gloo_address(world: int) -> None:
+    """Gloo tells the other ranks to reach this one at the address its hostname resolves to. Where that is loopback
+    (`127.0.1.1 myhost` in /etc/hosts, as Debian writes it) the ranks of other nodes connect to themselves and
+    the job hangs at start-up; GLOO_SOCKET_IFNAME names the interface to use instead. Checked only for a job that
+    spans nodes (fewer processes on this node than in the job): on one host loopback is right."""
+    # torchrun sets LOCAL_WORLD_SIZE, the deepspeed launcher LOCAL_SIZE; Slurm neither (not checked there).
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world)
+    if local_world >= world or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    host = socket.gethostname()
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        return  # gloo fails with its own error naming the host
+    if addr.startswith("127."):
+        raise ConfigError(f"{host}: this host's name resolves to {addr} (loopback), which gloo would give the other "
+                          f"nodes as this rank's address; set GLOO_SOCKET_IFNAME to the network interface the nodes "
+                          f"share (e.g. GLOO_SOCKET_IFNAME=eth0), or make {host} resolve to that interface's address")
+
+
+_pg_timeout_s: float | None = None  # the process group's collective timeout, for lost_peer_line()
+
+
+def lost_peer_line(e: BaseException) -> str | None:
+    """One line that says what a failed collective means across hosts, or None when it is not one of these:
+    - a timeout: a rank or its link went silent (a dead link sends no reset), and --dist-timeout ran out;
+    - the job's store (MASTER_ADDR:MASTER_PORT) no longer answers: the host that held it is gone, and torchrun's
+      c10d rendezvous keeps its store on one host with no failover, so nothing can go on."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    cause = f"({type(e).__name__}: {first[:300]})"
+    if "timed out" in first.lower() or "timeout" in first.lower():
+        seconds = f" = {_pg_timeout_s:g} s" if _pg_timeout_s else ""
+        return (f"a collective waited {where('dist_timeout')}{seconds} for the other ranks and gave up: a node or "
+                f"the link to it went silent; the job stops here, resume with --resume auto {cause}")
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if addr and port and not _answers(addr, int(port)):
+        return (f"lost the job's c10d store at {addr}:{port} (MASTER_ADDR:MASTER_PORT): the host or process that "
+                f"held it is gone, and c10d has no failover, so the job ends; start every node again with --resume "
+                f"auto to go on from the last checkpoint (an etcd rendezvous, --rdzv-backend=etcd-v2, outlives any "
+                f"one host: docs/multi-node.md) {cause}")
+    return None
+
+
+def _answers(addr: str, port: int, seconds: float = 2.0) -> bool:
+    try:
+        with socket.create_connection((addr, port), timeout=seconds):
+            return True
+    except OSError:
+        return False
 
 
 def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
@@ -161,7 +216,7 @@ def broadcast_object(obj, src: int = 0):
 def gather_rank_info(info: DistInfo) -> list[dict]:
     """Every rank's (host, local rank, device), gathered on all ranks: the banner and the idle-GPU
     guard read the same table."""
-    own = {"rank": info.rank, "host": socket.gethostname(), "local_rank": info.local_rank,
+    own = {"rank": info.rank, "host": socket.gethostname(), "local_rank": info.local_rank, "node": node_index(),
            "device": str(info.device),
            "device_name": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
            "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
@@ -171,6 +226,16 @@ def gather_rank_info(info: DistInfo) -> list[dict]:
     table = [None] * dist.get_world_size()
     dist.all_gather_object(table, own)
     return table
+
+
+def node_index() -> str | None:
+    """Which node of the job this process runs on, as its launcher numbers them (torchrun GROUP_RANK, the deepspeed
+    launcher CROSS_RANK, Slurm SLURM_NODEID): nodes can share a hostname (one container image everywhere), and
+    the GPU guard must not take two nodes' cuda:0 for one GPU. None when no launcher says."""
+    for name in ("GROUP_RANK", "CROSS_RANK", "SLURM_NODEID"):
+        if os.environ.get(name) is not None:
+            return os.environ[name]
+    return None
 
 
 def teardown_and_exit(code: int) -> None:

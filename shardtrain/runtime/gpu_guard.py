@@ -28,11 +28,14 @@ def check_rank_table(table: list[dict]) -> Verdict:
     """The verdict on a gathered table; pure, so the CUDA cases are testable on a CPU machine."""
     verdict = Verdict()
     world = len(table)
-    by_host: dict[str, list[dict]] = defaultdict(list)
+    # A host is its name and, where the launcher numbers nodes, its node: nodes may share one hostname.
+    by_node: dict[tuple, list[dict]] = defaultdict(list)
     for row in table:
-        by_host[row["host"]].append(row)
+        by_node[(row["host"], row.get("node"))].append(row)
+    shared_names = len({name for name, _ in by_node}) < len(by_node)
 
-    for host, rows in by_host.items():
+    for (name, node), rows in by_node.items():
+        host = f"{name} (node {node})" if shared_names else name
         on_gpu = [r for r in rows if r["device"].startswith("cuda")]
         users: dict[str, list[int]] = defaultdict(list)
         for r in on_gpu:

@@ -96,3 +96,15 @@ def test_world_size_without_rank_is_an_error_not_a_hang(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "4")
     with pytest.raises(ConfigError, match="WORLD_SIZE=4 is set but RANK is not"):
         adopt_launcher_env()
+
+
+def test_nodes_that_share_a_hostname_are_told_apart_by_their_node():
+    # One container image everywhere: both nodes call themselves trainhost, each rank uses its node's cuda:0.
+    table = [{**row(r, "trainhost", 0, visible=2), "node": str(r)} for r in range(2)]
+    v = check_rank_table(table)
+    assert v.error is None
+    assert [w.split(":")[0] for w in v.warnings] == ["trainhost (node 0)", "trainhost (node 1)"]
+    assert all("only 1 of 2 visible GPUs are used" in w for w in v.warnings)
+    # Two ranks of one node on one GPU are still a clash.
+    clash = [{**row(r, "trainhost", 0, visible=2), "node": "0"} for r in range(2)]
+    assert "ranks 0, 1 on trainhost all use cuda:0" in check_rank_table(clash).error
