@@ -120,7 +120,8 @@ def test_multinode_sbatch_across_two_hosts(slurm_hosts, mm_data, tmp_path):
     as_on_gpus = [{**r, "device": "cuda:0", "visible_gpus": 1, "device_uuid": ""} for r in s["ranks"]]
     verdict = check_rank_table(as_on_gpus)
     assert (verdict.error, verdict.warnings) == (None, []), verdict
-    one_host = [{**r, "host": "node1"} for r in as_on_gpus]
+    assert [r["node"] for r in s["ranks"]] == ["0", "1"], s  # SLURM_NODEID: two nodes, even under one hostname
+    one_host = [{**r, "host": "node1", "node": "0"} for r in as_on_gpus]
     assert "ranks 0, 1 on node1 all use cuda:0" in (check_rank_table(one_host).error or "")
 
 
