@@ -63,3 +63,11 @@ def local_slurm():
             # A munged that was already there serves whoever started it.
             keep_munge = ["--keep-munge"] if "munged" in before else []
             subprocess.run(["bash", str(STOP), state_dir, *keep_munge], capture_output=True, timeout=120)
+
+
+def alive(pid: int) -> bool:
+    """Not a zombie: a stopped daemon may wait a while for pid 1 to reap it."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import hosts as hosts_module
 
 PY = sys.executable
@@ -44,11 +46,8 @@ def test_teardown_removes_everything_and_a_leftover_is_named(namespace_hosts, tm
     stale = f"{hosts_module.PREFIX}-stale-node1"  # as a run killed before its teardown would leave it
     subprocess.run(["ip", "netns", "add", stale], check=True)
     try:
-        try:
+        with pytest.raises(RuntimeError, match=f"left network namespace {stale} behind"):
             hosts_module.Hosts(2, tag="after").__enter__()
-            raise AssertionError("a leftover namespace did not stop the next start")
-        except RuntimeError as e:
-            assert f"network namespace {stale}" in str(e)
     finally:
         subprocess.run(["ip", "netns", "del", stale], check=True)
 
@@ -81,11 +80,8 @@ def test_hosts_of_a_live_test_process_are_not_leftovers(namespace_hosts):
         namespace_hosts(2)  # starts beside the busy namespace
         other.kill()
         other.wait()
-        try:
+        with pytest.raises(RuntimeError, match=f"left network namespace {busy} behind"):  # its process is dead
             hosts_module.Hosts(2, tag="after").__enter__()
-            raise AssertionError("a leftover namespace of a dead process did not stop the next start")
-        except RuntimeError as e:
-            assert f"network namespace {busy}" in str(e)
     finally:
         other.kill()
         subprocess.run(["ip", "netns", "del", busy], check=True)

@@ -180,14 +180,7 @@ def test_preemption_requeue_resume(slurm_env, mm_data, tmp_path):
         if job.listed():
             job.cancel()
 
-    log = job.out
-    stopped = re.search(r"step (\d+): stopped on a preemption signal", log)
-    assert stopped, f"the job never stopped on SIGUSR1 (finished first?)\n{job.logs()}"
-    k = int(stopped.group(1))
-    assert 0 < k < steps, job.logs()
-    assert "SLURM_RESTART_COUNT=0 " in log and "SLURM_RESTART_COUNT=1 " in log, job.logs()
-    assert f"requeued Slurm job {job.id}" in log, job.logs()
-    assert re.search(rf"resumed from \S*step-{k:06d} at step {k}\b", log), job.logs()
+    k = requeued_and_resumed(job, steps)
     assert (out / "checkpoints" / f"step-{k:06d}" / "COMMITTED").is_file()
     s = summary(out)
     assert (s["world_size"], s["final_step"], s["preempted"]) == (2, steps, False), s
@@ -200,3 +193,16 @@ def test_preemption_requeue_resume(slurm_env, mm_data, tmp_path):
     assert resumed[steps] == pytest.approx(reference[steps], rel=1e-6, abs=1e-7), (resumed, reference)
     assert [resumed[i] for i in range(k + 1, steps + 1)] == pytest.approx(
         [reference[i] for i in range(k + 1, steps + 1)], rel=1e-6, abs=1e-7)
+
+
+def requeued_and_resumed(job, steps: int) -> int:
+    """The step a preempted job stopped at, after checking it requeued itself and its second start resumed there."""
+    log = job.out
+    stopped = re.search(r"step (\d+): stopped on a preemption signal", log)
+    assert stopped, f"the job never stopped on SIGUSR1 (finished first?)\n{job.logs()}"
+    k = int(stopped.group(1))
+    assert 0 < k < steps, job.logs()
+    assert "SLURM_RESTART_COUNT=0 " in log and "SLURM_RESTART_COUNT=1 " in log, job.logs()
+    assert f"requeued Slurm job {job.id}" in log, job.logs()
+    assert re.search(rf"resumed from \S*step-{k:06d} at step {k}\b", log), job.logs()
+    return k

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 
 from launch import tiny_args, torchrun
-from local_slurm import PACKAGES_UNAVAILABLE, START, STOP
-from test_slurm import JOB_TIMEOUT, check_banner, job_env, losses, submit, summary
+from local_slurm import PACKAGES_UNAVAILABLE, START, STOP, alive
+from test_slurm import JOB_TIMEOUT, check_banner, job_env, losses, requeued_and_resumed, submit, summary
 
 pytestmark = pytest.mark.slurm
 
@@ -41,14 +41,6 @@ class HostsCluster:
     def daemons(self) -> dict[str, int]:
         """munged, slurmctld, slurmd-node1, ... -> pid, from the pid files start.sh and the daemons write."""
         return {f.stem: int(f.read_text().strip()) for f in (self.state / "run").glob("*.pid")}
-
-
-def alive(pid: int) -> bool:
-    """Not a zombie: a stopped daemon may wait a while for pid 1 to reap it."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.fixture
@@ -149,15 +141,8 @@ def test_preemption_requeue_across_two_hosts(slurm_hosts, mm_data, tmp_path):
         if job.listed():
             job.cancel()
 
-    log = job.out
-    stopped = re.search(r"step (\d+): stopped on a preemption signal", log)
-    assert stopped, f"the job never stopped on SIGUSR1 (finished first?)\n{job.logs()}"
-    k = int(stopped.group(1))
-    assert 0 < k < steps, job.logs()
-    assert "SLURM_RESTART_COUNT=0 " in log and "SLURM_RESTART_COUNT=1 " in log, job.logs()
-    assert f"requeued Slurm job {job.id}" in log, job.logs()
-    assert hosts_in_banner(log) == [["node1", "node2"]] * 2, job.logs()  # both starts span both hosts
-    assert re.search(rf"resumed from \S*step-{k:06d} at step {k}\b", log), job.logs()
+    requeued_and_resumed(job, steps)
+    assert hosts_in_banner(job.out) == [["node1", "node2"]] * 2, job.logs()  # both starts span both hosts
     s = summary(out)
     assert (s["world_size"], s["final_step"], s["preempted"]) == (2, steps, False), s
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from launch import REPO, free_port
-from local_slurm import DAEMONS, STOP
+from local_slurm import DAEMONS, STOP, alive
 
 pytestmark = pytest.mark.slurm
 
@@ -30,14 +30,6 @@ def test_cluster_is_up(local_slurm):
         pids[name] = int((Path(local_slurm.dir) / "run" / f"{name}.pid").read_text())
     Path(os.environ["PIDS_OUT"]).write_text(json.dumps(pids))
 '''
-
-
-def alive(pid: int) -> bool:
-    """Not a zombie: stop.sh's daemons may wait a while for pid 1 to reap them."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
 
 
 @pytest.fixture
