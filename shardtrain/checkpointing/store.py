@@ -13,14 +13,15 @@ import random
 import re
 import shutil
 from pathlib import Path
-
-import numpy as np
-import torch
-
-from torch.distributed.checkpoint.api import CheckpointException
+from typing import TYPE_CHECKING
 
 from shardtrain.runtime import faults
-from shardtrain.runtime.distributed import any_rank, barrier
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, numpy and the process group are imported by the functions that save and load state, not here: the
+# parent process of `train --nproc N` reads this module's folder layout (refuse_to_overwrite) without torch.
 
 FORMAT_VERSION = 1
 COMMIT_MARKER = "COMMITTED"
@@ -76,6 +77,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def rng_state() -> dict[str, torch.Tensor]:
+    import torch
+
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -83,6 +86,7 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 
 def save_rng(path: Path, rank: int) -> None:
+    import numpy as np
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -94,6 +98,8 @@ def save_rng(path: Path, rank: int) -> None:
 
 
 def load_rng(path: Path, rank: int) -> None:
+    import numpy as np
+    import torch
     from safetensors import safe_open
 
     file = path / f"rank-{rank:05d}.safetensors"
@@ -112,6 +118,10 @@ def load_rng(path: Path, rank: int) -> None:
 
 def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_last: int) -> Path:
     """Every rank calls this. Returns the committed directory."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardtrain.runtime.distributed import any_rank, barrier
+
     rank0 = strategy.dist.is_rank0
     root = checkpoints_root(output_dir)
     path = root / step_dir_name(trainer_state["step"])
@@ -156,6 +166,7 @@ def save_checkpoint(strategy, trainer_state: dict, output_dir: str | Path, keep_
 
 
 def all_reduce_max(value: float, device) -> float:
+    import torch
     import torch.distributed as dist
     t = torch.tensor([value], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -165,6 +176,8 @@ def all_reduce_max(value: float, device) -> float:
 
 def _abandon(path: Path, root: Path, rank0: bool) -> None:
     """A failed save leaves no partial directory (a later start would also ignore it: no COMMITTED)."""
+    from shardtrain.runtime.distributed import barrier
+
     barrier()
     if rank0:
         shutil.rmtree(path, ignore_errors=True)
