@@ -1,11 +1,17 @@
-"""Loop overhead: shardtrain against a hand-written loop and Hugging Face Accelerate, same everything else.
+"""Loop overhead: shardtrain against hand-written loops and its peers (Hugging Face Accelerate, Lightning Fabric,
+the HF Trainer), same everything else.
 
-    ~/.cache/shardtrain/venv/bin/python benchmarks/overhead.py            # full run -> benchmarks/results/overhead.json
-    ~/.cache/shardtrain/venv/bin/python benchmarks/overhead.py --dry-run  # seconds: one short rep, tiny, DDP
+    ~/.cache/shardtrain/venv/bin/python benchmarks/overhead.py            # every cell -> benchmarks/results/overhead.json
+    ~/.cache/shardtrain/venv/bin/python benchmarks/overhead.py --cells tiny:ddp,longformer_tiny:zero3 \
+        --contenders shardtrain,handwritten,fabric --rounds 5 --steps 60     # a part of it
+    ~/.cache/shardtrain/venv/bin/python benchmarks/overhead.py --dry-run  # seconds: one short round, tiny, DDP
 
-Per (config, strategy) cell the contenders run as real 2-process torchrun jobs on CPU (gloo), interleaved
-A B C A B C ... so that drift on a shared machine hits every contender alike. Same config file, data folder,
-seed, micro-batch, AdamW, schedule and clipping; only the training loop differs.
+Cells: {tiny, mid} multimodal and {longformer_tiny, longformer_mid} x {ddp, fsdp, zero2, zero3}. Per cell the
+contenders run as real 2-process torchrun jobs on CPU (gloo), interleaved A B C A B C ... so that drift on a
+shared machine hits every contender alike. Same config file, data folder, seed, micro-batch, AdamW with the
+same decay / no-decay groups, schedule and clipping; only the training loop differs: shardtrain/main.py,
+handwritten_{ddp,fsdp,zero}.py, accelerate_loop.py, fabric_loop.py, hf_trainer_loop.py (Longformer cells only,
+per the issue). A peer that refuses a strategy on CPU is recorded as {"skipped": its own error line}.
 
 How time is measured, identically for all: each loop stamps the wall clock on rank 0 once per optimizer step
 after that step's host sync (shardtrain: metrics.jsonl `wall_time`; the others: bench_common.StepLog). The
