@@ -1,4 +1,4 @@
-"""What the hand-written and Accelerate contenders share with shardtrain: the config, the data and the model,
+"""What the hand-written and peer contenders (Accelerate, Lightning Fabric, HF Trainer) share with shardtrain: the config, the data and the model,
 so that in benchmarks/overhead.py only the training loop differs.
 
 Every contender (shardtrain included, through metrics.jsonl's `wall_time`) stamps the wall clock once per
@@ -18,6 +18,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
 from shardtrain.config.settings import Config, parse_cli  # noqa: E402
@@ -64,6 +65,40 @@ def warmup_linear(cfg: Config):
     t = cfg.train
     return lambda s: (s + 1) / (t.warmup_steps + 1) if s < t.warmup_steps else \
         max(0.0, 1 - (s - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+
+
+def peer_strategy(cfg: Config) -> str:
+    """ddp, fsdp or deepspeed: what the contender is asked for (--strategy, or --ds for ZeRO-2/3)."""
+    return "deepspeed" if cfg.parallel.ds else cfg.parallel.strategy
+
+
+def check_world(world: int) -> None:
+    """A peer that quietly falls back to one process would be timed on half the work: refuse instead."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != launched:
+        raise RuntimeError(f"the framework sees {world} process(es), the launcher started {launched}")
+
+
+def forward_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The built-in workloads' step: the multimodal model reads pixels, Longformer does not; cross-entropy on
+    fp32 logits, as shardtrain's loop computes it."""
+    logits = model(batch["input_ids"], batch["attention_mask"], batch.get("pixel_values"))
+    return F.cross_entropy(logits.float(), batch["labels"])
+
+
+def ds_config(cfg: Config) -> dict:
+    """The DeepSpeed config a user writes for this run: the ZeRO section from the same --ds file shardtrain
+    reads, the client AdamW kept (no DeepSpeed Adam JIT build), clipping by the engine."""
+    t = cfg.train
+    return {"train_micro_batch_size_per_gpu": t.per_device_batch_size, "gradient_accumulation_steps": 1,
+            "gradient_clipping": t.max_grad_norm, "steps_per_print": 10 ** 9,
+            "zero_optimization": json.loads(Path(cfg.parallel.ds).read_text())["zero_optimization"],
+            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+
+
+def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
+    """The classes shardtrain's default FSDP policy shards one by one (transformer layers, ResNet blocks)."""
+    return tuple(model.block_classes())
 
 
 def batches(loader: DataLoader, device: torch.device = torch.device("cpu")):

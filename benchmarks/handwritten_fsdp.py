@@ -10,11 +10,11 @@ import sys
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from bench_common import StepLog, adamw, batches, data_and_model, finish, load_config, warmup_linear
+from bench_common import (StepLog, adamw, batches, data_and_model, finish, forward_loss, load_config,
+                          warmup_linear)
 
 
 def main(argv):
@@ -33,8 +33,7 @@ def main(argv):
     data = batches(loader)
     for step in range(1, cfg.train.max_steps + 1):
         batch = next(data)
-        logits = model(batch["input_ids"], batch["attention_mask"], batch["pixel_values"])
-        loss = F.cross_entropy(logits.float(), batch["labels"])
+        loss = forward_loss(model, batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.max_grad_norm, foreach=True)
         opt.step()

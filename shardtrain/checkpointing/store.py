@@ -18,14 +18,15 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-
-import numpy as np
-import torch
-
-from torch.distributed.checkpoint.api import CheckpointException
+from typing import TYPE_CHECKING
 
 from shardtrain.runtime import faults
-from shardtrain.runtime.distributed import any_rank, barrier
+
+if TYPE_CHECKING:
+    import torch
+
+# torch, numpy and the process group are imported by the functions that save and load state, not here: the
+# parent process of `train --nproc N` reads this module's folder layout (refuse_to_overwrite) without torch.
 
 FORMAT_VERSION = 1
 COMMIT_MARKER = "COMMITTED"
@@ -81,6 +82,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def rng_state() -> dict[str, torch.Tensor]:
+    import torch
+
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
@@ -88,6 +91,7 @@ def rng_state() -> dict[str, torch.Tensor]:
 
 
 def save_rng(path: Path, rank: int) -> None:
+    import numpy as np
     from safetensors.torch import save_file
 
     path.mkdir(parents=True, exist_ok=True)
@@ -99,6 +103,8 @@ def save_rng(path: Path, rank: int) -> None:
 
 
 def load_rng(path: Path, rank: int) -> None:
+    import numpy as np
+    import torch
     from safetensors import safe_open
 
     file = path / f"rank-{rank:05d}.safetensors"
@@ -178,6 +184,10 @@ def start_save(strategy, trainer_state: dict, output_dir: str | Path, keep_last:
     """Every rank calls this: the step's directory, the strategy's shards (`background`: staged to host memory
     and written by a thread, strategy.save_async) and this rank's RNG state, as of this step. Nothing is committed:
     finish_save or commit_agreed does that once every rank's shards are on disk."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardtrain.runtime.distributed import barrier
+
     root = checkpoints_root(output_dir)
     path = root / step_dir_name(trainer_state["step"])
     if strategy.dist.is_rank0:
@@ -205,6 +215,8 @@ def start_save(strategy, trainer_state: dict, output_dir: str | Path, keep_last:
 def finish_save(strategy, pending: PendingSave) -> Path:
     """Every rank calls this: wait for this rank's write, agree that every rank's is on disk, commit. Returns the
     committed directory."""
+    from shardtrain.runtime.distributed import any_rank
+
     if pending.write is not None and pending.failure is None:
         pending.failure = pending.write.wait()
     # Ranks agree before anything is committed: one rank's full disk must not leave the others waiting.
@@ -219,6 +231,8 @@ def commit_agreed(strategy, pending: PendingSave, any_failed: bool) -> Path:
 
 
 def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) -> Path:
+    from shardtrain.runtime.distributed import barrier
+
     rank0, path, failure = strategy.dist.is_rank0, pending.path, pending.failure
     root = path.parent
     if failed:
@@ -247,6 +261,7 @@ def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) 
 
 
 def all_reduce_max(value: float, device) -> float:
+    import torch
     import torch.distributed as dist
     t = torch.tensor([value], dtype=torch.float64, device=device)
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -256,6 +271,8 @@ def all_reduce_max(value: float, device) -> float:
 
 def _abandon(path: Path, root: Path, rank0: bool) -> None:
     """A failed save leaves no partial directory (a later start would also ignore it: no COMMITTED)."""
+    from shardtrain.runtime.distributed import barrier
+
     barrier()
     if rank0:
         shutil.rmtree(path, ignore_errors=True)

@@ -37,6 +37,8 @@ from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load
 
 def train(cfg: Config, workload: Workload | None = None) -> dict:
     """`workload`: an instance to train (shardtrain.fit); None constructs the one the config names."""
+    # Wall-clock stamps of the start-up phases, in summary.json `startup` (benchmarks/startup.py reads them).
+    startup: dict[str, float] = {"train_entry": time.time()}
     dist_info = init_distributed(cfg.parallel.device, cfg.parallel.dist_timeout)
     console = Console(dist_info.rank, cfg.log.verbose)
     rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
@@ -46,6 +48,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     if cfg.checkpoint.overwrite_output_dir and cfg.checkpoint.resume == "none" and dist_info.is_rank0:
         checkpoint.clear_previous_run(out)  # asked for by name; otherwise `train` refused (refuse_to_overwrite)
     barrier()
+    startup["process_group"] = time.time()
     stop = StopFlag()
     t_start = now()
 
@@ -82,6 +85,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         check_resumed_labels(state.get("config") or {}, cfg)  # the checkpoint's class ids mean the data's classes
     loaders = build_loaders(cfg, None, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
                             dist_info.device.type, collate=CheckedCollate(workload))
+    startup["data"] = time.time()
 
     # ---- model, optimizer, schedule (built by the strategy: it decides where weights materialise)
     # The planner knows the built-ins' architectures from the config alone (with the vocabulary their tokenizer
@@ -92,6 +96,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     def model_factory(on_meta: bool = False, load_weights: bool = True):
         torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and strategy
         workload.loads_weights = load_weights and not on_meta
+        t_build = time.time()
         try:
             if on_meta:
                 with torch.device("meta"):
@@ -99,11 +104,14 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
             return workload.build_model()
         finally:
             workload.loads_weights = True
+            if not on_meta:
+                startup.setdefault("model_build_seconds", time.time() - t_build)
 
     frozen = (set(workload.freezable_parameter_names(cfg.model.freeze_layers))
               if cfg.model.freeze_layers else set())
     with construction_memory(dist_info) as built:  # peak host RSS while the strategy materialises the model
         strategy.setup(model_factory, frozen)
+    startup["strategy_setup"] = time.time()
     strategy.hold_frozen_norms(frozen)  # frozen BatchNorm keeps its running statistics until unfrozen
 
     # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
@@ -161,6 +169,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     # Prints the banner, opens the W&B run (continuing the checkpoint's one), starts the progress display.
     tracker = Tracker(cfg, dist_info, console, out, step, run_info, state, model_factory, members.state(),
                       members.change)
+    startup["banner"] = time.time()  # the memory prediction (run_info), the banner, W&B
 
     # ---- the loop
     throughput = Throughput()
@@ -227,6 +236,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         if mem_table is not None:
             record["mem"] = mem_table
         tracker.step(record, batch)  # metrics.jsonl, progress bar / log line, W&B
+        startup.setdefault("first_step", record["wall_time"])
 
         if t.eval_every and step % t.eval_every == 0 and step < t.max_steps:
             eval_result = evaluate(workload, strategy, loaders, dist_info, batch)
@@ -260,7 +270,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                "memory": {**mem.summary(), "construction": built.per_rank,
                           "predicted": measured_shape_prediction(cfg, world, vocab_size, mem.last)
                           if predictable else {}},
-               "oom_recovery": oom.summary(), "membership": members.changes}
+               "oom_recovery": oom.summary(), "membership": members.changes, "startup": startup}
     if mem.last:
         console.info(format_table(mem.last, mem.last_step, summary["memory"]["predicted"]))
     final_model = None

@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-
 from shardtrain.config.settings import Config
 from shardtrain.runtime.preemption import STOP_SIGNALS
 
@@ -21,6 +19,8 @@ def under_launcher() -> bool:
 def resolve_nproc(cfg: Config) -> int:
     if cfg.parallel.nproc != "auto":
         return int(cfg.parallel.nproc)
+    import torch  # only here: the parent of `train --nproc N` never trains, and torch costs it seconds
+
     wants_gpu = cfg.parallel.device in ("auto", "cuda") and torch.cuda.is_available()
     return torch.cuda.device_count() if wants_gpu else 1
 

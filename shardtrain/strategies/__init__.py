@@ -3,9 +3,13 @@ optimizer groups and activation checkpointing; make_strategy below is the only p
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from shardtrain.config.settings import Config
-from shardtrain.runtime.distributed import DistInfo
-from shardtrain.strategies.base import Strategy, StepResult
+
+if TYPE_CHECKING:
+    from shardtrain.runtime.distributed import DistInfo
+    from shardtrain.strategies.base import Strategy, StepResult
 
 
 def make_strategy(cfg: Config, dist_info: DistInfo, workload=None) -> Strategy:
@@ -28,7 +32,7 @@ def check_strategy_config(cfg: Config) -> None:
     The checks that need the model (a policy that wraps nothing, fp16 with BatchNorm) come in setup."""
     kind = cfg.parallel.strategy
     if kind == "fsdp":
-        from shardtrain.strategies.fsdp import load_policy
+        from shardtrain.strategies.fsdp_policy import load_policy
         load_policy(cfg.parallel.fsdp_policy)
     elif kind == "deepspeed":
         import os
@@ -39,6 +43,15 @@ def check_strategy_config(cfg: Config) -> None:
         world = (int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1) if under_launcher()
                  else resolve_nproc(cfg))
         resolve_ds_config(cfg, world)
+
+
+def __getattr__(name: str):
+    # Strategy and StepResult import torch: only when asked for, so that the parent process of `train --nproc N`
+    # can check the strategy's file (check_strategy_config) without paying for torch.
+    if name in ("Strategy", "StepResult"):
+        from shardtrain.strategies import base
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = ["Strategy", "StepResult", "make_strategy", "check_strategy_config"]

@@ -12,19 +12,44 @@ BENCH = REPO / "benchmarks"
 
 def test_overhead_dry_run(tmp_path):
     out = tmp_path / "overhead.json"
-    # shardtrain and the hand-written loop: two 2-process torchrun jobs of 6 steps (Accelerate's loop is the
-    # same harness with one more contender; it runs in the full benchmark).
-    run([sys.executable, str(BENCH / "overhead.py"), "--dry-run", "--contenders", "shardtrain,handwritten",
-         "--work", str(tmp_path / "work"), "--out", str(out)], timeout=300)
+    # Every contender script once, on the one cell they all run (tiny Longformer, DDP: 6 steps each), and a cell
+    # where two peers refuse the strategy on CPU: their own error lines must land in the JSON, not a crash.
+    peers = "shardtrain,handwritten,accelerate,fabric,hf_trainer"
+    run([sys.executable, str(BENCH / "overhead.py"), "--dry-run", "--cells", "longformer_tiny:ddp,longformer_tiny:fsdp",
+         "--contenders", peers, "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)
     result = json.loads(out.read_text())
     assert result["dry_run"] is True and result["nproc"] == 2
-    (cell,) = result["cells"]
-    assert (cell["config"], cell["strategy"]) == ("tiny", "ddp")
-    medians = cell["samples_per_sec_median"]
-    assert medians["shardtrain"] > 0 and medians["handwritten"] > 0
-    assert cell["ratio_vs_handwritten"] == medians["shardtrain"] / medians["handwritten"]
-    assert cell["ratio_vs_accelerate"] is None  # not run here
-    assert all(r["steps_timed"] == 3 for rs in cell["runs"].values() for r in rs)  # 6 steps - 2 warm-up - 1
+    ddp, fsdp = result["cells"]
+    assert (ddp["config"], ddp["strategy"], fsdp["strategy"]) == ("longformer_tiny", "ddp", "fsdp")
+    medians = ddp["samples_per_sec_median"]
+    assert all(medians[c] > 0 for c in peers.split(","))
+    assert ddp["ratio_vs_handwritten"] == medians["shardtrain"] / medians["handwritten"]
+    assert set(ddp["paired_ratio_median"]) == {"handwritten", "accelerate", "fabric", "hf_trainer"}
+    assert all(r["steps_timed"] == 3 for rs in ddp["runs"].values() for r in rs)  # 6 steps - 2 warm-up - 1
+    # FSDP: Fabric shards (FSDP2 through ModelParallelStrategy); Accelerate and HF Trainer say why they cannot.
+    assert fsdp["samples_per_sec_median"]["fabric"] > 0
+    assert "Accelerate would not shard" in fsdp["paired_ratio_median"]["accelerate"]["skipped"]
+    assert "not DistributedType.FSDP" in fsdp["paired_ratio_median"]["hf_trainer"]["skipped"]
+    assert len(result["cells"][0]["machine_load"]["loadavg_before"]) == 3
+
+
+def test_startup_dry_run(tmp_path):
+    out = tmp_path / "startup.json"
+    # shardtrain through torchrun and through `shardtrain train --nproc 2` (the parent relaunch), and the
+    # hand-written loop: one warm DDP round each.
+    run([sys.executable, str(BENCH / "startup.py"), "--dry-run", "--contenders", "shardtrain,shardtrain_cli,handwritten",
+         "--work", str(tmp_path / "work"), "--out", str(out)], timeout=400)
+    result = json.loads(out.read_text())
+    entries = {e["contender"]: e for e in result["entries"]}
+    assert set(entries) == {"shardtrain", "shardtrain_cli", "handwritten"}
+    assert all(e["strategy"] == "ddp" and e["warm_seconds"] > 0 and e["cold_seconds"] is None
+               for e in entries.values())
+    phases = entries["shardtrain_cli"]["warm_phases_median"]
+    assert list(phases) == ["imports", "process_group", "data", "model_build", "strategy_setup",
+                            "banner_and_prediction", "first_step"]
+    assert all(v >= 0 for v in phases.values())
+    # the phases tile the whole start-up: launch to the end of step 1
+    assert abs(sum(phases.values()) - entries["shardtrain_cli"]["warm_seconds"]) < 0.01
 
 
 def test_gpu_suite_dry_run(tmp_path):

@@ -166,3 +166,27 @@ def test_plan_tables_widen_each_column_to_its_widest_cell():
         assert [len(re.split(r" {2,}", line)) for line in table] == [n_columns] * 3, "\n".join(table)
         assert len({len(line) for line in table}) == 1, "\n".join(table)
         assert "zero3_offload_with_a_long_name  " in table[1] and "123456.78" in table[1], table[1]
+
+
+def test_the_activation_measurement_frees_its_models_without_a_full_collection(monkeypatch):
+    """The banner's prediction builds six small models; a gc.collect() after each cost seconds of start-up.
+    Reference counting alone must free them (no cycles keep a model or its saved tensors alive)."""
+    import gc
+    import weakref
+
+    from shardtrain.memory import planner
+    from shardtrain.models import build_model
+
+    built = []
+
+    def recording_build(*a, **kw):
+        model = build_model(*a, **kw)
+        built.append(weakref.ref(model))
+        return model
+
+    monkeypatch.setattr("shardtrain.models.build_model", recording_build)
+    monkeypatch.setattr(gc, "collect", lambda *a: pytest.fail("a full garbage collection in the prediction"))
+    for config in ("configs/longformer_tiny.yaml", "configs/multimodal_tiny.yaml"):
+        cfg = parse_cli(["--config", str(REPO / config)])
+        assert planner._saved_bytes(cfg, 32, recompute=False, precision="fp32") > 0
+    assert len(built) == 2 and all(ref() is None for ref in built)
