@@ -162,6 +162,15 @@ def _with_layers(cfg, n: int):
 def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int = 2) -> int:
     """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
     train mode rejects one value per channel, which a small image pooled to 1x1 would give)."""
+    from shardtrain.runtime.training_rng import aside
+
+    # Seeded, so a measurement is the same every time, and aside: the model and inputs it draws must not move
+    # the training stream of the run whose banner this is (runtime/training_rng.py).
+    with aside(seed=0):
+        return _measure_saved_bytes(cfg, seq_len, recompute, precision, batch)
+
+
+def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int) -> int:
     import torch
     import torch.nn.functional as F
 
@@ -169,7 +178,6 @@ def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int 
     from shardtrain.models import build_model
     from shardtrain.strategies.recompute import apply_activation_checkpointing
 
-    torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data, _vocab(cfg) or None, load_weights=False)
     model.train()
     if recompute:
@@ -490,14 +498,14 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
     import torch
 
     from shardtrain.config.settings import ConfigError
+    from shardtrain.runtime.training_rng import aside
     from shardtrain.workloads.base import load_workload, resolve_block_classes
 
     workload = load_workload(cfg)
     name = type(workload).__name__
     workload.loads_weights = False
-    torch.manual_seed(cfg.train.seed)
     try:
-        with torch.device("meta"):
+        with aside(seed=cfg.train.seed), torch.device("meta"):
             model = workload.build_model()
     except ConfigError:
         raise
