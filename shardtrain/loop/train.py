@@ -132,7 +132,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "global_batch_size": global_batch, "train_examples": loaders.train_size,
                 "eval_examples": loaders.eval_size, "steps_per_epoch": loaders.steps_per_epoch,
                 "image_cache": cfg.data.image_cache,
-                "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
+                "activation_checkpointing": t.activation_checkpointing,
+                **parameter_counts(strategy, frozen | strategy.user_frozen),
                 "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
                 # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
                 **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
@@ -180,7 +181,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
             # The last step's graph keeps the backend's hooks (and so a DeepSpeed engine about to be rebuilt) alive.
             outputs = loss = None
             strategy.set_frozen(frozen, False)
-            console.info(f"step {step}: unfroze {len(frozen)} parameter tensors")
+            console.info(f"step {step}: unfroze {len(frozen - strategy.user_frozen)} parameter tensors")
         t0 = now()
         loss_sum = torch.zeros((), device=dist_info.device)
         mem.begin_step(step + 1)
@@ -307,7 +308,8 @@ def trainer_state(step: int, loaders, cfg: Config) -> dict:
 
 
 def parameter_counts(strategy, frozen: set[str]) -> dict:
-    """Counts of the full (unsharded) model; DTensor shards report their global shape."""
+    """Counts of the full (unsharded) model; DTensor shards report their global shape. `frozen`: --freeze-layers'
+    parameters (frozen at the start, even if unfreeze_at_step comes later) and those build_model froze."""
     total = trainable = 0
     for name, p in strategy.named_parameters():
         n = getattr(p, "ds_numel", None) or p.numel()
