@@ -119,7 +119,7 @@ USER_CONFIG = """workload:
   target: frozen_backbone:FrozenBackbone
 train:
   per_device_batch_size: 8
-  lr: 1.0e-2
+  lr: 1.0e-3
   warmup_steps: 0
 parallel:
   device: cpu
