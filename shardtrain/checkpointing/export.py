@@ -166,12 +166,13 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     then written by Workload.export (by default model.safetensors + workload.json)."""
     from shardtrain.checkpointing.portable import read_portable
     from shardtrain.config.settings import add_import_paths, where
+    from shardtrain.runtime.training_rng import aside
     from shardtrain.workloads.base import load_workload
 
     add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
     workload = load_workload(cfg)  # imported from the working directory (and PYTHONPATH)
-    torch.manual_seed(cfg.train.seed)
-    model = workload.build_model()
+    with aside(seed=cfg.train.seed):  # the caller's random numbers (shardtrain.fit's, a notebook's) stay as they were
+        model = workload.build_model()
     load_fitting_weights(model, read_portable(ckpt_dir)["model"], workload, f"export {ckpt_dir}")
     workload.export(model.eval(), out)
     for f in out.glob("*.safetensors"):

@@ -272,12 +272,12 @@ def _workload(cfg):
 
 
 def _build(workload, cfg):
-    import torch
+    from shardtrain.runtime.training_rng import aside
 
-    torch.manual_seed(cfg.train.seed)
     workload.loads_weights = False  # the checkpoint's weights replace any pretrained ones
     try:
-        return workload.build_model()
+        with aside(seed=cfg.train.seed):  # built as training built it, leaving the caller's random numbers alone
+            return workload.build_model()
     finally:
         workload.loads_weights = True
 

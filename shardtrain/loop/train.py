@@ -31,6 +31,7 @@ from shardtrain.runtime.distributed import DistInfo, all_reduce_sum, barrier, ga
 from shardtrain.runtime.gpu_guard import check_devices
 from shardtrain.runtime.preemption import StopFlag, requeue_if_slurm
 from shardtrain.runtime.shared_dir import require_shared_output_dir
+from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
 from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load_workload
 
@@ -93,20 +94,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     predictable = is_builtin_workload(cfg)
     vocab_size = len(workload.tokenizer) if predictable and not cfg.model.pretrained else None
 
-    def model_factory(on_meta: bool = False, load_weights: bool = True):
-        torch.manual_seed(cfg.train.seed)  # identical initial weights on every rank and strategy
-        workload.loads_weights = load_weights and not on_meta
-        t_build = time.time()
-        try:
-            if on_meta:
-                with torch.device("meta"):
-                    return workload.build_model()
-            return workload.build_model()
-        finally:
-            workload.loads_weights = True
-            if not on_meta:
-                startup.setdefault("model_build_seconds", time.time() - t_build)
-
+    model_factory = make_model_factory(workload, cfg.train.seed, dist_info.device, startup)
     frozen = (set(workload.freezable_parameter_names(cfg.model.freeze_layers))
               if cfg.model.freeze_layers else set())
     with construction_memory(dist_info) as built:  # peak host RSS while the strategy materialises the model
@@ -114,7 +102,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     startup["strategy_setup"] = time.time()
     strategy.hold_frozen_norms(frozen)  # frozen BatchNorm keeps its running statistics until unfrozen
 
-    # ---- resume: model, optimizer, schedule, data position and RNG, all or nothing
+    # ---- resume: model, optimizer, schedule and data position, all or nothing (the RNG: right before the loop)
     step = 0
     unfreeze_at = cfg.model.unfreeze_at_step
     if resume_dir is not None:
@@ -124,7 +112,6 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
             strategy.set_frozen(frozen, False)
         strategy.load(resume_dir, state)  # a foreign strategy's checkpoint goes through the portable form
         loaders.train.load_state_dict(state["data"])
-        checkpoint.load_rng(resume_dir / "rng", dist_info.rank)
         step = state["step"]
         console.info(f"resumed from {resume_dir} at step {step}")
         if changed.schedule_changed:
@@ -145,7 +132,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 "global_batch_size": global_batch, "train_examples": loaders.train_size,
                 "eval_examples": loaders.eval_size, "steps_per_epoch": loaders.steps_per_epoch,
                 "image_cache": cfg.data.image_cache,
-                "activation_checkpointing": t.activation_checkpointing, **parameter_counts(strategy, frozen),
+                "activation_checkpointing": t.activation_checkpointing,
+                **parameter_counts(strategy, frozen | strategy.user_frozen),
                 "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
                 # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
                 **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
@@ -171,6 +159,12 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                       members.change)
     startup["banner"] = time.time()  # the memory prediction (run_info), the banner, W&B
 
+    # ---- the training stream (dropout): seeded, or the checkpoint's restored, after everything that builds or
+    # measures a model (each does so aside, runtime/training_rng.py), so that only the steps below draw from it.
+    seed_training_stream(cfg.train.seed, dist_info.device)
+    if resume_dir is not None:
+        checkpoint.load_rng(resume_dir / "rng", dist_info.rank)
+
     # ---- the loop
     throughput = Throughput()
     mem = MemoryMonitor(strategy, dist_info, every=t.memory_every)
@@ -187,7 +181,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
             # The last step's graph keeps the backend's hooks (and so a DeepSpeed engine about to be rebuilt) alive.
             outputs = loss = None
             strategy.set_frozen(frozen, False)
-            console.info(f"step {step}: unfroze {len(frozen)} parameter tensors")
+            console.info(f"step {step}: unfroze {len(frozen - strategy.user_frozen)} parameter tensors")
         t0 = now()
         loss_sum = torch.zeros((), device=dist_info.device)
         mem.begin_step(step + 1)
@@ -280,6 +274,27 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     return summary
 
 
+def make_model_factory(workload: Workload, seed: int, device: torch.device, startup: dict):
+    """What the strategies build the model with: `factory(on_meta=False, load_weights=True)`. Each build starts
+    from `seed` (identical initial weights on every rank and strategy, however often a strategy builds) and
+    runs aside, so no build, before the run or during it (DeepSpeed's rebuild at unfreeze_at_step, the FLOP
+    count's meta copy), moves the training stream."""
+    def factory(on_meta: bool = False, load_weights: bool = True):
+        workload.loads_weights = load_weights and not on_meta
+        t_build = time.time()
+        try:
+            with aside(seed=seed, device=device):
+                if on_meta:
+                    with torch.device("meta"):
+                        return workload.build_model()
+                return workload.build_model()
+        finally:
+            workload.loads_weights = True
+            if not on_meta:
+                startup.setdefault("model_build_seconds", time.time() - t_build)
+    return factory
+
+
 def measured_shape_prediction(cfg: Config, world: int, vocab_size: int | None, per_rank: dict) -> dict:
     """The banner's prediction again, at the [micro-batch, tokens] each rank measured (rank 0; {} elsewhere):
     the banner's is for max_length, and a batch is only as long as its longest text."""
@@ -293,7 +308,8 @@ def trainer_state(step: int, loaders, cfg: Config) -> dict:
 
 
 def parameter_counts(strategy, frozen: set[str]) -> dict:
-    """Counts of the full (unsharded) model; DTensor shards report their global shape."""
+    """Counts of the full (unsharded) model; DTensor shards report their global shape. `frozen`: --freeze-layers'
+    parameters (frozen at the start, even if unfreeze_at_step comes later) and those build_model froze."""
     total = trainable = 0
     for name, p in strategy.named_parameters():
         n = getattr(p, "ds_numel", None) or p.numel()

@@ -92,8 +92,9 @@ class ModelCount:
     small_params: int     # parameters in tensors below ZeRO-3's persistence threshold (kept whole)
     buffer_bytes: int
     layers: int           # repeated text encoder layers
-    # Parameters frozen for the whole run (freeze_layers without unfreeze_at_step): no gradient and no optimizer
-    # state under any strategy. With unfreeze_at_step they get both before the end, so they count in full.
+    # Parameters frozen for the whole run (freeze_layers without unfreeze_at_step, and whatever the model is built
+    # frozen with): no gradient and no optimizer state under any strategy. freeze_layers' with unfreeze_at_step
+    # get both before the end, so they count in full.
     frozen: int = 0
 
 
@@ -149,7 +150,14 @@ def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | Non
                       small_params=sum(n for n in params if n < persistence_threshold),
                       buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
                       layers=text_cfg.num_hidden_layers,
-                      frozen=sum(p.numel() for name, p in model.named_parameters() if name in frozen))
+                      frozen=_frozen_count(model, frozen))
+
+
+def _frozen_count(model, freeze_layers_names: set[str]) -> int:
+    """Parameters frozen for the whole run: those of freeze_layers (when nothing unfreezes them) and those
+    the model is built frozen with (requires_grad False), which no strategy trains (strategies/base.py)."""
+    return sum(p.numel() for name, p in model.named_parameters()
+               if name in freeze_layers_names or not p.requires_grad)
 
 
 # ---- activations, measured at small shapes -------------------------------------------------------------------
@@ -162,6 +170,15 @@ def _with_layers(cfg, n: int):
 def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int = 2) -> int:
     """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
     train mode rejects one value per channel, which a small image pooled to 1x1 would give)."""
+    from shardtrain.runtime.training_rng import aside
+
+    # Seeded, so a measurement is the same every time, and aside: the model and inputs it draws must not move
+    # the training stream of the run whose banner this is (runtime/training_rng.py).
+    with aside(seed=0):
+        return _measure_saved_bytes(cfg, seq_len, recompute, precision, batch)
+
+
+def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int) -> int:
     import torch
     import torch.nn.functional as F
 
@@ -169,7 +186,6 @@ def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int 
     from shardtrain.models import build_model
     from shardtrain.strategies.recompute import apply_activation_checkpointing
 
-    torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data, _vocab(cfg) or None, load_weights=False)
     model.train()
     if recompute:
@@ -490,14 +506,14 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
     import torch
 
     from shardtrain.config.settings import ConfigError
+    from shardtrain.runtime.training_rng import aside
     from shardtrain.workloads.base import load_workload, resolve_block_classes
 
     workload = load_workload(cfg)
     name = type(workload).__name__
     workload.loads_weights = False
-    torch.manual_seed(cfg.train.seed)
     try:
-        with torch.device("meta"):
+        with aside(seed=cfg.train.seed), torch.device("meta"):
             model = workload.build_model()
     except ConfigError:
         raise
@@ -507,9 +523,12 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
     blocks = resolve_block_classes(model, workload.block_classes(), f"{name}.block_classes()")
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if blocks and isinstance(m, blocks)]
     params = [p.numel() for p in model.parameters()]
+    frozen = set(workload.freezable_parameter_names(cfg.model.freeze_layers)) \
+        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None else set()
     return ModelCount(params=sum(params), largest_unit=max(units, default=max(params, default=0)),
                       small_params=sum(n for n in params if n < persistence_threshold),
-                      buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()), layers=0), name
+                      buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()), layers=0,
+                      frozen=_frozen_count(model, frozen)), name
 
 
 def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool = True) -> dict:
@@ -529,14 +548,17 @@ def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, c
                      "fits_before_activations": total <= capacity_bytes * (1 - HEADROOM),
                      "relative_cost": cost, "communication": comm,
                      **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None}})
-    return {"workload": name, "model_params": m.params, "largest_unit_params": m.largest_unit, "gpus": gpus,
-            "capacity_bytes": capacity_bytes, "precision": precision, "rows": rows, "recommendation": None,
+    return {"workload": name, "model_params": m.params, "frozen_params": m.frozen,
+            "largest_unit_params": m.largest_unit, "gpus": gpus, "capacity_bytes": capacity_bytes,
+            "precision": precision, "rows": rows, "recommendation": None,
             "activations": f"not predicted for {name}: shardtrain measures activations on the built-in "
                            f"architectures; the headroom column is what {name}'s activations may use"}
 
 
 def format_workload_plan(p: dict, gpu_name: str) -> str:
-    lines = [f"plan: {p['workload']}, {p['model_params']:,} parameters (largest block {p['largest_unit_params']:,}) on "
+    frozen = f", {p['frozen_params']:,} of them frozen" if p.get("frozen_params") else ""
+    lines = [f"plan: {p['workload']}, {p['model_params']:,} parameters{frozen} (largest block "
+             f"{p['largest_unit_params']:,}) on "
              f"{p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), {p['precision']}  (GiB per GPU)",
              *_plan_table(p, with_activations=False)]
     lines.append(f"activations: {p['activations']}; no recommendation without them (fits: model states only)")

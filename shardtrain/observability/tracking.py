@@ -236,8 +236,10 @@ class Tracker:
             import torch
             self.peak_flops = flops.peak_flops(torch.cuda.get_device_name(self.dist.device),
                                                self.cfg.train.precision)
-            self.flops_per_sample = flops.train_flops_per_sample(self.model_factory, batch,
-                                                                 self.run_info["params_trainable"])
+            from shardtrain.runtime.training_rng import aside
+            with aside(device=self.dist.device):  # a model built mid-run: off the training stream
+                self.flops_per_sample = flops.train_flops_per_sample(self.model_factory, batch,
+                                                                     self.run_info["params_trainable"])
         return flops.mfu(self.flops_per_sample, record["samples_per_sec"], self.dist.world_size, self.peak_flops)
 
     @staticmethod

@@ -107,15 +107,31 @@ class Strategy(ABC):
 
     def set_frozen(self, names: set[str], frozen: bool) -> None:
         for name, p in self.named_parameters():
-            if name in names:
+            if name in names and name not in self.user_frozen:
                 p.requires_grad_(not frozen)
         self.hold_frozen_norms(names if frozen else set())
+
+    # What the user's build_model returned frozen (requires_grad False: a pretrained encoder frozen by hand, a
+    # PEFT model's base weights). It stays frozen for the whole run, under every strategy: setup keeps it so
+    # and set_frozen (--freeze-layers' unfreeze_at_step) never unfreezes it.
+    user_frozen: frozenset[str] = frozenset()
+
+    def _freeze(self, model: nn.Module, frozen_names: set[str]) -> set[str]:
+        """Setup's freezing of the model build_model returned: `frozen_names` (--freeze-layers) on top of what
+        it came frozen with (recorded as user_frozen); every other parameter trains. Returns both together."""
+        self.user_frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+        frozen = set(frozen_names) | self.user_frozen
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in frozen)
+        return frozen
 
     _frozen_norms: list = []
 
     def hold_frozen_norms(self, frozen_names: set[str]) -> None:
-        """BatchNorm layers whose parameters are all frozen normalise with their running statistics and stop
-        updating them (eval mode), as torchvision's FrozenBatchNorm2d does; an empty set releases them."""
+        """BatchNorm layers whose parameters are all frozen (`frozen_names` or user_frozen) normalise with their
+        running statistics and stop updating them (eval mode), as torchvision's FrozenBatchNorm2d does; an empty
+        set releases those of `frozen_names`."""
+        frozen_names = set(frozen_names) | self.user_frozen
         norms = []
         for prefix, m in self.unwrapped.named_modules():
             own = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]

@@ -14,8 +14,7 @@ class DDPStrategy(NativeStrategy):
     def setup(self, build_model, frozen_names):
         # Every rank builds the model; DDP broadcasts rank 0's weights when it wraps.
         self.inner = build_model().to(self.device)
-        for name, p in self.inner.named_parameters():
-            p.requires_grad_(name not in frozen_names)
+        self._freeze(self.inner, frozen_names)
         self.recompute_count = self._apply_recompute(self.inner, self.block_classes(self.inner))
         self.model = self._wrap()
         return self._finish_setup(frozen_names)

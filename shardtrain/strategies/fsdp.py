@@ -87,8 +87,7 @@ class FSDPStrategy(NativeStrategy):
         model = build_model(on_meta=not rank0)
         full_sd = {k: v.detach().cpu() for k, v in model.state_dict().items()} if rank0 else {}
         buffers = {n: b.detach().clone().cpu() for n, b in model.named_buffers()} if rank0 else {}
-        for name, p in model.named_parameters():
-            p.requires_grad_(name not in frozen_names)
+        self._freeze(model, frozen_names)  # before sharding: a unit may hold frozen and trainable parameters
 
         # The policy's classes where the model has some of them; else the workload's blocks.
         ac_classes = (_classes_by_name(model, self.policy.activation_checkpointing, "activation_checkpointing",

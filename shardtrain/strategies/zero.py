@@ -51,7 +51,8 @@ class ZeroStrategy(Strategy):
     def setup(self, build_model, frozen_names):
         # Frozen parameters do not require grad when the engine is built, so DeepSpeed gives them no fp32 master,
         # gradient or optimizer partitions (it partitions only what requires grad, at initialize time); at
-        # unfreeze_at_step set_frozen builds a new engine that has them (see _rebuild).
+        # unfreeze_at_step set_frozen builds a new engine that has them (see _rebuild). What build_model froze
+        # itself (user_frozen) is frozen in every engine.
         self._build_model, self._freezable = build_model, set(frozen_names)
         self._build(frozen_now=set(frozen_names), weights_from_memory=False)
         if self.cfg.checkpoint.async_save:
@@ -95,8 +96,7 @@ class ZeroStrategy(Strategy):
             model = build_model(on_meta=False, load_weights=not weights_from_memory)
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
             resolve_ds_config(self.cfg, self.dist.world_size, has_batchnorm=True)  # fp16 with BatchNorm: one line
-        for name, p in model.named_parameters():
-            p.requires_grad_(name not in frozen_now)
+        frozen_now = self._freeze(model, frozen_now)  # with what build_model froze itself, every engine
         self.recompute_count = self._apply_recompute(model, self.block_classes(model))
         # Frozen parameters are left out of the optimizer (a ZeRO group with nothing to train breaks the
         # flattening); once they unfreeze, their groups are the same as under DDP and FSDP (optim.param_groups).
@@ -133,7 +133,7 @@ class ZeroStrategy(Strategy):
         return StepResult(grad_norm=norm, applied=applied and not skip, overflow=overflow)
 
     def set_frozen(self, names, frozen):
-        now = set(names) if frozen else set()
+        now = (set(names) if frozen else set()) | self.user_frozen
         if now != self._frozen_now:
             # Before the first step (a resume unfreezes before it loads) there is no state to carry.
             self._rebuild(now, carry_state=self.engine.global_steps > 0)
@@ -170,7 +170,7 @@ class ZeroStrategy(Strategy):
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._build(frozen_now, weights_from_memory=carry_state)
-        # Building seeds the model's initialisation (train.model_factory); dropout must go on as it would have.
+        # The model is built aside (runtime/training_rng.py), the engine is not: dropout must go on as it would have.
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state_all(rng[1])

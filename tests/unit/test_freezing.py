@@ -1,7 +1,9 @@
 """Freezing under DDP and FSDP2, through the strategies' own setup/backward/step/set_frozen: a frozen parameter has
 requires_grad False, no .grad and no optimizer state, and its weight does not move, until set_frozen(..., False)
 (unfreeze_at_step); then it gets all three. The FSDP unit here mixes frozen and trainable parameters (issue 13,
-pitfall 4). One process, world size 1, in a subprocess of its own (a process group is global state)."""
+pitfall 4). What build_model itself returned frozen (the second Block's upper layer, frozen by hand as users
+freeze a pretrained part) stays frozen throughout, unfreeze included, though --freeze-layers names part of it too
+(issue 25, item 3). One process, world size 1, in a subprocess of its own (a process group is global state)."""
 from __future__ import annotations
 
 import json
@@ -34,13 +36,16 @@ class Block(nn.Module):
 
 class Blocks(Workload):
     def build_model(self):
-        return nn.Sequential(Block(), Block(), nn.Linear(8, 3))
+        model = nn.Sequential(Block(), Block(), nn.Linear(8, 3))
+        for p in model[1].upper.parameters():
+            p.requires_grad = False
+        return model
 
     def block_classes(self):
         return (Block,)
 
 
-FROZEN = {"0.lower.weight", "0.lower.bias"}  # half of the first FSDP unit
+FROZEN = {"0.lower.weight", "0.lower.bias", "1.upper.weight"}  # half of the first FSDP unit, and one user-frozen
 out = {}
 for cls in (DDPStrategy, FSDPStrategy):
     cfg = Config()
@@ -71,7 +76,7 @@ for cls in (DDPStrategy, FSDPStrategy):
         return {"requires_grad": {n: p.requires_grad for n, p in params.items()}, "grad": grads,
                 "state": {n: bool(s.optimizer.state.get(p)) for n, p in params.items()},
                 "moved": {n: not torch.equal(before[n], full(p)) for n, p in params.items()}}
-    rec = {"frozen": [one_step(), one_step()]}
+    rec = {"frozen": [one_step(), one_step()], "user_frozen": sorted(s.user_frozen)}
     s.set_frozen(FROZEN, False)
     params = dict(s.named_parameters())
     rec["unfrozen"] = [one_step(), one_step()]
@@ -90,13 +95,15 @@ def test_frozen_parameters_have_no_grad_or_optimizer_state_until_unfrozen_ddp_an
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     result = json.loads(line[len("RESULT "):])
     frozen = {"0.lower.weight", "0.lower.bias"}
+    user = {"1.upper.weight", "1.upper.bias"}
     for name, rec in result.items():
+        assert set(rec["user_frozen"]) == user, rec["user_frozen"]
         for phase, steps in (("frozen", rec["frozen"]), ("unfrozen", rec["unfrozen"])):
             for i, step in enumerate(steps):
                 for key in ("requires_grad", "grad", "state", "moved"):
                     names = set(step[key])
                     assert len(names) == 10, (name, names)
                     held = {n for n in names if step[key][n]}
-                    want = names - frozen if phase == "frozen" else names
+                    want = names - user - (frozen if phase == "frozen" else set())
                     assert held == want, (name, phase, i, key, sorted(held ^ want))
-    assert result["fsdp"]["units"] == 2  # the two Blocks: the first mixes frozen and trainable parameters
+    assert result["fsdp"]["units"] == 2  # the two Blocks: each mixes frozen and trainable parameters

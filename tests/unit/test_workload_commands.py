@@ -70,6 +70,13 @@ TASKS = textwrap.dedent('''
     class NoMeta(Tiny):
         def build_model(self):
             raise OSError("roberta-base is not in the cache")
+
+    class FrozenBlocks(Tiny):
+        def build_model(self):
+            model = Net()
+            for p in model.blocks.parameters():  # a pretrained part, frozen by hand
+                p.requires_grad = False
+            return model
 ''')
 TINY_PARAMS = 2 * (8 * 8 + 8) + 8 * 3 + 3
 
@@ -105,6 +112,21 @@ def test_plan_counts_a_user_model_on_the_meta_device_and_says_what_it_cannot_pre
     assert "not predicted for Tiny" in p["activations"]
     code, out, _ = run_cli(capsys, "plan", "--workload", "user_tasks:Tiny", "--gpus", "2", "--gpu", "a100")
     assert out.startswith(f"plan: Tiny, {TINY_PARAMS:,} parameters") and "activations: not predicted for Tiny" in out
+
+
+def test_plan_counts_what_build_model_froze_as_frozen(tasks, capsys):
+    """No gradient and no optimizer state for the parameters the user's build_model froze (issue 25)."""
+    code, out, err = run_cli(capsys, "plan", "--workload", "user_tasks:FrozenBlocks", "--gpus", "2", "--gpu", "a100",
+                             "--json")
+    assert code == 0, err
+    p = json.loads(out)
+    trainable = 8 * 3 + 3
+    assert (p["model_params"], p["frozen_params"]) == (TINY_PARAMS, TINY_PARAMS - trainable)
+    ddp = {r["variant"]: r["gpu_bytes"] for r in p["rows"]}["ddp"]
+    assert (ddp["params"], ddp["grads"], ddp["optimizer"]) == (4 * TINY_PARAMS, 4 * trainable, 8 * trainable)
+    code, out, _ = run_cli(capsys, "plan", "--workload", "user_tasks:FrozenBlocks", "--gpus", "2", "--gpu", "a100")
+    assert out.startswith(f"plan: FrozenBlocks, {TINY_PARAMS:,} parameters, {TINY_PARAMS - trainable:,} of them "
+                          f"frozen"), out
 
 
 def test_plan_names_the_workload_method_that_fails(tasks, capsys):
