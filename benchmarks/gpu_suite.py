@@ -220,7 +220,7 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     t0 = time.time()
     summary = train(cfg)
     row["wall_seconds"] = time.time() - t0
-    del held
+    filled, held = held is not None, None  # the ballast goes back before anything else is measured
     row.update({"strategy": summary.get("strategy"), "offload": summary.get("offload"),
                 "params_total": summary.get("params_total"), "cuda_math": summary.get("cuda_math"),
                 "skipped_steps": summary.get("skipped_steps"), "final_step": summary.get("final_step"),
@@ -244,7 +244,7 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     row["step_measured"] = (summary.get("memory") or {}).get("step")
     row["peak_host_rss_gib"] = peak_rss_bytes() / gib
     row["planner"] = planner_prediction(cfg)
-    if held is not None:  # the ballast is in every allocator figure of this case: no comparison
+    if filled:  # the ballast is in every allocator figure of this case: no comparison
         row["planner"]["note"] = "not compared: the case holds the GPU filled to its headroom"
         row["step_peak_allocated_gib"] = None
     pred, seen = row["planner"]["predicted_peak_gib"], row["step_peak_allocated_gib"]

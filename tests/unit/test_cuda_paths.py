@@ -394,3 +394,49 @@ def test_parity_says_which_tolerance_it_uses(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "parity: tolerances for bf16 on cpu: loss 0.02, grad norm 0.05 (relative)" in out, out
     assert cli.main(["parity", "--runs", f"{a},{b}", "--tolerance", "1e-4"]) == 1
+
+
+# ---- 10-11. the GPU suite: preflight, the hard stop, the result under the caller's --out ------------------------
+def _gpu_suite():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import gpu_suite
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return gpu_suite
+
+
+def test_the_gpu_suite_preflight_names_the_missing_package_and_still_writes_the_json(tmp_path, monkeypatch, capsys):
+    suite = _gpu_suite()
+    monkeypatch.setattr(suite, "PREFLIGHT", ("torch", "no_such_package_shardtrain"))
+    out = tmp_path / "OUT" / "gpu_suite.json"
+    assert suite.main(["--dry-run", "--work", str(tmp_path / "w"), "--out", str(out)]) == 3
+    err = capsys.readouterr().err
+    assert "preflight: cannot import no_such_package_shardtrain (ModuleNotFoundError" in err and "\n" == err[-1]
+    result = json.loads(out.read_text())
+    assert "no_such_package_shardtrain" in result["preflight_error"] and result["complete"] is False
+    assert {r["status"] for r in result["cases"]} == {"pending"}  # nothing ran, nothing is lost either
+
+
+def test_the_gpu_suite_has_no_duplicate_case_and_runs_never_run_paths_first():
+    suite = _gpu_suite()
+    keys = [(str(c[2]), tuple(c[3])) for c in suite.CASES]
+    assert len(set(keys)) == len(keys), "two cases run the same config and flags"
+    groups = list(dict.fromkeys(c[1] for c in suite.CASES))  # in order of first appearance
+    assert groups[:4] == ["fp16", "oom", "offload", "compile"]
+    flags = [f for c in suite.CASES for f in c[3]]
+    assert "--compile" in flags and "fp16" in flags and "fsdp_policies/offload.yaml" in " ".join(flags)
+
+
+def test_the_gpu_suite_shell_keeps_its_hard_stop_above_budget_plus_the_longest_case(tmp_path):
+    fake = tmp_path / "py"
+    fake.write_text('#!/bin/bash\necho "PY $*"\n')
+    fake.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "PY": str(fake)}
+    for args, stop in (([], 300 + 240 + 30), (["--budget-s", "100", "--case-timeout-s=50"], 180)):
+        run = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_suite.sh"), "--out", "o.json", "--work", "w",
+                              *args], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        assert run.returncode == 0, run.stderr
+        assert f"hard stop {stop} s" in run.stdout, run.stdout
+        (line,) = [x for x in run.stdout.splitlines() if x.startswith("PY ")]
+        assert "benchmarks/gpu_suite.py" in line and "--out o.json --work w" in line
