@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-# Dense tensor-core peaks (no sparsity), FLOP/s, from the vendors' datasheets. fp32 is plain FP32
-# (torch does not enable TF32 matmuls by default).
+# Dense tensor-core peaks (no sparsity), FLOP/s, from the vendors' datasheets. fp32 is plain FP32; tf32 is what
+# an fp32 run's matmuls reach with TF32 on (shardtrain's CUDA default, runtime/device_defaults.py; V100 has none).
 PEAK_FLOPS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
     "V100": {"fp16": 125e12, "fp32": 15.7e12},
 }
 
