@@ -354,6 +354,17 @@ def test_the_shipped_fsdp_policies_gather_in_16_bits_and_reduce_in_fp32():
     assert wire_dtypes(off, "bf16")["why_fp32_params"] == "the policy's mixed_precision is false"
 
 
+def test_the_planner_prices_fsdp_gathers_at_the_wire_dtype():
+    from shardtrain.memory.planner import ModelCount, gathers_16bit, model_states
+
+    m = ModelCount(params=1_000_000, largest_unit=10_000, small_params=1_000, buffer_bytes=0, layers=2)
+    assert model_states("fsdp", m, 4, "bf16")["gpu"]["overhead"] == 2 * 2 * m.largest_unit  # 16-bit gathers
+    assert model_states("fsdp", m, 4, "fp32")["gpu"]["overhead"] == 2 * 4 * m.largest_unit
+    assert model_states("fsdp", m, 4, "bf16", gathered_16bit=False)["gpu"]["overhead"] == 2 * 4 * m.largest_unit
+    assert gathers_16bit("fsdp", "bf16", str(REPO / "fsdp_policies/default.yaml"))
+    assert not gathers_16bit("ddp", "bf16") and not gathers_16bit("fsdp", "fp32")
+
+
 def test_fsdp_bf16_gathers_linear_weights_in_bf16_and_keeps_batchnorm_fp32(fsdp_runs):
     run = fsdp_runs["default_bf16"]
     assert run["in_forward"] == {"linear_weight": "torch.bfloat16", "batchnorm_weight": "torch.float32"}
