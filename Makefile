@@ -5,13 +5,16 @@ NPROC ?= 2
 DEMO_OUT ?= runs/demo
 # DeepSpeed JIT-builds its C++ ops once; keep them beside the venv so every run reuses them.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
-export DS_ACCELERATOR ?= cpu
 export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 # The venv may be shared by many clones (CI), so this checkout is put on the path rather than installed into it.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
 .PHONY: venv demo test test-unit test-dist bench clean
+
+# DeepSpeed's CPU accelerator for the CPU runs alone: a GPU run must not inherit it (shardtrain sets it itself
+# for --device cpu and says so when a CUDA run finds it set).
+test test-unit test-dist demo: export DS_ACCELERATOR ?= cpu
 
 # Installed once per content of the requirements (not their timestamps: every clone would reinstall).
 REQ_HASH := $(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)

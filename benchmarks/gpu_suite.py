@@ -1,23 +1,29 @@
-"""The GPU suite: one prepared run on one NVIDIA GPU (~8 minutes) -> one JSON file and a printed table.
+"""The GPU suite: one prepared run on one NVIDIA GPU (~9 minutes at most) -> one JSON file and a printed table.
 
-    bash benchmarks/gpu_suite.sh                   # on the GPU machine (installs carried wheels if needed)
-    python benchmarks/gpu_suite.py --dry-run       # CPU: every case for 2 steps at tiny shapes (the test)
+    bash benchmarks/gpu_suite.sh --out $OUT/gpu_suite.json --work /tmp/gpu-suite   # on a lent GPU machine
+    python benchmarks/gpu_suite.py --dry-run --cases ...                             # CPU: tiny shapes (the test)
 
-Cases (all world size 1, bf16, random init from known architectures: nothing is downloaded):
-- fusion: RoBERTa-base + ResNet-50, per-device batch 32, 128 tokens, 224 px: plain eager; + channels_last;
-  + channels_last + torch.compile. samples/s, MFU, peak memory.
-- longformer: Longformer-base at 4096 tokens, batch 4, with and without activation checkpointing.
-- strategies: the fusion model (channels_last, eager) under DDP, FSDP2, ZeRO-2, ZeRO-2 + optimizer offload,
-  ZeRO-3, ZeRO-3 + optimizer and parameter offload, side by side.
-Every case also records the planner's prediction (shardtrain.memory.planner.predict_run, if present) against the
-measured peak.
+Cases, all world size 1, random init from known architectures (nothing is downloaded), in this order: first the
+paths that have never run anywhere (CUDA-only), then the throughput and memory rows:
+- fp16: DDP with torch's GradScaler on CUDA, and DeepSpeed's own fp16 engine (ZeRO-2) - the V100 path, on
+  Longformer (DeepSpeed fp16 refuses the BatchNorm model);
+- a real CUDA out-of-memory: the case fills the GPU 1 GiB at a time until the allocator fails, gives back all
+  but a few GiB, then trains a micro-batch that cannot fit: --oom-recovery must shrink it and finish;
+- FSDP2 CPU offload; torch.compile (inductor) on the fusion model;
+- fusion: RoBERTa-base + ResNet-50, per-device batch 32, 128 tokens, 224 px: eager; + channels_last (also the
+  DDP row of the strategies); longformer: Longformer-base at 4096 tokens, batch 4, with and without activation
+  checkpointing; strategies: the fusion model (channels_last) under FSDP2, ZeRO-2 (+ offload), ZeRO-3 (+ offload).
+Every case records the planner's whole prediction (model states, activations, communication buffers and overhead:
+`shardtrain plan`'s row for the case, less the CUDA context, which no allocator counts) against the peak the
+allocator saw over one training step (step 2, after the optimizer state exists: the run's own per-step
+monitor), the FLOP count's method, and what CUDA math was on (TF32, cudnn.benchmark).
 
 Each case is a fresh child process running shardtrain.loop.train.train(cfg) (so peak memory and failures stay per
-case); --dry-run runs them all in one CPU process to stay fast. Speed is measured as in overhead.py: from
-metrics.jsonl's per-step wall-clock stamps after the warm-up steps (compilation and cuDNN autotuning fall in
-the warm-up). MFU = shardtrain.memory.flops' counted training FLOPs per sample (forward counted once with
-FlopCounterMode on a meta-device copy, x3) x samples/s / the GPU's dense bf16 peak (shardtrain.memory.flops table:
-H100/H200 989, A100 312 TFLOP/s; V100 has no bf16).
+case); --dry-run runs them all in one CPU process to stay fast. The JSON is rewritten after every case, by the
+process that ran it, so a crash, a timeout or a hard stop keeps every finished case. Speed is measured as in
+overhead.py: from metrics.jsonl's per-step wall-clock stamps after the warm-up steps (compilation and cuDNN
+autotuning fall in the warm-up). MFU = counted training FLOPs per sample x samples/s / the GPU's dense peak at
+the case's precision (shardtrain.memory.flops table: H100/H200 989, A100 312 TFLOP/s bf16).
 """
 from __future__ import annotations
 
@@ -38,21 +44,31 @@ CONF = REPO / "benchmarks" / "configs"
 DS = REPO / "ds_configs"
 FUSION, LONGFORMER = CONF / "gpu_fusion.yaml", CONF / "gpu_longformer.yaml"
 CL = ["--channels-last", "true"]
-# (name, group, config, flags, steps, warm-up steps excluded from the rate)
+FP16 = ["--precision", "fp16"]
+# (name, group, config, flags, steps, warm-up steps excluded from the rate). Never-run paths first (see above).
 CASES = [
+    ("fp16_ddp_grad_scaler", "fp16", LONGFORMER, ["--strategy", "ddp", *FP16], 12, 4),
+    ("fp16_deepspeed_zero2", "fp16", LONGFORMER, ["--ds", str(DS / "zero2.json"), *FP16], 12, 4),
+    ("oom_recovery_real", "oom", FUSION, ["--strategy", "ddp", *CL, "--per-device-batch-size", "256"], 6, 2),
+    ("fsdp_offload", "offload", FUSION, ["--strategy", "fsdp", "--fsdp-policy",
+                                         str(REPO / "fsdp_policies" / "offload.yaml"), *CL], 10, 4),
+    ("fusion_channels_last_compile", "compile", FUSION, ["--strategy", "ddp", *CL, "--compile", "inductor"], 40, 15),
     ("fusion_eager", "fusion", FUSION, ["--strategy", "ddp"], 30, 8),
-    ("fusion_channels_last", "fusion", FUSION, ["--strategy", "ddp", *CL], 30, 8),
-    ("fusion_channels_last_compile", "fusion", FUSION, ["--strategy", "ddp", *CL, "--compile", "inductor"], 40, 15),
+    ("fusion_channels_last", "fusion", FUSION, ["--strategy", "ddp", *CL], 30, 8),  # also the strategies' DDP row
     ("longformer_4096", "longformer", LONGFORMER, ["--strategy", "ddp"], 12, 4),
     ("longformer_4096_ac", "longformer", LONGFORMER, ["--strategy", "ddp", "--activation-checkpointing", "true"],
      12, 4),
-    ("strategy_ddp", "strategies", FUSION, ["--strategy", "ddp", *CL], 20, 6),
     ("strategy_fsdp", "strategies", FUSION, ["--strategy", "fsdp", *CL], 20, 6),
     ("strategy_zero2", "strategies", FUSION, ["--ds", str(DS / "zero2.json"), *CL], 20, 6),
     ("strategy_zero2_offload", "strategies", FUSION, ["--ds", str(DS / "zero2_offload.json"), *CL], 10, 4),
     ("strategy_zero3", "strategies", FUSION, ["--ds", str(DS / "zero3.json"), *CL], 20, 6),
     ("strategy_zero3_offload", "strategies", FUSION, ["--ds", str(DS / "zero3_offload.json"), *CL], 10, 4),
 ]
+# Paths a CPU cannot take, with the error the dry run must then record (it checks the case still reaches them).
+CPU_EXPECTED_ERRORS = {"fp16_deepspeed_zero2": "fp16 is not supported"}
+# The OOM case: free memory left on the GPU once the allocator has failed (model states + a small batch fit).
+OOM_HEADROOM_GIB = 8
+PREFLIGHT = ("torch", "transformers", "datasets", "deepspeed")
 # --dry-run: the same cases and code paths at shapes a CPU runs in seconds. torch.compile traces with the
 # "aot_eager" backend there (AOTAutograd as inductor, minus minutes of C++ codegen); the GPU uses inductor.
 DRY_FLAGS = ["--device", "cpu", "--text-config",
@@ -97,31 +113,43 @@ def make_suite_data(work: Path, dry: bool) -> dict[Path, Path]:
 
 def case_args(case, work: Path, data: dict, dry: bool) -> list[str]:
     name, _, config, flags, steps, _ = case
+    # No checkpoint: none of these cases is about one (each would cost a save's time and disk); a short final
+    # evaluation (the configs' max_eval_samples) still runs, as in every run.
     args = ["--config", str(config), "--data-dir", str(data[config]), "--output-dir", str(work / "runs" / name),
-            "--resume", "none", "--max-steps", str(2 if dry else steps), "--eval-every", "0", *flags]
+            "--resume", "none", "--overwrite-output-dir", "true", "--max-steps", str(2 if dry else steps),
+            "--eval-every", "0", "--save-final", "false", *flags]
     if config == FUSION:
         args += ["--image-cache", str(data[config] / "cache")]
     if dry:
         args += DRY_FLAGS + DRY_MODEL[config]
         args = ["aot_eager" if a == "inductor" else a for a in args]
+        if name == "oom_recovery_real":
+            # No CUDA allocator to fill: the test-only injection raises a real torch.OutOfMemoryError instead
+            # (above micro-batch 2: at 1 the tiny ResNet's BatchNorm would see one value per channel).
+            args += ["--per-device-batch-size", "4", "--inject-oom-above", "2"]
     return args
 
 
 # ---- one case, in this process ----------------------------------------------------------------------------
 def planner_prediction(cfg) -> dict:
-    """The planner's per-rank peak, through the same optional contract the startup banner uses."""
-    from shardtrain.memory.planner import memory_prediction
+    """`shardtrain plan`'s whole row for this case (model states, activations, communication buffers, overhead)
+    at world size 1, without the CUDA context (the allocator's peak does not see it)."""
+    from shardtrain.memory.planner import GIB, plan, variant_of
 
-    pred = memory_prediction(cfg, 1)
-    # predict_run gives the parts (model states + saved activations), not one peak: their sum is the
-    # prediction compared here (it leaves out communication buffers and allocator overhead).
-    parts = [pred.get("model_state_gib"), pred.get("activations_gib")]
-    value = sum(parts) if all(isinstance(v, (int, float)) for v in parts) else None
-    return {"predicted_peak_gib": value, "raw": pred,
-            "note": pred.get("note") if value is None else "model_state_gib + activations_gib of predict_run"}
+    try:
+        p = plan(cfg, 1, float("inf"), cuda=False)
+        variant = variant_of(cfg)
+        row = next(r for r in p["rows"] if r["variant"] == variant
+                   and r["activation_checkpointing"] == cfg.train.activation_checkpointing)
+    except Exception as e:  # noqa: BLE001 - a prediction that fails is a finding, not a failed case
+        return {"predicted_peak_gib": None, "note": f"planner failed: {type(e).__name__}: {str(e)[:200]}"}
+    return {"predicted_peak_gib": row["total_bytes"] / GIB, "variant": variant,
+            "parts_gib": {k: v / GIB for k, v in row["gpu_bytes"].items()},
+            "note": "shardtrain plan's total for the case's variant: params + grads + optimizer + activations + "
+                    "comm + overhead, CUDA context left out"}
 
 
-def flops_per_sample(cfg) -> float | None:
+def flops_per_sample(cfg) -> tuple[float | None, str]:
     import torch
 
     from shardtrain.memory import flops
@@ -138,7 +166,7 @@ def flops_per_sample(cfg) -> float | None:
     if m.name == "multimodal":
         batch["pixel_values"] = torch.zeros(1, 3, d.image_size, d.image_size)
     trainable = sum(p.numel() for p in factory().parameters())
-    return flops.train_flops_per_sample(factory, batch, trainable)
+    return flops.counted_train_flops(factory, batch, trainable)
 
 
 def steady_rate(metrics_path: Path, global_batch: int, warmup: int) -> dict:
@@ -149,6 +177,23 @@ def steady_rate(metrics_path: Path, global_batch: int, warmup: int) -> dict:
         return {"samples_per_sec": None, "step_ms_median": None, "steps_timed": 0}
     return {"samples_per_sec": global_batch * len(periods) / (kept[-1] - kept[0]),
             "step_ms_median": 1000 * statistics.median(periods), "steps_timed": len(periods)}
+
+
+def fill_gpu(headroom_gib: float) -> dict:
+    """A real CUDA out-of-memory: allocate 1 GiB blocks until the allocator fails, then give back all but
+    `headroom_gib` of what was free. Returns the blocks still held (freed when the case's process exits)."""
+    import torch
+
+    blocks, gib = [], 2 ** 30
+    try:
+        while True:
+            blocks.append(torch.empty(gib, dtype=torch.uint8, device="cuda"))
+    except torch.OutOfMemoryError as e:
+        first_line = str(e).splitlines()[0][:200]
+    filled = len(blocks)
+    del blocks[max(0, filled - int(headroom_gib)):]
+    torch.cuda.empty_cache()
+    return {"filled_gib_at_oom": filled, "oom_error": first_line, "left_free_gib": headroom_gib, "_blocks": blocks}
 
 
 def run_case_here(case, args: list[str], dry: bool) -> dict:
@@ -166,63 +211,146 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
            "channels_last": cfg.model.channels_last, "precision": cfg.train.precision,
            "per_device_batch_size": cfg.train.per_device_batch_size, "max_length": cfg.data.max_length}
     cuda = cfg.parallel.device == "cuda"
+    held = None
+    if name == "oom_recovery_real" and cuda:
+        held = fill_gpu(OOM_HEADROOM_GIB)
+        row["oom_fill"] = {k: v for k, v in held.items() if not k.startswith("_")}
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
     summary = train(cfg)
     row["wall_seconds"] = time.time() - t0
+    filled, held = held is not None, None  # the ballast goes back before anything else is measured
     row.update({"strategy": summary.get("strategy"), "offload": summary.get("offload"),
-                "params_total": summary.get("params_total")})
-    rate = steady_rate(Path(cfg.checkpoint.output_dir) / "metrics.jsonl", cfg.train.per_device_batch_size,
-                       0 if dry else warmup)
+                "params_total": summary.get("params_total"), "cuda_math": summary.get("cuda_math"),
+                "skipped_steps": summary.get("skipped_steps"), "final_step": summary.get("final_step"),
+                "strategy_settings": {k: v for k, v in (summary.get("strategy_settings") or {}).items()
+                                      if k != "ds_config"}})
+    if name == "oom_recovery_real":
+        row["oom_recovery"] = summary.get("oom_recovery")
+        row["micro_batch_after_recovery"] = summary["config"]["train"]["per_device_batch_size"]
+    global_batch = summary.get("global_batch_size") or cfg.train.per_device_batch_size
+    rate = steady_rate(Path(cfg.checkpoint.output_dir) / "metrics.jsonl", global_batch, 0 if dry else warmup)
     row.update(rate)
-    row["flops_per_sample"] = flops_per_sample(cfg)
+    row["flops_per_sample"], row["flops_method"] = flops_per_sample(cfg)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
-    row["mfu"] = mfu(row["flops_per_sample"], rate["samples_per_sec"], 1, peak_flops(device_name, "bf16")
-                     if cuda else None) if rate["samples_per_sec"] else None
+    peak = peak_flops(device_name, cfg.train.precision) if cuda else None
+    row["mfu"] = mfu(row["flops_per_sample"], rate["samples_per_sec"], 1, peak) if rate["samples_per_sec"] else None
     gib = 2 ** 30
-    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / gib if cuda else None
+    row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / gib if cuda else None  # the whole case
     row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / gib if cuda else None
+    per_step = ((summary.get("memory") or {}).get("per_rank") or {}).get("0") or {}
+    row["step_peak_allocated_gib"] = per_step["after_step/peak"] / gib if "after_step/peak" in per_step else None
+    row["step_measured"] = (summary.get("memory") or {}).get("step")
     row["peak_host_rss_gib"] = peak_rss_bytes() / gib
     row["planner"] = planner_prediction(cfg)
-    pred = row["planner"]["predicted_peak_gib"]
-    row["planner_error"] = (pred - row["peak_allocated_gib"]) / row["peak_allocated_gib"] \
-        if pred is not None and row["peak_allocated_gib"] else None
+    if filled:  # the ballast is in every allocator figure of this case: no comparison
+        row["planner"]["note"] = "not compared: the case holds the GPU filled to its headroom"
+        row["step_peak_allocated_gib"] = None
+    pred, seen = row["planner"]["predicted_peak_gib"], row["step_peak_allocated_gib"]
+    row["planner_error"] = (pred - seen) / seen if pred is not None and seen else None
     row["status"] = "ok"
     return row
 
 
-def child_main(names: list[str], work: Path, dry: bool, out: Path) -> int:
-    """Runs the named cases in this process, one JSON line each to `out`, failures included."""
+def failed_row(case, e: BaseException) -> dict:
+    err = f"{type(e).__name__}: {str(e).strip()[:500]}"
+    expected = CPU_EXPECTED_ERRORS.get(case[0])
+    return {"name": case[0], "group": case[1], "flags": case[3], "error": err,
+            "status": "cpu_expected_error" if expected and expected in err else "failed"}
+
+
+def child_main(names: list[str], work: Path, dry: bool, lines: Path, out: Path, meta: dict) -> int:
+    """Runs the named cases in this process: after each, its JSON line goes to `lines` and the whole result file
+    `out` is rewritten, failures included."""
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
     if "MASTER_PORT" not in os.environ:
         from shardtrain.runtime.distributed import free_port
         os.environ["MASTER_PORT"] = str(free_port())
     data = make_suite_data(work, dry)
-    with open(out, "a") as f:
-        for case in [c for c in CASES if c[0] in names]:
-            try:
-                row = run_case_here(case, case_args(case, work, data, dry), dry)
-            except BaseException as e:  # noqa: BLE001 - one failed case must not lose the others' results
-                if isinstance(e, KeyboardInterrupt):
-                    raise
-                row = {"name": case[0], "group": case[1], "flags": case[3], "status": "failed",
-                       "error": f"{type(e).__name__}: {str(e).strip()[:500]}"}
-                traceback.print_exc()
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            print(f"[gpu_suite] {case[0]}: {row['status']}", flush=True)
+    for case in [c for c in CASES if c[0] in names]:
+        print(f"[gpu_suite] {case[0]}: starting", flush=True)
+        try:
+            row = run_case_here(case, case_args(case, work, data, dry), dry)
+        except BaseException as e:  # noqa: BLE001 - one failed case must not lose the others' results
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            row = failed_row(case, e)
+            traceback.print_exc()
+        with open(lines, "a") as f:
+            f.write(json.dumps(row, default=str) + "\n")
+        write_result(out, meta, lines)
+        print(f"[gpu_suite] {case[0]}: {row['status']}", flush=True)
+        if os.environ.get("GPU_SUITE_TEST_DIE_AFTER") == case[0]:
+            os._exit(9)  # test-only: the process dies between two cases, as a CUDA fault or the OOM killer would
     from shardtrain.runtime.distributed import teardown_and_exit
     teardown_and_exit(0)
     return 0
 
 
+# ---- the result file, rewritten after every case -------------------------------------------------------------
+def read_rows(lines: Path) -> dict[str, dict]:
+    done = {}
+    if lines.exists():
+        for line in lines.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                done[row["name"]] = row
+    return done
+
+
+def note_unreported(lines: Path, names: list[str], status: str, error: str) -> None:
+    """Cases whose process died, timed out or never started: a row in `lines` like a finished case's, so every
+    later rewrite of the result (by any process) keeps it."""
+    done = read_rows(lines)
+    with open(lines, "a") as f:
+        for case in [c for c in CASES if c[0] in names and c[0] not in done]:
+            f.write(json.dumps({"name": case[0], "group": case[1], "flags": case[3], "status": status,
+                                "error": error}) + "\n")
+
+
+def write_result(out: Path, meta: dict, lines: Path, complete: bool = False) -> dict:
+    """The JSON as it stands: every reported case, the others pending. Written to a temporary file and renamed,
+    so a kill mid-write leaves the previous version whole."""
+    done = read_rows(lines)
+    rows = []
+    for case in [c for c in CASES if c[0] in meta["cases"]]:
+        name, group, _, flags = case[:4]
+        rows.append(done.get(name) or {"name": name, "group": group, "flags": flags, "status": "pending"})
+    fusion_mfu = [r["mfu"] for r in rows if r["group"] in ("fusion", "compile") and isinstance(r.get("mfu"), float)]
+    result = {**{k: v for k, v in meta.items() if k != "cases"}, "complete": complete,
+              "targets": {"fusion_mfu_min": FUSION_MFU_TARGET,
+                          "fusion_mfu_best": max(fusion_mfu) if fusion_mfu else None,
+                          "met": (max(fusion_mfu) >= FUSION_MFU_TARGET) if fusion_mfu else None},
+              "wall_seconds": time.time() - meta["started_at"], "cases": rows}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    os.replace(tmp, out)
+    return result
+
+
 # ---- the driver ----------------------------------------------------------------------------------------------
+def preflight() -> str | None:
+    """Import what the cases need before any case runs: one line naming the package that is missing (and
+    what it lacked), or None."""
+    import importlib
+
+    for name in PREFLIGHT:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - an import can fail with anything (a missing dependency's error)
+            return (f"preflight: cannot import {name} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                    f"carry its wheels in .whl/ (docs/performance.md, 'GPU suite')")
+    return None
+
+
 def environment() -> dict:
     import torch
 
     from shardtrain.observability.tracking import library_versions
-    env = {"versions": library_versions(), "cuda_available": torch.cuda.is_available()}
+    env = {"versions": library_versions(), "cuda_available": torch.cuda.is_available(),
+           "ds_accelerator": os.environ.get("DS_ACCELERATOR")}
     if torch.cuda.is_available():
         from shardtrain.memory.flops import peak_flops
         name = torch.cuda.get_device_name()
@@ -231,55 +359,87 @@ def environment() -> dict:
     return env
 
 
+def child_env(dry: bool, base: dict | None = None) -> dict:
+    """The cases' environment. DS_ACCELERATOR=cpu is for the CPU dry run alone: inherited by a GPU run (the
+    Makefile's CPU targets, a shell) it would put DeepSpeed on its CPU accelerator beside CUDA."""
+    env = dict(os.environ if base is None else base)
+    env.update({"PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    if dry:
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env["DS_ACCELERATOR"] = "cpu"
+    elif env.get("DS_ACCELERATOR") == "cpu":
+        print("[gpu_suite] DS_ACCELERATOR=cpu is set in this shell: dropped for the GPU cases (DeepSpeed finds "
+              "CUDA itself)", flush=True)
+        del env["DS_ACCELERATOR"]
+    return env
+
+
 def print_table(rows: list[dict]) -> None:
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) and v is not None else "-"
     print(f"\n{'case':30s} {'strategy':9s} {'status':7s} {'samples/s':>10s} {'step ms':>8s} {'MFU':>6s} "
-          f"{'peak GiB':>9s} {'plan GiB':>9s}")
+          f"{'step GiB':>9s} {'plan GiB':>9s}")
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if isinstance(r.get("mfu"), float) else "-"
         print(f"{r['name']:30s} {str(r.get('strategy') or '-'):9s} {r['status']:7s} "
               f"{f(r.get('samples_per_sec'), '10.1f')} {f(r.get('step_ms_median'), '8.1f')} {mfu:>6s} "
-              f"{f(r.get('peak_allocated_gib'), '9.2f')} {f((r.get('planner') or {}).get('predicted_peak_gib'), '9.2f')}")
-        if r["status"] != "ok":
-            print(f"    {r.get('error', '')[:200]}")
+              f"{f(r.get('step_peak_allocated_gib'), '9.2f')} "
+              f"{f((r.get('planner') or {}).get('predicted_peak_gib'), '9.2f')}")
+        if r["status"] not in ("ok",) and r.get("error"):
+            print(f"    {r['error'][:200]}")
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="shardtrain GPU suite")
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 steps per case, one process")
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES), help="comma-separated case names")
-    ap.add_argument("--work", default="/tmp/shardtrain-gpu-suite")
-    ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "gpu_suite.json"))
-    ap.add_argument("--budget-s", type=float, default=450, help="stop starting new cases after this")
-    ap.add_argument("--case-timeout-s", type=float, default=240)
+    ap.add_argument("--work", required=True, help="data and runs (e.g. /tmp/gpu-suite on the GPU machine)")
+    ap.add_argument("--out", required=True, help="the result JSON, rewritten after every case (e.g. "
+                                                 "$OUT/gpu_suite.json on a lent machine)")
+    ap.add_argument("--budget-s", type=float, default=300, help="no case starts after this many seconds")
+    ap.add_argument("--case-timeout-s", type=float, default=240, help="a case's process is stopped after this")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--child-out", help=argparse.SUPPRESS)
+    ap.add_argument("--child-meta", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     names = a.cases.split(",")
     unknown = set(names) - {c[0] for c in CASES}
     if unknown:
         ap.error(f"unknown case(s) {sorted(unknown)}; cases: {', '.join(c[0] for c in CASES)}")
-    work = Path(a.work)
+    if len(set(names)) != len(names):
+        ap.error(f"--cases names a case twice: {a.cases}")
+    work, out = Path(a.work), Path(a.out)
+    lines = work / "cases.jsonl"
     if a.child:
-        return child_main(names, work, a.dry_run, Path(a.child_out))
+        return child_main(names, work, a.dry_run, lines, out, json.loads(a.child_meta))
 
     work.mkdir(parents=True, exist_ok=True)
-    lines = work / "cases.jsonl"
     lines.unlink(missing_ok=True)
-    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    if a.dry_run:
-        env.setdefault("OMP_NUM_THREADS", "1")
-        env.setdefault("DS_ACCELERATOR", "cpu")
     t_start = time.time()
-    base = [sys.executable, __file__, "--child", "--work", str(work), "--child-out", str(lines)]
+    meta = {"suite": "gpu", "dry_run": a.dry_run, "started_at": t_start, "budget_s": a.budget_s,
+            "case_timeout_s": a.case_timeout_s, "cases": names,
+            "method": "world size 1 per case, fresh process per case (one process in --dry-run); samples/s "
+                      "from per-step wall-clock stamps after warm-up; MFU from shardtrain.memory.flops counted "
+                      "FLOPs x samples/s / dense peak at the case's precision; step peak = the run's own "
+                      "torch.cuda.max_memory_allocated over step 2, against shardtrain plan's total for the case"}
+    failure = preflight()
+    if failure is None:
+        meta["environment"] = environment()
+    else:
+        meta["preflight_error"] = failure
+    write_result(out, meta, lines)
+    if failure:
+        print(f"gpu_suite: {failure}", file=sys.stderr)
+        return 3
+    env = child_env(a.dry_run)
+    base = [sys.executable, __file__, "--child", "--work", str(work), "--out", str(out),
+            "--child-meta", json.dumps(meta)]
     # One process for every case on CPU (fast); on the GPU one per case: its own peak memory and its own crash.
     batches = [names] if a.dry_run else [[n] for n in names]
-    skipped = []
     for batch in batches:
         if time.time() - t_start > a.budget_s:
-            skipped += batch
+            note_unreported(lines, batch, "skipped", f"time budget spent (--budget-s {a.budget_s:g})")
+            write_result(out, meta, lines)
             continue
         cmd = base + ["--cases", ",".join(batch)] + (["--dry-run"] if a.dry_run else [])
         print(f"[gpu_suite] {', '.join(batch)}", flush=True)
@@ -287,35 +447,16 @@ def main(argv=None) -> int:
             proc = subprocess.run(cmd, env=env, timeout=a.case_timeout_s * len(batch), cwd=REPO)
             if proc.returncode != 0:
                 print(f"[gpu_suite] exit {proc.returncode}: {batch}", flush=True)
+                note_unreported(lines, batch, "died", f"the case's process exited {proc.returncode} before reporting "
+                                                      f"(its output is above in the log)")
         except subprocess.TimeoutExpired:
             print(f"[gpu_suite] timed out: {batch}", flush=True)
-    done = {}
-    if lines.exists():
-        for line in lines.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                done[row["name"]] = row
-    rows = []
-    for case in [c for c in CASES if c[0] in names]:
-        name, group, _, flags = case[:4]
-        rows.append(done.get(name) or {"name": name, "group": group, "flags": flags,
-                                       "status": "skipped" if name in skipped else "failed",
-                                       "error": "time budget spent" if name in skipped else
-                                       "the case's process died or timed out before reporting"})
-    fusion_mfu = [r["mfu"] for r in rows if r["group"] == "fusion" and isinstance(r.get("mfu"), float)]
-    result = {"suite": "gpu", "dry_run": a.dry_run, "environment": environment(),
-              "method": "world size 1 per case, fresh process per case (one process in --dry-run); samples/s "
-                        "from per-step wall-clock stamps after warm-up; MFU from shardtrain.memory.flops counted "
-                        "FLOPs x samples/s / dense bf16 peak; peak = torch.cuda.max_memory_allocated",
-              "targets": {"fusion_mfu_min": FUSION_MFU_TARGET,
-                          "fusion_mfu_best": max(fusion_mfu) if fusion_mfu else None,
-                          "met": (max(fusion_mfu) >= FUSION_MFU_TARGET) if fusion_mfu else None},
-              "wall_seconds": time.time() - t_start, "cases": rows}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print_table(rows)
-    print(f"wrote {a.out} in {result['wall_seconds']:.0f} s")
-    return 0 if all(r["status"] == "ok" for r in rows) else 1
+            note_unreported(lines, batch, "timed_out", f"stopped after --case-timeout-s {a.case_timeout_s:g}")
+        write_result(out, meta, lines)
+    result = write_result(out, meta, lines, complete=True)
+    print_table(result["cases"])
+    print(f"wrote {out} in {result['wall_seconds']:.0f} s")
+    return 0 if all(r["status"] in ("ok", "cpu_expected_error") for r in result["cases"]) else 1
 
 
 if __name__ == "__main__":

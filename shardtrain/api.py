@@ -94,6 +94,7 @@ def _run(argv: list[str], instance) -> dict:
     import torch.distributed as dist
 
     from shardtrain.loop.train import train
+    from shardtrain.runtime.distributed import barrier
     if instance is not None:
         instance.cfg = cfg  # the run's config, as a workload built by name gets it
     ours = not dist.is_initialized()  # a group the caller's own code started is the caller's to end
@@ -101,6 +102,6 @@ def _run(argv: list[str], instance) -> dict:
     if ours and dist.is_initialized():
         # The caller's script carries on: leave the process group cleanly (DESIGN-NOTES, "Exit").
         gc.collect()
-        dist.barrier()
+        barrier()
         dist.destroy_process_group()
     return summary

@@ -54,8 +54,10 @@ shardtrain_srun() {
     fi
     export MASTER_ADDR
     export MASTER_PORT="${MASTER_PORT:-$((15000 + ${SLURM_JOB_ID:-0} % 20000))}"
-    # torchrun's default; without it every rank starts one thread per core and they fight.
-    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+    # Each task its share of the node's CPUs (--cpus-per-task): CPU Adam under *_offload and CPU training run on
+    # these threads. Unset, every rank would start one thread per core and they would fight; 1 (torchrun's)
+    # would leave the rest of the allotment idle.
+    export OMP_NUM_THREADS="${OMP_NUM_THREADS:-$cpus_per_task}"
 
     local args=(--config "$CONFIG")
     if [[ -n "${DS_CONFIG:-}" ]]; then

@@ -231,7 +231,7 @@ def commit_agreed(strategy, pending: PendingSave, any_failed: bool) -> Path:
 
 
 def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) -> Path:
-    from shardtrain.runtime.distributed import barrier
+    from shardtrain.runtime.distributed import all_reduce_max, barrier
 
     rank0, path, failure = strategy.dist.is_rank0, pending.path, pending.failure
     root = path.parent
@@ -258,15 +258,6 @@ def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) 
     if not agreed_in_loop:
         barrier()  # the caller may read the commit on any rank (final_model.write_final_model does)
     return path
-
-
-def all_reduce_max(value: float, device) -> float:
-    import torch
-    import torch.distributed as dist
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _abandon(path: Path, root: Path, rank0: bool) -> None:

@@ -9,7 +9,8 @@ With --runs, the runs' own metrics.jsonl are compared, after checking that they 
 same data with the same seed and batch geometry (shardtrain/comparable.py). The first strategy (or run) is
 the reference. A step diverges when |loss - reference| / |reference| exceeds
 --tolerance; the gradient norm is checked too (--grad-norm-tolerance), because Adam hides a wrong
-gradient scale (an averaging or accumulation factor) from the loss. Exit 0: parity; 1: divergence;
+gradient scale (an averaging or accumulation factor) from the loss. Both default to the row of TOLERANCES for
+the runs' precision and device (docs/strategies.md, "Parity tolerances"). Exit 0: parity; 1: divergence;
 3: a run failed (its log is kept).
 """
 from __future__ import annotations
@@ -39,6 +40,55 @@ STRATEGIES = {
     "zero3": ["--ds", str(REPO / "ds_configs/zero3.json")],
     "zero3_offload": ["--ds", str(REPO / "ds_configs/zero3_offload.json")],
 }
+
+
+# (precision, device) -> (loss, grad norm) relative tolerance. fp32 on CPU is measured: the strategies sum in
+# other orders (all-reduce against reduce-scatter) and stay within 1e-4 / 1e-3 over 10 steps (tests/dist). On
+# CUDA, TF32 matmuls (a 10-bit mantissa, on by default: --deterministic) and nondeterministic kernels and NCCL
+# reductions add noise of their own; 16-bit runs round every activation, and FSDP's 16-bit all-gathers round
+# the weights where DDP's autocast casts the same fp32 weights: bf16's unit roundoff is 3.9e-3, fp16's 4.9e-4.
+# Rows other than fp32/cpu are sized from those formats, not yet measured on a GPU: the GPU suite's first run
+# is to replace them.
+TOLERANCES = {
+    ("fp32", "cpu"): (1e-4, 1e-3),
+    ("fp32", "cuda"): (2e-3, 2e-2),
+    ("fp32", "cuda-deterministic"): (3e-4, 3e-3),
+    ("bf16", "cpu"): (2e-2, 5e-2),
+    ("bf16", "cuda"): (2e-2, 5e-2),
+    ("fp16", "cpu"): (5e-3, 2e-2),
+    ("fp16", "cuda"): (5e-3, 2e-2),
+}
+
+
+def run_settings(config: str | None, flags: list[str]) -> tuple[str, str]:
+    """(precision, device) the runs train with: the flags passed through to every run over the YAML's."""
+    from shardtrain.config.settings import load_yaml
+
+    data = load_yaml(config) if config else {}
+    precision = (data.get("train") or {}).get("precision", "fp32")
+    device = (data.get("parallel") or {}).get("device", "auto")
+    deterministic = bool((data.get("train") or {}).get("deterministic", False))
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--precision")
+    parser.add_argument("--device")
+    parser.add_argument("--deterministic")
+    known, _ = parser.parse_known_args(flags)
+    precision = known.precision or precision
+    device = known.device or device
+    if known.deterministic is not None:
+        deterministic = known.deterministic.lower() in ("true", "1", "yes", "on")
+    if device == "auto":
+        import torch
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and precision == "fp32" and deterministic:
+        device = "cuda-deterministic"
+    return precision, device
+
+
+def default_tolerances(precision: str, device: str) -> tuple[float, float]:
+    if (precision, device) not in TOLERANCES:
+        device = device.split("-")[0]
+    return TOLERANCES.get((precision, device), TOLERANCES[("fp32", "cpu")])
 
 
 def parse_strategies(spec: str) -> list[str]:
@@ -190,6 +240,21 @@ def conclude(results: dict[str, dict[int, dict]], args: argparse.Namespace, out:
     return 0
 
 
+def runs_settings(spec: str) -> tuple[str, str]:
+    """(precision, device) of the first finished run, from its summary.json (fp32 on CPU when it says nothing)."""
+    first = next((d.strip() for d in spec.split(",") if d.strip()), None)
+    try:
+        summary = json.loads((Path(first) / "summary.json").read_text()) if first else {}
+    except (OSError, ValueError):
+        summary = {}
+    precision = summary.get("precision") or "fp32"
+    devices = {str(r.get("device", "cpu")).split(":")[0] for r in summary.get("ranks") or []} or {"cpu"}
+    device = "cuda" if "cuda" in devices else "cpu"
+    if device == "cuda" and precision == "fp32" and (summary.get("cuda_math") or {}).get("deterministic"):
+        device = "cuda-deterministic"
+    return precision, device
+
+
 def _workload_flags(flags: list[str]) -> tuple[str | None, str | None]:
     """--workload and --workload-args among the flags passed through to every run (the last of each wins)."""
     parser = argparse.ArgumentParser(add_help=False)
@@ -210,9 +275,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--strategies", default=None, help="default: ddp,fsdp,zero2,zero3")
     parser.add_argument("--steps", type=int, default=None, help="default: 10")
     parser.add_argument("--nproc", type=int, default=None, help="default: 2")
-    parser.add_argument("--tolerance", type=float, default=1e-4, help="relative loss difference (default 1e-4)")
-    parser.add_argument("--grad-norm-tolerance", type=float, default=1e-3,
-                        help="relative gradient-norm difference (default 1e-3)")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="relative loss difference (default: by precision and device, 1e-4 for fp32 on CPU; "
+                             "docs/strategies.md)")
+    parser.add_argument("--grad-norm-tolerance", type=float, default=None,
+                        help="relative gradient-norm difference (default: by precision and device, 1e-3 for fp32 "
+                             "on CPU)")
     parser.add_argument("--args-for", action="append", default=[], metavar="NAME='FLAGS'",
                         help="extra flags for one strategy's run, e.g. --args-for fsdp='--lr 2e-3'")
     parser.add_argument("--out", help="keep the runs and parity.json here (default: a new temporary folder; "
@@ -220,6 +288,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--debug", action="store_true")
     args, common = parser.parse_known_args(argv)
     common = [a for a in common if a != "--debug"]
+    if args.tolerance is None or args.grad_norm_tolerance is None:
+        # --runs: the runs' own record is the reference's precision and device; otherwise what the runs will use.
+        precision, device = (runs_settings(args.runs) if args.runs is not None else
+                             run_settings(args.config, common))
+        loss_tol, grad_tol = default_tolerances(precision, device)
+        args.tolerance = loss_tol if args.tolerance is None else args.tolerance
+        args.grad_norm_tolerance = grad_tol if args.grad_norm_tolerance is None else args.grad_norm_tolerance
+        print(f"parity: tolerances for {precision} on {device}: loss {args.tolerance:g}, grad norm "
+              f"{args.grad_norm_tolerance:g} (relative)")
 
     if not (args.tolerance >= 0 and args.grad_norm_tolerance >= 0):
         raise ConfigError("--tolerance and --grad-norm-tolerance must be >= 0")

@@ -151,6 +151,10 @@ class TrainConfig:
     # exercise the path cheaply on CPU.
     compile: Literal["none", "inductor", "aot_eager", "eager"] = setting(
         "none", "torch.compile backend for the model; none: eager mode")
+    # TF32 and cuDNN autotuning are CUDA's fast defaults (runtime/device_defaults.py); this is the one switch off.
+    deterministic: bool = setting(False, "CUDA: TF32 off, cuDNN autotuning off and deterministic cuDNN kernels "
+                                         "(slower; for bit-for-bit reruns); false: TF32 matmuls and "
+                                         "cudnn.benchmark on. No effect on CPU")
     fused_adamw: bool = setting(True, "fused AdamW kernels on CUDA (one launch for all parameters); CPU always "
                                       "uses the foreach implementation")
     # Exercises --nan-policy and the ranks' agreement to skip.

@@ -156,13 +156,9 @@ class StreamingTrainStream:
     def checkpoint_state(self) -> dict:
         """Every rank's position, for the checkpoint rank 0 writes (each rank reads a different part).
         A collective: every rank calls it, at a save."""
-        import torch.distributed as dist
+        from shardtrain.runtime.distributed import all_gather_object
 
-        own = self.state_dict()
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
-            return {"streaming": True, "ranks": [own], "world_size": 1, "epoch": self.epoch}
-        states = [None] * dist.get_world_size()
-        dist.all_gather_object(states, own)
+        states = all_gather_object(self.state_dict())
         return {"streaming": True, "ranks": states, "world_size": len(states), "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:

@@ -27,6 +27,7 @@ from shardtrain.memory.autoplan import resolve_auto_strategy
 from shardtrain.memory.planner import memory_prediction
 from shardtrain.observability.tracking import Console, Throughput, Tracker, library_versions, now
 from shardtrain.runtime import faults
+from shardtrain.runtime.device_defaults import cuda_math
 from shardtrain.runtime.distributed import DistInfo, all_reduce_sum, barrier, gather_rank_info, init_distributed
 from shardtrain.runtime.gpu_guard import check_devices
 from shardtrain.runtime.preemption import StopFlag, requeue_if_slurm
@@ -41,6 +42,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     # Wall-clock stamps of the start-up phases, in summary.json `startup` (benchmarks/startup.py reads them).
     startup: dict[str, float] = {"train_entry": time.time()}
     dist_info = init_distributed(cfg.parallel.device, cfg.parallel.dist_timeout)
+    math_on = cuda_math(dist_info.device.type, cfg.train.deterministic)  # before any model or kernel exists
     console = Console(dist_info.rank, cfg.log.verbose)
     rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
     check_devices(rank_table, dist_info.is_rank0, console.warn)
@@ -127,7 +129,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
 
     t, world = cfg.train, dist_info.world_size
     global_batch = t.per_device_batch_size * t.grad_accum * world
-    run_info = {**strategy.describe(), "world_size": world, "precision": t.precision,
+    run_info = {**strategy.describe(), "world_size": world, "precision": t.precision, "cuda_math": math_on,
                 "micro_batch_size": t.per_device_batch_size, "grad_accum": t.grad_accum,
                 "global_batch_size": global_batch, "train_examples": loaders.train_size,
                 "eval_examples": loaders.eval_size, "steps_per_epoch": loaders.steps_per_epoch,

@@ -194,13 +194,10 @@ class MemoryMonitor:
 
 
 def gather_to_rank0(obj: dict, dist_info) -> dict | None:
-    import torch.distributed as dist
+    from shardtrain.runtime.distributed import gather_object
 
-    if not (dist.is_initialized() and dist_info.world_size > 1):
-        return {"0": obj}
-    table = [None] * dist_info.world_size if dist_info.is_rank0 else None
-    dist.gather_object(obj, table, dst=0)
-    return {str(r): rec for r, rec in enumerate(table)} if dist_info.is_rank0 else None
+    table = gather_object(obj, dst=0)
+    return {str(r): rec for r, rec in enumerate(table)} if table is not None else None
 
 
 def format_table(per_rank: dict, step: int, predicted: dict | None = None) -> str:

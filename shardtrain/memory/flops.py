@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import torch
 
-# Dense tensor-core peaks (no sparsity), FLOP/s, from the vendors' datasheets. fp32 is plain FP32
-# (torch does not enable TF32 matmuls by default).
+# Dense tensor-core peaks (no sparsity), FLOP/s, from the vendors' datasheets. fp32 is plain FP32; tf32 is what
+# an fp32 run's matmuls reach with TF32 on (shardtrain's CUDA default, runtime/device_defaults.py; V100 has none).
 PEAK_FLOPS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "fp32": 51e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "H100 PCIe": {"bf16": 756e12, "fp16": 756e12, "tf32": 378e12, "fp32": 51e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
     "V100": {"fp16": 125e12, "fp32": 15.7e12},
 }
 
@@ -30,9 +30,16 @@ def train_flops_per_sample(model_factory, batch: dict, trainable_params: int) ->
     """Forward FLOPs of one sample counted once on a meta-device copy of the model (so CNN convolutions
     and attention are counted as they are, no weights materialised), x3 for forward + backward.
     Models whose forward needs real values (data-dependent shapes) fall back to 6 x params x tokens."""
+    return counted_train_flops(model_factory, batch, trainable_params)[0]
+
+
+def counted_train_flops(model_factory, batch: dict, trainable_params: int) -> tuple[float, str]:
+    """train_flops_per_sample and how it was had: "counted" (FlopCounterMode on the meta device, x3) or
+    "estimate: 6 x trainable params x tokens (...why the count failed)" (Longformer's forward reads values)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     one = {k: v[:1] for k, v in batch.items()}
+    why = "the count was 0"
     try:
         model = model_factory(on_meta=True).eval()  # one sample: train-mode BatchNorm refuses a 1x1 map
         from shardtrain.workloads.base import model_inputs
@@ -47,11 +54,11 @@ def train_flops_per_sample(model_factory, batch: dict, trainable_params: int) ->
             model(**inputs)
         forward = counter.get_total_flops()
         if forward > 0:
-            return 3.0 * forward
-    except Exception:  # noqa: BLE001 - any meta-device failure means "count the simple way"
-        pass
+            return 3.0 * forward, "counted: FlopCounterMode forward on the meta device x 3"
+    except Exception as e:  # noqa: BLE001 - any meta-device failure means "count the simple way"
+        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
     tokens = one["input_ids"].numel() if "input_ids" in one else 1
-    return 6.0 * trainable_params * tokens
+    return 6.0 * trainable_params * tokens, f"estimate: 6 x trainable params x tokens (meta-device count failed: {why})"
 
 
 def mfu(flops_per_sample: float, samples_per_sec: float, world_size: int, peak: float | None) -> float | None:

@@ -167,18 +167,23 @@ def _with_layers(cfg, n: int):
     return c
 
 
-def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int = 2) -> int:
+def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int = 2,
+                 gathered_16bit: bool = False) -> int:
     """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
-    train mode rejects one value per channel, which a small image pooled to 1x1 would give)."""
+    train mode rejects one value per channel, which a small image pooled to 1x1 would give).
+    `gathered_16bit`: FSDP's 16-bit all-gathers (strategies/fsdp.py mixed_precision_policy): the weights arrive
+    in 16 bits, so autocast saves no cast copy of them, and each BatchNorm, its own fp32 unit, casts its input up
+    to fp32 (saving that) and hands back 16 bits; emulated here on the plain model."""
     from shardtrain.runtime.training_rng import aside
 
     # Seeded, so a measurement is the same every time, and aside: the model and inputs it draws must not move
     # the training stream of the run whose banner this is (runtime/training_rng.py).
     with aside(seed=0):
-        return _measure_saved_bytes(cfg, seq_len, recompute, precision, batch)
+        return _measure_saved_bytes(cfg, seq_len, recompute, precision, batch, gathered_16bit)
 
 
-def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int) -> int:
+def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int,
+                         gathered_16bit: bool) -> int:
     import torch
     import torch.nn.functional as F
 
@@ -190,6 +195,15 @@ def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, bat
     model.train()
     if recompute:
         apply_activation_checkpointing(model, model.block_classes())
+    if gathered_16bit and precision != "fp32":
+        low = torch.bfloat16
+        for m in model.modules():
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+                m.register_forward_pre_hook(lambda mod, args: tuple(a.float() for a in args))
+                m.register_forward_hook(lambda mod, args, out: out.to(low))
+            else:
+                for name, p in m.named_parameters(recurse=False):
+                    p.data = p.data.to(low)
     vocab = model.text_cfg.vocab_size
     inputs = {"input_ids": torch.randint(3, vocab, (batch, seq_len)),
               "attention_mask": torch.ones(batch, seq_len, dtype=torch.long)}
@@ -239,7 +253,8 @@ def sample_lengths(cfg, seq_len: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=32)
-def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: tuple[int, ...]):
+def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: tuple[int, ...],
+                      gathered_16bit: bool = False):
     """(per-sample bytes outside the layers, per-sample bytes per layer) as functions of the length, and the
     per-forward bytes (weight copies, BatchNorm statistics) outside the layers and per layer."""
     from shardtrain.config.settings import from_dict
@@ -248,8 +263,9 @@ def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: t
     per_sample, per_forward = {}, {}
     for n in (1, 2):
         c = _with_layers(cfg, n)
-        at2 = [_saved_bytes(c, length, recompute, precision) for length in lengths]
-        per_forward[n] = max(0, 2 * at2[0] - _saved_bytes(c, lengths[0], recompute, precision, batch=4))
+        at2 = [_saved_bytes(c, length, recompute, precision, gathered_16bit=gathered_16bit) for length in lengths]
+        per_forward[n] = max(0, 2 * at2[0] - _saved_bytes(c, lengths[0], recompute, precision, batch=4,
+                                                          gathered_16bit=gathered_16bit))
         per_sample[n] = [(b - per_forward[n]) / 2 for b in at2]
     per_layer = [b - a for a, b in zip(per_sample[1], per_sample[2])]
     fixed = [a - p for a, p in zip(per_sample[1], per_layer)]
@@ -259,7 +275,7 @@ def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: t
 
 
 def activation_bytes(cfg, batch: int, seq_len: int, recompute: bool, precision: str, layers: int,
-                     planned_length: int | None = None) -> dict:
+                     planned_length: int | None = None, gathered_16bit: bool = False) -> dict:
     """Predicted bytes saved for backward per micro-batch, and one layer's worth (the recompute working set).
     `planned_length`: the length the measurement is planned for (default seq_len); the end of a run evaluates
     the banner's fit (planned for max_length) at the length a batch really had."""
@@ -269,8 +285,9 @@ def activation_bytes(cfg, batch: int, seq_len: int, recompute: bool, precision: 
     d = cfg.to_dict()
     cfg_json = json.dumps({k: v for k, v in d.items() if k in ("model", "data")}, sort_keys=True)
     lengths = tuple(sample_lengths(cfg, planned_length or seq_len))
-    fixed, per_layer, fixed_forward, layer_forward = _activation_model(cfg_json, recompute, precision, lengths)
-    _, per_layer_full, _, layer_forward_full = _activation_model(cfg_json, False, precision, lengths)
+    fixed, per_layer, fixed_forward, layer_forward = _activation_model(cfg_json, recompute, precision, lengths,
+                                                                       gathered_16bit)
+    _, per_layer_full, _, layer_forward_full = _activation_model(cfg_json, False, precision, lengths, gathered_16bit)
     total = batch * (fixed(seq_len) + layers * per_layer(seq_len)) + fixed_forward + layers * layer_forward
     return {"saved": max(0.0, total),
             "one_layer": max(0.0, batch * per_layer_full(seq_len) + layer_forward_full)}
@@ -284,7 +301,18 @@ def _ds_settings(path: str) -> dict:
             "persist": int(z.get("stage3_param_persistence_threshold", 1e5))}
 
 
-def model_states(variant: str, m: ModelCount, n: int, precision: str) -> dict:
+def gathers_16bit(variant: str, precision: str, policy_path: str | None = None) -> bool:
+    """Whether FSDP all-gathers 16-bit parameters here: the policy's mixed_precision (the shipped policies': on)
+    under bf16/fp16."""
+    if not variant.startswith("fsdp") or precision == "fp32":
+        return False
+    if policy_path is None:
+        return True
+    from shardtrain.strategies.fsdp_policy import load_policy
+    return load_policy(policy_path).mixed_precision
+
+
+def model_states(variant: str, m: ModelCount, n: int, precision: str, gathered_16bit: bool | None = None) -> dict:
     """Bytes per rank on the GPU (params/grads/optimizer/comm/overhead) and in host RAM, steady state after
     backward (what shardtrain.memory.accounting measures) plus the transient peak in `overhead`."""
     psi = m.params
@@ -293,15 +321,18 @@ def model_states(variant: str, m: ModelCount, n: int, precision: str) -> dict:
     native_fp16 = precision == "fp16"          # only DeepSpeed fp16 keeps 16-bit weights (others: autocast)
     gpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "comm": 0.0, "overhead": 0.0}
     host = 0.0
+    gathered = gathers_16bit(variant, precision) if gathered_16bit is None else gathered_16bit
     if variant == "ddp":
         gpu.update(params=4 * psi, grads=4 * psi_t, optimizer=8 * psi_t)
     elif variant in ("fsdp", "fsdp_sgo"):
         gpu.update(params=4 * psi / n, grads=4 * psi_t / n, optimizer=8 * psi_t / n)
         # Gathered units: the current and the prefetched one; SHARD_GRAD_OP keeps all of them from forward to backward.
-        gpu["overhead"] = 4 * psi * (1 - 1 / n) if variant == "fsdp_sgo" else 2 * 4 * m.largest_unit
+        g = 2 if gathered else 4
+        gpu["overhead"] = g * psi * (1 - 1 / n) if variant == "fsdp_sgo" else 2 * g * m.largest_unit
     elif variant == "fsdp_offload":
         host = 4 * psi / n + 12 * psi_t / n
-        gpu["overhead"] = 2 * 4 * m.largest_unit + 4 * m.largest_unit  # gathered units + a unit's gradient
+        g = 2 if gathered else 4
+        gpu["overhead"] = 2 * g * m.largest_unit + 4 * m.largest_unit  # gathered units + a unit's gradient
     else:
         ds = _ds_settings(VARIANTS[variant][1])
         w = lp if native_fp16 else 4
@@ -367,7 +398,8 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
         for variant, (_, _, cost, comm) in VARIANTS.items():
             states = model_states(variant, m, gpus, precision)
             for ac in (False, True):
-                act = activation_bytes(cfg, micro, cfg.data.max_length, ac, precision, m.layers)
+                act = activation_bytes(cfg, micro, cfg.data.max_length, ac, precision, m.layers,
+                                       gathered_16bit=gathers_16bit(variant, precision))
                 g = dict(states["gpu"])
                 g["activations"] = act["saved"]
                 g["overhead"] += context + act["one_layer"] * (1 if ac else 0.5)  # backward's working set
@@ -423,9 +455,12 @@ def predict_run(cfg, world_size: int, vocab_size: int | None = None, batch_shape
     repeats it at `batch_shape`, the [micro-batch, tokens] a rank's memory was measured at, with the same fit."""
     m = count_model(cfg, vocab_size=vocab_size)
     variant = variant_of(cfg)
-    s = model_states(variant, m, world_size, cfg.train.precision)
+    gathered = gathers_16bit(variant, cfg.train.precision,
+                             cfg.parallel.fsdp_policy if cfg.parallel.strategy == "fsdp" else None)
+    s = model_states(variant, m, world_size, cfg.train.precision, gathered)
     batch, seq_len = batch_shape or (cfg.train.per_device_batch_size, cfg.data.max_length)
     act = activation_bytes(cfg, batch, seq_len, cfg.train.activation_checkpointing, cfg.train.precision, m.layers,
+                           gathered_16bit=gathered,
                            planned_length=cfg.data.max_length)
     g = s["gpu"]
     return {"variant": variant, "parameters": m.params, "batch": f"{batch} x {seq_len} tokens",

@@ -36,6 +36,11 @@ def format_banner(info: dict) -> str:
     lines.append(f"  precision   {info['precision']} | activation checkpointing "
                  f"{'on' if info['activation_checkpointing'] else 'off'}"
                  f" ({info.get('strategy_settings', {}).get('recompute_blocks', 0)} blocks)")
+    math = info.get("cuda_math")
+    if math:
+        on = [name for key, name in (("tf32", "TF32 matmuls"), ("cudnn_benchmark", "cudnn.benchmark")) if math.get(key)]
+        lines.append(f"  cuda math   {', '.join(on) + ' on' if on else 'TF32 and cudnn.benchmark off'}"
+                     f"{' (--deterministic: deterministic cuDNN)' if math.get('deterministic') else ' (--deterministic true turns them off)'}")
     lines.append(f"  params      {info['params_total']:,} total | {info['params_trainable']:,} trainable | "
                  f"{info['params_frozen']:,} frozen")
     lines.append(f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "

@@ -234,8 +234,11 @@ class Tracker:
 
         if self.flops_per_sample is None:  # counted once, on the first step's batch shapes
             import torch
-            self.peak_flops = flops.peak_flops(torch.cuda.get_device_name(self.dist.device),
-                                               self.cfg.train.precision)
+            precision = self.cfg.train.precision
+            if precision == "fp32" and (self.run_info.get("cuda_math") or {}).get("tf32"):
+                precision = "tf32"  # its matmuls run on the tensor cores: the plain fp32 peak would flatter MFU
+            self.peak_flops = (flops.peak_flops(torch.cuda.get_device_name(self.dist.device), precision)
+                               or flops.peak_flops(torch.cuda.get_device_name(self.dist.device), "fp32"))
             from shardtrain.runtime.training_rng import aside
             with aside(device=self.dist.device):  # a model built mid-run: off the training stream
                 self.flops_per_sample = flops.train_flops_per_sample(self.model_factory, batch,

@@ -86,13 +86,10 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device_type = resolve_device_type(device_request)
     if device_type == "cuda":
-        n = torch.cuda.device_count()
-        if local_rank >= n:
-            raise ConfigError(f"local rank {local_rank} has no GPU: {n} visible on {socket.gethostname()}; "
-                              f"start at most {n} processes per node (--nproc_per_node={n})")
+        index = local_cuda_index(local_rank)
         # Before the process group: NCCL binds each rank to the current device.
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(index)
+        device = torch.device("cuda", index)
         backend = "nccl"
     else:
         device = torch.device("cpu")
@@ -115,6 +112,28 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
                                   f"to a free port") from None
             raise ConfigError(f"cannot start the {backend} process group at {addr}: {msg}") from None
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
+
+
+def local_cuda_index(local_rank: int) -> int:
+    """The CUDA device this process trains on. One visible GPU (srun --gpus-per-task=1, --gpu-bind, a launcher
+    that sets CUDA_VISIBLE_DEVICES per rank) is this rank's own, whatever its local rank: every rank calls its GPU
+    cuda:0, and gpu_guard tells them apart by UUID (and stops ranks that really share one). With several
+    visible, the local rank picks one."""
+    n = torch.cuda.device_count()
+    if n == 1:
+        return 0
+    if local_rank >= n:
+        raise ConfigError(f"local rank {local_rank} has no GPU: {n} visible on {socket.gethostname()}; "
+                          f"start at most {n} processes per node (--nproc_per_node={n})")
+    return local_rank
+
+
+def new_gloo_group():
+    """A gloo group of all ranks beside the main one (--async-save's checkpoint writes). Gloo gives the other
+    ranks the address this host's name resolves to whatever the main backend is, so the loopback check applies
+    under NCCL too."""
+    check_gloo_address(dist.get_world_size())
+    return dist.new_group(backend="gloo")
 
 
 def check_gloo_address(world: int) -> None:
@@ -185,24 +204,76 @@ def attempt_store(rank: int, world: int, timeout: datetime.timedelta):
     return dist.PrefixStore(f"shardtrain/attempt_{attempt}", store)
 
 
+def group_device(group=None) -> torch.device:
+    """Where a collective's tensors must be for the group's backend: NCCL takes CUDA tensors only (a CPU tensor
+    raises at the first collective: a workload's metric_sums may well return one), gloo CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _grouped() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
 def all_reduce_sum(values: list[float] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The sum over ranks, on the group's device (the values' own in one process)."""
     t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=torch.float64, device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _grouped():
+        t = t.to(group_device())
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t
 
 
+def all_reduce_max(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    if _grouped():
+        t = t.to(group_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if it is true on any: ranks must agree before skipping, saving or stopping."""
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return all_reduce_max(1.0 if flag else 0.0, device) > 0
+
+
+def broadcast_(t: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Rank `src`'s values into `t` on every rank, in place, wherever `t` lives (a CPU buffer under NCCL goes
+    through the GPU)."""
+    if not _grouped():
+        return t
+    dev = group_device()
+    if t.device == dev:
+        dist.broadcast(t, src=src)
+        return t
+    moved = t.to(dev)
+    dist.broadcast(moved, src=src)
+    t.copy_(moved)
+    return t
 
 
 def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if _grouped():
         dist.barrier()
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank ([obj] in one process)."""
+    if not _grouped():
+        return [obj]
+    table = [None] * dist.get_world_size()
+    dist.all_gather_object(table, obj)
+    return table
+
+
+def gather_object(obj, dst: int = 0) -> list | None:
+    """Every rank's `obj` in rank order on rank `dst`, None elsewhere ([obj] in one process)."""
+    if not _grouped():
+        return [obj]
+    table = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    dist.gather_object(obj, table, dst=dst)
+    return table
 
 
 def broadcast_object(obj, src: int = 0):

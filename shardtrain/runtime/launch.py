@@ -46,7 +46,12 @@ def launch_local(nproc: int, program: list[str], shown: str, extra_env: dict | N
     if os.environ.get("RANK", "0") == "0":
         print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} {shown}",
               flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {})}
+    from shardtrain.runtime.device_defaults import threads_per_rank
+
+    # Each rank its share of the CPUs this process was given (CPU Adam under *_offload runs on them), not
+    # torchrun's 1 for all; an OMP_NUM_THREADS of the caller's own wins.
+    threads = os.environ.get("OMP_NUM_THREADS") or str(threads_per_rank(nproc))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, **(extra_env or {})}
     return run_forwarding_signals(cmd, env)
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from shardtrain.checkpointing.store import AsyncWrite
 from shardtrain.config.settings import Config, ConfigError, where
-from shardtrain.runtime.distributed import DistInfo
+from shardtrain.runtime.distributed import DistInfo, broadcast_, new_gloo_group
 from shardtrain.strategies.optim import adamw, build_scheduler, param_groups
 from shardtrain.strategies.recompute import apply_activation_checkpointing
 from shardtrain.workloads.base import Workload, resolve_block_classes
@@ -220,7 +220,7 @@ class Strategy(ABC):
             return
         for buf in self.unwrapped.buffers():
             if buf.is_floating_point() or buf.dtype in (torch.int64, torch.long):
-                dist.broadcast(buf.data, src=0)
+                broadcast_(buf.data, src=0)
 
     def autocast(self) -> ContextManager:
         if self.precision == "fp32":
@@ -279,7 +279,7 @@ def checkpoint_group():
     once at setup: new_group is itself collective, so every rank makes it at the same point. None in one process."""
     if not dist.is_initialized():
         return None
-    return dist.new_group(backend="gloo")
+    return new_gloo_group()
 
 
 def check_precision_supported(precision: str, device: torch.device) -> None:

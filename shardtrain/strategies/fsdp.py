@@ -9,7 +9,6 @@ from __future__ import annotations
 import difflib
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
@@ -18,6 +17,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from shardtrain.config.settings import ConfigError, where
+from shardtrain.runtime.distributed import broadcast_
 from shardtrain.strategies.base import DTYPES
 from shardtrain.strategies.fsdp_policy import FSDPPolicy, load_policy, shipped_class_names
 from shardtrain.strategies.native import NativeStrategy
@@ -64,6 +64,38 @@ def _units(model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...],
     return units
 
 
+def mixed_precision_policy(policy: FSDPPolicy, precision: str) -> MixedPrecisionPolicy | None:
+    """Under bf16/fp16 (the policy's mixed_precision, on by default): parameters all-gathered in 16 bits, where
+    autocast would recast every fp32 weight per op anyway, and gradients reduce-scattered in fp32, so the sum
+    over ranks loses nothing. BatchNorm is its own fp32 unit (setup)."""
+    if not policy.mixed_precision or precision == "fp32":
+        return None
+    return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def wire_dtypes(policy: FSDPPolicy, precision: str) -> dict:
+    """What the banner and summary.json say travels over the wire (and why, when it is fp32 under bf16/fp16)."""
+    if precision == "fp32":
+        return {"mixed_precision_params": False, "param_dtype": "fp32", "reduce_dtype": "fp32"}
+    if not policy.mixed_precision:
+        return {"mixed_precision_params": False, "param_dtype": "fp32", "reduce_dtype": "fp32",
+                "why_fp32_params": "the policy's mixed_precision is false"}
+    return {"mixed_precision_params": True, "param_dtype": precision, "reduce_dtype": "fp32"}
+
+
+def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> None:
+    """Real storage for the sharded model. Under CPU offload the parameters' shards live on the CPU (FSDP2
+    moves them to `device` per unit for compute), but buffers are not sharded and never moved: BatchNorm
+    statistics and position ids left on the CPU mix with CUDA activations in forward, and a CPU buffer in an
+    NCCL broadcast (setup, sync_buffers) raises. They belong on the compute device, as torchtitan places them."""
+    model.to_empty(device="cpu" if cpu_offload else device)
+    if cpu_offload:
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+
+
 class FSDPStrategy(NativeStrategy):
     name = "fsdp"
     grads_sharded = True  # each rank's share of the gradient norm is its shards'
@@ -99,8 +131,7 @@ class FSDPStrategy(NativeStrategy):
         if self.policy.cpu_offload:
             common["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         low = DTYPES[self.precision]
-        mp = (MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32)
-              if self.policy.mixed_precision and self.precision != "fp32" else None)
+        mp = mixed_precision_policy(self.policy, self.precision)
         units = _units(model, self.policy, self.block_classes(model),
                        f"{type(self.workload).__name__}.block_classes()")
         if mp:
@@ -119,15 +150,14 @@ class FSDPStrategy(NativeStrategy):
         fully_shard(model, **({"mp_policy": mp} if mp else {}), **common)
         self.unit_count = len(units)
 
-        model.to_empty(device="cpu" if self.policy.cpu_offload else self.device)
+        materialise(model, self.device, self.policy.cpu_offload)
         set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True,
                                                                      broadcast_from_rank0=True))
         # Non-persistent buffers (e.g. position ids) are not in the state dict; send every buffer.
         for name, buf in model.named_buffers():
             if rank0:
                 buf.copy_(buffers[name])
-            if self.dist.world_size > 1:
-                dist.broadcast(buf, src=0)
+            broadcast_(buf, src=0)
         del full_sd, buffers
         self.model = model
         return self._finish_setup(frozen_names)
@@ -139,4 +169,4 @@ class FSDPStrategy(NativeStrategy):
     def describe(self):
         return {"strategy": "fsdp", "offload": self.policy.cpu_offload, "policy": self.policy.path,
                 "sharding": self.policy.sharding, "units": self.unit_count,
-                "mixed_precision_params": self.policy.mixed_precision, "recompute_blocks": self.recompute_count}
+                **wire_dtypes(self.policy, self.precision), "recompute_blocks": self.recompute_count}

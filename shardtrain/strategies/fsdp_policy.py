@@ -31,7 +31,8 @@ class FSDPPolicy:
     min_params: int | None = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
-    mixed_precision: bool = False
+    # Under --precision bf16/fp16: all-gather in 16 bits, reduce-scatter in fp32 (fsdp.py); fp32 runs ignore it.
+    mixed_precision: bool = True
     activation_checkpointing: list = field(default_factory=list)
     path: str = ""
 

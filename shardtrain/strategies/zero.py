@@ -24,6 +24,10 @@ TAG = "engine"
 class ZeroStrategy(Strategy):
     def __init__(self, cfg, dist_info, workload=None, has_batchnorm: bool = False):
         super().__init__(cfg, dist_info, workload)
+        from shardtrain.runtime.device_defaults import deepspeed_accelerator
+        line = deepspeed_accelerator(self.device.type)  # before deepspeed is first imported: it reads it once
+        if line:
+            self._warn(line)
         # Resolved before any model is built: a contradiction in the JSON costs nothing.
         self.ds_config = resolve_ds_config(cfg, dist_info.world_size, has_batchnorm)
         self.info = describe_ds(self.ds_config)
@@ -533,7 +537,7 @@ def _use_own_ninja() -> None:
 
 
 def _copy_from_rank0(model: nn.Module, source: nn.Module | None, rank0: bool, deepspeed) -> None:
-    import torch.distributed as dist
+    from shardtrain.runtime.distributed import broadcast_
 
     # Every name, tied ones included: a tied lm_head.weight is listed under its own module below, while
     # named_parameters() gives each shared tensor once, under the first name (the token embeddings).
@@ -551,5 +555,4 @@ def _copy_from_rank0(model: nn.Module, source: nn.Module | None, rank0: bool, de
     for name, buf in model.named_buffers():
         if rank0:
             buf.copy_(src_buffers[name])
-        if dist.get_world_size() > 1:
-            dist.broadcast(buf, src=0)
+        broadcast_(buf, src=0)

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtrain.runtime.distributed import barrier
 from shardtrain.workloads.base import Workload
 
 
@@ -16,8 +17,7 @@ def _rank0() -> bool:
 
 
 def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    barrier()
 
 
 class JsonlWorkload(Workload):

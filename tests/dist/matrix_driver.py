@@ -88,7 +88,8 @@ def main(plan_path: str, out_dir: str) -> int:
                 lrs=[m["lr"] for m in metrics], eval=summary["eval"], skipped_steps=summary["skipped_steps"],
                 describe={k: summary.get(k) for k in ("strategy", "offload", "sharding", "recompute_blocks",
                                                       "precision", "grad_accum", "micro_batch_size",
-                                                      "global_batch_size", "params_frozen")},
+                                                      "global_batch_size", "params_frozen", "param_dtype",
+                                                      "reduce_dtype")},
                 **bn)
             if entry.get("weights"):
                 record["weights"] = write_weights(cfg, run_dir)

@@ -53,25 +53,40 @@ def test_startup_dry_run(tmp_path):
 
 
 def test_gpu_suite_dry_run(tmp_path):
-    out = tmp_path / "gpu_suite.json"
-    # channels_last under FSDP is where the suite found a real bug (non-contiguous conv weights). The ZeRO cases
-    # run in the full dry run (`gpu_suite.py --dry-run`); DeepSpeed's start-up would double this test's time.
-    cases = "fusion_channels_last,longformer_4096_ac,strategy_fsdp"
-    run([sys.executable, str(BENCH / "gpu_suite.py"), "--dry-run", "--cases", cases,
-         "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600, env=test_env())
+    """benchmarks/gpu_suite.sh end to end on CPU with tiny cases: the never-run GPU paths the suite puts first
+    (fp16 with GradScaler, OOM recovery, FSDP offload), and a crash after the third case (the test-only
+    GPU_SUITE_TEST_DIE_AFTER): the JSON, rewritten after every case, keeps all three and says the fourth died."""
+    out = tmp_path / "results" / "gpu_suite.json"
+    # The ZeRO, compile and Longformer-at-4096 cases run in the full dry run (`gpu_suite.py --dry-run`): DeepSpeed's
+    # start-up and AOTAutograd's tracing would triple this test's time.
+    cases = "fp16_ddp_grad_scaler,oom_recovery_real,fsdp_offload,strategy_zero3_offload"
+    env = test_env(PY=sys.executable, GPU_SUITE_TEST_DIE_AFTER="fsdp_offload")
+    env.pop("DS_ACCELERATOR", None)  # the dry run sets it for its own CPU cases
+    run([str(REPO / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--cases", cases, "--work", str(tmp_path / "work"),
+         "--out", str(out), "--budget-s", "200", "--case-timeout-s", "200"], timeout=400, env=env, check=False)
     result = json.loads(out.read_text())
     assert result["dry_run"] is True and result["environment"]["cuda_available"] is False
+    assert result["complete"] is True and result["budget_s"] == 200
+    assert result["environment"]["ds_accelerator"] is None  # the shell's; the cases got cpu (dry run)
     assert {"fusion_mfu_min", "fusion_mfu_best", "met"} <= set(result["targets"])
     rows = {r["name"]: r for r in result["cases"]}
     assert list(rows) == cases.split(",")
-    for name, r in rows.items():
+    for name in cases.split(",")[:3]:
+        r = rows[name]
         assert r["status"] == "ok", (name, r.get("error"))
         assert r["samples_per_sec"] > 0 and r["flops_per_sample"] > 0, name
-        assert r["mfu"] is None and r["peak_allocated_gib"] is None  # CPU: no peak FLOPs, no CUDA allocator
-        assert "predicted_peak_gib" in r["planner"] and "note" in r["planner"]
-    assert rows["longformer_4096_ac"]["activation_checkpointing"] is True
-    assert rows["fusion_channels_last"]["channels_last"] is True
-    assert rows["strategy_fsdp"]["strategy"] == "fsdp"
+        assert r["flops_method"].startswith(("counted:", "estimate:")), name
+        assert r["mfu"] is None and r["step_peak_allocated_gib"] is None  # CPU: no peak FLOPs, no CUDA allocator
+        assert r["cuda_math"] == {}  # CPU: TF32 and cudnn.benchmark do not apply
+        planner = r["planner"]
+        assert planner["predicted_peak_gib"] > 0 and {"comm", "overhead", "activations"} <= set(planner["parts_gib"])
+    assert rows["strategy_zero3_offload"]["status"] == "died" and "exited 9" in rows["strategy_zero3_offload"]["error"]
+    assert rows["fp16_ddp_grad_scaler"]["precision"] == "fp16"
+    # Longformer's forward reads values: the meta-device count falls back, and the JSON says so
+    assert rows["fp16_ddp_grad_scaler"]["flops_method"].startswith("estimate:")
+    oom = rows["oom_recovery_real"]
+    assert oom["micro_batch_after_recovery"] == 2 and oom["oom_recovery"]["events"], oom
+    assert rows["fsdp_offload"]["offload"] is True and rows["fsdp_offload"]["strategy"] == "fsdp"
 
 
 def test_loader_dry_run(tmp_path):

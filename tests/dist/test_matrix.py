@@ -60,11 +60,13 @@ def _plan(data_dirs: dict, root: Path) -> list[dict]:
             "--keep-last", "5", weights=True)
     for strategy in STRATEGIES:
         add(f"multimodal/{strategy}/bf16", "multimodal", strategy, "--max-steps", "2", "--precision", "bf16")
-    mp_policy = root / "fsdp_mixed_precision.yaml"
-    mp_policy.write_text((REPO / "fsdp_policies/default.yaml").read_text()
-                         .replace("mixed_precision: false", "mixed_precision: true"))
-    add("multimodal/fsdp_mp/bf16", "multimodal", "fsdp", "--max-steps", "2", "--precision", "bf16",
-        "--fsdp-policy", str(mp_policy))
+    # The shipped policies gather 16-bit parameters under bf16/fp16 (mixed_precision: true); this one keeps the
+    # autocast-only path (fp32 gathers) a policy can still choose.
+    fp32_gathers = root / "fsdp_fp32_gathers.yaml"
+    fp32_gathers.write_text((REPO / "fsdp_policies/default.yaml").read_text()
+                            .replace("mixed_precision: true", "mixed_precision: false"))
+    add("multimodal/fsdp_fp32_gathers/bf16", "multimodal", "fsdp", "--max-steps", "2", "--precision", "bf16",
+        "--fsdp-policy", str(fp32_gathers))
     for workload in WORKLOADS:
         for strategy in NATIVE:
             add(f"{workload}/{strategy}/fp16", workload, strategy, "--max-steps", "2", "--precision", "fp16")
@@ -174,13 +176,15 @@ def test_frozen_layers_stay_bit_identical_until_unfrozen(matrix, strategy):
 
 
 def test_bf16_on_every_strategy_keeps_batchnorm_fp32(matrix):
-    for name in [f"multimodal/{s}/bf16" for s in STRATEGIES] + ["multimodal/fsdp_mp/bf16"]:
+    for name in [f"multimodal/{s}/bf16" for s in STRATEGIES] + ["multimodal/fsdp_fp32_gathers/bf16"]:
         r = matrix[name]
         assert r["describe"]["precision"] == "bf16"
         assert all(math.isfinite(x) for x in r["losses"]) and r["skipped_steps"] == 0, (name, r["losses"])
         assert r["bn_modules"] > 0 and r["bn_weight_dtypes"] == ["float32"], (name, r["bn_weight_dtypes"])
-        if "fsdp_mp" in name:
-            # Each BatchNorm is its own FSDP unit whose fp32 policy casts its inputs up as well.
+        if name.split("/")[1] in ("fsdp", "fsdp_sgo"):
+            # The shipped policies' 16-bit gathers: each BatchNorm is its own FSDP unit whose fp32 policy casts
+            # its inputs up as well.
+            assert r["describe"]["param_dtype"] == "bf16" and r["describe"]["reduce_dtype"] == "fp32", r["describe"]
             assert r["bn_input_dtypes"] == ["float32"], (name, r["bn_input_dtypes"])
         else:
             # autocast is really on around the CNN: its convolutions hand BatchNorm bf16 activations
@@ -194,7 +198,12 @@ def test_fp16_with_grad_scaler_on_cpu(matrix, strategy, workload):
     assert r["describe"]["precision"] == "fp16"
     assert all(math.isfinite(x) for x in r["losses"]), r["losses"]
     if workload == "multimodal":
-        assert r["bn_weight_dtypes"] == ["float32"] and "float16" in r["bn_input_dtypes"], r["bn_input_dtypes"]
+        # FSDP's 16-bit gathers hand BatchNorm's own fp32 unit fp32 inputs; DDP's autocast hands it fp16
+        want = ["float32"] if strategy == "fsdp" else None
+        assert r["bn_weight_dtypes"] == ["float32"], r["bn_weight_dtypes"]
+        assert r["bn_input_dtypes"] == want if want else "float16" in r["bn_input_dtypes"], r["bn_input_dtypes"]
+    if strategy == "fsdp":
+        assert r["describe"]["param_dtype"] == "fp16" and r["describe"]["reduce_dtype"] == "fp32", r["describe"]
 
 
 def _run_dir(result: dict) -> str:

@@ -172,3 +172,59 @@ def test_the_command_table_the_commands_folder_and_the_architecture_doc_agree():
     entry = re.search(r"^  commands/(.*\n(?: {10,}.*\n)*)", (REPO / "docs" / "ARCHITECTURE.md").read_text(), re.M)
     listed = set(re.findall(r"(\w+)\.py", entry.group(1)))
     assert listed == {m.rpartition(".")[2] for m in modules}, f"docs/ARCHITECTURE.md's commands/ lists {sorted(listed)}"
+
+
+# ---- collectives: one place moves their tensors to the group's device -------------------------------------
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+               "broadcast", "broadcast_object_list", "all_gather_object", "gather_object", "gather", "scatter",
+               "scatter_object_list", "reduce", "barrier", "monitored_barrier", "all_to_all", "all_to_all_single",
+               "send", "recv", "isend", "irecv", "batch_isend_irecv"}
+COLLECTIVE_HOMES = ("runtime", "strategies")  # shardtrain/runtime/distributed.py's helpers; the backends' own
+
+
+def direct_collectives(path: Path, root: Path = REPO) -> list[str]:
+    """`file:line name` for each torch.distributed collective the file calls itself: through any alias of the
+    module (`import torch.distributed as dist`, `torch.distributed.x`) or a name imported from it."""
+    tree = ast.parse(path.read_text(), str(path))
+    aliases, names = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name == "torch.distributed":
+                    aliases.add(a.asname or "torch.distributed")
+                elif a.name == "torch" or a.name.startswith("torch."):
+                    aliases.add("torch.distributed")  # `import torch` then torch.distributed.x(...)
+        elif isinstance(node, ast.ImportFrom) and node.module in ("torch.distributed", "torch.distributed.distributed_c10d"):
+            names.update(a.asname or a.name for a in node.names if a.name in COLLECTIVES)
+        elif isinstance(node, ast.ImportFrom) and node.module == "torch":
+            aliases.update(a.asname or a.name for a in node.names if a.name == "distributed")
+
+    def dotted(n) -> str:
+        return f"{dotted(n.value)}.{n.attr}" if isinstance(n, ast.Attribute) else getattr(n, "id", "?")
+
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if isinstance(f, ast.Attribute) and f.attr in COLLECTIVES and dotted(f.value) in aliases:
+            found.append(f"{path.relative_to(root)}:{node.lineno} {f.attr}")
+        elif isinstance(f, ast.Name) and f.id in names:
+            found.append(f"{path.relative_to(root)}:{node.lineno} {f.id}")
+    return found
+
+
+def test_only_runtime_and_strategies_call_collectives_directly():
+    files = [p for p in sorted(PACKAGE.rglob("*.py")) if folder_of(module_name(p, PACKAGE)) not in COLLECTIVE_HOMES]
+    files += sorted((REPO / "examples").rglob("*.py"))
+    offenders = [hit for p in files for hit in direct_collectives(p)]
+    assert offenders == [], ("call shardtrain.runtime.distributed's helpers (all_reduce_sum, all_reduce_max, "
+                             f"broadcast_, barrier, all_gather_object, gather_object) instead: {offenders}")
+
+
+def test_the_collective_check_finds_every_spelling(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("import torch\nimport torch.distributed as dist\nfrom torch.distributed import all_reduce as ar\n"
+                 "def f(t):\n    dist.all_reduce(t)\n    torch.distributed.barrier()\n    ar(t)\n"
+                 "    dist.get_rank()\n    dist.is_initialized()\n")
+    assert direct_collectives(f, tmp_path) == ["x.py:5 all_reduce", "x.py:6 barrier", "x.py:7 ar"]
