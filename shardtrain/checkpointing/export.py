@@ -125,8 +125,9 @@ def run_tokenizer(cfg, run_dir: Path):
     own = run_dir / "tokenizer"
     name = str(own) if (own / "tokenizer.json").is_file() else cfg.data.tokenizer
     if name is None:
-        raise ConfigError(f"export: {own} is gone and the run named no tokenizer (data.tokenizer): an export "
-                          f"without its tokenizer would tokenise text into other ids")
+        raise ConfigError(f"export: the run's tokenizer {own} is not there (the run trained it, data.tokenizer "
+                          f"is unset): keep the run's tokenizer/ folder beside its checkpoints/; an export without "
+                          f"it would tokenise text into other ids")
     try:
         return AutoTokenizer.from_pretrained(name)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, HFValidationError: all mean "not usable"

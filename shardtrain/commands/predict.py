@@ -166,8 +166,12 @@ def split_metrics(path: Path, given: dict, int8: bool = False, split: str = "val
     predict computes them (`export --eval`)."""
     args = argparse.Namespace(source=str(path), int8=int8, split=split, file=None, id_column=None, batch_size=None,
                               precision="fp32", top_k=1)
+    import contextlib
+    import io
+
     source = open_source(args, given)
-    with tempfile.TemporaryDirectory(prefix=".eval-", dir=path) as tmp:
+    # export prints its own lines only: the datasets' cache lines and predict's split note stay out of them.
+    with tempfile.TemporaryDirectory(prefix=".eval-", dir=path) as tmp, contextlib.redirect_stdout(io.StringIO()):
         predict_block(source, args, 0, 1, Path(tmp))
         metrics = join_blocks(Path(tmp), 1, Path(tmp) / "preds.jsonl", source.workload)
     metrics.pop("_labelled", None)

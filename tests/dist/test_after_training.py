@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 from plain_transformers import fresh
 
-from launch import REPO, cli, predicted_metrics, run_plan
+from launch import REPO, run_plan
+
+from shardtrain import cli
 LABELS = ["arts", "business", "politics", "science", "sports"]
 COMMON = ["--resume", "none", "--predict-memory", "false", "--report", "false", "--num-workers", "0",
           "--log-every", "100", "--strategy", "ddp", "--device", "cpu"]
@@ -29,6 +31,21 @@ def write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
 def read_csv(path: Path) -> list[dict]:
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def shardtrain(capsys, *argv: str) -> str:
+    """`shardtrain ARGV` through the console script's own function, in this process: the launch above is the
+    multi-process part, and each command's interpreter start (torch, transformers) would cost more than its work."""
+    capsys.readouterr()
+    code = cli.main([str(a) for a in argv])
+    out = capsys.readouterr()
+    assert code == 0, out.out[-2000:] + out.err[-2000:]
+    return out.out
+
+
+def printed_metrics(output: str, what: str) -> dict:
+    line = next(x for x in output.splitlines() if x.startswith(f"{what} metrics"))
+    return json.loads(line.split(": ", 1)[1])
 
 
 def jsonl(path: Path) -> list[dict]:
@@ -66,26 +83,27 @@ def runs(ld_data, mm_data, tmp_path_factory) -> dict:
     return {"root": root, "files": files, "results": results}
 
 
-def test_a_longformer_export_is_two_lines_of_plain_transformers_and_reproduces_predict(runs, tmp_path):
+def test_a_longformer_export_is_two_lines_of_plain_transformers_and_reproduces_predict(runs, tmp_path, capsys):
     """Item 1 (and 4): `AutoTokenizer` / `AutoModelForSequenceClassification.from_pretrained(EXPORT)` in a fresh
     process agree with `shardtrain predict EXPORT --file` on every row; the tokenizer truncates where training
     did and config.json names the classes. `export --eval` evaluates the --train-file run on its own hold-out."""
     run, export = runs["root"] / "ld", tmp_path / "export"
-    done = cli(["export", str(run), str(export), "--eval"])
+    done = shardtrain(capsys, "export", run, export, "--eval")
     summary = json.loads((run / "summary.json").read_text())
     meta = json.loads((export / "shardtrain_export.json").read_text())
-    assert meta["eval_fp32"] == pytest.approx(summary["eval"], rel=1e-9), done.tail()
+    assert meta["eval_fp32"] == pytest.approx(summary["eval"], rel=1e-9), done
+    assert [line.split(" ")[0] for line in done.splitlines()] == ["exported", "fp32"], done
     assert not (export / "tokenizer").exists() and (export / "tokenizer.json").is_file()
 
     # The user's file with every other label cell empty (item 2): every row predicted, metrics over the labelled.
     rows = read_csv(runs["files"]["docs"])
     partial = write_csv(tmp_path / "partial.csv", ["id", "document", "category"],
                         [[r["id"], r["document"], r["category"] if i % 2 else ""] for i, r in enumerate(rows)])
-    out = cli(["predict", str(export), "--file", str(partial), "--output", str(tmp_path / "preds.jsonl")])
+    out = shardtrain(capsys, "predict", export, "--file", partial, "--output", tmp_path / "preds.jsonl")
     preds = jsonl(tmp_path / "preds.jsonl")
     assert [p["row"] for p in preds] == list(range(60)) and [p["id"] for p in preds] == [r["id"] for r in rows]
-    assert "file metrics (over the 30 labelled rows): " in out.output, out.tail()
-    metrics = json.loads(out.output.split("file metrics (over the 30 labelled rows): ")[1].splitlines()[0])
+    assert "file metrics (over the 30 labelled rows): " in out, out
+    metrics = printed_metrics(out, "file")
     assert metrics["n_examples"] == 30 == sum("true_label" in p for p in preds)
     assert metrics["accuracy"] == pytest.approx(sum(p["label"] == p["true_label"] for p in preds if "true_label" in p) / 30)
 
@@ -105,31 +123,32 @@ def test_a_longformer_export_is_two_lines_of_plain_transformers_and_reproduces_p
     assert spread > 0.05, f"an untrained model would hide a wrong tokenizer: the widest row is {spread:.3f}"
 
 
-def test_predict_takes_new_unlabelled_files_row_for_row_with_their_ids(runs, tmp_path):
+def test_predict_takes_new_unlabelled_files_row_for_row_with_their_ids(runs, tmp_path, capsys):
     """Items 2 and 3: a file without the label column, its ids in another column, the rows reversed: every row
     once, in the file's order, each with its row and id, no metrics; the run's own held-out split by row and id."""
     run, rows = runs["root"] / "ld", read_csv(runs["files"]["docs"])
     new = write_csv(tmp_path / "new.csv", ["doc_id", "document"], [[f"new-{i}", r["document"]] for i, r in
                                                                     enumerate(reversed(rows))])
-    out = cli(["predict", str(run), "--file", str(new), "--id-column", "doc_id", "--output", str(tmp_path / "p.jsonl")])
+    out = shardtrain(capsys, "predict", run, "--file", new, "--id-column", "doc_id", "--output", tmp_path / "p.jsonl")
     preds = jsonl(tmp_path / "p.jsonl")
     assert [p["row"] for p in preds] == list(range(60)) and [p["id"] for p in preds] == [f"new-{i}" for i in range(60)]
-    assert not any("true_label" in p for p in preds) and "no metrics: " in out.output, out.tail()
+    assert not any("true_label" in p for p in preds) and "no metrics: " in out, out
     # The run's own validation split: which rows of docs.csv it holds, by row and id.
-    out = cli(["predict", str(run), "--output", str(tmp_path / "v.jsonl")])
+    out = shardtrain(capsys, "predict", run, "--output", tmp_path / "v.jsonl")
     held = jsonl(tmp_path / "v.jsonl")
-    assert predicted_metrics(out) == pytest.approx(json.loads((run / "summary.json").read_text())["eval"], rel=1e-9)
+    assert printed_metrics(out, "validation") == pytest.approx(json.loads((run / "summary.json").read_text())["eval"],
+                                                               rel=1e-9)
     assert all(p["id"] == rows[p["row"]]["id"] and p["true_label"] == rows[p["row"]]["category"] for p in held)
-    assert "shuffled (--validation-split-percentage 10" in out.output
+    assert "shuffled (--validation-split-percentage 10" in out
 
 
-def test_a_multimodal_export_hands_plain_transformers_its_tokenizer_and_class_names(runs, tmp_path):
+def test_a_multimodal_export_hands_plain_transformers_its_tokenizer_and_class_names(runs, tmp_path, capsys):
     """Item 1 for the fusion model (RoBERTa + a torchvision CNN + a fusion head: no transformers architecture):
     the export's tokenizer loads with AutoTokenizer alone and gives the run's ids, truncated at the run's
     length; config.json names the classes; the weights are one safetensors file; `predict EXPORT --file` (which
     rebuilds the model from config.json) reproduces the run's final evaluation."""
     run, export = runs["root"] / "mm", tmp_path / "export"
-    cli(["export", str(run), str(export)])
+    shardtrain(capsys, "export", run, export)
     rows = read_csv(runs["files"]["mm_validation"])
     texts = [r["text"] for r in rows] + [" ".join(["long"] * 200)]  # one text past max_length (64)
     got = fresh(export, texts, tmp_path / "plain.json", "--tokenizer-only")
@@ -140,10 +159,10 @@ def test_a_multimodal_export_hands_plain_transformers_its_tokenizer_and_class_na
     assert len(got["input_ids"][-1]) == 64
     assert got["id2label"] == {"0": "neg", "1": "neu", "2": "pos"}
     # The run's --validation-file, predicted from the export, is the run's final eval.
-    out = cli(["predict", str(export), "--file", str(runs["files"]["mm_validation"]), "--output",
-               str(tmp_path / "p.jsonl")])
-    assert predicted_metrics(out, "file") == pytest.approx(json.loads((run / "summary.json").read_text())["eval"],
-                                                           rel=1e-9), out.tail()
+    out = shardtrain(capsys, "predict", export, "--file", runs["files"]["mm_validation"], "--output",
+                     tmp_path / "p.jsonl")
+    assert printed_metrics(out, "file") == pytest.approx(json.loads((run / "summary.json").read_text())["eval"],
+                                                         rel=1e-9), out
     assert [p["id"] for p in jsonl(tmp_path / "p.jsonl")] == [r["id"] for r in rows]
 
 
