@@ -9,6 +9,7 @@ init, nothing downloaded), which is how the tests use it.
 """
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -45,6 +46,15 @@ class TextClassifier(Workload):
         batch = self.tokenizer([s["text"] for s in samples], padding="longest", truncation=True,
                                max_length=self.args["max_length"], return_tensors="pt")
         return {**batch, "labels": torch.tensor([s["label"] for s in samples])}
+
+    def export(self, model, out_dir):
+        """A Hugging Face folder (`shardtrain export RUN OUT` calls this): the two standard lines load it,
+        AutoModelForSequenceClassification.from_pretrained(OUT) and AutoTokenizer.from_pretrained(OUT), and the
+        tokenizer truncates where training did (max_length), so `tokenizer(texts, truncation=True)` is collate's."""
+        model.save_pretrained(out_dir)
+        tokenizer = copy.copy(self.tokenizer)
+        tokenizer.model_max_length = self.args["max_length"]
+        tokenizer.save_pretrained(out_dir)
 
     def freezable_parameter_names(self, n):
         with torch.device("meta"):

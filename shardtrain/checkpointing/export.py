@@ -3,10 +3,13 @@
 Runs in one process with no process group: it reads the checkpoint's portable `model_optim/` form
 (checkpointing/dcp_state.py), which DDP, FSDP and DeepSpeed checkpoints all hold.
 
-    OUT/model.safetensors + OUT/config.json
-        longformer: Hugging Face layout, LongformerForSequenceClassification.from_pretrained(OUT)
-        multimodal: config.json is model.export_config(); load with load_export(OUT)
-    OUT/tokenizer/            the run's tokenizer, when it trained its own
+    OUT/model.safetensors + OUT/config.json (with the run's class names as id2label / label2id)
+        longformer: Hugging Face layout, AutoModelForSequenceClassification.from_pretrained(OUT)
+        multimodal: config.json is model.export_config(); load with load_export(OUT) (RoBERTa + a torchvision
+                    CNN + a fusion head is no Hugging Face architecture)
+    OUT/tokenizer.json, tokenizer_config.json   the run's tokenizer (its own, or the one it named), beside the
+                              model, so that AutoTokenizer.from_pretrained(OUT) is the tokenizer the run trained
+                              with; its model_max_length is the run's truncation length (data.max_length)
     OUT/model_int8.pt         (--int8) torchao INT8 (Linear: int8 weights and activations; embeddings: int8
                               weights), torch.save of the state_dict; CPU inference only
 """
@@ -104,9 +107,7 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps({**model.export_config(), **label_maps(cfg)}, indent=1))
     normal_mode(out / "model.safetensors")
-    tok = ckpt_dir.parent.parent / "tokenizer"
-    if (tok / "tokenizer.json").is_file():
-        shutil.copytree(tok, out / "tokenizer", dirs_exist_ok=True)
+    save_tokenizer(run_tokenizer(cfg, ckpt_dir.parent.parent), cfg.data.max_length, out)
     info["bytes_fp32"] = (out / "model.safetensors").stat().st_size
     if int8:
         save_int8(model.hf if cfg.model.name == "longformer" else model, out / INT8_FILE)
@@ -115,6 +116,42 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
         info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
     (out / EXPORT_META).write_text(json.dumps(info, indent=1))
     return info
+
+
+def run_tokenizer(cfg, run_dir: Path):
+    """The tokenizer the run trained with: the one it trained into its folder, or the one it named."""
+    from transformers import AutoTokenizer
+
+    own = run_dir / "tokenizer"
+    name = str(own) if (own / "tokenizer.json").is_file() else cfg.data.tokenizer
+    if name is None:
+        raise ConfigError(f"export: the run's tokenizer {own} is not there (the run trained it, data.tokenizer "
+                          f"is unset): keep the run's tokenizer/ folder beside its checkpoints/; an export without "
+                          f"it would tokenise text into other ids")
+    try:
+        return AutoTokenizer.from_pretrained(name)
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, HFValidationError: all mean "not usable"
+        raise ConfigError(f"export: cannot load the run's tokenizer '{name}': {_first_line(e)}") from None
+
+
+def save_tokenizer(tokenizer, max_length: int, out: Path) -> None:
+    """Into the export's root, where AutoTokenizer.from_pretrained(OUT) looks (beside config.json, which would
+    otherwise make it build an empty tokenizer of the model's type), truncating where training truncated: a
+    trained tokenizer's model_max_length is "unlimited" (1e30), and `truncation=True` would then keep every token."""
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.model_max_length = max_length
+    tokenizer.save_pretrained(str(out))
+    for f in out.iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            normal_mode(f)
+    old = out / "tokenizer"  # exports before the tokenizer moved to the root kept it here
+    if (old / "tokenizer.json").is_file():
+        shutil.rmtree(old)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
 
 
 def save_hf_quietly(hf_model, out: Path) -> None:
@@ -296,25 +333,3 @@ def load_int8_weights(model: nn.Module, path: Path) -> nn.Module:
         raise ConfigError(f"{path}: cannot load the INT8 weights (truncated, or not this model's?): "
                           f"{' '.join(str(e).split())[:200]}") from None
     return model.eval()
-
-
-# ---- accuracy on the validation set -------------------------------------------------------------------
-@torch.no_grad()
-def evaluate_model(model: nn.Module, cfg, tokenizer_dir: Path) -> dict:
-    from transformers import AutoTokenizer
-
-    from shardtrain.data import batch_to_device, build_datasets, build_loaders
-    from shardtrain.workloads.base import classification_metrics
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir)) if cfg.data.tokenizer is None \
-        else AutoTokenizer.from_pretrained(cfg.data.tokenizer)
-    train_ds, eval_ds = build_datasets(cfg, tokenizer)
-    loaders = build_loaders(cfg, tokenizer, train_ds, eval_ds, 0, 1, "cpu")
-    n = cfg.model.num_labels
-    confusion = torch.zeros(n * n, dtype=torch.float64)
-    for batch in loaders.eval:
-        batch = batch_to_device(batch, torch.device("cpu"))
-        inputs = {k: batch[k] for k in model.batch_keys if k in batch}
-        preds = model(**inputs).argmax(dim=-1)
-        confusion.index_add_(0, batch["labels"] * n + preds, torch.ones(len(preds), dtype=torch.float64))
-    return classification_metrics(confusion.view(n, n))

@@ -99,12 +99,35 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
         what = cfg.data.data_dir
         problems = check_data(what, data_kind(cfg.model.name), cfg.model.num_labels)
     else:
-        what = next(getattr(cfg.data, n) for n in ("dataset_name", "train_file", "train_dir") if getattr(cfg.data, n))
         problems = check_source(cfg)
+        what = ", ".join(_source_names(cfg))
+        for line in problems:
+            print(line)
+        print(f"{len(problems)} problem(s): {_where_problems_are(problems, _source_names(cfg))}" if problems
+              else f"{what}: no problems found")
+        return 1 if problems else 0
     for line in problems:
         print(line)
     print(f"{len(problems)} problem(s) in {what}" if problems else f"{what}: no problems found")
     return 1 if problems else 0
+
+
+def _source_names(cfg) -> list[str]:
+    """What a source's messages name its rows by: each file, folder or dataset the flags name."""
+    names = ("dataset_name", "train_file", "validation_file", "train_dir", "validation_dir")
+    return [str(getattr(cfg.data, n)) for n in names if getattr(cfg.data, n)]
+
+
+def _where_problems_are(problems: list[str], names: list[str]) -> str:
+    """`2 in data/validation.csv`: counted by the file each message names, not the training file's name for all
+    (a source's messages start with the file, folder or dataset the row is in)."""
+    counts: dict[str, int] = {}
+    for line in problems:
+        # The longest name that starts the line: `a.csv` must not take the lines of `a.csv.bak`.
+        name = (max((n for n in names if line.startswith(n)), key=len, default=None) or
+                max((n for n in names if n in line), key=len, default=None))  # `no usable rows in FILE`
+        counts[name or "the data as a whole"] = counts.get(name or "the data as a whole", 0) + 1
+    return ", ".join(f"{n} in {name}" for name, n in counts.items())
 
 
 def _check_workload(cfg, args) -> int:

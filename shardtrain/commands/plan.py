@@ -11,8 +11,16 @@ from shardtrain.memory.planner import (GIB, GPUS, arch_only, format_plan, format
                                        resolve_gpu)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """A bad flag is one line (a ConfigError) naming what plan takes, not argparse's usage block."""
+
+    def error(self, message):
+        raise ConfigError(f"plan: {message} (plan takes --config/--workload, --gpus, --gpu, the batch, length and "
+                          f"precision flags, and train's data flags: shardtrain plan --help)")
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="shardtrain plan", allow_abbrev=False)
+    parser = _OneLineParser(prog="shardtrain plan", allow_abbrev=False)
     parser.add_argument("--config", help="the training config (optional with --workload)")
     add_workload_flags(parser)
     parser.add_argument("--gpus", type=int, required=True)
@@ -22,6 +30,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--debug", action="store_true")
+    from shardtrain.config.settings import FIELDS, FLAG_ALIASES, flag_of
+    # train's data flags (--train-file, --text-column-names, ...): the vocabulary and the classes come from the data
+    for name, (section, _, typ) in FIELDS.items():
+        if section == "data" and name != "max_length":
+            extra = {"nargs": "?", "const": "true", "metavar": "{true,false}"} if typ is bool else {}
+            parser.add_argument(flag_of(name), *FLAG_ALIASES.get(name, []), dest=f"data__{name}", default=None,
+                                help=f"as in train (data.{name})", **extra)
     args = parser.parse_args(argv)
     cfg = _plan_config(args)
     if args.gpus < 1:
@@ -37,8 +52,42 @@ def main(argv: list[str]) -> int:
     if note:
         print(f"shardtrain: {note}", file=sys.stderr)
     p = plan(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)
-    print(json.dumps(p, indent=2) if args.json else format_plan(p, gpu.name))
+    p["launch"] = launch_line(p, args, argv)
+    print(json.dumps(p, indent=2) if args.json else format_plan(p, gpu.name)
+          + (f"\nlaunch: {p['launch']}" if p["launch"] else ""))
     return 0
+
+
+def launch_line(p: dict, args, argv: list[str]) -> str | None:
+    """The recommendation as the command that runs it: the strategy's flags (parity's table of them), its
+    micro-batch, accumulation and activation checkpointing, and the flags plan was given."""
+    from shardtrain.commands.parity import REPO, STRATEGIES
+
+    rec = p.get("recommendation")
+    if not rec or rec["variant"] not in STRATEGIES:
+        return None
+    shown = [a.replace(str(REPO) + "/", "") for a in STRATEGIES[rec["variant"]]]
+    given = [a for a in _without(argv, ("--gpus", "--gpu", "--per-device-batch-size"), ("--json", "--debug"))]
+    flags = ["--nproc", str(args.gpus), *given, *shown, "--per-device-batch-size", str(rec["micro_batch_size"]),
+             "--grad-accum", str(rec["grad_accum"])]
+    if rec["activation_checkpointing"]:
+        flags.append("--activation-checkpointing")
+    return "shardtrain train " + " ".join(flags)
+
+
+def _without(argv: list[str], with_value: tuple, alone: tuple) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        name = a.split("=")[0]
+        if name in with_value:
+            skip = "=" not in a
+            continue
+        if name not in alone:
+            out.append(a)
+    return out
 
 
 def _plan_config(args):
@@ -51,6 +100,11 @@ def _plan_config(args):
         cfg.data.max_length = args.max_length
     if args.precision:
         cfg.train.precision = args.precision
+    from shardtrain.config.settings import FIELDS, _coerce, flag_of
+    for name in FIELDS:
+        value = getattr(args, f"data__{name}", None)
+        if value is not None:
+            setattr(cfg.data, name, _coerce(name, value, FIELDS[name][2], flag_of(name)))
     cfg.checkpoint.output_dir = "/tmp"  # plan writes nothing; validate() checks the output dir is writable
     cfg.checkpoint.resume = "none"
     validate(cfg)

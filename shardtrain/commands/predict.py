@@ -1,12 +1,17 @@
-"""`shardtrain predict RUN_OR_CHECKPOINT_OR_EXPORT --data-dir DIR --split validation --output preds.jsonl`
+"""`shardtrain predict RUN_OR_CHECKPOINT_OR_EXPORT --file new.csv --output preds.jsonl` (or `--split validation`)
 
-The trained model on data: one JSON line per example, in the split's order,
+The trained model on data: one JSON line per example, in the data's order,
 
-    {"index": 0, "label": "positive", "probs": {"positive": 0.91, "neutral": 0.06}, "true_label": "neutral"}
+    {"index": 0, "row": 0, "id": "doc-17", "label": "positive", "probs": {"positive": 0.91, "neutral": 0.06},
+     "true_label": "neutral"}
 
-(`probs`: the --top-k most likely classes; `true_label` only where the data has labels). With labels it also
-prints the workload's metrics (accuracy / macro-F1 for a classifier), computed as training's evaluation computes
-them, so predicting the run's own validation split reproduces the run's final eval.
+`--file F` (csv, json/jsonl or parquet) predicts every row of F, in order, none left out: its columns are the
+run's (text, image), the label column is optional and so is each label. `row` is the row's place in its source
+(the row of F from 0; for a split, its row in the file it came from); `id` the value of the --id-column (default
+`id`, where there is one); `probs` the --top-k most likely classes; `true_label` only where the row has a label.
+With labels it also prints the workload's metrics over the labelled rows (accuracy / macro-F1 for a classifier),
+computed as training's evaluation computes them, so predicting the run's own validation split (`--split
+validation`, the default without --file) reproduces the run's final eval.
 
 The model comes from any strategy's checkpoint (its portable form, checkpointing in one process) or an export
 (fp32, or its INT8 copy with --int8), rebuilt through the Workload API: the built-ins and a user's workload alike.
@@ -57,7 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
                "(shardtrain train --help lists them).")
     parser.add_argument("source", help="a run's output dir (its latest checkpoint), a checkpoint step dir, or an "
                                        "export folder")
-    parser.add_argument("--split", choices=["train", "validation"], default="validation")
+    parser.add_argument("--file", default=None, help="predict every row of this file, in order (csv, json/jsonl, "
+                        "parquet; the run's text/image columns, labels optional)")
+    parser.add_argument("--id-column", default=None, help="a column copied into each line as `id` (default: `id` "
+                        "where the data has one)")
+    parser.add_argument("--split", choices=["train", "validation"], default=None,
+                        help="a split of the run's data (or of the data-source flags'): default validation")
     parser.add_argument("--output", default="preds.jsonl", help="one JSON line per example (default: preds.jsonl)")
     parser.add_argument("--top-k", type=int, default=5, help="classes (most likely first) in each line's probs")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
@@ -95,9 +105,15 @@ def main(argv: list[str]) -> int:
         metrics = join_blocks(parts, args.nproc, output, source.workload)
     finally:
         shutil.rmtree(parts, ignore_errors=True)
-    print(f"wrote {metrics.pop('_rows')} predictions of the {args.split} split to {output}")
+    what = args.file if args.file else f"the {args.split} split"
+    labelled = metrics.pop("_labelled", None)
+    rows = metrics.pop("_rows")
+    print(f"wrote {rows} predictions of {what} to {output}")
     if metrics:
-        print(f"{args.split} metrics: {json.dumps(metrics)}")
+        over = f" (over the {labelled} labelled rows)" if labelled is not None and labelled < rows else ""
+        print(f"{'file' if args.file else args.split} metrics{over}: {json.dumps(metrics)}")
+    elif args.file:
+        print(f"no metrics: {args.file} has no labels (column '{source.cfg.data.label_column_name}')")
     return 0
 
 
@@ -121,6 +137,13 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
                           f"--workload, --workload-args and --device" if trains else
                           f"predict: unknown argument '{unknown[0]}' (shardtrain predict --help)")
     given = {name: getattr(args, name) for name in taken if getattr(args, name) is not None}
+    if args.file is not None:
+        other = [flag_of(n) for n in SOURCE_FIELDS if n in given]
+        if other or args.split is not None:
+            raise ConfigError(f"predict --file {args.file}: predicts every row of that file; drop "
+                              f"{(other or ['--split'])[0]} (the data is the file, its columns the run's)")
+    if args.split is None:
+        args.split = "validation"
     if args.top_k < 1:
         raise ConfigError(f"predict: --top-k must be positive, got {args.top_k}")
     if args.batch_size is not None and args.batch_size < 1:
@@ -136,6 +159,24 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     if not output.parent.is_dir():
         raise ConfigError(f"predict: --output {output}: folder {output.parent} does not exist")
     return args, given
+
+
+def split_metrics(path: Path, given: dict, int8: bool = False, split: str = "validation") -> dict:
+    """The metrics of an export (or checkpoint) on a split of the run's own data, whichever source that was, as
+    predict computes them (`export --eval`)."""
+    args = argparse.Namespace(source=str(path), int8=int8, split=split, file=None, id_column=None, batch_size=None,
+                              precision="fp32", top_k=1)
+    import contextlib
+    import io
+
+    source = open_source(args, given)
+    # export prints its own lines only: the datasets' cache lines and predict's split note stay out of them.
+    with tempfile.TemporaryDirectory(prefix=".eval-", dir=path) as tmp, contextlib.redirect_stdout(io.StringIO()):
+        predict_block(source, args, 0, 1, Path(tmp))
+        metrics = join_blocks(Path(tmp), 1, Path(tmp) / "preds.jsonl", source.workload)
+    metrics.pop("_labelled", None)
+    metrics.pop("_rows", None)
+    return metrics
 
 
 # ---- the model and its config ----------------------------------------------------------------------------
@@ -241,9 +282,13 @@ def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
     if given.get("workload") not in (None, sections["workload"].get("workload")):
         sections["workload"]["workload_args"] = {}  # another workload: the run's args were for the old one
     if any(name in given for name in SOURCE_FIELDS):
-        # Other data: none of the run's own source flags (nor its image cache) describe it.
+        # Other data: none of the run's own source flags (nor its image cache) describe it. Only a validation
+        # file or folder given keeps the run's training data beside it: its classes are that data's.
+        only_validation = {n for n in given if n in SOURCE_FIELDS} <= {"validation_file", "validation_dir"}
+        kept = {"train_file", "train_dir"} if only_validation else set()
         for name in SOURCE_FIELDS[1:] + ("image_cache",):
-            sections["data"][name] = None
+            if name not in kept:
+                sections["data"][name] = None
     for name, value in given.items():
         sections[FIELDS[name][0]][name] = value
     data.update(sections)
@@ -253,9 +298,13 @@ def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
     cfg.checkpoint.resume, cfg.checkpoint.final_model_dir = "none", None
     cfg.checkpoint.output_dir = str(run_dir)
     cfg.parallel.strategy, cfg.parallel.ds = "ddp", None
-    tokenizer = run_dir / "tokenizer"
-    if cfg.data.tokenizer is None and (tokenizer / "tokenizer.json").is_file():
-        cfg.data.tokenizer = str(tokenizer)  # the run's own; never a new one trained on the data to predict
+    # The run's own (an export keeps it in its root; a run and older exports in tokenizer/); never a new one
+    # trained on the data to predict.
+    tokenizer = next((d for d in (run_dir, run_dir / "tokenizer") if (d / "tokenizer.json").is_file()), None)
+    if (run_dir / "shardtrain_export.json").is_file() and (run_dir / "tokenizer_config.json").is_file():
+        cfg.data.tokenizer = str(run_dir)  # what the export hands over, whatever the run named
+    elif cfg.data.tokenizer is None and tokenizer is not None:
+        cfg.data.tokenizer = str(tokenizer)
     validate(cfg)
     if is_builtin_workload(cfg) and cfg.data.tokenizer is None:
         raise ConfigError(f"predict: {run_dir} has no tokenizer/ folder, and the run trained its own tokenizer; "
@@ -300,18 +349,14 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
 
     cfg, workload = source.cfg, source.workload
     device = _device(cfg, args.precision)
-    train, validation = workload.datasets()
-    data = train if args.split == "train" else validation
-    if data is None:
-        raise ConfigError(f"predict --split {args.split}: {type(workload).__name__}.datasets() has no {args.split} "
-                          f"split for this data")
+    data, rows, ids = predicted_data(source, args)
     start, stop = block_bounds(len(data), rank, world)
     model = source.load_model().to(device)
     loader = DataLoader(Subset(data, range(start, stop)), batch_size=args.batch_size or cfg.eval_batch_size,
                         collate_fn=CheckedCollate(workload), num_workers=cfg.data.num_workers)
     bar = _progress(stop - start, rank)
     sums: dict = {}
-    index, names = start, source.label_names
+    index, names, labelled = start, source.label_names, 0
     with open(parts / f"rank-{rank}.jsonl", "w") as out, torch.no_grad():
         for batch in loader:
             batch = batch_to_device(batch, device)
@@ -322,17 +367,25 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
                 raise ConfigError(f"predict classifies examples: {type(workload).__name__}.forward gives logits of "
                                   f"shape {tuple(logits.shape)}, not [batch, classes]")
             labels = batch.get("labels")
-            if labels is not None:
-                for key, value in workload.metric_sums(outputs, batch).items():
+            known = labels.reshape(-1) >= 0 if labels is not None else None
+            if known is not None and bool(known.any()):
+                # Metrics over the labelled rows only (an unlabelled row of --file has label -1).
+                scored = (workload.metric_sums(outputs, batch) if bool(known.all()) else
+                          workload.metric_sums(logits[known], _rows_of_batch(batch, known)))
+                for key, value in scored.items():
                     value = value.detach().double().cpu()
                     sums[key] = sums[key] + value if key in sums else value
+                labelled += int(known.sum())
             probs = logits.softmax(-1).cpu()
             top = probs.topk(min(args.top_k, probs.shape[-1]), dim=-1)
             for row in range(len(probs)):
-                line = {"index": index, "label": _name(names, int(top.indices[row, 0])),
-                        "probs": {_name(names, int(c)): round(float(p), 6)
-                                  for p, c in zip(top.values[row], top.indices[row])}}
-                if labels is not None:
+                line = {"index": index, "row": rows[index] if rows is not None else index}
+                if ids is not None:
+                    line["id"] = ids[index]
+                line.update({"label": _name(names, int(top.indices[row, 0])),
+                             "probs": {_name(names, int(c)): round(float(p), 6)
+                                       for p, c in zip(top.values[row], top.indices[row])}})
+                if known is not None and bool(known[row]):
                     line["true_label"] = _name(names, int(labels.reshape(-1)[row]))
                 out.write(json.dumps(line) + "\n")
                 index += 1
@@ -340,7 +393,68 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
                 bar.update(len(probs))
     if bar is not None:
         bar.close()
-    torch.save({"rows": index - start, "expected": stop - start, "sums": sums}, parts / f"rank-{rank}.pt")
+    torch.save({"rows": index - start, "expected": stop - start, "sums": sums, "labelled": labelled},
+               parts / f"rank-{rank}.pt")
+
+
+def _rows_of_batch(batch: dict, keep) -> dict:
+    n = keep.shape[0]
+    return {k: (v[keep] if hasattr(v, "shape") and v.dim() and v.shape[0] == n else v) for k, v in batch.items()}
+
+
+def predicted_data(source: Source, args) -> tuple:
+    """(the Dataset to predict, each example's source row or None, each example's id or None)."""
+    from shardtrain.config.settings import is_builtin_workload
+    from shardtrain.data.sources import column_values
+
+    cfg, workload = source.cfg, source.workload
+    if args.file is not None:
+        if not is_builtin_workload(cfg):
+            raise ConfigError(f"predict --file: {type(workload).__name__} reads its own data (its datasets()); "
+                              f"name other data through its --workload-args and predict a --split")
+        from shardtrain.data.sources import prediction_rows
+        from shardtrain.data.split_dataset import SplitDataset
+        read = prediction_rows(cfg, args.file, args.id_column)
+        # Not tokenised ahead: collate tokenises (truncating at data.max_length) as the ahead-of-time map does.
+        data = SplitDataset(read.table, read.origin, cfg.data.image_size, cfg.model.name == "multimodal", [])
+        return data, column_values(read.table, "row"), read.ids
+    train, validation = workload.datasets()
+    data = train if args.split == "train" else validation
+    if data is None:
+        raise ConfigError(f"predict --split {args.split}: {type(workload).__name__}.datasets() has no {args.split} "
+                          f"split for this data")
+    held = (getattr(data, "source", None) or {}).get("validation_split")
+    if held and os.environ.get("RANK", "0") == "0":
+        pct = held["percentage"] if args.split == "validation" else 100 - held["percentage"]
+        print(f"predict: the {args.split} split is {pct}% of the run's training rows, shuffled (--validation-split-"
+              f"percentage {held['percentage']}, seed {held['seed']}): each line's `row` says which row it is; "
+              f"--file F predicts every row of F in order", flush=True)
+    table = getattr(data, "table", None)
+    column = next((c for c in ("row", "line") if table is not None and c in table.column_names), None)
+    rows = column_values(table, column) if column else None
+    return data, rows, _split_ids(cfg, data, args.split, rows, args.id_column)
+
+
+def _split_ids(cfg, data, split: str, rows, id_column):
+    """The id column of the rows a source split came from (a file, a dataset), looked up by their row."""
+    from shardtrain.data.sources import column_values, read_raw, source_of
+
+    kind = source_of(cfg) if not cfg.data.dataset_format else "dataset_format"
+    if rows is None or kind in ("data_dir", "dataset_format") or not hasattr(data, "source"):
+        if id_column is not None:
+            raise ConfigError(f"predict --id-column {id_column}: the {split} split's rows have no columns besides "
+                              f"text and label (the jsonl layout, or a workload's own data)")
+        return None
+    raw = read_raw(cfg, kind)
+    origin = raw[split] if raw.get(split) is not None else raw["train"]  # a held-out validation split: train's rows
+    name = id_column or "id"
+    if name not in origin.ds.column_names:
+        if id_column is not None:
+            raise ConfigError(f"predict --id-column {id_column}: no column '{id_column}' in {origin.origin} "
+                              f"(columns: {', '.join(origin.ds.column_names)})")
+        return None
+    values = column_values(origin.ds, name)
+    return [values[r] for r in rows]
 
 
 def _device(cfg, precision: str):
@@ -382,7 +496,7 @@ def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
 
     from shardtrain.checkpointing.export import normal_mode
 
-    rows, sums = 0, {}
+    rows, sums, labelled = 0, {}, 0
     tmp = tempfile.NamedTemporaryFile("w", dir=output.parent, prefix=f".{output.name}.", suffix=".tmp", delete=False)
     try:
         with tmp:
@@ -397,6 +511,7 @@ def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
                 with open(parts / f"rank-{rank}.jsonl") as f:
                     shutil.copyfileobj(f, tmp)
                 rows += block["rows"]
+                labelled += block.get("labelled", 0)
                 for key, value in block["sums"].items():
                     sums[key] = sums[key] + value if key in sums else value
         normal_mode(Path(tmp.name))  # the mode open() would give preds.jsonl, not mkstemp's 0600
@@ -405,5 +520,5 @@ def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
         Path(tmp.name).unlink(missing_ok=True)
         raise
     metrics = workload.metrics(sums) if sums else {}
-    return {**metrics, "_rows": rows}
+    return {**metrics, "_rows": rows, "_labelled": labelled}
 

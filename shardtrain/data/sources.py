@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from shardtrain.config.settings import Config, ConfigError, is_builtin_workload, where
+from shardtrain.config.settings import FIELDS, Config, ConfigError, is_builtin_workload, where
 
 # The flags that each name the training data; at most one of them, and none means the jsonl --data-dir layout.
 SOURCE_FLAGS = ("dataset_name", "train_file", "train_dir")
@@ -140,6 +140,7 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
     cfg.model.num_labels, cfg.data.label_names = num_labels, list(names)
     return Splits(out["train"], out.get("validation"), list(names), num_labels, skipped, unlabelled,
                   {"source": kind, **source, "rows": {s: len(t) for s, t in out.items()},
+                   "content_sha256": {s: content_sha256(t) for s, t in out.items()},
                    **({"validation_split": _split_record(cfg, out)} if "validation" in out and held_out else {})})
 
 
@@ -210,24 +211,29 @@ def _read_dataset(d) -> dict[str, Optional[RawSplit]]:
     return out
 
 
+def _named(flag: str) -> str:
+    """A setting's flag and key for messages; predict's own flags (`--file`) as they are spelled."""
+    return where(flag) if flag in FIELDS else f"--{flag.replace('_', '-')}"
+
+
 def _read_file(file: str, flag: str) -> RawSplit:
     import datasets
 
     path = Path(file)
     builder = FILE_BUILDERS.get(path.suffix.lower())
     if builder is None:
-        raise ConfigError(f"{where(flag)}: {file}: unknown extension '{path.suffix}' (csv, json, jsonl or parquet)")
+        raise ConfigError(f"{_named(flag)}: {file}: unknown extension '{path.suffix}' (csv, json, jsonl or parquet)")
     if not path.is_file():
-        raise ConfigError(f"{where(flag)}: file not found: {file}")
+        raise ConfigError(f"{_named(flag)}: file not found: {file}{_relative_to_cwd(path)}")
     try:
         # Its json reader logs the parse error before raising it: the one line below says it, with the line.
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)
         ds = datasets.load_dataset(builder, data_files={"data": str(path.resolve())}, split="data")
     except Exception as e:  # noqa: BLE001 - pyarrow's parse errors: a broken line, a ragged csv row
         if _no_rows(path, builder):
-            raise ConfigError(f"{where(flag)}: {file} has no rows") from None
+            raise ConfigError(f"{_named(flag)}: {file} has no rows") from None
         bad_line = _first_bad_json_line(path) if builder == "json" else None
-        raise ConfigError(bad_line or f"{where(flag)}: cannot read {file} as {builder}: "
+        raise ConfigError(bad_line or f"{_named(flag)}: cannot read {file} as {builder}: "
                                       f"{_first_line(_root_cause(e))}") from None
     finally:
         datasets.logging.set_verbosity_error()
@@ -239,6 +245,12 @@ def _read_file(file: str, flag: str) -> RawSplit:
     elif builder == "csv":
         row_name = lambda i: f"{file} row {i} (line {i + 2} if no field spans lines)"  # noqa: E731
     return RawSplit(ds, file, path.resolve().parent, row_name)
+
+
+def _relative_to_cwd(path: Path) -> str:
+    """Which base a relative path was read from: the working directory, for a flag and a YAML key alike (as
+    --data-dir and HF's run_classification.py read theirs), never the config file's folder."""
+    return "" if path.is_absolute() else f" (relative paths are read from the working directory, {Path.cwd()})"
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -282,7 +294,7 @@ def _read_image_folder(folder: str, flag: str) -> RawSplit:
 
     path = Path(folder)
     if not path.is_dir():
-        raise ConfigError(f"{where(flag)}: folder not found: {folder}")
+        raise ConfigError(f"{where(flag)}: folder not found: {folder}{_relative_to_cwd(path)}")
     if not any((path / m).is_file() for m in ("metadata.jsonl", "metadata.csv")):
         raise ConfigError(f"{where(flag)}: {folder} has no metadata.jsonl or metadata.csv (file_name, text, label "
                           f"per image, as datasets' imagefolder reads it)")
@@ -603,3 +615,98 @@ def check_resumed_labels(saved_config: dict, cfg: Config) -> None:
         raise ConfigError(f"the checkpoint was trained on the classes {saved}, but the data now has {now}: resume "
                           f"on the same classes (or pass --label-names {','.join(saved)} to keep its order), or "
                           f"start over with --resume none")
+
+
+# ---------------------------------------------------------------- what a run read, by content
+
+def content_sha256(table) -> str:
+    """sha256 of a canonical split's content, in order: its text (and text_pair), labels and images (a path, or
+    the digest of embedded bytes), not where the rows came from. Two runs that read the same rows from another
+    path, or from another source flag, get the same hash; one row more, fewer or relabelled changes it."""
+    import json
+
+    h = hashlib.sha256()
+    columns = [c for c in ("text", "text_pair", "label") if c in table.column_names]
+    values = [column_values(table, c) for c in columns]
+    images = [image_key(v) for v in column_values(table, "image")] if "image" in table.column_names else None
+    for i in range(len(table)):
+        row = [v[i] for v in values] + ([images[i]] if images is not None else [])
+        h.update(json.dumps(row, ensure_ascii=False).encode() + b"\n")
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------- a file to predict on
+
+@dataclass
+class PredictionRows:
+    table: Any               # datasets.Dataset: row, text, label (-1: no label), [image], [text_pair]
+    ids: Optional[list]      # the id column's values, row by row; None: the file has no id column
+    origin: str
+    labelled: int            # rows with a label (metrics are over these)
+
+
+def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> PredictionRows:
+    """Every row of `file` (csv, json/jsonl or parquet), in its order, read with the run's columns: the text and
+    image columns must be there; the label column and each label are optional (unlabelled data is what a model is
+    for). Nothing is left out: a row that cannot be predicted (no image) is an error naming it. `id_column`
+    None: the column `id` where the file has one."""
+    _quiet_datasets()
+    d = cfg.data
+    raw = _read_file(file, "file")
+    have = list(raw.ds.column_names)
+    images = "need" if is_builtin_workload(cfg) and cfg.model.name == "multimodal" else "skip"
+    for column in d.text_column_names + ([d.image_column_name] if images == "need" else []):
+        if column not in have:
+            raise ConfigError(f"predict --file {file}: no column '{column}' (the run read its text from "
+                              f"{', '.join(d.text_column_names)}"
+                              + (f" and its image from {d.image_column_name}" if images == "need" else "")
+                              + f"; the file's columns: {', '.join(have)})")
+    if id_column is not None and id_column not in have:
+        raise ConfigError(f"predict --id-column {id_column}: no column '{id_column}' in {file} (columns: "
+                          f"{', '.join(have)})")
+    id_column = id_column or ("id" if "id" in have else None)
+    label_col = d.label_column_name if d.label_column_name in have else None
+    names = list(d.label_names)
+    label2id = {name: i for i, name in enumerate(names)}
+    texts = [column_values(raw.ds, c) for c in d.text_column_names]
+    labels = column_values(raw.ds, label_col) if label_col else [None] * len(raw.ds)
+    source_names = None
+    if label_col:
+        import datasets
+        feature = raw.ds.features[label_col]
+        source_names = feature.names if isinstance(feature, datasets.ClassLabel) else None
+    image_values, image_is_feature = None, False
+    if images == "need":
+        import datasets
+        image_is_feature = isinstance(raw.ds.features[d.image_column_name], datasets.Image)
+        ds = raw.ds.cast_column(d.image_column_name, datasets.Image(decode=False)) if image_is_feature else raw.ds
+        image_values = column_values(ds, d.image_column_name)
+    out: dict[str, list] = {"row": [], "text": [], "label": []}
+    if image_values is not None:
+        out["image"] = []
+    labelled = 0
+    for i in range(len(raw.ds)):
+        parts = [t[i] if t[i] is None or isinstance(t[i], str) else str(t[i]) for t in texts]
+        out["row"].append(i)
+        out["text"].append(d.text_column_delimiter.join(p for p in parts if p is not None))
+        value, label = labels[i], -1
+        if not (_missing(value) or _unlabelled(value) or value == ""):
+            label, problem = _label_id(value, source_names, label2id, names, not names, cfg.model.num_labels,
+                                       "the file's")
+            if problem:
+                raise ConfigError(f"{raw.name(i)}: {problem.replace(' of the training split', ' the run trained')}"
+                                  f" (drop the column '{label_col}', or empty the cell, to predict it unlabelled)")
+            labelled += 1
+        out["label"].append(label)
+        if image_values is not None:
+            image, problem = _image_value(image_values[i], image_is_feature, raw.root, False, d.image_column_name)
+            if problem:
+                raise ConfigError(f"{raw.name(i)}: {problem}")
+            out["image"].append(image)
+    import datasets
+    features = {"row": datasets.Value("int64"), "text": datasets.Value("string"), "label": datasets.Value("int64")}
+    if image_values is not None:
+        features["image"] = datasets.Image(decode=False) if image_is_feature else datasets.Value("string")
+    table = datasets.Dataset.from_dict(out, features=datasets.Features(features))
+    ids = column_values(raw.ds, id_column) if id_column else None
+    return PredictionRows(table, ids, file, labelled)

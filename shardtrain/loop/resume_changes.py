@@ -56,3 +56,21 @@ def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeCha
             effect += " (the data position carries over exactly: the epoch's samples seen by all ranks)"
         changes.append(f"{', '.join(geometry)}: {effect}")
     return ResumeChanges(changes, schedule_changed)
+
+
+def data_changes(saved_state: dict, data_source: dict | None) -> list[str]:
+    """The data a resume reads against the data its checkpoint was trained on, by content (data_source's
+    content_sha256, shardtrain/data/sources.py): another file of the same rows is the same data; the same path
+    with other rows is not. Checkpoints that recorded no hash are not compared."""
+    before = ((saved_state.get("data_source") or {}).get("content_sha256")) or {}
+    now = ((data_source or {}).get("content_sha256")) or {}
+    changes = []
+    for split in ("train", "validation"):
+        if before.get(split) and now.get(split) and before[split] != now[split]:
+            rows = ((saved_state.get("data_source") or {}).get("rows") or {}).get(split)
+            rows_now = ((data_source or {}).get("rows") or {}).get(split)
+            counts = f", {rows} -> {rows_now} rows" if rows is not None and rows_now is not None else ""
+            where = (data_source or {}).get(split) or (data_source or {}).get("source")
+            changes.append(f"the {split} data changed (content sha256 {before[split][:12]} -> {now[split][:12]}"
+                           f"{counts}; now {where})")
+    return changes

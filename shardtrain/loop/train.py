@@ -19,7 +19,7 @@ from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.data.sources import check_resumed_labels
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.oom import OOMRecovery
-from shardtrain.loop.resume_changes import resume_changes
+from shardtrain.loop.resume_changes import data_changes, resume_changes
 from shardtrain.loop.saves import Saves
 from shardtrain.loop.step_health import BadStepPolicy, agree
 from shardtrain.memory.accounting import MemoryMonitor, construction_memory, format_table
@@ -86,6 +86,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     train_ds, eval_ds = workload.datasets()
     if state:
         check_resumed_labels(state.get("config") or {}, cfg)  # the checkpoint's class ids mean the data's classes
+        changed.changes += data_changes(state, getattr(train_ds, "source", None))  # said in changed.line below
     loaders = build_loaders(cfg, None, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
                             dist_info.device.type, collate=CheckedCollate(workload))
     startup["data"] = time.time()

@@ -45,7 +45,8 @@ SETTINGS = (
     _m("fusion", "fusion", "multimodal"), _m("fusion width", "fusion_hidden", "multimodal"),
     _m("labels", "num_labels"), _m("attention window", "attention_window", "longformer"), _m("dropout", "dropout"),
     _m("frozen layers", "freeze_layers"), _m("unfreeze step", "unfreeze_at_step"),
-    Setting("data", "data", "config.data.data_dir"), Setting("validation data", "data", "config.data.eval_data_dir"),
+    # What each run read (data_source's content hash), not the data_dir default a --train-file run never used.
+    Setting("data", "data", "run.data_read"),
     Setting("tokenizer", "data", "config.data.tokenizer"),
     Setting("sequence length", "data", "config.data.max_length"),
     Setting("image size", "data", "config.data.image_size", "multimodal"),
@@ -85,7 +86,29 @@ def recorded_settings(run: RunLog) -> dict | None:
         info.setdefault("micro_batch_size", train.get("per_device_batch_size"))
         info.setdefault("grad_accum", train.get("grad_accum"))
         info.setdefault("precision", train.get("precision"))
+        info.setdefault("data_source", state.get("data_source"))  # checkpoints record it too
+    read = data_read(cfg, info)
+    if read is not None:
+        info["data_read"] = read
     return {"config": cfg, "run": _with_batch(info)}
+
+
+def data_read(cfg: dict, info: dict) -> str | None:
+    """The data a run read, as one comparable value: the content hash of each split (summary.json's
+    data_source.content_sha256, shardtrain/data/sources.py), so that the same rows from another path or source flag
+    are the same data; for a run that recorded no hash, the source flag that named its data and its value."""
+    source = info.get("data_source") or {}
+    hashes = source.get("content_sha256") or {}
+    if hashes:
+        return "content sha256 " + ", ".join(f"{split} {h[:12]}" for split, h in sorted(hashes.items()))
+    data = (cfg or {}).get("data") or {}
+    for key in ("dataset_name", "train_file", "train_dir", "dataset_format"):
+        if data.get(key):
+            extra = [data.get(k) for k in ("dataset_config_name", "validation_file", "validation_dir") if data.get(k)]
+            return f"{key} {data[key]}" + (f" ({', '.join(map(str, extra))})" if extra else "")
+    if source.get("source") == "workload" or "data_dir" not in data:
+        return None  # a workload's own data: its args say what it read (compared as the workload's settings)
+    return f"data_dir {data['data_dir']}" + (f" (validation {data['eval_data_dir']})" if data.get("eval_data_dir") else "")
 
 
 def _with_batch(info: dict) -> dict:

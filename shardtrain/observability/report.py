@@ -85,12 +85,18 @@ def _value_html(key: str, value) -> str:
     if isinstance(value, dict):
         if not value:
             return "-"
-        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{_value_html(str(k), v)}</td></tr>"
+        rows = "".join(f"<tr><th>{html.escape(_key_label(str(k), v))}</th><td>{_value_html(str(k), v)}</td></tr>"
                        for k, v in value.items())
         return f"<table class='sub'>{rows}</table>"
     if isinstance(value, (list, tuple)):
         return ", ".join(_value_html(key, v) for v in value) if value else "-"
     return html.escape(_scalar_text(key, value))
+
+
+def _key_label(key: str, value) -> str:
+    """A key whose unit its value now shows (`params_gib` shown as "9.7 MiB") loses the unit in its name: a label
+    `params_gib` beside a value in MiB reads as a contradiction."""
+    return key[:-len("_gib")] if key.endswith("_gib") and isinstance(value, float) else key
 
 
 def _scalar_text(key: str, value) -> str:
@@ -110,7 +116,8 @@ def _scalar_text(key: str, value) -> str:
 
 
 def _settings_table(settings: dict) -> str:
-    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{_value_html(k, v)}</td></tr>" for k, v in settings.items())
+    rows = "".join(f"<tr><th>{html.escape(_key_label(k, v))}</th><td>{_value_html(k, v)}</td></tr>"
+                   for k, v in settings.items())
     return f"<table><tr><th>setting</th><th>value</th></tr>{rows}</table>"
 
 

@@ -163,8 +163,9 @@ class Tracker:
 
     def checkpoint_state(self) -> dict:
         """Merged into the checkpoint's trainer_state: a resumed job continues the same W&B run, and its final
-        summary lists every membership change."""
-        return {"wandb_run_id": self.wandb.run_id, **({"elastic": self.elastic} if self.elastic else {})}
+        summary lists every membership change; a resume compares its data with the data_source this one read."""
+        return {"wandb_run_id": self.wandb.run_id, **({"elastic": self.elastic} if self.elastic else {}),
+                "data_source": self.run_info.get("data_source")}
 
     def step(self, record: dict, batch: dict) -> None:
         """Once per optimizer step, after the step's one host sync: only host arithmetic and rank-0 I/O."""

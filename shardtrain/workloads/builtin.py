@@ -63,6 +63,9 @@ class JsonlWorkload(Workload):
             else:
                 train = build_split(self.cfg, "train")
             validation = build_split(self.cfg, "validation")
+            # What summary.json and the checkpoints record of the data, as for every other source (sources.py).
+            if not d.streaming:
+                train.source = jsonl_source(train, validation)
         # A stream is tokenised in collate, batch by batch (datasets caches no map over a stream); the in-memory
         # splits once, through datasets.map's cache, which a second run on the same data reuses.
         for split, ds in (("train", train), ("validation", validation)):
@@ -90,3 +93,14 @@ class JsonlWorkload(Workload):
     def freezable_parameter_names(self, n: int) -> list[str]:
         with torch.device("meta"):
             return self.build_model().freezable_parameter_names(n)
+
+
+def jsonl_source(train, validation) -> dict:
+    """The jsonl layout's files and the content hash of what was read from them (a stream: not hashed)."""
+    from shardtrain.data.sources import content_sha256
+
+    splits = {"train": train, "validation": validation}
+    tables = {s: getattr(ds, "table", None) for s, ds in splits.items()}
+    return {"source": "data_dir", **{s: str(ds.path) for s, ds in splits.items() if hasattr(ds, "path")},
+            "rows": {s: len(t) for s, t in tables.items() if t is not None},
+            "content_sha256": {s: content_sha256(t) for s, t in tables.items() if t is not None}}

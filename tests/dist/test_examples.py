@@ -134,6 +134,28 @@ def test_predict_with_a_users_workload_from_a_zero2_checkpoint(examples, tmp_pat
     assert [x["index"] for x in lines] == list(range(64)) and all(len(x["probs"]) == 3 for x in lines)
 
 
+def test_the_text_classifiers_export_is_two_lines_of_plain_transformers(examples, mm_data, tmp_path):
+    """Issue 32 item 1 for a user's workload: the example's export (its Workload.export: save_pretrained of the
+    model and of its tokenizer, truncating at its max_length) loads in a fresh process with transformers'
+    Auto classes alone and agrees with `shardtrain predict EXPORT` on every validation row."""
+    from plain_transformers import fresh
+
+    r = examples["hf_text_classifier/zero2"]
+    run_dir = r["args"][r["args"].index("--output-dir") + 1]
+    env = test_env(PYTHONPATH=f"{REPO}:{REPO / 'examples' / 'hf_text_classifier'}")
+    export, preds = tmp_path / "export", tmp_path / "preds.jsonl"
+    cli(["export", run_dir, str(export)], env=env)
+    run = cli(["predict", str(export), "--output", str(preds)], env=env)
+    assert predicted_metrics(run) == pytest.approx(r["eval"], rel=1e-9), run.tail()
+    texts = [json.loads(x)["text"] for x in (mm_data / "validation.jsonl").read_text().splitlines() if x.strip()]
+    got = fresh(export, texts, tmp_path / "plain.json")
+    assert got["model_max_length"] == 32 and len(got["probs"]) == 64
+    lines = [json.loads(x) for x in preds.read_text().splitlines()]
+    gap = max(abs(line["probs"][str(i)] - got["probs"][line["row"]][i]) for line in lines for i in range(3))
+    print(f"\nexamples/hf_text_classifier export: plain transformers vs predict, max probability gap {gap:.2e}")
+    assert [line["row"] for line in lines] == list(range(64)) and gap <= 1e-5, gap
+
+
 def test_causal_lm_with_tied_embeddings_and_checkpointed_blocks(examples):
     """Tied lm_head / token embeddings train alike under FSDP2 (one unit: both live in the root) and ZeRO-3;
     perplexity is exp(summed NLL / summed tokens) over the whole validation set."""

@@ -133,3 +133,14 @@ def test_local_folders_and_random_init_need_no_hub(tmp_path):
     assert hub.hub_names(config(tmp_path)) == {}  # the tiny config: random init, tokenizer trained locally
     cfg = config(tmp_path, "--pretrained", "true", "--text-model", str(tmp_path))
     assert hub.hub_names(cfg) == {}
+
+
+def test_offline_error_says_how_to_train_with_nothing_downloaded(tmp_path, hub_env, monkeypatch):
+    """Issue 32 item 7: a new user offline is told the way that needs no download, not only "download it"."""
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    cfg = config(tmp_path, "--pretrained", "true", "--text-model", "some-org/some-model")
+    with pytest.raises(ConfigError) as e:
+        hub.check_hub_names(cfg)
+    assert str(e.value).endswith("; or train without downloading: --pretrained false (the same architecture, randomly "
+                                 "initialised, with a tokenizer trained on your data), or --config "
+                                 "configs/multimodal_tiny.yaml"), str(e.value)

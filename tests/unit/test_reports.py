@@ -59,7 +59,8 @@ def test_compare_warns_per_difference_and_crowns_nothing_across_models(tmp_path)
     lines = text.splitlines()
     assert "warning: runs differ in model (--name): multimodal (ddp, z3) vs longformer (lf)" in lines
     assert "warning: runs differ in sequence length (--max-length): 128 (ddp, z3) vs 256 (lf)" in lines
-    assert "warning: runs differ in data (--data-dir): data/multimodal (ddp, z3) vs data/longdoc (lf)" in lines
+    assert ("warning: runs differ in data: data_dir data/multimodal (ddp, z3) vs data_dir "
+            "data/longdoc (lf)") in lines
     assert not any(line.startswith(("fastest", "least memory", "final losses")) for line in lines), text
     assert any(line.startswith("no fastest or leanest run: these runs are not comparable, they differ in model, "
                                "data, sequence length") for line in lines), text
@@ -93,6 +94,31 @@ def test_memory_figure_counts_the_zero3_comm_buffer_like_every_part(tmp_path):
     assert "least memory per rank: ddp (ddp, 18.0 MiB)" in text
     html = write_report(z3, tmp_path / "rep").read_text()
     assert "<th>comm</th>" in html and "190.00" in html
+
+
+def data_source(train: str, validation: str, **extra) -> dict:
+    return {"run_over": {"data_source": {"source": "train_file", "train": "docs.csv, the other 90%",
+                                         "content_sha256": {"train": train, "validation": validation}, **extra}}}
+
+
+def test_compare_and_parity_judge_the_data_by_what_was_read_not_the_unused_data_dir(tmp_path, capsys):
+    """Issue 32 item 5: two --train-file runs on the same rows are comparable, whatever data_dir default each
+    config carried; the same path with other rows is not."""
+    same = data_source("a" * 64, "b" * 64)
+    a = write_run(tmp_path / "ld", config(**{"data.data_dir": "data/longdoc", "data.train_file": "docs.csv"}), **same)
+    b = write_run(tmp_path / "mm", config(**{"data.data_dir": "data/multimodal", "data.train_file": "/abs/docs.csv"}),
+                  **same)
+    _, text = write_compare([str(a), str(b)], tmp_path / "cmp")
+    assert "warning" not in text and "fastest: ld" in text, text
+    assert cli.main(["parity", "--runs", f"{a},{b}", "--out", str(tmp_path / "p")]) == 0
+    assert "parity: OK" in capsys.readouterr().out
+    other = write_run(tmp_path / "other", config(**{"data.data_dir": "data/longdoc", "data.train_file": "docs.csv"}),
+                      **data_source("c" * 64, "b" * 64))
+    _, text = write_compare([str(a), str(other)], tmp_path / "cmp2")
+    assert ("warning: runs differ in data: content sha256 train aaaaaaaaaaaa, validation "
+            "bbbbbbbbbbbb (ld) vs content sha256 train cccccccccccc, validation bbbbbbbbbbbb (other)") in text, text
+    assert cli.main(["parity", "--runs", f"{a},{other}"]) == 2
+    assert "not comparable step by step: runs differ in data" in capsys.readouterr().err
 
 
 # ---- parity --runs ----------------------------------------------------------------------------------------
@@ -139,7 +165,9 @@ def test_report_html_shows_formatted_values_not_python_dicts(tmp_path):
         "ds_config": {"zero_optimization": {"stage": 3, "reduce_bucket_size": 50000000}}, "offload": False})
     html = write_report(run).read_text()
     assert "{'" not in html and "{&#x27;" not in html and "0.009512430056929588" not in html
-    assert "<th>params_gib</th><td>9.7 MiB</td>" in html and "<th>host_gib</th><td>1.50 GiB</td>" in html
+    # The unit is the value's (issue 32: `params_gib 0.3 MiB` read as a contradiction), not the key's.
+    assert "<th>params</th><td>9.7 MiB</td>" in html and "<th>host</th><td>1.50 GiB</td>" in html
+    assert "params_gib" not in html
     assert "<th>validation</th><td>2</td>" in html and "<td>5,078,403</td>" in html
     assert "<th>reduce_bucket_size</th><td>50,000,000</td>" in html
 
