@@ -188,7 +188,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         oom.step_start()
         for micro in range(t.grad_accum):
             batch = batch_to_device(loaders.train.next_batch(), dist_info.device)
-            with oom.guard():  # an OOM is noted and this rank carries on: see shardtrain/oom.py
+            with oom.guard():  # an OOM is noted and this rank carries on: see loop/oom.py
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0, batch=batch):
                         outputs = workload.forward(strategy.model, batch)
