@@ -192,7 +192,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0, batch=batch):
                         outputs = workload.forward(strategy.model, batch)
-                        with strategy.shard_read_guard(f"{task}.loss"):  # pitfall 5: no shard read as a weight
+                        with strategy.shard_read_guard(f"{task}.loss"):  # a loss reading a weight: no shard
                             loss = workload.loss(outputs, batch)
                         loss = check_loss(loss, task)
                     if micro == 0:  # test-only (train.inject_nan_at_steps); a no-op otherwise

@@ -185,7 +185,8 @@ class CheckedCollate:
 # ---- block classes -------------------------------------------------------------------------------------
 def resolve_block_classes(model: nn.Module, spec, what: str = "Workload.block_classes()") -> tuple[type, ...]:
     """Classes or class names -> the classes as they occur in the model. A name or class that does not occur
-    is an error that lists the module classes the model does have (the wrap-class pitfall)."""
+    is an error that lists the module classes the model does have (a name matching
+    nothing would wrap no block, silently)."""
     present: dict[str, type] = {}
     for m in model.modules():
         present.setdefault(type(m).__name__, type(m))

@@ -1,4 +1,4 @@
-"""Issue 19, items 11-12: `compare` and `parity --runs` on finished runs, the report's formatting, and the
+"""`compare` and `parity --runs` on finished runs, the report's formatting, and the
 library warnings that only --verbose shows."""
 from __future__ import annotations
 
