@@ -80,7 +80,7 @@ class Workload:
                           f"freezable_parameter_names(n), so shardtrain does not know which layers are the lower ones")
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
-        """model.safetensors, and workload.json: what `load_workload_export` needs to rebuild the model."""
+        """model.safetensors, and workload.json: the workload's target and args, which rebuild the model."""
         import json
 
         from safetensors.torch import save_file
