@@ -81,7 +81,7 @@ EXTRA_CODE_FILES = (".ci/run",)  # a shell script without a suffix
 # ends in one of these suffixes. Written out rather than listed from the disk, so that a local, untracked `runs/`
 # or venv beside the checkout does not turn the words `runs/x` into paths.
 TOP_FOLDERS = {"shardtrain", "tests", "benchmarks", "examples", "slurm", "docs", "configs", "ds_configs",
-               "fsdp_policies"}
+               "fsdp_policies", ".ci"}
 PATH_SUFFIXES = {".py", ".sh", ".sbatch", ".md", ".yaml", ".yml", ".json", ".toml", ".txt", ".cfg"}
 # Words that look like paths and are no paths of the repository, each for its reason:
 NOT_REPO_PREFIXES = (
@@ -147,6 +147,7 @@ def code_files() -> list[Path]:
 
 
 def test_the_rule_finds_repository_paths_and_nothing_else():
+    """One word of each kind the comments hold: the paths it must check, and the look-alikes it must skip."""
     text = ("see shardtrain/oom.py, `strategies/dcp_state.py:83`. and tests/nowhere/ --out=benchmarks/x.json; "
             "torch/distributed and deepspeed/comm/torch.py, https://example.com/a/b.py, s3://bucket/k.json, "
             "/opt/ml/input/config/hyperparameters.json, $OUT/metrics.json, ${WT}/a.py, ~/.cache/shardtrain/venv, "
@@ -165,4 +166,4 @@ def test_comments_and_docstrings_name_only_paths_that_exist():
                 if any(not exists_in_repo(word) for word in repo_paths(path.read_text()))]
     broken = [f"{path.relative_to(REPO)}:{n}: {word}" for path in suspects for n, text in comment_texts(path)
               for word in repo_paths(text) if not exists_in_repo(word)]
-    assert broken == []
+    assert not broken, "comments and docstrings name paths that do not exist:\n" + "\n".join(broken)
