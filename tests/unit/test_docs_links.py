@@ -103,8 +103,8 @@ PLACEHOLDER = re.compile(r"[A-Z][A-Z0-9_]*")
 
 
 def comment_texts(path: Path) -> list[tuple[int, str]]:
-    """(line, text) of every comment, and of every line of a docstring of a module, class or function, in a Python file; of
-    every `#` comment (a whole line, or after code and a space; not the `#!` line) in a shell file."""
+    """(line, text) of every comment, and of every line of a docstring of a module, class or function, in a Python
+    file; of every `#` comment (a whole line, or after code and a space; not the `#!` line) in a shell file."""
     src = path.read_text()
     if path.suffix != ".py":
         return [(n, m.group(1)) for n, line in enumerate(src.splitlines(), 1)
@@ -124,9 +124,10 @@ def repo_paths(text: str) -> list[str]:
     """The words of `text` that name a path of the repository, by the rule above."""
     found = []
     for word in WORD.findall(text):
-        word = re.sub(r":\d+$", "", word.rstrip(".:")).split("=")[-1]  # `a.py:12`, `--out=a.json`, end of sentence
+        word = word.rstrip(".:").split("=")[-1]  # the end of a sentence; `--out=a.json`
         if "/" not in word or word.startswith(("/", "~", "$")) or re.search(r"[$<>{}]|^[\w+.-]+:", word):
             continue
+        word = re.sub(r":[^/]*$", "", word)  # `a.py:12`, `a.py:Name`
         parts = word.rstrip("/").split("/")
         if PLACEHOLDER.fullmatch(parts[0]) or word.startswith(NOT_REPO_PREFIXES) or word in NOT_REPO_PATHS:
             continue
@@ -151,9 +152,10 @@ def test_the_rule_finds_repository_paths_and_nothing_else():
     text = ("see shardtrain/oom.py, `strategies/dcp_state.py:83`. and tests/nowhere/ --out=benchmarks/x.json; "
             "torch/distributed and deepspeed/comm/torch.py, https://example.com/a/b.py, s3://bucket/k.json, "
             "/opt/ml/input/config/hyperparameters.json, $OUT/metrics.json, ${WT}/a.py, ~/.cache/shardtrain/venv, "
-            "/tmp/x/y.py, data/<ID>.txt, OUT_DIR/results.json, ZeRO-2/3, I/O, configs/x.yaml:12, fsdp_policies/*.yaml")
+            "/tmp/x/y.py, data/<ID>.txt, OUT_DIR/results.json, ZeRO-2/3, I/O, configs/x.yaml:12, fsdp_policies/*.yaml "
+            "(tests/launch.py:torchrun)")
     assert repo_paths(text) == ["shardtrain/oom.py", "strategies/dcp_state.py", "tests/nowhere/", "benchmarks/x.json",
-                                "fsdp_policies/*.yaml"]
+                                "fsdp_policies/*.yaml", "tests/launch.py"]
     assert [w for w in repo_paths(text) if not exists_in_repo(w)] == ["shardtrain/oom.py", "strategies/dcp_state.py",
                                                                        "tests/nowhere/", "benchmarks/x.json"]
     assert exists_in_repo("loop/oom.py") and exists_in_repo("shardtrain/loop/oom.py")
