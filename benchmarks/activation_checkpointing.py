@@ -4,7 +4,7 @@ that the shared machine's noise hits both alike; medians are reported.
 
     python benchmarks/activation_checkpointing.py [--batch 2] [--reps 5]  -> benchmarks/results/activation_checkpointing.json
 
-Targets (issue 5): >= 70% fewer saved bytes at <= 35% extra step time.
+Targets: >= 70% fewer saved bytes at <= 35% extra step time.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ Each world size is ONE torchrun launch running every strategy in turn (tests/dis
 parse_cli -> train as shardtrain/main.py), 2 optimizer steps each (the second is the one measured: AdamW
 state exists from the first step on). Tiny inputs (16 tokens, 32x32 images, micro-batch 2) keep it to a few
 minutes; model states do not depend on them. Check host memory first: DDP at N=4 holds 4 x 16 B x 150 M.
-Targets (issue 5): |measured/formula - 1| <= 5%; per-rank state at N >= 0.95 of the ideal (state at 1)/N.
+Targets: |measured/formula - 1| <= 5%; per-rank state at N >= 0.95 of the ideal (state at 1)/N.
 """
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
     ~/.cache/shardtrain/venv/bin/python benchmarks/workload_path.py [--base REV] [--pairs N] [--steps N]
         -> benchmarks/results/workload_path.json
 
-REV (default: the parent of the commit that introduced shardtrain/workload.py) is unpacked with `git archive`
+REV (default: the parent of the commit that introduced the Workload API's module, found by the path it had
+before the re-layout moved it to shardtrain/workloads/base.py) is unpacked with `git archive`
 into a temporary folder (no worktree). Each pair runs both checkouts as real 2-process DDP torchrun jobs on CPU,
 in alternating order, on the same data, seed and flags. The rate is global batch x (steps after warm-up) / (time
 between the first and last kept metrics.jsonl `wall_time` stamps), as benchmarks/overhead.py measures it.

@@ -100,7 +100,8 @@ def _run(argv: list[str], instance) -> dict:
     ours = not dist.is_initialized()  # a group the caller's own code started is the caller's to end
     summary = train(cfg, instance)
     if ours and dist.is_initialized():
-        # The caller's script carries on: leave the process group cleanly (DESIGN-NOTES, "Exit").
+        # The caller's script carries on and may start another group: drop what still holds this one (gc), let
+        # every rank get here (barrier), then end it.
         gc.collect()
         barrier()
         dist.destroy_process_group()

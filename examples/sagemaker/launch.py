@@ -10,7 +10,7 @@ Written against the SageMaker Python SDK v3 (`sagemaker.train.ModelTrainer`): v3
 `ModelTrainer(distributed=Torchrun())`, which likewise starts the entry script under torchrun, one
 process per GPU. Spot: `Compute(enable_managed_spot_training=True)`, a max wait in the StoppingCondition,
 and a CheckpointConfig whose local path, /opt/ml/checkpoints, is where shardtrain writes its run folder
-in SageMaker (shardtrain/sagemaker_env.py), so a restarted job resumes from the last checkpoint.
+in SageMaker (shardtrain/config/sagemaker_env.py), so a restarted job resumes from the last checkpoint.
 
 `build_job()` returns plain data and needs neither the SDK nor AWS; `main()` turns it into SDK objects.
 """

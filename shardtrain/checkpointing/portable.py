@@ -1,6 +1,6 @@
 """Read a checkpoint's portable form in one process, no process group: export and checks use it.
 
-Every checkpoint (any strategy) holds `model_optim/` (strategies/dcp_state.py). This gathers it into
+Every checkpoint (any strategy) holds `model_optim/` (checkpointing/dcp_state.py). This gathers it into
 full tensors on the CPU, after the unpickling guard.
 """
 from __future__ import annotations

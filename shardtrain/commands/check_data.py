@@ -131,7 +131,7 @@ def _where_problems_are(problems: list[str], names: list[str]) -> str:
 
 
 def _check_workload(cfg, args) -> int:
-    """check-data for a user's workload: its datasets() and collate on a few samples (workload_check.py)."""
+    """check-data for a user's workload: its datasets() and collate on a few samples (workloads/check.py)."""
     from shardtrain.workloads.base import workload_class
     from shardtrain.workloads.check import check_workload_data
 

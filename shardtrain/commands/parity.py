@@ -6,7 +6,7 @@
 
 Each strategy is one real `torchrun shardtrain/main.py` run, so what is compared is what users run.
 With --runs, the runs' own metrics.jsonl are compared, after checking that they trained the same model on the
-same data with the same seed and batch geometry (shardtrain/comparable.py). The first strategy (or run) is
+same data with the same seed and batch geometry (shardtrain/observability/comparable.py). The first strategy (or run) is
 the reference. A step diverges when |loss - reference| / |reference| exceeds
 --tolerance; the gradient norm is checked too (--grad-norm-tolerance), because Adam hides a wrong
 gradient scale (an averaging or accumulation factor) from the loss. Both default to the row of TOLERANCES for

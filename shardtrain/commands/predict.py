@@ -481,7 +481,7 @@ def _progress(total: int, rank: int):
 
 # ---- several processes, then one file --------------------------------------------------------------------
 def launch_workers(argv: list[str], nproc: int, parts: Path) -> int:
-    """`--nproc N`: the same command in N torchrun workers (shardtrain/launch.py), each writing its block."""
+    """`--nproc N`: the same command in N torchrun workers (shardtrain/runtime/launch.py), each writing its block."""
     from shardtrain.runtime.launch import launch_local, without_flag
 
     rest = without_flag(argv, "--nproc")

@@ -191,11 +191,11 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         oom.step_start()
         for micro in range(t.grad_accum):
             batch = batch_to_device(loaders.train.next_batch(), dist_info.device)
-            with oom.guard():  # an OOM is noted and this rank carries on: see shardtrain/oom.py
+            with oom.guard():  # an OOM is noted and this rank carries on: see loop/oom.py
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0, batch=batch):
                         outputs = workload.forward(strategy.model, batch)
-                        with strategy.shard_read_guard(f"{task}.loss"):  # pitfall 5: no shard read as a weight
+                        with strategy.shard_read_guard(f"{task}.loss"):  # a loss reading a weight: no shard
                             loss = workload.loss(outputs, batch)
                         loss = check_loss(loss, task)
                     if micro == 0:  # test-only (train.inject_nan_at_steps); a no-op otherwise

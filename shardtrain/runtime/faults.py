@@ -86,7 +86,7 @@ def hold(stop) -> None:
 
 
 def write_delay(step: int, rank: int) -> float:
-    """Seconds the checkpoint write of `step` on `rank` waits before writing (0.0 outside tests/benchmarks)."""
+    """Seconds the checkpoint write of `step` on `rank` waits before writing (0.0 outside tests and benchmarks)."""
     delay = float(os.environ.get(WRITE_DELAY_ENV) or 0.0)
     if armed("write_stall", step, rank):
         print(f"[fault injection] rank {rank}: stalling the checkpoint write at write_stall@{step}", flush=True)

@@ -81,7 +81,7 @@ class Strategy(ABC):
     @abstractmethod
     def save(self, ckpt_dir: Path) -> None:
         """Collective. Writes the strategy's own form plus, where that is not already it, the portable
-        FQN-keyed form (`model_optim/`, strategies/dcp_state.py) any other strategy can read."""
+        FQN-keyed form (`model_optim/`, checkpointing/dcp_state.py) any other strategy can read."""
 
     def save_async(self, ckpt_dir: Path) -> AsyncWrite:
         """Collective, --async-save: what save writes, copied off the live tensors before it returns (the loop

@@ -1,4 +1,4 @@
-"""Pitfall 5: a parameter read outside the model's forward (a loss that uses `model.weight`).
+"""A parameter read outside the model's forward (a loss that uses `model.weight`).
 
 FSDP2 and ZeRO-3 hold only this rank's shard of a parameter between forwards: an FSDP2 unit's parameters are
 DTensor shards again after its forward, a ZeRO-3 parameter above the persistence threshold has shape [0]

@@ -80,7 +80,7 @@ class Workload:
                           f"freezable_parameter_names(n), so shardtrain does not know which layers are the lower ones")
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
-        """model.safetensors, and workload.json: what `load_workload_export` needs to rebuild the model."""
+        """model.safetensors, and workload.json: the workload's target and args, which rebuild the model."""
         import json
 
         from safetensors.torch import save_file
@@ -185,7 +185,8 @@ class CheckedCollate:
 # ---- block classes -------------------------------------------------------------------------------------
 def resolve_block_classes(model: nn.Module, spec, what: str = "Workload.block_classes()") -> tuple[type, ...]:
     """Classes or class names -> the classes as they occur in the model. A name or class that does not occur
-    is an error that lists the module classes the model does have (the wrap-class pitfall)."""
+    is an error that lists the module classes the model does have (a name matching
+    nothing would wrap no block, silently)."""
     present: dict[str, type] = {}
     for m in model.modules():
         present.setdefault(type(m).__name__, type(m))

@@ -1,4 +1,4 @@
-"""Bad input never crashes obscurely and never loses work (issue 8), through the real CLI.
+"""Bad input never crashes obscurely and never loses work, through the real CLI.
 
 Every failing case asserts: the exit code (2 for config/data errors, 1 for runtime ones), one
 `shardtrain: error` line naming the key/flag/file/line, no "Traceback", and a previous run's output

@@ -71,7 +71,7 @@ def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path, unint
     assert not [p for p in checkpoints_root(out).iterdir() if p.name.startswith("step-")
                 and p not in committed_steps(checkpoints_root(out))], "a partial step directory was left"
     ref_losses, got = losses(ref), losses(out)
-    # Bit-exact, dropout on: the resumed ranks draw the masks the uninterrupted run drew (issue 25).
+    # Bit-exact, dropout on: the resumed ranks draw the masks the uninterrupted run drew.
     assert len(got) == 6 and got == ref_losses, (ref_losses, got)
     final_ref = read_portable(latest_committed(checkpoints_root(ref)), optimizer=True)
     final = read_portable(latest_committed(checkpoints_root(out)), optimizer=True)

@@ -1,6 +1,6 @@
-"""Issue 14's sources, each trained for a few steps on 2 ranks through the CLI users run, from copies of the
-session's tiny data in the shapes users keep it: a folder of parquet files with a ClassLabel (IMDB / arXiv
-style, some rows unlabelled), a Hyperpartisan-style jsonl with a bool label, a CSV pair with other column names,
+"""The data sources (docs/data.md), each trained for a few steps on 2 ranks through the CLI users run, from
+copies of the session's tiny data in the shapes users keep it: a folder of parquet files with a ClassLabel (IMDB /
+arXiv style, some rows unlabelled), a Hyperpartisan-style jsonl with a bool label, a CSV pair with other column names,
 string labels and image paths relative to the CSV, an image folder with metadata.csv, a save_to_disk folder
 with embedded images; then check-data and cache-images on them."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The examples outside the package (issue 13), trained under ddp / fsdp / zero2 / zero3 on 2 CPU ranks in one
+"""The examples outside the package, trained under ddp / fsdp / zero2 / zero3 on 2 CPU ranks in one
 launch (tests/dist/matrix_driver.py), with parity against DDP: fp32 step-1 grad-norm within 1e-5 relative and
 10-step losses within 1e-4 relative (1e-2 for the BatchNorm model); evaluation counts every validation example
 (token) once.
@@ -17,7 +17,7 @@ DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 STEPS, GRAD_NORM_RTOL, LOSS_RTOL = 10, 1e-5, 1e-4
 # BatchNorm models: all-reduce and reduce-scatter sum in different orders, and Adam amplifies that noise on
-# near-zero gradients (DESIGN-NOTES: 2e-4 absolute at loss 0.02 on the built-in CNN).
+# near-zero gradients (measured: 2e-4 absolute at loss 0.02 on the built-in CNN).
 BN_LOSS_RTOL = 1e-2
 FUSION_UNFREEZE_AT = 5
 
@@ -89,8 +89,8 @@ def examples(mm_data, tmp_path_factory) -> dict:
             add(f"{example}/{s}", example, args, variants[s], extra)
     for s in STRATEGIES:
         add(f"custom_fusion/freeze/{s}", "custom_fusion", custom_fusion, variants[s], fusion_freeze)
-    # Pitfall 3: a user's BatchNorm under bf16, with FSDP2's mixed-precision parameters and under ZeRO-2.
-    # FSDP2's 16-bit gathers are the shipped policies' default (mixed_precision: true).
+    # A user's BatchNorm under bf16 (its weights must stay fp32), with FSDP2's mixed-precision parameters and
+    # under ZeRO-2. FSDP2's 16-bit gathers are the shipped policies' default (mixed_precision: true).
     for name, flags in (("fsdp_mp", ["--strategy", "fsdp"]),
                         ("zero2", variants["zero2"])):
         add(f"custom_fusion/{name}/bf16", "custom_fusion", custom_fusion, flags,
@@ -178,7 +178,7 @@ def test_custom_fusion_trains_on_every_strategy_with_parity(examples):
 
 def test_custom_fusion_frozen_lower_layers_unfreeze_later(examples):
     """freeze_layers / unfreeze_at_step as in the example's config. FSDP2's root unit mixes frozen parameters
-    (the embeddings, the CNN stem) with trainable ones (the FusionLayer): pitfall 4. Every strategy matches DDP,
+    (the embeddings, the CNN stem) with trainable ones (the FusionLayer). Every strategy matches DDP,
     which computes no gradient for frozen parameters: neither do FSDP nor ZeRO-2/3 (step-1 gradient norm, in
     the clipped norm), and ZeRO's engine is rebuilt with them at the unfreeze (the losses after it)."""
     ref = examples["custom_fusion/freeze/ddp"]
@@ -194,7 +194,7 @@ def test_custom_fusion_frozen_lower_layers_unfreeze_later(examples):
 
 
 def test_custom_fusion_batchnorm_stays_fp32_under_bf16(examples):
-    """Pitfall 3 for a user's model: its BatchNorm weights stay fp32 under bf16, FSDP2 mixed precision and
+    """A user's model's BatchNorm weights stay fp32 under bf16, FSDP2 mixed precision and
     ZeRO-2; under ZeRO-2's autocast the convolutions hand BatchNorm bf16 activations."""
     for name in ("custom_fusion/fsdp_mp/bf16", "custom_fusion/zero2/bf16"):
         r = examples[name]

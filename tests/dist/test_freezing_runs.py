@@ -9,9 +9,10 @@ the checkpoint before the unfreeze (step 2) and after it (step 4), under the sam
   zero3 (DeepSpeed rebuilds its engine at the unfreeze: before, it held both for frozen parameters too);
 - the losses and gradient norms of every strategy match DDP's across the unfreeze, and every resumed run continues
   its strategy's uninterrupted run.
-FSDP's root unit mixes frozen (embeddings) and trainable (classifier) parameters here (issue 13, pitfall 4).
+FSDP's root unit mixes frozen (embeddings) and trainable (classifier) parameters here, so
+freezing must work inside one sharded unit.
 
-In the same launch, a user's workload whose build_model freezes its pretrained backbone by hand (issue 25, item 3),
+In the same launch, a user's workload whose build_model freezes its pretrained backbone by hand,
 with --freeze-layers 1 / --unfreeze-at-step 3 on top (its freezable names overlap the backbone: the embeddings):
 - the backbone holds no gradient and no optimizer state, and its weights (and BatchNorm statistics) end exactly as
   built, under ddp, fsdp, zero2 and zero3, and after a resume under the same strategy and across strategies;

@@ -1,4 +1,4 @@
-"""Issue 6 on real 2-process gloo runs: banner, plain log lines, quiet libraries, the offline W&B run
+"""Observability on real 2-process gloo runs: banner, plain log lines, quiet libraries, the offline W&B run
 (one per job, continued after a resume, no API key anywhere), the automatic report, and `shardtrain parity`."""
 from __future__ import annotations
 

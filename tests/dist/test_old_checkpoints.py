@@ -14,7 +14,7 @@ import tarfile
 
 from launch import REPO, cli, test_env, tiny_args, torchrun
 
-FLAT_PACKAGE = "aadbac5b260443caceffebf901d45755aed0e545"  # issue 17 moved shardtrain/*.py into folders after it
+FLAT_PACKAGE = "aadbac5b260443caceffebf901d45755aed0e545"  # the last commit before shardtrain/*.py moved into folders
 
 
 def old_checkout(dest):

@@ -160,23 +160,23 @@ class Rows(Workload):
 
 
 class WeightDecayInLoss(Rows):
-    """Pitfall 5: an L2 term on a block's weight, read in the loss, outside forward."""
+    """An L2 term on a block's weight, read in the loss, outside forward."""
     def loss(self, outputs, batch):
         return F.cross_entropy(outputs, batch["labels"]) + 1e-4 * self.model.blocks[0].lin.weight.pow(2).sum()
 
 
 class NanLoss(Rows):
-    """Pitfall 6: a loss that is not finite from the first step (a log of a negative number)."""
+    """A loss that is not finite from the first step (a log of a negative number)."""
     def loss(self, outputs, batch):
         return F.cross_entropy(outputs, batch["labels"]) + torch.log(outputs.sum() * 0 - 1)
 '''
 
 
 def test_pitfalls_a_weight_read_in_the_loss_and_a_non_finite_first_loss(tmp_path):
-    """What users see, in one launch of 2 ranks. Pitfall 5: a loss reading a block's weight trains under DDP
+    """What users see, in one launch of 2 ranks. A loss reading a block's weight trains under DDP
     (the weight is whole there) and is one line naming the loss and the parameter under FSDP2 (a DTensor shard
     after the block's forward; unguarded: "aten.nll_loss_backward.default got mixed torch.Tensor and DTensor")
-    and ZeRO-3 (shape [0]; unguarded: "PowBackward0 returned an invalid gradient ... got [0]"). Pitfall 6: a
+    and ZeRO-3 (shape [0]; unguarded: "PowBackward0 returned an invalid gradient ... got [0]"). And a
     loss that is NaN on a fresh run's first step names the loss at once (unguarded, --nan-policy skip skipped
     every step, and after 5 blamed the learning rate)."""
     from launch import run_plan, strategy_variants

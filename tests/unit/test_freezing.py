@@ -1,9 +1,9 @@
 """Freezing under DDP and FSDP2, through the strategies' own setup/backward/step/set_frozen: a frozen parameter has
 requires_grad False, no .grad and no optimizer state, and its weight does not move, until set_frozen(..., False)
-(unfreeze_at_step); then it gets all three. The FSDP unit here mixes frozen and trainable parameters (issue 13,
-pitfall 4). What build_model itself returned frozen (the second Block's upper layer, frozen by hand as users
-freeze a pretrained part) stays frozen throughout, unfreeze included, though --freeze-layers names part of it too
-(issue 25, item 3). One process, world size 1, in a subprocess of its own (a process group is global state)."""
+(unfreeze_at_step); then it gets all three. The FSDP unit here mixes frozen and trainable parameters, so freezing
+must work inside one sharded unit. What build_model itself returned frozen (the second Block's upper layer, frozen
+by hand as users freeze a pretrained part) stays frozen throughout, unfreeze included, though --freeze-layers names
+part of it too. One process, world size 1, in a subprocess of its own (a process group is global state)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""export --int8 on torchao (issue 16): Linear and embedding weights int8, saved as torchao documents it
+"""export --int8 on torchao: Linear and embedding weights int8, saved as torchao documents it
 (torch.save of the quantized state_dict), loaded back with transformers + torch alone; no deprecation warnings;
 a cut-off file is one line. The CLI round trip (export --int8, predict --int8): tests/dist/test_export_files.py."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Pitfall 6 (issue 13): a loss that is not finite on a fresh run's first step comes from the workload, not from
+"""A loss that is not finite on a fresh run's first step comes from the workload, not from
 training, and names Workload.loss; one that turns non-finite later (or after a resume) is --nan-policy's."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Banner, console progress, library chatter, W&B failure handling, FLOPs, report/compare and parity logic:
-everything of issue 6 that needs no process group."""
+everything of observability that needs no process group."""
 from __future__ import annotations
 
 import io

@@ -1,4 +1,4 @@
-"""`shardtrain predict` (issue 16) in one process: its flags and one-line errors, the blocks --nproc splits the
+"""`shardtrain predict` in one process: its flags and one-line errors, the blocks --nproc splits the
 examples into, and how the blocks become one preds.jsonl. Real predictions from real runs: tests/dist/test_matrix.py,
 tests/dist/test_examples.py and tests/dist/test_export_files.py."""
 from __future__ import annotations

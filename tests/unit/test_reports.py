@@ -1,4 +1,4 @@
-"""Issue 19, items 11-12: `compare` and `parity --runs` on finished runs, the report's formatting, and the
+"""`compare` and `parity --runs` on finished runs, the report's formatting, and the
 library warnings that only --verbose shows."""
 from __future__ import annotations
 
@@ -82,7 +82,7 @@ def test_compare_ranks_same_model_runs_and_names_training_differences(tmp_path):
 
 
 def test_memory_figure_counts_the_zero3_comm_buffer_like_every_part(tmp_path):
-    """ZeRO-3's reduce bucket (memory.py's `comm`) is held on every rank beside the model state."""
+    """ZeRO-3's reduce bucket (memory/accounting.py's `comm`) is held on every rank beside the model state."""
     part = {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 2 * MIB}
     ddp = write_run(tmp_path / "ddp", config(), memory={"0": {**part, "comm": 0}, "1": {**part, "comm": 0}})
     z3 = write_run(tmp_path / "z3", config(), memory={"0": {"params": 2 * MIB, "grads": 2 * MIB,

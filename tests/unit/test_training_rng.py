@@ -1,6 +1,7 @@
-"""Only the loop moves the training stream (issue 25, item 1): the banner's memory prediction, the banner and
-the tracker, and the model builds the strategies ask for (before the run, at a resume or mid-run) leave
-torch's RNG where they found it, and the builds still give the initial weights a fresh run always had.
+"""Only the loop moves the training stream, so a resumed run draws what an uninterrupted one draws: the
+banner's memory prediction, the banner and the tracker, and the model builds the strategies ask for (before the
+run, at a resume or mid-run) leave torch's RNG where they found it, and the builds still give the initial weights
+a fresh run always had.
 
 The stream the tests hold is an arbitrary one (seed 1234, then some draws), as a resumed run's restored state
 is. CUDA's generator is kept the same way (runtime/training_rng.py forks the device in use); this machine has

@@ -1,4 +1,4 @@
-"""The public Workload API (issue 13): lookup, defaults, and the one-line errors for users' own models."""
+"""The public Workload API: lookup, defaults, and the one-line errors for users' own models."""
 from __future__ import annotations
 
 import ast

@@ -1,4 +1,4 @@
-"""A user's workload beyond `train` (issue 13): plan, check-data and parity take --workload (export and report:
+"""A user's workload beyond `train`: plan, check-data and parity take --workload (export and report:
 tests/dist/test_your_own_model.py); --strategy auto refuses it in one line."""
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_plan_counts_a_user_model_on_the_meta_device_and_says_what_it_cannot_pre
 
 
 def test_plan_counts_what_build_model_froze_as_frozen(tasks, capsys):
-    """No gradient and no optimizer state for the parameters the user's build_model froze (issue 25)."""
+    """No gradient and no optimizer state for the parameters the user's build_model froze."""
     code, out, err = run_cli(capsys, "plan", "--workload", "user_tasks:FrozenBlocks", "--gpus", "2", "--gpu", "a100",
                              "--json")
     assert code == 0, err
