@@ -245,6 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--work", default="/tmp/shardtrain-bench/zero_checkpoint", help="checkpoints (not committed)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "zero_checkpoint.json"))
+    ap.add_argument("--merge", action="store_true", help="keep the other world sizes' runs already in --out")
     a = ap.parse_args(argv)
     if a.worker:
         return worker(a)
@@ -252,7 +253,12 @@ def main(argv=None) -> int:
     import launch  # tests/launch.py: the one way this repo starts torchrun jobs
     from shardtrain.observability.tracking import library_versions
 
-    rows, loads, t_start = [], {}, time.time()
+    rows, loads, t_start, earlier = [], {}, time.time(), {}
+    if a.merge and Path(a.out).exists():
+        earlier = json.loads(Path(a.out).read_text())
+        worlds = {int(x) for x in a.worlds.split(",")}
+        rows = [r for r in earlier["runs"] if r["nproc"] not in worlds]
+        loads = {n: v for n, v in earlier["load_average_1min"].items() if int(n) not in worlds}
     for n in (int(x) for x in a.worlds.split(",")):
         work = Path(a.work) / f"n{n}"
         shutil.rmtree(work, ignore_errors=True)
@@ -264,10 +270,10 @@ def main(argv=None) -> int:
         launch.run(cmd, timeout=1800, env=launch.test_env())
         loads[str(n)] = [round(before, 2), round(os.getloadavg()[0], 2)]
         rows += json.loads((work / "results.json").read_text())
-    strategies = a.strategies.split(",")
+    strategies = list(dict.fromkeys([*a.strategies.split(","), *(r["strategy"] for r in rows)]))
     result = {"benchmark": "zero_checkpoint", "issue": 28,
               "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}) MLP, fp32, AdamW", "device": "cpu (gloo)",
-              "host": {"cpus": os.cpu_count(), "machine": platform.machine()}, "rounds": a.rounds,
+              "host": {"cpus": os.cpu_count(), "machine": platform.machine()}, "rounds": {str(n): max(r["round"] for r in rows if r["nproc"] == n) + 1 for n in {r["nproc"] for r in rows}},
               "method": "per world size one torchrun launch; per round every strategy in turn (interleaved): setup, "
                         "one optimizer step, strategy.save (extra peak RSS sampled every 2 ms from /proc/self/statm "
                         "minus the RSS just before; wall time of the slowest rank), bytes of the step folder, "
@@ -277,7 +283,8 @@ def main(argv=None) -> int:
               "machine_load": "a 2-core VM shared with other engineers' jobs; 1-min load average before/after each "
                               "launch in load_average_1min, and per save in runs",
               "load_average_1min": loads, "summary": summarize(rows, strategies), "runs": rows,
-              "wall_seconds": round(time.time() - t_start, 1), "versions": library_versions()}
+              "wall_seconds": round(time.time() - t_start + earlier.get("wall_seconds", 0.0), 1),
+              "versions": library_versions()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{'N':>2} {'strategy':15s} {'extraRSS/(S/N)':>14s} {'bytes/S':>8s} {'save s':>7s} {'load s':>7s} "
