@@ -136,7 +136,7 @@ def worker(a) -> int:
             workload = mlp_workload(cfg)
             strategy = make_strategy(cfg, info, workload)
 
-            def build(on_meta=False, load_weights=True):
+            def build(on_meta=False, load_weights=True, workload=workload):
                 torch.manual_seed(0)
                 return workload.build_model()
 

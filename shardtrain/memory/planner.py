@@ -471,8 +471,7 @@ def _plan_table(p: dict, with_activations: bool) -> list[str]:
     columns += [("comm", ">", gpu("comm")), ("overh", ">", gpu("overhead")),
                 ("total" if act else "states", ">", lambda r: _gib(r[total])),
                 ("host/GPU", ">", lambda r: _gib(r["host_bytes_per_gpu"])),
-                ("save host", ">", lambda r: _gib(r["save_host_bytes_per_gpu"]) if "save_host_bytes_per_gpu" in r
-                 else "-"),
+                ("save/GPU", ">", lambda r: _gib(r["save_host_bytes_per_gpu"])),
                 ("fits", "<", lambda r: "yes" if r[fits] else "NO"),
                 ("headroom", ">", lambda r: _gib(r["headroom_bytes"])),
                 ("cost", ">", lambda r: str(r["relative_cost"])),
@@ -495,7 +494,7 @@ def format_plan(p: dict, gpu_name: str) -> str:
     else:
         lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
     lines.append("cost: relative step time (heuristic ranking: communication, offload, recompute); paper: ZeRO "
-                 "paper model states (fp16 weights, K=12); save host: what a checkpoint save adds to host RAM per GPU")
+                 "paper model states (fp16 weights, K=12); save/GPU: host RAM a checkpoint save adds per GPU")
     return "\n".join(lines)
 
 

@@ -211,7 +211,6 @@ class ZeroStrategy(Strategy):
         scaler, which the engine files kept before the portable form was all a resume reads."""
         extra = {**extra_state(self.scheduler, self.optimizer), "ds_config": self.ds_config,
                  "frozen": len(self._frozen_now), "engine_files": bool(self.cfg.checkpoint.engine_files),
-                 "layout": "partitions",
                  "engine_counters": {k: int(getattr(self.engine, k))
                                      for k in ("global_steps", "global_samples", "skipped_steps")}}
         scaler = getattr(self.engine.optimizer, "loss_scaler", None) if self.precision == "fp16" else None
