@@ -3,8 +3,10 @@
     model_optim/  {"model": {fqn: tensor}, "optim": {"state": {fqn: {step, exp_avg, exp_avg_sq}}}}
     strategy_state.json   scheduler, loss scaler and per-group learning rates (JSON)
 
-DDP and FSDP save exactly this natively, and DeepSpeed writes it beside its engine files, so any strategy
-at any world size reads any checkpoint: DCP reshards each tensor to what the reader holds. Only tensors
+DDP and FSDP save exactly this natively (FSDP: each rank its dim-0 shards), and under DeepSpeed each rank writes
+the contiguous ranges of each parameter its partition holds (flat_chunks.py: rectangles of the parameter's own
+shape at their global offsets), so any strategy at any world size reads any checkpoint: DCP reshards each
+tensor to what the reader holds. Only tensors
 go into DCP: its non-tensor entries are read back with torch.load(weights_only=False); optimizer
 hyperparameters come from the config, and the learning rates from the JSON.
 """
@@ -21,6 +23,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from shardtrain.checkpointing.flat_chunks import SavePlanner
 from shardtrain.checkpointing.store import AsyncWrite
 from shardtrain.checkpointing.unpickle_guard import check_dcp_metadata
 from shardtrain.config.settings import ConfigError
@@ -36,7 +39,9 @@ def save_dcp(ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool) -> N
 
 
 def save_portable(ckpt_dir: Path, model_sd: dict, optim_state: dict, extra: dict, is_rank0: bool) -> None:
-    dcp.save({"model": model_sd, "optim": {"state": optim_state}}, storage_writer=storage_writer(ckpt_dir))
+    """Tensors, DTensors or FlatRange partitions (flat_chunks.py) by name."""
+    dcp.save({"model": model_sd, "optim": {"state": optim_state}}, storage_writer=storage_writer(ckpt_dir),
+             planner=SavePlanner())
     if is_rank0:
         (ckpt_dir / EXTRA_FILE).write_text(json.dumps(extra))
 
@@ -63,10 +68,10 @@ def save_dcp_async(ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool
 def save_portable_async(ckpt_dir: Path, model_sd: dict, optim_state: dict, extra: dict, is_rank0: bool,
                         group) -> AsyncWrite:
     """save_portable in the background, for tensors that are already this rank's private host copies (DeepSpeed's
-    gathered full state): DCP stages nothing more, so the caller's gather was the whole snapshot. `group` as in
+    partitions): DCP stages nothing more, so the caller's copy was the whole snapshot. `group` as in
     save_dcp_async."""
     future = dcp.async_save({"model": model_sd, "optim": {"state": optim_state}},
-                            storage_writer=storage_writer(ckpt_dir), process_group=group,
+                            storage_writer=storage_writer(ckpt_dir), process_group=group, planner=SavePlanner(),
                             async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=_AlreadyStaged())
     if is_rank0:
         (ckpt_dir / EXTRA_FILE).write_text(json.dumps(extra))

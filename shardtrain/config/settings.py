@@ -188,9 +188,12 @@ class CheckpointConfig:
     save_final: bool = setting(True, "commit the last step when the run ends, so export and --resume see the model "
                                      "it ended with; false keeps only the --save-every checkpoints")
     keep_last: int = setting(2, "checkpoints kept; older ones are deleted")
-    # torch DCP async_save for every strategy; DeepSpeed writes only the portable form then (docs/checkpoints.md).
+    # torch DCP async_save for every strategy (docs/checkpoints.md).
     async_save: bool = setting(False, "write checkpoints in the background: training waits only while the state "
                                       "is copied to host memory; committed once every rank's write is on disk")
+    # The portable form is what every resume reads; DeepSpeed's own files are a second copy of the same state.
+    engine_files: bool = setting(False, "DeepSpeed only: also write DeepSpeed's own engine files (engine/), for its "
+                                        "tools such as zero_to_fp32.py; resume and export read the portable form")
     resume: str = setting("auto", "auto (the latest committed checkpoint in output_dir, if any), none, or a "
                                   "checkpoint folder")
     overwrite_output_dir: bool = setting(False, "with --resume none, start over in an output_dir that already "
@@ -831,6 +834,9 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{where('nproc')} must be 'auto' or a positive integer, got {p.nproc!r}") from None
     if t.memory_every < 0:
         raise ConfigError(f"{where('memory_every')} must be >= 0, got {t.memory_every}")
+    if cfg.checkpoint.engine_files and p.strategy in ("ddp", "fsdp"):
+        raise ConfigError(f"{where('engine_files')} asks for DeepSpeed's own checkpoint files; --strategy "
+                          f"{p.strategy} writes only the portable form (model_optim/): drop it, or run a ZeRO strategy")
     if t.compile != "none" and p.strategy == "deepspeed":
         raise ConfigError(f"{where('compile')}={t.compile} is wired up for --strategy ddp and fsdp only, "
                           f"not DeepSpeed; drop --compile or use ddp/fsdp")

@@ -362,6 +362,17 @@ def model_states(variant: str, m: ModelCount, n: int, precision: str, gathered_1
     return {"gpu": gpu, "host": host}
 
 
+def save_host_bytes(variant: str, m: ModelCount, n: int, async_save: bool) -> float:
+    """Host memory one checkpoint save adds per rank. The portable form is the fp32 weights and Adam's two moments
+    (4Ψ + 8Ψ_t bytes, the "model state" below); sharded strategies (FSDP, ZeRO-2/3) each write only their 1/N of
+    it, from their own partitions, while every DDP rank holds all of it (DCP spreads the writing, not the
+    holding). A synchronous save copies one chunk at a time to the host (off the GPU, or out of a view of a
+    larger buffer): at most the largest block's fp32 share. --async-save snapshots the whole share first."""
+    state = 4 * m.params + 8 * (m.params - m.frozen)
+    shards = 1 if variant == "ddp" else n
+    return state / shards if async_save else 4 * m.largest_unit / shards
+
+
 def paper_formula(variant: str, psi: int, n: int) -> dict:
     """ZeRO paper model-state bytes (fp16 weights and grads, K=12) and DeepSpeed's estimator where it exists."""
     k = 12
@@ -407,6 +418,7 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
                 rows.append({"variant": variant, "activation_checkpointing": ac, "micro_batch_size": micro,
                              "grad_accum": global_batch // (micro * gpus), "gpu_bytes": g, "total_bytes": total,
                              "host_bytes_per_gpu": states["host"], "host_bytes_total": states["host"] * gpus,
+                             "save_host_bytes_per_gpu": save_host_bytes(variant, m, gpus, cfg.checkpoint.async_save),
                              "headroom_bytes": capacity_bytes - total,
                              "fits": total <= capacity_bytes * (1 - HEADROOM),
                              "relative_cost": round(cost * (RECOMPUTE_COST if ac else 1.0), 3),
@@ -466,7 +478,8 @@ def predict_run(cfg, world_size: int, vocab_size: int | None = None, batch_shape
     return {"variant": variant, "parameters": m.params, "batch": f"{batch} x {seq_len} tokens",
             "params_gib": g["params"] / GIB, "grads_gib": g["grads"] / GIB,
             "optimizer_gib": g["optimizer"] / GIB, "activations_gib": act["saved"] / GIB,
-            "model_state_gib": (g["params"] + g["grads"] + g["optimizer"]) / GIB, "host_gib": s["host"] / GIB}
+            "model_state_gib": (g["params"] + g["grads"] + g["optimizer"]) / GIB, "host_gib": s["host"] / GIB,
+            "save_host_gib": save_host_bytes(variant, m, world_size, cfg.checkpoint.async_save) / GIB}
 
 
 def memory_prediction(cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None) -> dict:
@@ -509,6 +522,7 @@ def _plan_table(p: dict, with_activations: bool) -> list[str]:
     columns += [("comm", ">", gpu("comm")), ("overh", ">", gpu("overhead")),
                 ("total" if act else "states", ">", lambda r: _gib(r[total])),
                 ("host/GPU", ">", lambda r: _gib(r["host_bytes_per_gpu"])),
+                ("save/GPU", ">", lambda r: _gib(r["save_host_bytes_per_gpu"])),
                 ("fits", "<", lambda r: "yes" if r[fits] else "NO"),
                 ("headroom", ">", lambda r: _gib(r["headroom_bytes"])),
                 ("cost", ">", lambda r: str(r["relative_cost"])),
@@ -531,7 +545,7 @@ def format_plan(p: dict, gpu_name: str) -> str:
     else:
         lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
     lines.append("cost: relative step time (heuristic ranking: communication, offload, recompute); paper: ZeRO "
-                 "paper model states (fp16 weights, K=12)")
+                 "paper model states (fp16 weights, K=12); save/GPU: host RAM a checkpoint save adds per GPU")
     return "\n".join(lines)
 
 
@@ -580,6 +594,7 @@ def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, c
         total = sum(v for v in g.values() if v is not None)
         rows.append({"variant": variant, "gpu_bytes": g, "model_state_bytes": total,
                      "host_bytes_per_gpu": states["host"], "headroom_bytes": capacity_bytes - total,
+                     "save_host_bytes_per_gpu": save_host_bytes(variant, m, gpus, cfg.checkpoint.async_save),
                      "fits_before_activations": total <= capacity_bytes * (1 - HEADROOM),
                      "relative_cost": cost, "communication": comm,
                      **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None}})

@@ -190,39 +190,115 @@ class ZeroStrategy(Strategy):
 
     def save(self, ckpt_dir: Path):
         self.sync_buffers()
-        self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
-        # The portable form beside the engine's: what FSDP/DDP (any world size) and `export` read.
-        model_sd, optim_state = self._portable_state()
-        # "frozen": the engine's own files fit only an engine frozen alike (its optimizer groups differ).
-        extra = {**extra_state(self.scheduler, self.optimizer), "ds_config": self.ds_config,
-                 "frozen": len(self._frozen_now)}
-        save_portable(ckpt_dir, model_sd, optim_state, extra, self.dist.is_rank0)
+        if self.cfg.checkpoint.engine_files:  # for DeepSpeed's own tools (zero_to_fp32.py); resume does not read it
+            self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+        # The portable form, each rank writing only the partition it owns (no gather): what every strategy at any
+        # world size, `export` and a resume read.
+        model_sd, optim_state = self._partition_state()
+        save_portable(ckpt_dir, model_sd, optim_state, self._extra(), self.dist.is_rank0)
 
     def save_async(self, ckpt_dir: Path):
-        """--async-save writes the portable form alone, in the background: the gather below is the snapshot (full
-        fp32 host copies, collective), and DCP's async_save writes it. The engine's own files are left out:
-        DeepSpeed 0.19.8's one asynchronous writer (the decoupled checkpoint engine) hands its live tensors to a
-        writer process and waits for that write inside the next engine.step(), so training would stall there for
-        the whole write. A resume reads the portable form (load, "engine_files")."""
+        """--async-save: the snapshot is a host copy of this rank's partition alone (fp32 weights and Adam
+        moments: ~12 bytes per parameter / N), written by DCP's async_save. DeepSpeed's engine files, when
+        asked for (checkpoint.engine_files), are written before, synchronously: DeepSpeed 0.19.8's one
+        asynchronous writer (the decoupled checkpoint engine) hands its live tensors to a writer process and waits
+        for that write inside the next engine.step(), so training would stall there for the whole write."""
         self.sync_buffers()
-        model_sd, optim_state = self._portable_state()
+        if self.cfg.checkpoint.engine_files:
+            self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+        model_sd, optim_state = self._partition_state(snapshot=True)
+        return save_portable_async(ckpt_dir, model_sd, optim_state, self._extra(), self.dist.is_rank0,
+                                   self._save_group)
+
+    def _extra(self) -> dict:
+        """strategy_state.json: the schedule and learning rates, the engine's step counters and (fp16) its loss
+        scaler, which the engine files kept before the portable form was all a resume reads."""
         extra = {**extra_state(self.scheduler, self.optimizer), "ds_config": self.ds_config,
-                 "frozen": len(self._frozen_now), "engine_files": False}
-        return save_portable_async(ckpt_dir, model_sd, optim_state, extra, self.dist.is_rank0, self._save_group)
+                 "frozen": len(self._frozen_now), "engine_files": bool(self.cfg.checkpoint.engine_files),
+                 "engine_counters": {k: int(getattr(self.engine, k))
+                                     for k in ("global_steps", "global_samples", "skipped_steps")}}
+        scaler = getattr(self.engine.optimizer, "loss_scaler", None) if self.precision == "fp16" else None
+        if scaler is not None:
+            extra["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
+        return extra
 
-    def _portable_state(self) -> tuple[dict, dict]:
-        """Full fp32 weights and Adam moments per parameter name (none for a frozen parameter: it has no
-        optimizer state). Every rank gathers every tensor (the gathers are collective); DCP then writes each
-        once. Host memory: ~3x the fp32 model per rank."""
-        import deepspeed
-        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    def _partition_state(self, snapshot: bool = False) -> tuple[dict, dict]:
+        """This rank's partitions of the fp32 weights and Adam moments, as FlatRange views (no copy; `snapshot`:
+        host copies of them, for a background write), by parameter name and in each parameter's own shape: DCP
+        writes each rank's ranges as chunks at their global offsets. Replicated tensors (buffers, ZeRO-2's frozen
+        parameters, Adam's step) are plain: DCP writes each once."""
+        from shardtrain.checkpointing.flat_chunks import FlatRange
 
+        self._relink_optimizer_state()
+        steps, with_state = self._group_steps(), self._groups_with_state()
+        group_of = self._group_of
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            t = t.detach()
+            return t.to("cpu", copy=True) if snapshot else t
+
+        model_sd, optim_state = {}, {}
+        for name, p in self._inner.named_parameters():
+            shape, start, local = self._local_range(p)
+            if p.requires_grad:
+                model_sd[name] = FlatRange(shape, own(local(None)), start)
+            elif hasattr(p, "ds_id"):  # frozen under ZeRO-3: no fp32 master; this rank's slice of the module's copy
+                model_sd[name] = FlatRange(shape, own(local(None).float()), start)
+            else:  # frozen under ZeRO-2: every rank holds it whole
+                model_sd[name] = own(p.data.float())
+                continue
+            if group_of.get(name) in with_state:
+                optim_state[name] = {"step": torch.tensor(float(steps[group_of[name]])),
+                                     **{k: FlatRange(shape, own(local(k)), start) for k in ("exp_avg", "exp_avg_sq")}}
+        for name, buf in self._persistent_buffers().items():
+            model_sd[name] = buf.detach().cpu().clone()
+        return model_sd, optim_state
+
+    def _local_range(self, p):
+        """(full shape, first element this rank owns in the flattened parameter, key -> 1-D view of this rank's
+        elements: None the fp32 master, or an Adam state key; ZeRO-3 frozen: the module's own partition)."""
+        if hasattr(p, "ds_id"):
+            # ZeRO-3: partitions of ceil(numel / N) elements, the last padded; rank r owns [r * size, ...).
+            size = p.ds_tensor.numel()
+            start = min(p.ds_zero_partition_rank * size, p.ds_numel)
+            valid = max(0, min(size, p.ds_numel - start))
+            opt = p._z3_optimizer if p.requires_grad else None
+
+            def local(key):
+                if opt is None:
+                    return p.ds_tensor.data.narrow(0, 0, valid)
+                part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
+                return part.narrow(0, 0, valid)
+            return tuple(p.ds_shape), start, local
+        mapping = getattr(p, "_hp_mapping", None)
+        if mapping is None:  # ZeRO-2: none of this parameter lies in this rank's flat partition
+            empty = torch.empty(0, dtype=torch.float32)
+            return tuple(p.shape), 0, lambda key: empty
+        # ZeRO-2: this rank's flat partition holds elements [start, start + numel) of the parameter.
+        address = mapping.lp_fragment_address
+        return tuple(p.shape), address.start, lambda key: mapping.get_hp_fragment(key).view(-1)
+
+    def _relink_optimizer_state(self) -> None:
         if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):
             # ZeRO-1/2 link each parameter to its slice of the Adam state once, at the first step; measured
             # on 0.19.8 the links come out empty (safe_get_full_optimizer_state: "exp_avg not found").
             # Re-linking against the current state is what that call does when the flag is clear.
             self.optimizer._hp_optimizer_states_linked = False
             self.optimizer._lazy_init_hp_params_optimizer_state()
+
+    def _groups_with_state(self) -> set[int]:
+        """Optimizer groups whose Adam moments exist (every rank alike: they all step their partitions)."""
+        return {i for i, state in self._flat_states() if "exp_avg" in state}
+
+    def _portable_state(self) -> tuple[dict, dict]:
+        """Full fp32 weights and Adam moments per parameter name (none for a frozen parameter: it has no
+        optimizer state), for _rebuild alone: the new engine partitions differently (other optimizer groups).
+        Every rank gathers every tensor (the gathers are collective). Host memory: ~3x the fp32 model per rank.
+        Checkpoints never take this path (_partition_state)."""
+        import deepspeed
+        from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+        self._relink_optimizer_state()
         steps = self._group_steps()
         model_sd, optim_state = {}, {}
         for name, p in self._inner.named_parameters():
@@ -284,21 +360,23 @@ class ZeroStrategy(Strategy):
             extra = json.loads(extra_file.read_text()) if extra_file.exists() else {}
         except (OSError, ValueError) as e:
             raise ConfigError(f"--resume {ckpt_dir}: cannot read {EXTRA_FILE} (corrupt?): {e}") from None
-        saved_frozen = extra.get("frozen", 0)
-        if extra.get("engine_files") is False:  # written by save_async: the portable form is all there is
-            return self._load_portable(ckpt_dir, load_optimizer)
+        if self._needs_engine_files(ckpt_dir, extra, writer, saved.get("world_size")):
+            return self._load_engine_files(ckpt_dir, load_optimizer)
         if writer != self.name or saved.get("world_size") != self.dist.world_size:
-            # The engine's own files only fit the same stage and world size; anything else is portable.
             self._warn(f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
-                       f"({self.dist.world_size} ranks) through its portable form")
-            return self._load_portable(ckpt_dir, load_optimizer)
-        if saved_frozen != len(self._frozen_now):
-            # Another freezing (--freeze-layers changed): the engine's optimizer groups differ; by name, it fits.
-            return self._load_portable(ckpt_dir, load_optimizer)
-        engine_dir = ckpt_dir / TAG
-        if not engine_dir.is_dir():
-            raise ConfigError(f"--resume {ckpt_dir}: missing {TAG}/: the checkpoint is incomplete")
-        for f in sorted(engine_dir.glob("*.pt")):
+                       f"({self.dist.world_size} ranks): each rank reads its own partition of it")
+        return self._load_portable(ckpt_dir, load_optimizer)
+
+    def _needs_engine_files(self, ckpt_dir: Path, extra: dict, writer, world_size) -> bool:
+        """The portable form is what a resume reads, from any writer; the one exception is an fp16 checkpoint
+        written before strategy_state.json kept DeepSpeed's loss scaler: its engine files, when they fit this
+        engine (same stage, world size and freezing), are the only place the dynamic loss scale is."""
+        return (self.precision == "fp16" and "loss_scaler" not in extra and (ckpt_dir / TAG).is_dir()
+                and writer == self.name and world_size == self.dist.world_size
+                and extra.get("frozen", 0) == len(self._frozen_now))
+
+    def _load_engine_files(self, ckpt_dir: Path, load_optimizer: bool) -> None:
+        for f in sorted((ckpt_dir / TAG).glob("*.pt")):
             check_torch_file(f)  # DeepSpeed itself reads them with torch.load(weights_only=False)
         try:
             self.engine.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=load_optimizer,
@@ -309,17 +387,19 @@ class ZeroStrategy(Strategy):
                               f"model?): {msg}") from None
 
     def _load_portable(self, ckpt_dir: Path, load_optimizer: bool) -> None:
+        """Each rank reads only its own partitions (fp32 weights, Adam moments) straight into the engine's
+        buffers, resharded by DCP from whatever the checkpoint holds: another ZeRO stage or world size, FSDP's
+        row shards, DDP's whole tensors, or the gathered form DeepSpeed checkpoints had before. Collective."""
         import torch.distributed.checkpoint as dcp
 
         from shardtrain.checkpointing.dcp_state import MODEL_DIR, check_model_fits, read_metadata, tensor_shapes
+        from shardtrain.checkpointing.flat_chunks import FlatRange, LoadPlanner
 
         shapes = tensor_shapes(read_metadata(ckpt_dir))
         params = dict(self._inner.named_parameters())
         full_shape = {n: tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in params.items()}
         buffers = self._persistent_buffers()
         check_model_fits(ckpt_dir, {**full_shape, **{n: tuple(b.shape) for n, b in buffers.items()}}, shapes)
-        state = {"model": {n: torch.empty(s) for n, s in full_shape.items()}}
-        state["model"].update({n: torch.empty_like(b, device="cpu") for n, b in buffers.items()})
         keys = ("exp_avg", "exp_avg_sq", "step")
         # A frozen parameter has no optimizer state, in the checkpoint (saved while frozen, by any strategy)
         # or here (its saved moments, if any, wait in the checkpoint until a resume past the unfreeze).
@@ -330,17 +410,67 @@ class ZeroStrategy(Strategy):
             if len(with_moments) < len(trainable):
                 self._warn(f"optimizer state for {len(trainable) - len(with_moments)} of {len(trainable)} trainable "
                            f"parameters is not in {ckpt_dir}: they start with fresh Adam moments")
-            state["optim"] = {"state": {n: {"exp_avg": torch.empty(full_shape[n]), "exp_avg_sq":
-                                            torch.empty(full_shape[n]), "step": torch.empty(())}
-                                        for n in with_moments}}
+            self._init_optimizer_state()  # the moments' buffers exist only after a first step
+        model, moments = {}, {}
+        for name, p in params.items():
+            shape, start, local = self._local_range(p)
+            if p.requires_grad or hasattr(p, "ds_id"):
+                model[name] = FlatRange(shape, local(None), start)  # ZeRO-3 frozen: the module's own partition
+            else:
+                model[name] = p.data  # ZeRO-2 frozen: whole on every rank
+            if load_optimizer and name in with_moments:
+                moments[name] = {"step": torch.empty(()),
+                                 **{k: FlatRange(shape, local(k), start) for k in ("exp_avg", "exp_avg_sq")}}
+        model.update({n: torch.empty_like(b, device="cpu") for n, b in buffers.items()})
+        state = {"model": model, **({"optim": {"state": moments}} if load_optimizer else {})}
         try:
-            dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR))
+            dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR), planner=LoadPlanner())
         except Exception as e:  # noqa: BLE001
             raise ConfigError(f"--resume {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): "
                               f"{' '.join(str(e).split())[:300]}") from None
-        extra_file = ckpt_dir / EXTRA_FILE
-        extra = json.loads(extra_file.read_text()) if extra_file.exists() else {}
-        self._load_state(state["model"], state.get("optim", {}).get("state", {}), extra, load_optimizer)
+        self._weights_from_masters(params)
+        for name, buf in buffers.items():
+            buf.copy_(model[name])
+        if load_optimizer:
+            extra_file = ckpt_dir / EXTRA_FILE
+            extra = json.loads(extra_file.read_text()) if extra_file.exists() else {}
+            self._set_group_steps({n: float(st["step"]) for n, st in moments.items()})
+            load_extra_state(extra, self.scheduler, self.optimizer)
+            for k, v in (extra.get("engine_counters") or {}).items():
+                setattr(self.engine, k, v)
+            scaler = getattr(self.engine.optimizer, "loss_scaler", None)
+            for k, v in (extra.get("loss_scaler") or {}).items() if scaler is not None else ():
+                setattr(scaler, k, v)
+
+    def _weights_from_masters(self, params: dict) -> None:
+        """The engine computes with the module's (low-precision) copy and steps the fp32 master: after the masters
+        are loaded, the copy is refreshed from them as DeepSpeed does after a step. Collective."""
+        if self.stage == 3:
+            with torch.no_grad():
+                for p in params.values():
+                    if p.requires_grad:
+                        _, _, local = self._local_range(p)
+                        master = local(None)
+                        p.ds_tensor.data.narrow(0, 0, master.numel()).copy_(master)
+            # Parameters under stage3_param_persistence_threshold stay whole on every rank: gather them again
+            # from the partitions just written, as DeepSpeed's own load does (partition, then all_gather).
+            persistent = [p for p in params.values() if getattr(p, "ds_persist", False)]
+            if persistent:
+                persistent[0].partition(persistent)
+                persistent[0].all_gather(persistent)
+        else:
+            self.optimizer.update_lp_params()  # fp32 partitions -> 16-bit partitions, all-gathered to every rank
+
+    def _set_group_steps(self, step_of: dict[str, float]) -> None:
+        """Adam's step per group: a group whose parameters come without moments starts afresh, as torch's AdamW
+        starts a parameter it has not stepped before (the _init_optimizer_state step left zeros)."""
+        group_of = self._group_of
+        steps = {group_of[n]: s for n, s in step_of.items() if n in group_of}
+        for i, state in self._flat_states():
+            if "step" in state:
+                step = steps.get(i, 0.0)
+                state["step"] = (torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
+                                 if torch.is_tensor(state["step"]) else int(step))
 
     def _persistent_buffers(self) -> dict[str, torch.Tensor]:
         buffers = {}
@@ -380,18 +510,7 @@ class ZeroStrategy(Strategy):
         for name, buf in self._persistent_buffers().items():
             buf.copy_(model_sd[name])
         if load_optimizer:
-            # Adam's step per group: a group whose parameters come without moments starts afresh, as torch's
-            # AdamW starts a parameter it has not stepped before (the _init_optimizer_state step left zeros).
-            group_of = self._group_of
-            steps: dict[int, float] = {}
-            for name, st in optim_state.items():
-                if name in group_of:
-                    steps[group_of[name]] = float(st["step"])
-            for i, state in self._flat_states():
-                if "step" in state:
-                    step = steps.get(i, 0.0)
-                    state["step"] = (torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
-                                     if torch.is_tensor(state["step"]) else int(step))
+            self._set_group_steps({n: float(st["step"]) for n, st in optim_state.items()})
             load_extra_state(extra, self.scheduler, self.optimizer)
 
     def _init_optimizer_state(self) -> None:
@@ -413,9 +532,7 @@ class ZeroStrategy(Strategy):
                 for p, grad in zip(g["params"], grads):
                     p.grad = grad
                 g["lr"], g["params"] = lr, params
-        if hasattr(self.optimizer, "_lazy_init_hp_params_optimizer_state"):
-            self.optimizer._hp_optimizer_states_linked = False
-            self.optimizer._lazy_init_hp_params_optimizer_state()
+        self._relink_optimizer_state()
 
     def describe(self):
         return {"strategy": self.name, "offload": self.offload, **self.info,

@@ -15,9 +15,10 @@ from launch import kill_tree, run_plan, test_env, tiny_args, torchrun_background
 from shardtrain.checkpointing.portable import read_portable
 from shardtrain.checkpointing.store import checkpoints_root, committed_steps, is_committed, latest_committed
 
-# One per strategy family. DeepSpeed's is ZeRO-2, the stage whose fp32 state DeepSpeed's own decoupled writer
-# failed to serialize; ZeRO-3 takes the same save_async path (ZeroStrategy), so it is left out to keep this short.
-FAMILIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"], "zero2": ["--ds", "ds_configs/zero2.json"]}
+# One per strategy family, and both ZeRO stages: each snapshots only its own partitions, which ZeRO-2 (flat
+# partitions across parameters) and ZeRO-3 (one range of every parameter) lay out differently.
+FAMILIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"], "zero2": ["--ds", "ds_configs/zero2.json"],
+            "zero3": ["--ds", "ds_configs/zero3.json"]}
 SMALL = ["--per-device-batch-size", "8", "--save-every", "2", "--keep-last", "3", "--max-steps", "6",
          "--eval-every", "0"]
 

@@ -150,7 +150,7 @@ def test_plan_tables_widen_each_column_to_its_widest_cell():
            "overhead": 0.5 * GIB}
     row = {"variant": "zero3_offload_with_a_long_name", "activation_checkpointing": False, "gpu_bytes": gpu,
            "total_bytes": 3 * huge, "model_state_bytes": 2 * huge, "host_bytes_per_gpu": huge,
-           "headroom_bytes": -3 * huge, "fits": False, "fits_before_activations": False,
+           "save_host_bytes_per_gpu": 1.5 * GIB, "headroom_bytes": -3 * huge, "fits": False, "fits_before_activations": False,
            "relative_cost": 2.926, "zero_paper": huge}
     short = {**row, "variant": "ddp", "activation_checkpointing": True, "relative_cost": 1.0, "fits": True}
     del short["zero_paper"]
@@ -159,7 +159,7 @@ def test_plan_tables_widen_each_column_to_its_widest_cell():
                            "recommendation": None, "note": ""}, "A100 80GB")
     workload = format_workload_plan({**common, "workload": "Tiny", "largest_unit_params": 10**9,
                                      "activations": "not predicted"}, "A100 80GB")
-    for text, n_columns in ((builtin, 14), (workload, 12)):
+    for text, n_columns in ((builtin, 15), (workload, 13)):
         table = _table_lines(text)
         # Every cell is set off from its neighbours by at least two spaces, and right-aligned figures end
         # where their column does, so every line of the table is equally long.
