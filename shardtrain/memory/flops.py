@@ -26,14 +26,18 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def train_flops_per_sample(model_factory, batch: dict, trainable_params: int) -> float:
+def train_flops_per_sample(model_factory, batch, trainable_params: int) -> float:
     """Forward FLOPs of one sample counted once on a meta-device copy of the model (so CNN convolutions
     and attention are counted as they are, no weights materialised), x3 for forward + backward.
     Models whose forward needs real values (data-dependent shapes) fall back to 6 x params x tokens."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    one = {k: v[:1] for k, v in batch.items()}
+    from shardtrain.data.batches import top_tensor
+
     try:
+        # A dict of tensors passed by name (the default Workload.forward); a batch of another shape (a nested dict,
+        # a tuple) goes through the workload's own forward, which this count does not run: the fallback below.
+        one = {k: v[:1] for k, v in batch.items()}
         model = model_factory(on_meta=True).eval()  # one sample: train-mode BatchNorm refuses a 1x1 map
         from shardtrain.workloads.base import model_inputs
         one = model_inputs(model, one)
@@ -50,7 +54,8 @@ def train_flops_per_sample(model_factory, batch: dict, trainable_params: int) ->
             return 3.0 * forward
     except Exception:  # noqa: BLE001 - any meta-device failure means "count the simple way"
         pass
-    tokens = one["input_ids"].numel() if "input_ids" in one else 1
+    input_ids = top_tensor(batch, "input_ids")
+    tokens = input_ids[:1].numel() if input_ids is not None else 1
     return 6.0 * trainable_params * tokens
 
 
