@@ -62,14 +62,15 @@ class PostDataset(Dataset):
 
 
 class FusionLayer(nn.Module):
-    """Concatenate the <s> state and the pooled image features, then a small MLP."""
+    """Each modality projected to `hidden`, concatenated, then the classifier."""
 
     def __init__(self, text_dim: int, image_dim: int, hidden: int, num_labels: int):
         super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(text_dim + image_dim, hidden), nn.ReLU(), nn.Linear(hidden, num_labels))
+        self.text_proj, self.image_proj = nn.Linear(text_dim, hidden), nn.Linear(image_dim, hidden)
+        self.classifier = nn.Sequential(nn.ReLU(), nn.Linear(2 * hidden, num_labels))
 
     def forward(self, text_features, image_features):
-        return self.mlp(torch.cat([text_features, image_features], dim=-1))
+        return self.classifier(torch.cat([self.text_proj(text_features), self.image_proj(image_features)], dim=-1))
 
 
 class ReportFusion(Workload):
