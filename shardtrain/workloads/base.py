@@ -107,7 +107,8 @@ def labels_of(batch, method: str) -> torch.Tensor:
         return batch["labels"]
     if isinstance(batch, Mapping) and "labels" in batch:
         raise ConfigError(f"{method}: the default needs batch['labels'] as a tensor of class ids, and it is a "
-                          f"{type(batch['labels']).__name__}: return torch.tensor(...) from collate, or override {method}")
+                          f"{type(batch['labels']).__name__}: return torch.tensor(...) from collate, or override "
+                          f"{method}")
     what = f"a {type(batch).__name__}" + ("" if isinstance(batch, Mapping) else ", not a dict,")
     raise ConfigError(f"{method}: the default reads batch['labels'], and the batch is {what} without 'labels': "
                       f"override {method}(outputs, batch)")
