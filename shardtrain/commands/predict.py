@@ -344,6 +344,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
     from torch.utils.data import DataLoader, Subset
 
     from shardtrain.data import batch_to_device
+    from shardtrain.data.batches import top_tensor
     from shardtrain.strategies.base import DTYPES
     from shardtrain.workloads.base import CheckedCollate, logits_of
 
@@ -366,7 +367,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
             if logits.dim() != 2:
                 raise ConfigError(f"predict classifies examples: {type(workload).__name__}.forward gives logits of "
                                   f"shape {tuple(logits.shape)}, not [batch, classes]")
-            labels = batch.get("labels")
+            labels = top_tensor(batch, "labels")  # a batch of another shape: no true_label, no metrics
             known = labels.reshape(-1) >= 0 if labels is not None else None
             if known is not None and bool(known.any()):
                 # Metrics over the labelled rows only (an unlabelled row of --file has label -1).

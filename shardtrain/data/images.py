@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from shardtrain.data.batches import move_batch, top_tensor
+
 # The torchvision backbones (ResNet, DenseNet) were trained with these; random-init models do not mind them.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -44,10 +46,11 @@ def normalize_pixels(pixels: torch.Tensor) -> torch.Tensor:
     return (pixels.float() / 255.0 - mean) / std
 
 
-def batch_to_device(batch: dict, device: torch.device) -> dict:
-    """Move a collated batch to `device` (asynchronously from pinned memory) and normalise uint8 images there."""
-    out = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    pixels = out.get("pixel_values")
+def batch_to_device(batch, device: torch.device):
+    """Move a collated batch, of any nesting (shardtrain/data/batches.py), to `device` (asynchronously from pinned
+    memory), and normalise uint8 images there: a uint8 `pixel_values` at the top of a dict batch (the built-ins')."""
+    out = move_batch(batch, device)
+    pixels = top_tensor(out, "pixel_values")
     if pixels is not None and pixels.dtype == torch.uint8:
         out["pixel_values"] = normalize_pixels(pixels)
     return out

@@ -194,7 +194,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
             with oom.guard():  # an OOM is noted and this rank carries on: see loop/oom.py
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0, batch=batch):
-                        outputs = workload.forward(strategy.model, batch)
+                        outputs = strategy.forward(batch)
                         with strategy.shard_read_guard(f"{task}.loss"):  # a loss reading a weight: no shard
                             loss = workload.loss(outputs, batch)
                         loss = check_loss(loss, task)
@@ -348,7 +348,7 @@ def evaluate(workload: Workload, strategy, loaders, dist_info: DistInfo, spare_b
         last = batch
         batch = batch_to_device(batch, dist_info.device)
         with strategy.autocast():
-            outputs = workload.forward(strategy.model, batch)
+            outputs = strategy.forward(batch)
         with strategy.shard_read_guard(f"{type(workload).__name__}.metric_sums"):
             metric_sums = workload.metric_sums(outputs, batch)
         for key, value in metric_sums.items():

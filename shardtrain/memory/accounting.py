@@ -26,6 +26,8 @@ import sys
 import torch
 from torch import nn
 
+from shardtrain.data.batches import top_tensor
+
 CATEGORIES = ("params", "grads", "optimizer", "buffers", "comm")
 MODEL_STATE = ("params", "grads", "optimizer")
 PHASES = ("before_forward", "after_forward", "after_backward", "after_step")
@@ -164,7 +166,7 @@ class MemoryMonitor:
             self.local.update(count_bytes(self.strategy.memory_tensors(), self.dist.device))
 
     @contextlib.contextmanager
-    def forward(self, first_micro: bool, batch: dict | None = None):
+    def forward(self, first_micro: bool, batch=None):
         """Wraps one micro-batch's forward (and loss): counts saved activations on the first one."""
         if not (self.measuring and first_micro):
             yield
@@ -173,9 +175,10 @@ class MemoryMonitor:
         with SavedActivations() as saved:
             yield
         self.local["activations"] = saved.bytes
-        if batch is not None and "input_ids" in batch:
+        input_ids = top_tensor(batch, "input_ids")  # a batch of any shape (data/batches.py)
+        if input_ids is not None:
             # The planner predicts activations for a shape; padding to the longest text makes each batch's its own.
-            self.local["batch"] = list(batch["input_ids"].shape)
+            self.local["batch"] = list(input_ids.shape)
         self.mark("after_forward")
 
     def end_step(self, step: int) -> dict | None:

@@ -26,7 +26,7 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def train_flops_per_sample(model_factory, batch: dict, trainable_params: int) -> float:
+def train_flops_per_sample(model_factory, batch, trainable_params: int) -> float:
     """Forward FLOPs of one sample counted once on a meta-device copy of the model (so CNN convolutions
     and attention are counted as they are, no weights materialised), x3 for forward + backward.
     Models whose forward needs real values (data-dependent shapes) fall back to 6 x params x tokens."""
@@ -38,9 +38,13 @@ def counted_train_flops(model_factory, batch: dict, trainable_params: int) -> tu
     "estimate: 6 x trainable params x tokens (...why the count failed)" (Longformer's forward reads values)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    one = {k: v[:1] for k, v in batch.items()}
+    from shardtrain.data.batches import top_tensor
+
     why = "the count was 0"
     try:
+        # A dict of tensors passed by name (the default Workload.forward); a batch of another shape (a nested dict,
+        # a tuple) goes through the workload's own forward, which this count does not run: the fallback below.
+        one = {k: v[:1] for k, v in batch.items()}
         model = model_factory(on_meta=True).eval()  # one sample: train-mode BatchNorm refuses a 1x1 map
         from shardtrain.workloads.base import model_inputs
         one = model_inputs(model, one)
@@ -57,7 +61,8 @@ def counted_train_flops(model_factory, batch: dict, trainable_params: int) -> tu
             return 3.0 * forward, "counted: FlopCounterMode forward on the meta device x 3"
     except Exception as e:  # noqa: BLE001 - any meta-device failure means "count the simple way"
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
-    tokens = one["input_ids"].numel() if "input_ids" in one else 1
+    input_ids = top_tensor(batch, "input_ids")
+    tokens = input_ids[:1].numel() if input_ids is not None else 1
     return 6.0 * trainable_params * tokens, f"estimate: 6 x trainable params x tokens (meta-device count failed: {why})"
 
 

@@ -167,16 +167,18 @@ class Tracker:
         return {"wandb_run_id": self.wandb.run_id, **({"elastic": self.elastic} if self.elastic else {}),
                 "data_source": self.run_info.get("data_source")}
 
-    def step(self, record: dict, batch: dict) -> None:
+    def step(self, record: dict, batch) -> None:
         """Once per optimizer step, after the step's one host sync: only host arithmetic and rank-0 I/O."""
         if not self.rank0:
             return
+        from shardtrain.data.batches import top_tensor
         from shardtrain.observability.progress import peak_memory_gb
 
         t = self.cfg.train
-        if "input_ids" in batch:
+        input_ids = top_tensor(batch, "input_ids")  # a batch of any shape; tokens where it is a dict with input_ids
+        if input_ids is not None:
             # Padded tokens, from shapes alone (no sync); ranks see equally shaped micro-batches.
-            tokens = batch["input_ids"].numel() * t.grad_accum * self.dist.world_size
+            tokens = input_ids.numel() * t.grad_accum * self.dist.world_size
             record["tokens_per_sec"] = tokens / record["step_seconds"]
         mfu = self._mfu(record, batch)
         if mfu is not None:

@@ -188,8 +188,10 @@ class Strategy(ABC):
         self.sync_buffers()
         self.model.eval()
 
-    def forward(self, batch: dict):
-        return self.workload.forward(self.model, batch)
+    def forward(self, batch):
+        """`Workload.forward(model, batch)`, run as the forward of the wrapped root (strategies/root.py): DDP's,
+        FSDP's and DeepSpeed's own forward machinery sees it whatever submodules it calls."""
+        return self.model(batch)
 
     # Strategies whose parameters are only shards between forwards set this and say which tensors are shards.
     shards_outside_forward = False

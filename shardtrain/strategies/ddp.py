@@ -6,6 +6,7 @@ import contextlib
 from torch.nn.parallel import DistributedDataParallel
 
 from shardtrain.strategies.native import NativeStrategy
+from shardtrain.strategies.root import workload_root
 
 
 class DDPStrategy(NativeStrategy):
@@ -20,8 +21,9 @@ class DDPStrategy(NativeStrategy):
         return self._finish_setup(frozen_names)
 
     def _wrap(self):
-        self.ddp = self.inner if self.dist.world_size == 1 else DistributedDataParallel(
-            self.inner, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
+        root = workload_root(self.inner, self.workload)  # DDP's forward (its reducer) sees the workload's forward
+        self.ddp = root if self.dist.world_size == 1 else DistributedDataParallel(
+            root, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
             gradient_as_bucket_view=True)
         # Compiled after wrapping: dynamo then splits the graph at DDP's bucket boundaries, so the
         # all-reduces still overlap the backward.

@@ -21,6 +21,7 @@ from shardtrain.runtime.distributed import broadcast_
 from shardtrain.strategies.base import DTYPES
 from shardtrain.strategies.fsdp_policy import FSDPPolicy, load_policy, shipped_class_names
 from shardtrain.strategies.native import NativeStrategy
+from shardtrain.strategies.root import workload_root
 
 
 def _classes_by_name(model: nn.Module, names: list[str], what: str, policy: FSDPPolicy) -> tuple[type, ...]:
@@ -147,6 +148,8 @@ class FSDPStrategy(NativeStrategy):
                 unit.compile(backend=self.cfg.train.compile)
         for unit in units:
             fully_shard(unit, **({"mp_policy": mp} if mp else {}), **common)
+        # The root unit is the workload's forward (a ModuleDict has none to shard around); same names as the model.
+        model = workload_root(model, self.workload)
         fully_shard(model, **({"mp_policy": mp} if mp else {}), **common)
         self.unit_count = len(units)
 

@@ -17,6 +17,7 @@ from shardtrain.checkpointing.unpickle_guard import check_torch_file
 from shardtrain.config.settings import ConfigError, where
 from shardtrain.strategies.base import Strategy, StepResult, checkpoint_group, extra_state, load_extra_state
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
+from shardtrain.strategies.root import workload_root
 
 TAG = "engine"
 
@@ -107,8 +108,8 @@ class ZeroStrategy(Strategy):
         trainable = [(n, p) for n, p in model.named_parameters() if n not in frozen_now]
         optimizer, scheduler = self._optimizer_and_scheduler(trainable, self._freezable)
         self._client_groups = [list(g["params"]) for g in optimizer.param_groups]  # DeepSpeed flattens them
-        engine, optimizer, _, scheduler = deepspeed.initialize(
-            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+        engine, optimizer, _, scheduler = deepspeed.initialize(  # the engine's forward runs the workload's
+            model=workload_root(model, self.workload), optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
         self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
         self._inner = model
         self._frozen_now = set(frozen_now)
@@ -165,7 +166,7 @@ class ZeroStrategy(Strategy):
             # ZeRO-3's forward hooks push modules on a module-level stack and leave the root there (0.19.8): it
             # would keep the old model, its engine and every partition alive (found with gc.get_referrers).
             from deepspeed.runtime.zero import parameter_offload
-            old = {id(m) for m in self._inner.modules()}
+            old = {id(m) for m in (*self._inner.modules(), self.engine.module)}  # the engine's module: the root
             parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in old]
         self.engine.destroy()
         _release_storage(self.engine, self._inner)

@@ -19,15 +19,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import default_collate
 
 from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, where, workload_target
+from shardtrain.data.batches import batch_problem, collate_samples
 
 class Workload:
     """Subclass it; `build_model` and `datasets` are required, every other method has a default."""
@@ -49,21 +50,26 @@ class Workload:
         raise NotImplementedError(f"{type(self).__name__}.datasets() must return (train, validation_or_None)")
 
     # ---- optional --------------------------------------------------------------------------------
-    def collate(self, samples: list) -> dict[str, torch.Tensor]:
-        return default_collate(samples)
+    def collate(self, samples: list):
+        """torch's default_collate (and dataclasses): dict samples -> a dict of batched values; tuple samples such as
+        `(text_dict, image, label)` -> a list `[text_dict batched, images, labels]`. A batch may nest dicts, lists,
+        tuples, namedtuples, dataclasses and BatchEncodings: the loop moves every tensor in it to the device."""
+        return collate_samples(samples)
 
-    def forward(self, model: nn.Module, batch: dict) -> Any:
-        """The keys of `batch` that the model's forward accepts, as keyword arguments."""
+    def forward(self, model: nn.Module, batch) -> Any:
+        """The keys of `batch` that the model's forward accepts, as keyword arguments. `model` is the model
+        build_model returned; shardtrain runs this method as the forward of the module the strategy wraps, so
+        it may call the model's submodules itself (`model["text"](**batch["text"])`)."""
         return model(**model_inputs(model, batch, type(self).__name__))
 
-    def loss(self, outputs, batch: dict) -> torch.Tensor:
-        return F.cross_entropy(logits_of(outputs).float(), batch["labels"])
+    def loss(self, outputs, batch) -> torch.Tensor:
+        return F.cross_entropy(logits_of(outputs).float(), labels_of(batch, f"{type(self).__name__}.loss"))
 
     def metric_sums(self, outputs, batch: dict) -> dict[str, torch.Tensor]:
         """Quantities that add up over batches and ranks; here a confusion matrix (true x predicted)."""
         logits = logits_of(outputs)
         n = logits.shape[-1]
-        idx = batch["labels"].reshape(-1) * n + logits.argmax(dim=-1).reshape(-1)
+        idx = labels_of(batch, f"{type(self).__name__}.metric_sums").reshape(-1) * n + logits.argmax(dim=-1).reshape(-1)
         return {"confusion": torch.bincount(idx, minlength=n * n).double().view(n, n)}
 
     def metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
@@ -93,6 +99,19 @@ class Workload:
 # ---- helpers the defaults (and user code) use ----------------------------------------------------------
 def logits_of(outputs) -> torch.Tensor:
     return outputs.logits if hasattr(outputs, "logits") else outputs
+
+
+def labels_of(batch, method: str) -> torch.Tensor:
+    """batch["labels"], which the default loss and metric_sums read; a batch without it is one line naming them."""
+    if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):
+        return batch["labels"]
+    if isinstance(batch, Mapping) and "labels" in batch:
+        raise ConfigError(f"{method}: the default needs batch['labels'] as a tensor of class ids, and it is a "
+                          f"{type(batch['labels']).__name__}: return torch.tensor(...) from collate, or override "
+                          f"{method}")
+    what = f"a {type(batch).__name__}" + ("" if isinstance(batch, Mapping) else ", not a dict,")
+    raise ConfigError(f"{method}: the default reads batch['labels'], and the batch is {what} without 'labels': "
+                      f"override {method}(outputs, batch)")
 
 
 def classification_metrics(confusion: torch.Tensor) -> dict:
@@ -132,6 +151,10 @@ def model_inputs(model: nn.Module, batch: dict, workload_name: str = "Workload")
     a required argument the batch lacks, or a batch none of whose keys the model takes, is the error users
     otherwise meet as a TypeError deep inside the strategy's wrapper."""
     inner = innermost(model)
+    if not isinstance(batch, Mapping):
+        raise ConfigError(f"{workload_name}.collate gives a {type(batch).__name__}, and the default "
+                          f"{workload_name}.forward passes a dict's keys to {type(inner).__name__}.forward by name: "
+                          f"override {workload_name}.forward(model, batch)")
     named, _ = _named_inputs(inner)
     names = [p.name for p in named]
     inputs = {k: v for k, v in batch.items() if k in names}
@@ -177,8 +200,9 @@ class CheckedCollate:
             first = type(samples[0]).__name__ if samples else "nothing"
             raise ConfigError(f"{name}.collate cannot batch the samples of {name}.datasets() ({first} items): "
                               f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
-        if not isinstance(batch, dict):
-            raise ConfigError(f"{name}.collate must return a dict of tensors, got {type(batch).__name__}")
+        problem = batch_problem(batch)
+        if problem:
+            raise ConfigError(f"{name}.collate {problem}")
         return batch
 
 

@@ -6,9 +6,12 @@ no weights loaded). Every problem found is one line naming the workload method t
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from shardtrain.config.settings import Config, ConfigError
+from shardtrain.data.batches import shape_summary
 from shardtrain.workloads.base import CheckedCollate, Workload, load_workload, model_inputs
 
 
@@ -54,14 +57,8 @@ def check_workload_data(cfg: Config, samples: int = 4) -> tuple[list[str], list[
         except ConfigError as e:
             problems.append(f"{split}: {e}")
             continue
-        odd = [f"'{k}' is a {type(v).__name__}" for k, v in batch.items() if not isinstance(v, torch.Tensor)]
-        if odd:
-            problems.append(f"{name}.collate: every value must be a tensor (the loop moves each to the device); "
-                            f"{', '.join(odd)}")
-            continue
-        batches.append(batch)
-        notes.append(f"{split}: {n} samples; {len(items)} batched by {name}.collate into "
-                     + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
+        batches.append(batch)  # CheckedCollate refused what the loop cannot move to the device
+        notes.append(f"{split}: {n} samples; {len(items)} batched by {name}.collate into {shape_summary(batch)}")
     if batches:
         problems += _check_against_model(workload, name, batches)
     return problems, notes
@@ -88,7 +85,12 @@ def _check_against_model(workload: Workload, name: str, batches: list[dict]) -> 
             except ConfigError as e:
                 problems.append(str(e))
                 break
-    if type(workload).loss is Workload.loss and any("labels" not in b for b in batches):
-        problems.append(f"{name}.collate gives no 'labels' key, which the default Workload.loss reads; return "
-                        f"labels from collate or override {name}.loss")
+    if type(workload).loss is Workload.loss:
+        if any(not (isinstance(b, Mapping) and "labels" in b) for b in batches):
+            problems.append(f"{name}.collate gives no 'labels' key, which the default Workload.loss reads; return "
+                            f"labels from collate or override {name}.loss")
+        elif any(not isinstance(b["labels"], torch.Tensor) for b in batches):
+            odd = next(type(b["labels"]).__name__ for b in batches if not isinstance(b["labels"], torch.Tensor))
+            problems.append(f"{name}.collate gives 'labels' as a {odd}, and the default Workload.loss needs a tensor "
+                            f"of class ids; return torch.tensor(...) from collate or override {name}.loss")
     return problems

@@ -148,7 +148,7 @@ def test_check_data_batches_a_few_samples_with_the_workloads_collate(tasks, caps
 @pytest.mark.parametrize("target, args, problem", [
     ("Tiny", {"broken_at": 2}, "Tiny.datasets() train item 2: FileNotFoundError: images/2.png"),
     ("Tiny", {"key": "pixels"}, "Tiny.collate gives keys labels, pixels, but Net.forward needs x"),
-    ("Texts", {}, "Texts.collate: every value must be a tensor (the loop moves each to the device); 'labels' is a list"),
+    ("Texts", {}, "Texts.collate gives 'labels' as a list, and the default Workload.loss needs a tensor of class ids"),
     ("Tiny", {"n": 0}, "Tiny.datasets() train is empty"),
 ])
 def test_check_data_names_the_workload_method_of_each_problem(tasks, capsys, target, args, problem):
