@@ -121,16 +121,17 @@ for name, policy, precision in (("offload", "fsdp_policies/offload.yaml", "fp32"
     s.train()
     seen = {}
     hooks = [m.register_forward_pre_hook(lambda m, a, key=key: [seen.setdefault(key, str(m.weight.dtype)), None][1])
-             for key, m in (("linear_weight", s.model[0].lin), ("batchnorm_weight", s.model[0].norm))]
+             for key, m in (("linear_weight", s.model.get_submodule("0.lin")),
+                                                  ("batchnorm_weight", s.model.get_submodule("0.norm")))]
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     with s.micro_step(is_last=True):
-        loss = nn.functional.cross_entropy(s.model(x).float(), y)
+        loss = nn.functional.cross_entropy(s.forward({"input": x}).float(), y)  # the batch, as the loop passes it
         s.backward(loss)
     s.step(grad_norm=float(s.grad_norm_share().sqrt()))
     s.eval()  # sync_buffers
     out[name] = {"describe": s.describe(), "in_forward": seen,
                  "buffers": sorted({str(b.device) for b in s.model.buffers()}),
-                 "bn_steps": int(s.model[0].norm.num_batches_tracked)}
+                 "bn_steps": int(s.model.get_submodule("0.norm").num_batches_tracked)}
 out["placed"] = placed
 print("RESULT " + json.dumps(out))
 dist.destroy_process_group()
