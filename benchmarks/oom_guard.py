@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-from overhead import CONFIGS, STEPS, STRATEGY_ARGS, global_batch_of, run_one, steady_rate, write  # noqa: E402
+from overhead import CONFIGS, STRATEGY_ARGS, global_batch_of, parse_steps, run_one, steady_rate, write  # noqa: E402
 
 
 def export(commit: str, into: Path) -> Path:
@@ -37,14 +37,48 @@ def export(commit: str, into: Path) -> Path:
     return into / "shardtrain" / "main.py"
 
 
+MEETING = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+group = dist.new_group(backend="gloo")
+flag = torch.zeros(1)
+for _ in range(50):
+    dist.all_reduce(flag, group=group)
+times = []
+for _ in range(__N__):
+    t0 = time.perf_counter(); dist.all_reduce(flag, group=group); flag.item(); times.append(time.perf_counter() - t0)
+rng = []
+for _ in range(__N__):
+    t0 = time.perf_counter(); torch.get_rng_state(); rng.append(time.perf_counter() - t0)
+if dist.get_rank() == 0:
+    times.sort(); rng.sort()
+    print("MEETING", 1e6 * times[len(times) // 2], 1e6 * rng[len(rng) // 2], flush=True)
+dist.destroy_process_group()
+"""
+
+
+def meeting_cost(work: Path, n: int = 2000) -> dict:
+    """The meeting point alone (oom.py's _meet: a 1-float all-reduce on its own gloo group, read on the host) and
+    the RNG snapshot, medians over `n` calls on 2 ranks: what a step pays, without the noise of whole steps."""
+    script = work / "meeting.py"
+    script.write_text(MEETING.replace("__N__", str(n)))
+    import launch
+    run = launch.torchrun([], script=script, timeout=600)
+    line = next(x for x in run.output.splitlines() if x.startswith("MEETING"))
+    meet_us, rng_us = map(float, line.split()[1:])
+    return {"meeting_us_median": meet_us, "rng_snapshot_us_median": rng_us, "calls": n}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", default="a4e8e27", help="the commit before the change")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cells", default="tiny:ddp,tiny:zero2,tiny:fsdp,mid:ddp,mid:zero2")
+    ap.add_argument("--steps", default=None, help="as benchmarks/overhead.py: 40 or tiny=40:8,mid=12:4")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "oom_guard.json"))
     a = ap.parse_args(argv)
     t_start = time.time()
+    step_plan = parse_steps(a.steps)
     from shardtrain.data import make_data
 
     work = Path(tempfile.mkdtemp(prefix="oom_guard_"))
@@ -52,10 +86,14 @@ def main(argv=None) -> int:
     scripts = {"base": export(a.base, work / "base"), "new": REPO / "shardtrain" / "main.py"}
     result = {"method": "2 CPU ranks (gloo), the base commit and this tree interleaved per round; median step "
                         "period after warm-up, from metrics.jsonl wall_time", "base": a.base, "rounds": a.rounds,
+              "steps": {c: step_plan[c.split(":")[0]] for c in a.cells.split(",")},
               "cells": {}}
+    result["meeting"] = meeting_cost(work)
+    print(f"[oom_guard] meeting {result['meeting']}", flush=True)
+    write(result, a.out, t_start)
     for cell in a.cells.split(","):
         cname, strategy = cell.split(":")
-        steps, warmup = STEPS[cname]
+        steps, warmup = step_plan[cname]
         gb = global_batch_of(CONFIGS[cname], 2)
         runs = {"base": [], "new": []}
         for r in range(a.rounds):

@@ -209,6 +209,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                     oom.after_backward(micro)  # test-only injection (train.inject_oom_above) there
                 loss_sum += loss.detach()
             if oom.abandoned:
+                outputs = loss = None  # the abandoned forward's graph, freed before the redo
                 break  # every rank at once: some rank ran out of memory in this step
         mem.mark("after_backward")
         faults.mid_step(step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT): kill or stall; a no-op otherwise

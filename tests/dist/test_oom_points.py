@@ -46,7 +46,7 @@ def newest_mtime(folder: Path) -> float:
 def run_plan(root: Path, plan: list[dict], debug: str):
     (root / "plan.json").write_text(json.dumps(plan))
     env = launch.test_env(TORCH_DISTRIBUTED_DEBUG=debug)
-    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=400, env=env, check=False)
+    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=900, env=env, check=False)
     ended = time.time()
     results = json.loads((root / "results.json").read_text()) if (root / "results.json").exists() else {}
     summaries = {p["name"]: json.loads((root / p["name"] / "summary.json").read_text())
@@ -177,7 +177,7 @@ def test_oom_inside_a_sharded_pass_stops_every_rank_at_once(mm_data, tmp_path, v
     out = tmp_path / variant
     args = tiny_args("multimodal", mm_data, out, *VARIANTS[variant], *COMMON, *STOPPED, "--per-device-batch-size",
                      "8", "--inject-oom", inject, *extra)
-    run = torchrun(args, check=False, timeout=300, env=launch.test_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"))
+    run = torchrun(args, check=False, timeout=900, env=launch.test_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"))
     ended = time.time()
     step = int(inject.split("@")[1].split(":")[0])
     line, waited = assert_stopped(run, ended, out, what, saved_step=step - 1 if step > 1 else None)
