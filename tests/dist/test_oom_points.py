@@ -62,7 +62,7 @@ def assert_stopped(run, ended: float, out: Path, what: str, saved_step: int | No
     assert f"out of memory in the {what}" in lines[0] and "Every rank stops now" in lines[0], lines[0]
     assert "Timed out" not in run.output and "timed out" not in run.output, run.tail(40)
     waited = ended - newest_mtime(out)
-    assert waited < TIMEOUT / 3, (waited, run.tail(20))
+    assert waited < TIMEOUT / 2, (waited, run.tail(20))  # the step up to the OOM included, on a loaded machine
     from shardtrain.checkpointing.store import find_resume_dir
     found = find_resume_dir("auto", out)
     if saved_step is None:
@@ -169,7 +169,7 @@ def test_fsdp_allocation_failure_inside_the_forward_stops_every_rank_at_once(sha
 
 
 @pytest.mark.parametrize("variant,inject,what,extra", [
-    ("zero3", "backward@1:0,backward@1:1", "backward", ()),
+    ("zero3", "backward@2:0,backward@2:1", "backward", ()),
     ("zero2", "recompute@2:0", "backward", ("--activation-checkpointing", "true")),
 ])
 def test_oom_inside_a_sharded_pass_stops_every_rank_at_once(mm_data, tmp_path, variant, inject, what, extra):
