@@ -14,6 +14,7 @@ import dataclasses
 import difflib
 import json
 import os
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
@@ -145,6 +146,10 @@ class TrainConfig:
     # Test-only fault injection: exercises --oom-recovery without a GPU.
     inject_oom_above: Optional[int] = setting(None, "test only: raise a real torch.OutOfMemoryError on rank 0 while "
                                                     "the micro-batch is above this size; unset: off")
+    inject_oom: list = setting([], "test only: out-of-memory errors where real ones happen, POINT@STEP:RANK, "
+                                   "comma-separated; POINT is forward, alloc (a real allocation that fails), "
+                                   "backward, recompute or step (see shardtrain/loop/oom.py); fires while the "
+                                   "micro-batch is above --inject-oom-above, if set")
     # Every tensor of every rank is walked, so not every step.
     memory_every: int = setting(100, "account each rank's memory on steps 1, 2 and every N steps; 0: only 1 and 2")
     # "inductor" generates fused kernels (the GPU choice); "aot_eager" / "eager" only trace, which tests use to
@@ -845,6 +850,10 @@ def _validate(cfg: Config) -> None:
                           f"the setting applies to the multimodal model's RoBERTa only")
     if t.inject_oom_above is not None and t.inject_oom_above < 0:
         raise ConfigError(f"{where('inject_oom_above')} must be >= 0, got {t.inject_oom_above}")
+    for spec in t.inject_oom:
+        if not re.fullmatch(r"(forward|alloc|backward|recompute|step)@[1-9][0-9]*:[0-9]+", str(spec)):
+            raise ConfigError(f"{where('inject_oom')}: {spec!r} is not POINT@STEP:RANK with POINT one of forward, "
+                              f"alloc, backward, recompute, step (e.g. forward@2:1)")
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:

@@ -188,10 +188,11 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         t0 = now()
         loss_sum = torch.zeros((), device=dist_info.device)
         mem.begin_step(step + 1)
-        oom.step_start()
+        oom.step_start(step + 1)
         for micro in range(t.grad_accum):
             batch = batch_to_device(loaders.train.next_batch(), dist_info.device)
-            with oom.guard():  # an OOM is noted and this rank carries on: see loop/oom.py
+            with oom.guard():  # an OOM is recovered or stops every rank at once: see loop/oom.py
+                oom.enter("forward", micro)  # skips it on a rank that ran out of memory earlier in this step
                 with strategy.micro_step(is_last=micro == t.grad_accum - 1):
                     with mem.forward(first_micro=micro == 0, batch=batch):
                         outputs = strategy.forward(batch)
@@ -200,9 +201,13 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
                         loss = check_loss(loss, task)
                     if micro == 0:  # test-only (train.inject_nan_at_steps); a no-op otherwise
                         loss = faults.maybe_nan(loss, step + 1, t.inject_nan_at_steps, dist_info.rank, world)
+                    oom.enter("backward", micro)  # where needed, every rank learns here whether one ran out
                     strategy.backward(loss)
-                    oom.inject()  # test-only (train.inject_oom_above); a no-op otherwise
+                    oom.after_backward(micro)  # test-only injection (train.inject_oom_above) there
                 loss_sum += loss.detach()
+            if oom.abandoned:
+                outputs = loss = None  # the abandoned forward's graph, freed before the redo
+                break  # every rank at once: some rank ran out of memory in this step
         mem.mark("after_backward")
         faults.mid_step(step + 1, dist_info.rank)  # test-only (SHARDTRAIN_FAULT): kill or stall; a no-op otherwise
         faults.hold(stop)  # test-only (SHARDTRAIN_FAULT_HOLD); a no-op otherwise
@@ -216,7 +221,8 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         saves.agreed(agreed.writing, agreed.write_failed)
         if oom.recover(agreed.oom_ranks, step + 1):
             continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
-        result = strategy.step(skip=not agreed.finite, grad_norm=agreed.grad_norm)
+        with oom.optimizer_step():  # an OOM here stops every rank (shardtrain/loop/oom.py)
+            result = strategy.step(skip=not agreed.finite, grad_norm=agreed.grad_norm)
         grad_norm = result.grad_norm
         step += 1
         mem_table = mem.end_step(step)  # on a few steps only: a tensor walk and a gather to rank 0

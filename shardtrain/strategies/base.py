@@ -171,6 +171,13 @@ class Strategy(ABC):
         """Drop the partial gradients of an abandoned optimizer step, so it can be redone from scratch."""
         self.optimizer.zero_grad(set_to_none=True)
 
+    def collectives_in(self, phase: str, is_last: bool) -> bool:
+        """Whether a micro-step's `phase` ("forward": the forward and the loss; "backward") can run a collective
+        once user code has started in it: then a rank that fails inside it leaves its partners waiting in that
+        collective (OOM recovery, shardtrain/loop/oom.py). `is_last`: the step's last micro-step, whose backward
+        reduces gradients. True unless a strategy knows better: FSDP gathers each unit's shards in both passes."""
+        return True
+
     # ---- shared helpers --------------------------------------------------------------------------
     @property
     def unwrapped(self) -> nn.Module:

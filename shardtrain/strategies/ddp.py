@@ -41,6 +41,23 @@ class DDPStrategy(NativeStrategy):
         stack.enter_context(super().micro_step(is_last))
         return stack
 
+    def collectives_in(self, phase, is_last):
+        # DDP's forward broadcasts buffers before it calls the model, and its backward all-reduces only when it
+        # syncs (the last micro-step; no_sync before).
+        return phase == "backward" and is_last and isinstance(self.ddp, DistributedDataParallel)
+
+    def discard_gradients(self):
+        super().discard_gradients()
+        if isinstance(self.ddp, DistributedDataParallel):
+            # In an abandoned step the ranks' reducers differ: one that finished the last micro-step's forward
+            # expects its backward (and would all-reduce in the next no_sync backward), one that failed inside
+            # that forward or skipped it does not; the next forward's buffer broadcast follows the same state.
+            # A new reducer, as at the start of the run, puts every rank in the same state. Only on recovery.
+            import gc
+            self.model = self.ddp = None
+            gc.collect()  # the old buckets first: this runs right after an out-of-memory error
+            self.model = self._wrap()
+
     def set_frozen(self, names, frozen):
         super().set_frozen(names, frozen)
         # DDP fixes the set of parameters it reduces when it is built; re-wrap to include them.

@@ -572,6 +572,11 @@ class ZeroStrategy(Strategy):
         # The engine finds the accumulation boundary from micro_steps % gas: restart the count at a boundary.
         engine.micro_steps = engine.global_steps * grad_accum
 
+    def collectives_in(self, phase, is_last):
+        # ZeRO-1/2 hold every parameter whole: the forward runs none; the backward reduces gradients into their
+        # partitions in every micro-step. ZeRO-3 gathers parameters in both passes.
+        return phase == "backward" or self.stage == 3
+
     def discard_gradients(self):
         # What the ZeRO optimizers do themselves when they skip an overflowed step, minus the loss-scale
         # update; plus the micro-step id, so that the redone step's first backward copies (not adds) into
