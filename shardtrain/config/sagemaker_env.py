@@ -25,6 +25,8 @@ from typing import Mapping
 from shardtrain.config.errors import ConfigError
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
+# How a job asks SageMaker for one process per GPU, as messages name it (the SDK v3 spelling first).
+TORCHRUN_HINT = "ModelTrainer(distributed=Torchrun()) (SDK v2: distribution={'torch_distributed': {'enabled': True}})"
 # For a checkpoint_local_path other than the default, and for tests that cannot write /opt/ml.
 CHECKPOINT_DIR_ENV = "SHARDTRAIN_SM_CHECKPOINT_DIR"
 MARKERS = ("SM_MODEL_DIR", "SM_CURRENT_HOST", "SM_HOSTS", "SM_TRAINING_ENV")
@@ -56,5 +58,5 @@ def check_hosts(env: Mapping[str, str]) -> None:
     except json.JSONDecodeError:
         raise ConfigError(f"SM_HOSTS is not a JSON list: {env['SM_HOSTS']!r}") from None
     if len(hosts) > 1 and "RANK" not in env:
-        raise ConfigError(f"SageMaker job on {len(hosts)} hosts started without a launcher: enable "
-                          f"distribution={{'torch_distributed': {{'enabled': True}}}} in the estimator")
+        raise ConfigError(f"SageMaker job on {len(hosts)} hosts started without a launcher: start it with "
+                          f"{TORCHRUN_HINT}")

@@ -723,7 +723,7 @@ def command_config(config_path: str | None, workload: str | None = None, workloa
 
 
 def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Fill cfg from the SageMaker environment (shardtrain/sagemaker_env.py), leaving fields in `explicit` (set
+    """Fill cfg from the SageMaker environment (shardtrain/config/sagemaker_env.py), leaving fields in `explicit` (set
     by a flag) alone. Returns what was applied; nothing outside SageMaker."""
     from shardtrain.config.sagemaker_env import check_hosts, in_sagemaker, sagemaker_settings
 

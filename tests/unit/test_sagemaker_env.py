@@ -47,7 +47,7 @@ def test_flags_win_over_the_environment():
 
 
 def test_several_hosts_without_a_launcher_is_refused():
-    with pytest.raises(ConfigError, match="torch_distributed"):
+    with pytest.raises(ConfigError, match=r"ModelTrainer\(distributed=Torchrun\(\)\) \(SDK v2: distribution=\{.torch_distributed"):
         apply_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]'})
     apply_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]', "RANK": "0"})
 
