@@ -126,3 +126,14 @@ def test_spot_interruption_saves_and_the_next_job_resumes(ld_data, tmp_path):
     assert sorted(resumed) == list(range(1, STEPS + 1)), resumed
     assert [resumed[s] for s in range(1, STEPS + 1)] == pytest.approx(
         [expected[s] for s in range(1, STEPS + 1)], rel=1e-6, abs=1e-7)
+
+
+def test_a_bad_hyperparameter_is_the_jobs_failure_reason(ld_data, tmp_path):
+    """SageMaker shows /opt/ml/output/failure as the job's FailureReason. Before, it held only the SDK's
+    `CalledProcessError ... returned non-zero exit status 1`; now our one line, naming the hyperparameter's
+    own spelling."""
+    job = Job(tmp_path, "job", tmp_path / "sm", {"train": str(ld_data)}, hyperparameters={"save_evry": 200})
+    assert job.wait() != 0, job.output()[-3000:]
+    failure = job.root / "artifacts" / "output" / "failure"  # the SDK gathers /opt/ml/output there
+    assert failure.read_text() == ("shardtrain: error: unknown hyperparameter 'save_evry'; did you mean "
+                                   "'save_every' (--save-every)?\n"), job.output()[-3000:]
