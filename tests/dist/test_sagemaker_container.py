@@ -127,6 +127,16 @@ def test_spot_interruption_saves_and_the_next_job_resumes(ld_data, tmp_path):
     assert [resumed[s] for s in range(1, STEPS + 1)] == pytest.approx(
         [expected[s] for s in range(1, STEPS + 1)], rel=1e-6, abs=1e-7)
 
+    # A restart after completion (the same checkpoints restored, as the example's fixed checkpoint prefix gives the
+    # next job of that name): nothing to train, and before, an empty /opt/ml/model, a "Completed" job's empty
+    # model.tar.gz. Now the model is exported from the finished run's last checkpoint.
+    third = Job(tmp_path, "job3", emulator, {"train": str(ld_data)})
+    assert third.wait() == 0, third.output()[-3000:]
+    assert "nothing to train" in third.output(), third.output()[-3000:]
+    model = third.root / "artifacts" / "model"
+    assert (model / "model.safetensors").is_file() and (model / "shardtrain_export.json").is_file(), \
+        third.output()[-3000:]
+
 
 def test_a_bad_hyperparameter_is_the_jobs_failure_reason(ld_data, tmp_path):
     """SageMaker shows /opt/ml/output/failure as the job's FailureReason. Before, it held only the SDK's
