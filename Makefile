@@ -17,12 +17,13 @@ export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 test test-unit test-dist demo: export DS_ACCELERATOR ?= cpu
 
 # Installed once per content of the requirements (not their timestamps: every clone would reinstall).
-REQ_HASH := $(shell cat requirements.txt requirements-dev.txt | sha256sum | cut -c1-12)
+REQ_HASH := $(shell cat requirements.txt requirements-dev.txt requirements-sagemaker.txt | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(REQ_HASH)
 
 $(STAMP):
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps -r requirements-sagemaker.txt
 	touch $@
 
 # The `shardtrain` command, and `python -m shardtrain` from any folder: this checkout installed in editable mode

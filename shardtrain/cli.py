@@ -93,7 +93,7 @@ def run_guarded(fn, argv: list[str]) -> int:
         if explained and os.environ.get("LOCAL_RANK", "0") == "0":
             # Said at once by each node's first rank: a node's launcher that lost the store (or the link) stops
             # its workers within ~0.1 s, before a quiet wait would end; so one line per node, not per job.
-            print(f"shardtrain: error: {explained}", file=sys.stderr, flush=True)
+            _say(f"shardtrain: error: {explained}")
             return 1
         report_once(explained or f"{type(e).__name__}: {first} (--debug shows the traceback)", secondary=lost)
         return 1
@@ -122,7 +122,15 @@ def report_once(msg: str, secondary: bool) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(QUIET_SECONDS)
     where_from = "" if rank == 0 else f" (rank {rank})"
-    print(f"shardtrain: error{where_from}: {msg}", file=sys.stderr, flush=True)
+    _say(f"shardtrain: error{where_from}: {msg}")
+
+
+def _say(line: str) -> None:
+    """The one error line: on stderr, and under SageMaker as the job's FailureReason."""
+    from shardtrain.config.sagemaker_env import write_failure_reason
+
+    print(line, file=sys.stderr, flush=True)
+    write_failure_reason(line)
 
 
 def _lost_peer(e: BaseException) -> bool:

@@ -12,6 +12,12 @@ process per GPU. Spot: `Compute(enable_managed_spot_training=True)`, a max wait 
 and a CheckpointConfig whose local path, /opt/ml/checkpoints, is where shardtrain writes its run folder
 in SageMaker (shardtrain/config/sagemaker_env.py), so a restarted job resumes from the last checkpoint.
 
+A spot interruption is SIGTERM to the container's PID 1 alone, which under Torchrun() is the SDK's bash
+running sm_train.sh: it passes nothing on. So `command` has sm_train.sh exec shardtrain's container init
+(shardtrain/runtime/container_init.py) in its place, which runs the SDK's own torchrun driver below it and
+passes the stop to the training workers: they finish the step, save and exit 0. The SDK warns that
+hyperparameters are not passed to a `command`; the driver it runs reads them itself (SM_HPS), as without one.
+
 `build_job()` returns plain data and needs neither the SDK nor AWS; `main()` turns it into SDK objects.
 """
 from __future__ import annotations
@@ -21,6 +27,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 CHECKPOINT_LOCAL_PATH = "/opt/ml/checkpoints"
+TORCHRUN_DRIVER = "/opt/ml/input/data/sm_drivers/distributed_drivers/torchrun_driver.py"
+# sm_train.sh runs this with `eval` in PID 1's shell: `exec` makes the init PID 1.
+INIT_COMMAND = f"exec python -m shardtrain.runtime.container_init python {TORCHRUN_DRIVER}"
 
 
 def build_job(role: str, image: str, bucket: str, train: str, validation: str | None = None,
@@ -53,7 +62,9 @@ def build_job(role: str, image: str, bucket: str, train: str, validation: str | 
             "hyperparameters": hp,
         },
         # The repository root is uploaded; main.py is the same entry torchrun runs everywhere else.
-        "source_code": {"source_dir": str(REPO), "entry_script": "shardtrain/main.py",
+        # entry_script is what the torchrun driver starts in each process; `command` runs that driver under
+        # the init that passes a stop signal on.
+        "source_code": {"source_dir": str(REPO), "entry_script": "shardtrain/main.py", "command": INIT_COMMAND,
                         "requirements": "requirements.txt"},
         "compute": {"instance_type": instance_type, "instance_count": instance_count,
                     "volume_size_in_gb": 100, **({"enable_managed_spot_training": True} if spot else {})},
@@ -66,7 +77,8 @@ def build_job(role: str, image: str, bucket: str, train: str, validation: str | 
     }
 
 
-def start(job: dict, wait: bool = False):
+def make_trainer(job: dict, **trainer_options):
+    """The SDK's ModelTrainer for `job`; `trainer_options` go to it as they are (tests: a local training_mode)."""
     from sagemaker.train import ModelTrainer
     from sagemaker.train.configs import (CheckpointConfig, Compute, InputData, OutputDataConfig, SourceCode,
                                          StoppingCondition)
@@ -81,8 +93,14 @@ def start(job: dict, wait: bool = False):
         distributed=Torchrun(**dist),
         checkpoint_config=CheckpointConfig(**job["checkpoint_config"]),
         output_data_config=OutputDataConfig(**job["output_data_config"]),
+        **trainer_options,
     )
     inputs = [InputData(channel_name=name, data_source=uri) for name, uri in job["input_data"].items()]
+    return trainer, inputs
+
+
+def start(job: dict, wait: bool = False):
+    trainer, inputs = make_trainer(job)
     trainer.train(input_data_config=inputs, wait=wait)
     return trainer
 

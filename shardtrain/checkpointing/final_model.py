@@ -37,3 +37,18 @@ def write_final_model(strategy, trainer_state: dict, cfg, console) -> Path | Non
         console.info(f"final model: {written} (from {ckpt})")
     barrier()
     return written
+
+
+def export_final_model_if_missing(ckpt: Path, cfg, is_rank0: bool, console) -> None:
+    """A finished run started again (a SageMaker job restarted with the finished run in /opt/ml/checkpoints, or
+    a spot interruption between the last checkpoint and the export) trains nothing; an empty final model
+    folder would still be uploaded as a "Completed" job's empty model.tar.gz. Every rank calls this."""
+    folder = final_model_folder(cfg)
+    if folder is None or (folder.is_dir() and any(folder.iterdir())):
+        return
+    if is_rank0:
+        from shardtrain.checkpointing.export import export_checkpoint
+
+        export_checkpoint(ckpt, folder)
+        console.info(f"final model: {folder} (from {ckpt}: the run had finished)")
+    barrier()

@@ -20,6 +20,8 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Mapping
 
+from shardtrain.config.sagemaker_env import TORCHRUN_HINT
+
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
 SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_PROCID", "SLURM_LOCALID",
@@ -175,7 +177,7 @@ def check_sagemaker(env: Mapping[str, str], n_gpus: int) -> list[Problem]:
                            "let the SageMaker toolkit set it"))
     if len(hosts) > 1 and "RANK" not in env:
         out.append(Problem("error", f"{len(hosts)} SageMaker hosts and no launcher: each would train alone",
-                           "enable distribution={'torch_distributed': {'enabled': True}} in the estimator"))
+                           f"start the job with {TORCHRUN_HINT}"))
     return out
 
 

@@ -20,14 +20,41 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Mapping
 
 from shardtrain.config.errors import ConfigError
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
+# How a job asks SageMaker for one process per GPU, as messages name it (the SDK v3 spelling first).
+TORCHRUN_HINT = "ModelTrainer(distributed=Torchrun()) (SDK v2: distribution={'torch_distributed': {'enabled': True}})"
 # For a checkpoint_local_path other than the default, and for tests that cannot write /opt/ml.
 CHECKPOINT_DIR_ENV = "SHARDTRAIN_SM_CHECKPOINT_DIR"
 MARKERS = ("SM_MODEL_DIR", "SM_CURRENT_HOST", "SM_HOSTS", "SM_TRAINING_ENV")
+
+
+# SageMaker shows this file's text as the job's FailureReason (the convention for training code).
+FAILURE_FILE = "/opt/ml/output/failure"
+
+
+def write_failure_reason(line: str, env: Mapping[str, str] | None = None) -> None:
+    """Under SageMaker, our one-line error becomes the job's FailureReason. The first writer wins (the SDK's
+    driver writes its own CalledProcessError only where no file exists yet); elsewhere, nothing happens."""
+    env = os.environ if env is None else env
+    if not in_sagemaker(env):
+        return
+    try:
+        with open(env.get("SM_OUTPUT_FAILURE") or FAILURE_FILE, "x") as f:
+            f.write(line + "\n")
+    except OSError:  # written already, or no /opt/ml/output here (SM_* set by hand)
+        pass
+
+
+def hyperparameter_hint(flag_hint: str) -> str:
+    """"; did you mean '--save-every'?" -> "; did you mean 'save_every' (--save-every)?": a hyperparameter's
+    own spelling first."""
+    return re.sub(r"'--([A-Za-z0-9-]+)'", lambda m: f"'{m.group(1).replace('-', '_')}' (--{m.group(1)})",
+                  flag_hint, count=1)
 
 
 def in_sagemaker(env: Mapping[str, str]) -> bool:
@@ -56,5 +83,5 @@ def check_hosts(env: Mapping[str, str]) -> None:
     except json.JSONDecodeError:
         raise ConfigError(f"SM_HOSTS is not a JSON list: {env['SM_HOSTS']!r}") from None
     if len(hosts) > 1 and "RANK" not in env:
-        raise ConfigError(f"SageMaker job on {len(hosts)} hosts started without a launcher: enable "
-                          f"distribution={{'torch_distributed': {{'enabled': True}}}} in the estimator")
+        raise ConfigError(f"SageMaker job on {len(hosts)} hosts started without a launcher: start it with "
+                          f"{TORCHRUN_HINT}")

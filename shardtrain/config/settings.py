@@ -650,7 +650,11 @@ def parse_cli(argv: list[str]) -> Config:
     if unknown:
         flag = unknown[0]
         as_typed = argv[dashed.index(flag)] if flag in dashed else flag
-        raise ConfigError(f"unknown argument '{as_typed}'{_suggest_flag(flag.split('=')[0])}")
+        hint = _suggest_flag(flag.split('=')[0])
+        from shardtrain.config.sagemaker_env import hyperparameter_hint, in_sagemaker
+        if in_sagemaker(os.environ):  # the user wrote a hyperparameter, not a flag: name theirs
+            raise ConfigError(f"unknown hyperparameter '{as_typed.lstrip('-')}'{hyperparameter_hint(hint)}")
+        raise ConfigError(f"unknown argument '{as_typed}'{hint}")
     data = load_yaml(args.config) if args.config else {}
     add_import_paths(args.config)  # a tasks.py beside the config imports on every rank
     cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
@@ -30,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.data.splits import make_collator
+from shardtrain.runtime.preemption import leave_stop_signals_to_parent
 
 
 def init_worker(worker_id: int) -> None:
@@ -38,15 +38,7 @@ def init_worker(worker_id: int) -> None:
     seed = torch.initial_seed() % 2**32
     np.random.seed(seed)
     random.seed(seed)
-    # Stop signals are the training process's to act on: it finishes its step, saves, and then ends these
-    # workers itself. A worker that died of one would fail the very step being finished. A process group of
-    # its own keeps out what is sent to the trainer's group: a terminal's Ctrl-C, and torchrun's agent, which
-    # passes SIGTERM/SIGINT to each worker's whole group. SIGINT and SIGUSR1 (which Slurm sends to every
-    # process of a job step) are ignored outright. SIGTERM is not: multiprocessing ends these workers with it
-    # at interpreter exit and then waits for them, which would wait forever.
-    os.setpgrp()
-    for sig in (signal.SIGINT, signal.SIGUSR1):
-        signal.signal(sig, signal.SIG_IGN)
+    leave_stop_signals_to_parent()
 
 
 class _Positions(Sampler[int]):

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from shardtrain.checkpointing import store as checkpoint
-from shardtrain.checkpointing.final_model import final_model_folder, write_final_model
+from shardtrain.checkpointing.final_model import export_final_model_if_missing, final_model_folder, write_final_model
 from shardtrain.config.settings import Config, is_builtin_workload
 from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.data.sources import check_resumed_labels
@@ -65,6 +65,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         console.info(f"nothing to train: {resume_dir} is at step {state['step']} and --max-steps is "
                      f"{cfg.train.max_steps}; summary.json and the checkpoints are left as they were "
                      f"(a larger --max-steps trains on)")
+        export_final_model_if_missing(resume_dir, cfg, dist_info.is_rank0, console)
         return {"final_step": state["step"], "nothing_to_train": True}
 
     # ---- the batch geometry, before anything is built from it: what the flags change against the checkpoint's,

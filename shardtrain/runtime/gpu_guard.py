@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from shardtrain.config.sagemaker_env import TORCHRUN_HINT
 from shardtrain.config.settings import ConfigError
 
 
@@ -58,7 +59,7 @@ def check_rank_table(table: list[dict]) -> Verdict:
                 f"{host}: only {used} of {visible} visible GPUs are used (world size {world}); "
                 f"{visible - used} sit idle. Start one process per GPU: `shardtrain train --nproc auto ...`, "
                 f"`torchrun --nproc_per_node={visible} shardtrain/main.py ...`, or on SageMaker "
-                f"distribution={{'torch_distributed': {{'enabled': True}}}}")
+                f"{TORCHRUN_HINT}")
     return verdict
 
 

@@ -91,6 +91,7 @@ def quiet_torchrun(args: list[str]) -> int:
     import logging
     import signal
 
+    import psutil
     from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -99,10 +100,19 @@ def quiet_torchrun(args: list[str]) -> int:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
+    agent = psutil.Process()
+
     def pass_to_workers(signum, frame):
-        workers = _workers_of(os.getpid())
+        # Re-entrant and importing nothing: `scancel` or a cgroup stop signals every process at once, so
+        # this agent gets SIGTERM twice (directly, and relayed by the `shardtrain train` parent), and the
+        # second runs inside the first. Everything here is local to the call; a worker signalled twice
+        # only sets its stop flag twice.
+        workers = _workers_of(agent, psutil)
         for worker in workers:
-            worker.send_signal(signum)
+            try:
+                worker.send_signal(signum)
+            except psutil.Error:  # exited meanwhile
+                pass
         if not workers:  # none started yet: stop as torchrun would, with one line below
             _terminate_process_handler(signum, frame)
 
@@ -120,11 +130,10 @@ def quiet_torchrun(args: list[str]) -> int:
     return 0
 
 
-def _workers_of(agent_pid: int) -> list:
-    import psutil
-
+def _workers_of(agent, psutil) -> list:
+    """The agent's training workers (psutil imported by the caller: this runs in a signal handler)."""
     workers = []
-    for child in psutil.Process(agent_pid).children():
+    for child in agent.children():
         try:
             if any(part.endswith("main.py") for part in child.cmdline()):
                 workers.append(child)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 
 
 def slurm_job_to_requeue(env: dict | None = None) -> str | None:
@@ -82,3 +83,32 @@ class StopFlag:
     @property
     def reason(self) -> str:
         return "Ctrl-C" if self.interrupted else "a preemption signal"
+
+
+def leave_stop_signals_to_parent() -> None:
+    """For a helper process the trainer forked (a DataLoader worker), called in its main thread as it starts.
+
+    Stop signals are the trainer's to act on: it finishes its step, saves, and then ends its helpers itself. A
+    helper that died of one would fail the very step being finished. A process group of its own keeps out what
+    is sent to the trainer's group (a terminal's Ctrl-C; torchrun's agent, which signals each worker's whole
+    group). SIGINT and SIGUSR1 (which Slurm sends to every process of a job step) are ignored outright.
+
+    SIGTERM reaches every process at once under `scancel` or a cgroup stop, so it is taken by a thread that
+    asks who sent it: the trainer (ending its helpers, as DataLoader shutdown and multiprocessing do at exit)
+    ends this process at once, as torch's own worker handler does; anyone else is ignored. Ignoring SIGTERM
+    outright would hang the trainer's exit, which waits for the helpers it terminates."""
+    os.setpgrp()
+    for sig in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
+    # Blocked before the thread starts, so every thread (it included) inherits the mask and only
+    # sigwaitinfo below receives SIGTERM; torch's C handler for it never runs.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=_end_on_sigterm_from, args=(parent,), name="shardtrain-sigterm", daemon=True).start()
+
+
+def _end_on_sigterm_from(parent: int) -> None:
+    while True:
+        info = signal.sigwaitinfo({signal.SIGTERM})
+        if info.si_pid == parent or os.getppid() != parent:  # the trainer, or the trainer is gone
+            os._exit(0)

@@ -195,6 +195,39 @@ def test_preemption_requeue_resume(slurm_env, mm_data, tmp_path):
         [reference[i] for i in range(k + 1, steps + 1)], rel=1e-6, abs=1e-7)
 
 
+def test_scancel_saves_and_exits_0(slurm_env, ld_data, tmp_path):
+    """A plain `scancel` (no --signal): Slurm sends SIGTERM to every process of the job at once (the batch
+    shell, srun, the tasks and their DataLoader workers), then SIGKILL after KillWait (5 s on the local
+    cluster, 30 s by default). Before, the DataLoader workers died of it and both tasks exited 1 with no
+    checkpoint. Now every task finishes its step, saves and exits 0; a cancelled job is not requeued."""
+    out = tmp_path / "out"
+    job, _ = submit("train_4xv100.sbatch", tmp_path, slurm_env, {
+        "CONFIG": "configs/longformer_tiny.yaml", "DEVICE": "cpu", "PRECISION": "fp32", "DATA_DIR": ld_data,
+        "OUTPUT_DIR": out, "EXTRA_ARGS": f"--max-steps 500 --num-workers 2 --log-every 1 {COMMON}"},
+        sbatch_args=("--gres=gpu:v100:2", "--ntasks-per-node=2"), wait=False)
+    try:
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while len(_read(out / "metrics.jsonl").splitlines()) < 2:
+            assert job.listed() and time.monotonic() < deadline, f"no training step seen\n{job.logs()}"
+            time.sleep(0.2)
+        subprocess.run(["scancel", job.id], env=slurm_env, check=True, timeout=30)
+        while job.listed():
+            assert time.monotonic() < deadline, f"job {job.id} not gone after {JOB_TIMEOUT}s\n{job.logs()}"
+            time.sleep(0.5)
+    finally:
+        if job.listed():
+            job.cancel()
+    stopped = re.search(r"step (\d+): stopped on a preemption signal", job.out)
+    assert stopped, job.logs()
+    k = int(stopped.group(1))
+    assert (out / "checkpoints" / f"step-{k:06d}" / "COMMITTED").is_file(), job.logs()
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{k:06d}"
+    assert summary(out)["final_step"] == k and summary(out)["preempted"] is True
+    assert "shardtrain-slurm: srun exited with 0" in job.out, job.logs()
+    assert "shardtrain: error" not in job.err and "Exited with exit code" not in job.err, job.logs()
+    assert "requeued Slurm job" not in job.out, job.logs()
+
+
 def requeued_and_resumed(job, steps: int) -> int:
     """The step a preempted job stopped at, after checking it requeued itself and its second start resumed there."""
     log = job.out

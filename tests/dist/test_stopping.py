@@ -75,6 +75,45 @@ def test_preemption_signal_to_shardtrain_train_saves_and_exits_0(ld_data, tmp_pa
     assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
 
 
+def _sigterm_every_process(root_pid: int, times: int) -> None:
+    """What `scancel` and a cgroup stop (systemd, a container runtime) do: SIGTERM to every process of the job
+    at once: the parent, torchrun's agent, the workers and their DataLoader workers; `times` rounds in a row."""
+    import psutil
+
+    root = psutil.Process(root_pid)
+    procs = [root, *root.children(recursive=True)]
+    assert any(p.name() == "pt_data_worker" for p in procs), [p.name() for p in procs]
+    for _ in range(times):
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except psutil.NoSuchProcess:
+                pass
+
+
+@pytest.mark.parametrize("launcher,times", [("shardtrain --nproc 2", 1), ("shardtrain --nproc 2", 2),
+                                            ("torchrun", 2)])
+def test_sigterm_to_every_process_at_once_saves_and_exits_0(ld_data, tmp_path, launcher, times):
+    """Every process signalled at once, once or twice in a row. Before, the agent's handler re-entered itself
+    mid-import (the second SIGTERM: direct, plus the one its parent relays) and exited 1 with a traceback, and
+    the DataLoader workers died of it, failing the step being finished: no checkpoint."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    args = tiny_args("longformer", ld_data, out, *LONG, "--num-workers", "2")
+    if launcher == "torchrun":
+        proc = torchrun_background(args, log=log)
+    else:
+        proc = cli_background(["train", *args, "--nproc", "2"], log=log)
+    _wait_until(lambda: _steps_logged(out) >= 2, proc, log)
+    _sigterm_every_process(proc.pid, times)
+    code, output = _finish(proc, log)
+    step = _committed_at_final_step(out)
+    assert f"step {step}: stopped on a preemption signal; resume with --resume auto" in output, output[-3000:]
+    assert "shardtrain: error" not in output and "DataLoader worker" not in output, output[-3000:]
+    if launcher != "torchrun":  # a bare torchrun's own exit code and report are torchrun's (docs/checkpoints.md)
+        assert code == 0, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+
+
 @pytest.mark.parametrize("nproc", ["2", "1"])
 def test_ctrl_c_finishes_the_step_saves_and_exits_130(ld_data, tmp_path, nproc):
     """Ctrl-C in a terminal signals the whole foreground process group: with --nproc 1 that includes the

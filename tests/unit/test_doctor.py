@@ -43,6 +43,8 @@ def test_sagemaker_checks(tmp_path):
     assert ("error", f"SM_CHANNEL_VALIDATION={tmp_path / 'missing'} is not a folder") in msgs
     assert any("has no train.jsonl" in m for _, m in msgs)
     assert any(lv == "error" and "2 SageMaker hosts and no launcher" in m for lv, m in msgs)
+    fix = next(p.fix for p in doctor.check_sagemaker(env, n_gpus=4) if "no launcher" in p.message)
+    assert fix.startswith("start the job with ModelTrainer(distributed=Torchrun()) (SDK v2: distribution="), fix
     (train / "train.jsonl").write_text("")
     (train / "validation.jsonl").write_text("")
     ok = {"SM_CHANNEL_TRAIN": str(train), "SM_NUM_GPUS": "4", "SM_HOSTS": '["algo-1"]'}

@@ -22,7 +22,8 @@ def test_four_visible_world_one_warns_with_the_launch_line():
     assert len(v.warnings) == 1
     w = v.warnings[0]
     assert "only 1 of 4 visible GPUs" in w and "3 sit idle" in w
-    assert "--nproc auto" in w and "torchrun --nproc_per_node=4" in w and "torch_distributed" in w
+    assert "--nproc auto" in w and "torchrun --nproc_per_node=4" in w
+    assert "ModelTrainer(distributed=Torchrun()) (SDK v2: distribution=" in w
 
 
 def test_one_process_per_gpu_is_clean():

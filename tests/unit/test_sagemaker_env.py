@@ -47,7 +47,7 @@ def test_flags_win_over_the_environment():
 
 
 def test_several_hosts_without_a_launcher_is_refused():
-    with pytest.raises(ConfigError, match="torch_distributed"):
+    with pytest.raises(ConfigError, match=r"ModelTrainer\(distributed=Torchrun\(\)\) \(SDK v2: distribution=\{.torch_distributed"):
         apply_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]'})
     apply_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]', "RANK": "0"})
 
@@ -64,7 +64,7 @@ def test_parse_cli_takes_sagemaker_spellings_and_env(clean_env, tmp_path):
     assert cfg.data.data_dir == str(tmp_path) and cfg.data.eval_data_dir == str(tmp_path / "val")
     assert cfg.checkpoint.output_dir == str(tmp_path / "ckpt")
     # Quoted as typed, suggested in our spelling.
-    with pytest.raises(ConfigError, match="unknown argument '--max_stepz'; did you mean '--max-steps'"):
+    with pytest.raises(ConfigError, match=r"unknown hyperparameter 'max_stepz'; did you mean 'max_steps' \(--max-steps\)"):
         parse_cli(["--max_stepz", "3"])
 
 
@@ -106,3 +106,27 @@ def test_example_launcher_builds_the_job_without_sdk_or_aws():
     assert "max_wait_time_in_seconds" not in on_demand["stopping_condition"]
     with pytest.raises(ValueError, match="max_wait_hours"):
         ex.build_job("r", "i", "b", "s3://b/t", max_run_hours=10, max_wait_hours=5)
+
+
+def test_a_bad_hyperparameter_names_its_own_spelling(monkeypatch):
+    from shardtrain.config.settings import parse_cli
+
+    monkeypatch.setenv("SM_CURRENT_HOST", "algo-1")
+    with pytest.raises(ConfigError, match=r"^unknown hyperparameter 'save_evry'; did you mean 'save_every' "
+                                          r"\(--save-every\)\?$"):
+        parse_cli(["--save_evry", "200"])
+    monkeypatch.delenv("SM_CURRENT_HOST")
+    with pytest.raises(ConfigError, match=r"^unknown argument '--save_evry'; did you mean '--save-every'\?$"):
+        parse_cli(["--save_evry", "200"])
+
+
+def test_failure_reason_is_written_once_under_sagemaker_only(tmp_path):
+    from shardtrain.config.sagemaker_env import write_failure_reason
+
+    failure = tmp_path / "failure"
+    write_failure_reason("shardtrain: error: x", env={"SM_OUTPUT_FAILURE": str(failure)})  # no SM marker
+    assert not failure.exists()
+    env = {"SM_OUTPUT_FAILURE": str(failure), "SM_CURRENT_HOST": "algo-1"}
+    write_failure_reason("shardtrain: error: first", env=env)
+    write_failure_reason("shardtrain: error: second", env=env)
+    assert failure.read_text() == "shardtrain: error: first\n"
