@@ -8,20 +8,35 @@ Each strategy the way Accelerate documents it: DDP (its MULTI_CPU / MULTI_GPU pa
 DeepSpeed through `DeepSpeedPlugin(hf_ds_config=...)` with the ZeRO section of the same --ds file. The scheduler
 steps once per optimizer step, as shardtrain's (Accelerate's default would step it once per process).
 """
+
 import sys
 
 import torch
 from accelerate import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, PartialState
 from accelerate.utils import DistributedType
-
-from bench_common import (StepLog, adamw, batches, block_classes, check_world, data_and_model, ds_config,
-                          finish, forward_loss, load_config, peer_strategy, warmup_linear)
+from bench_common import (
+    StepLog,
+    adamw,
+    batches,
+    block_classes,
+    check_world,
+    data_and_model,
+    ds_config,
+    finish,
+    forward_loss,
+    load_config,
+    peer_strategy,
+    warmup_linear,
+)
 
 
 def fsdp_accelerator(model) -> Accelerator:
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", reshard_after_forward=True,
-        transformer_cls_names_to_wrap=[c.__name__ for c in block_classes(model)])
+        fsdp_version=2,
+        auto_wrap_policy="transformer_based_wrap",
+        reshard_after_forward=True,
+        transformer_cls_names_to_wrap=[c.__name__ for c in block_classes(model)],
+    )
     accelerator = Accelerator(fsdp_plugin=plugin, step_scheduler_with_optimizer=False)
     if accelerator.distributed_type != DistributedType.FSDP:  # it would train unsharded, silently
         raise RuntimeError(unsharded(accelerator.distributed_type, accelerator.num_processes))
@@ -29,9 +44,11 @@ def fsdp_accelerator(model) -> Accelerator:
 
 
 def unsharded(kind, processes: int) -> str:
-    return (f"Accelerate would not shard: distributed_type {kind} ({processes} process(es)); it enables FSDP only "
-            f"for its multi-accelerator types (MULTI_GPU, MULTI_XPU, ...), and without an accelerator it is NO, or "
-            f"MULTI_CPU with cpu=True, where the FSDP plugin is ignored")
+    return (
+        f"Accelerate would not shard: distributed_type {kind} ({processes} process(es)); it enables FSDP only "
+        f"for its multi-accelerator types (MULTI_GPU, MULTI_XPU, ...), and without an accelerator it is NO, or "
+        f"MULTI_CPU with cpu=True, where the FSDP plugin is ignored"
+    )
 
 
 def main(argv):
@@ -43,8 +60,9 @@ def main(argv):
         # As HF Trainer does it on CPU (use_cpu=True): the CPU process group first, then the plugin. Accelerator(
         # cpu=True, deepspeed_plugin=...) drops DeepSpeed, and without cpu=True a CPU-only rank sees 1 process.
         PartialState(cpu=cfg.parallel.device == "cpu")
-        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(cfg)),
-                                  step_scheduler_with_optimizer=False)
+        accelerator = Accelerator(
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(cfg)), step_scheduler_with_optimizer=False
+        )
         if accelerator.distributed_type != DistributedType.DEEPSPEED:
             raise RuntimeError(f"Accelerate runs {accelerator.distributed_type}, not DeepSpeed")
         state = accelerator.state

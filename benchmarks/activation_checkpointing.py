@@ -2,10 +2,12 @@
 and forward+backward time, without and with checkpointing, measured in one process, alternating the two so
 that the shared machine's noise hits both alike; medians are reported.
 
-    python benchmarks/activation_checkpointing.py [--batch 2] [--reps 5]  -> benchmarks/results/activation_checkpointing.json
+    python benchmarks/activation_checkpointing.py [--batch 2] [--reps 5]
+        -> benchmarks/results/activation_checkpointing.json
 
 Targets: >= 70% fewer saved bytes at <= 35% extra step time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,12 +72,22 @@ def main() -> int:
     bytes_on = statistics.median(b for b, _ in samples[True])
     time_off = statistics.median(s for _, s in samples[False])
     time_on = statistics.median(s for _, s in samples[True])
-    result = {"model": "roberta-base shape (random init, fp32, dropout 0)", "batch": args.batch, "seq": args.seq,
-              "reps": args.reps, "threads": 1, "bytes_off": bytes_off, "bytes_on": bytes_on,
-              "time_off_s": time_off, "time_on_s": time_on,
-              "bytes_reduction": 1 - bytes_on / bytes_off, "time_overhead": time_on / time_off - 1,
-              "targets": {"bytes_reduction_min": 0.70, "time_overhead_max": 0.35},
-              "times_off_s": [s for _, s in samples[False]], "times_on_s": [s for _, s in samples[True]]}
+    result = {
+        "model": "roberta-base shape (random init, fp32, dropout 0)",
+        "batch": args.batch,
+        "seq": args.seq,
+        "reps": args.reps,
+        "threads": 1,
+        "bytes_off": bytes_off,
+        "bytes_on": bytes_on,
+        "time_off_s": time_off,
+        "time_on_s": time_on,
+        "bytes_reduction": 1 - bytes_on / bytes_off,
+        "time_overhead": time_on / time_off - 1,
+        "targets": {"bytes_reduction_min": 0.70, "time_overhead_max": 0.35},
+        "times_off_s": [s for _, s in samples[False]],
+        "times_on_s": [s for _, s in samples[True]],
+    }
     result["meets_targets"] = result["bytes_reduction"] >= 0.70 and result["time_overhead"] <= 0.35
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -1,10 +1,11 @@
-"""What the hand-written and peer contenders (Accelerate, Lightning Fabric, HF Trainer) share with shardtrain: the config, the data and the model,
-so that in benchmarks/overhead.py only the training loop differs.
+"""What the hand-written and peer contenders (Accelerate, Lightning Fabric, HF Trainer) share with shardtrain: the
+config, the data and the model, so that in benchmarks/overhead.py only the training loop differs.
 
 Every contender (shardtrain included, through metrics.jsonl's `wall_time`) stamps the wall clock once per
 optimizer step, at the same point: after the step's host sync. overhead.py derives steady-state samples/s
 from those stamps alone, so loader time, logging and per-step bookkeeping all count, for everyone alike.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,21 +34,31 @@ def load_config(argv: list[str]) -> Config:
     return parse_cli(argv)
 
 
-def data_and_model(cfg: Config, rank: int, world: int, barrier, shard: bool = True
-                   ) -> tuple[DataLoader, torch.nn.Module]:
+def data_and_model(
+    cfg: Config, rank: int, world: int, barrier, shard: bool = True
+) -> tuple[DataLoader, torch.nn.Module]:
     """A plain DataLoader + DistributedSampler over shardtrain's dataset and collator (what users write),
     and the model built exactly as shardtrain builds it (same seed, so the same initial weights).
     shard=False: an unsharded shuffling loader, for frameworks that shard it themselves (Accelerate)."""
     out = Path(cfg.checkpoint.output_dir)
     tok = build_tokenizer(cfg, out, rank == 0, barrier)
     train_ds, _ = build_datasets(cfg, tok)
-    sampler = (DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.train.seed,
-                                  drop_last=True) if shard else
-               torch.utils.data.RandomSampler(train_ds, generator=torch.Generator().manual_seed(cfg.train.seed)))
+    sampler = (
+        DistributedSampler(train_ds, num_replicas=world, rank=rank, shuffle=True, seed=cfg.train.seed, drop_last=True)
+        if shard
+        else torch.utils.data.RandomSampler(train_ds, generator=torch.Generator().manual_seed(cfg.train.seed))
+    )
     w = cfg.data.num_workers
-    loader = DataLoader(train_ds, batch_size=cfg.train.per_device_batch_size, sampler=sampler, drop_last=True,
-                        collate_fn=make_collator(cfg, tok), num_workers=w, persistent_workers=w > 0,
-                        pin_memory=cfg.data.pin_memory and torch.cuda.is_available())
+    loader = DataLoader(
+        train_ds,
+        batch_size=cfg.train.per_device_batch_size,
+        sampler=sampler,
+        drop_last=True,
+        collate_fn=make_collator(cfg, tok),
+        num_workers=w,
+        persistent_workers=w > 0,
+        pin_memory=cfg.data.pin_memory and torch.cuda.is_available(),
+    )
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, cfg.data, None if cfg.model.pretrained else len(tok))
     return loader, model
@@ -55,16 +66,20 @@ def data_and_model(cfg: Config, rank: int, world: int, barrier, shard: bool = Tr
 
 def adamw(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
     """AdamW with the usual two groups, no weight decay on biases and norm weights (the HF Trainer's rule),
-    built by shardtrain's own param_groups: the same training math on both sides of the comparison. Not free: under ZeRO-2 the second
-    group costs ~4% per step on the tiny model (DeepSpeed flattens and reduces each group on its own)."""
+    built by shardtrain's own param_groups: the same training math on both sides of the comparison. Not free: under
+    ZeRO-2 the second group costs ~4% per step on the tiny model (DeepSpeed flattens and reduces each group on its
+    own)."""
     groups = param_groups(model.named_parameters(), cfg.train.weight_decay, frozen_names=set())
     return torch.optim.AdamW(groups, lr=cfg.train.lr, foreach=True)
 
 
 def warmup_linear(cfg: Config):
     t = cfg.train
-    return lambda s: (s + 1) / (t.warmup_steps + 1) if s < t.warmup_steps else \
-        max(0.0, 1 - (s - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    return lambda s: (
+        (s + 1) / (t.warmup_steps + 1)
+        if s < t.warmup_steps
+        else max(0.0, 1 - (s - t.warmup_steps) / max(1, t.max_steps - t.warmup_steps))
+    )
 
 
 def peer_strategy(cfg: Config) -> str:
@@ -90,10 +105,15 @@ def ds_config(cfg: Config) -> dict:
     """The DeepSpeed config a user writes for this run: the ZeRO section from the same --ds file shardtrain
     reads, the client AdamW kept (no DeepSpeed Adam JIT build), clipping by the engine."""
     t = cfg.train
-    return {"train_micro_batch_size_per_gpu": t.per_device_batch_size, "gradient_accumulation_steps": 1,
-            "gradient_clipping": t.max_grad_norm, "steps_per_print": 10 ** 9,
-            "zero_optimization": json.loads(Path(cfg.parallel.ds).read_text())["zero_optimization"],
-            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+    return {
+        "train_micro_batch_size_per_gpu": t.per_device_batch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": t.max_grad_norm,
+        "steps_per_print": 10**9,
+        "zero_optimization": json.loads(Path(cfg.parallel.ds).read_text())["zero_optimization"],
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
 
 
 def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
@@ -101,9 +121,10 @@ def block_classes(model: torch.nn.Module) -> tuple[type, ...]:
     return tuple(model.block_classes())
 
 
-def batches(loader: DataLoader, device: torch.device = torch.device("cpu")):
+def batches(loader: DataLoader, device: torch.device | None = None):
     """Endless epochs, reshuffled each one, on `device`: the shared data pipeline hands over uint8 images,
-    normalised on the device by the same function shardtrain's loop calls."""
+    normalised on the device by the same function shardtrain's loop calls. `device`: the CPU when None."""
+    device = device if device is not None else torch.device("cpu")
     epoch = 0
     while True:
         if isinstance(loader.sampler, DistributedSampler):
@@ -140,6 +161,7 @@ class StepLog:
 def finish() -> None:
     """Same exit as shardtrain (distributed.teardown_and_exit): barrier, destroy, os._exit, no gloo abort."""
     from shardtrain.runtime.distributed import teardown_and_exit
+
     teardown_and_exit(0)
 
 

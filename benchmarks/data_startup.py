@@ -1,6 +1,7 @@
 """Tokenising once, and streaming from parquet or JSONL: what each costs.
 
-    ~/.cache/shardtrain/venv/bin/python benchmarks/data_startup.py [--pairs N]   # -> benchmarks/results/data_startup.json
+    ~/.cache/shardtrain/venv/bin/python benchmarks/data_startup.py [--pairs N]
+        # -> benchmarks/results/data_startup.json
 
 1. Start-up with a cold and a warm `datasets` cache. Real 2-process DDP torchrun jobs of the tiny configs (the
    way tests/launch.py starts them), timed from just before the launch to the wall-clock stamp metrics.jsonl
@@ -15,6 +16,7 @@
    and images decoded for multimodal). The parquet file is written from the JSONL with `datasets`. One
    process, interleaved, medians.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,8 +36,9 @@ import launch  # noqa: E402  tests/launch.py: the one way this repo starts torch
 
 
 def startup(workload: str, data: Path, out: Path, cache: Path) -> dict:
-    args = launch.tiny_args(workload, data, out, "--strategy", "ddp", "--max-steps", "1", "--save-final", "false",
-                            "--max-eval-samples", "8")
+    args = launch.tiny_args(
+        workload, data, out, "--strategy", "ddp", "--max-steps", "1", "--save-final", "false", "--max-eval-samples", "8"
+    )
     t0 = time.time()
     run = launch.torchrun(args, env=launch.test_env(HF_DATASETS_CACHE=cache), timeout=900)
     first = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
@@ -53,16 +56,25 @@ def measure_startup(name: str, workload: str, data: Path, tmp: Path, pairs: int)
         for kind in order:
             cache = tmp / f"{name}-cold-{i}" if kind == "cold" else warm
             runs[kind].append(startup(workload, data, tmp / f"{name}-{kind}-{i}", cache))
-            print(f"{name} pair {i} {kind}: {runs[kind][-1]['to_first_step_s']:.2f}s to step 1, "
-                  f"{runs[kind][-1]['tokenise_or_load_s']:.2f}s tokenise/load", flush=True)
+            print(
+                f"{name} pair {i} {kind}: {runs[kind][-1]['to_first_step_s']:.2f}s to step 1, "
+                f"{runs[kind][-1]['tokenise_or_load_s']:.2f}s tokenise/load",
+                flush=True,
+            )
     med = {k: statistics.median(r["to_first_step_s"] for r in v) for k, v in runs.items()}
-    return {"to_first_step_s": {k: [round(r["to_first_step_s"], 3) for r in v] for k, v in runs.items()},
-            "tokenise_or_load_s": {k: [round(r["tokenise_or_load_s"], 3) for r in v] for k, v in runs.items()},
-            "median_to_first_step_s": {k: round(v, 3) for k, v in med.items()},
-            "median_saved_s": round(med["cold"] - med["warm"], 3),
-            "noise_floor_s": round(statistics.median(abs(a["to_first_step_s"] - b["to_first_step_s"])
-                                                     for a, b in zip(runs["warm"], runs["warm_twin"])), 3),
-            "example_lines": {"cold": runs["cold"][0]["lines"], "warm": runs["warm"][0]["lines"]}}
+    return {
+        "to_first_step_s": {k: [round(r["to_first_step_s"], 3) for r in v] for k, v in runs.items()},
+        "tokenise_or_load_s": {k: [round(r["tokenise_or_load_s"], 3) for r in v] for k, v in runs.items()},
+        "median_to_first_step_s": {k: round(v, 3) for k, v in med.items()},
+        "median_saved_s": round(med["cold"] - med["warm"], 3),
+        "noise_floor_s": round(
+            statistics.median(
+                abs(a["to_first_step_s"] - b["to_first_step_s"]) for a, b in zip(runs["warm"], runs["warm_twin"])
+            ),
+            3,
+        ),
+        "example_lines": {"cold": runs["cold"][0]["lines"], "warm": runs["warm"][0]["lines"]},
+    }
 
 
 def loader_rates(workload: str, data: Path, tmp: Path, reps: int, batches: int) -> dict:
@@ -92,16 +104,20 @@ def loader_rates(workload: str, data: Path, tmp: Path, reps: int, batches: int) 
     ways = [(fmt, streaming) for streaming in (True, False) for fmt in files]
     runs: dict[str, list[float]] = {f"{'streaming' if s else 'in_memory'}_{f}": [] for f, s in ways}
     for i in range(reps):
-        for fmt, streaming in (ways if i % 2 == 0 else list(reversed(ways))):
+        for fmt, streaming in ways if i % 2 == 0 else list(reversed(ways)):
             runs[f"{'streaming' if streaming else 'in_memory'}_{fmt}"].append(rate(fmt, streaming))
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"rows": sum(1 for line in jsonl.read_text().splitlines() if line.strip()),
-            "batch": cfg.train.per_device_batch_size, "timed_batches": batches,
-            "bytes": {"jsonl": jsonl.stat().st_size, "parquet": parquet.stat().st_size},
-            "samples_per_sec": {k: [round(x, 1) for x in v] for k, v in runs.items()},
-            "median_samples_per_sec": {k: round(v, 1) for k, v in med.items()},
-            "parquet_over_jsonl": {m: round(med[f"{m}_parquet"] / med[f"{m}_jsonl"], 3)
-                                   for m in ("streaming", "in_memory")}}
+    return {
+        "rows": sum(1 for line in jsonl.read_text().splitlines() if line.strip()),
+        "batch": cfg.train.per_device_batch_size,
+        "timed_batches": batches,
+        "bytes": {"jsonl": jsonl.stat().st_size, "parquet": parquet.stat().st_size},
+        "samples_per_sec": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+        "median_samples_per_sec": {k: round(v, 1) for k, v in med.items()},
+        "parquet_over_jsonl": {
+            m: round(med[f"{m}_parquet"] / med[f"{m}_jsonl"], 3) for m in ("streaming", "in_memory")
+        },
+    }
 
 
 def main() -> int:
@@ -118,10 +134,14 @@ def main() -> int:
         ld = make_data("longdoc", tmp / "ld", n_train=4000, n_val=400, seed=0, min_words=60, max_words=300)
         result = {
             "machine": "2-core shared VM, CPU only",
-            "startup": {"multimodal_tiny_256_rows": measure_startup("mm", "multimodal", mm, tmp, args.pairs),
-                        "longformer_tiny_4000_rows": measure_startup("ld", "longformer", ld, tmp, args.pairs)},
-            "loader": {"longformer_tiny_4000_rows": loader_rates("longformer", ld, tmp, args.reps, 60),
-                       "multimodal_tiny_256_rows": loader_rates("multimodal", mm, tmp, args.reps, 12)},
+            "startup": {
+                "multimodal_tiny_256_rows": measure_startup("mm", "multimodal", mm, tmp, args.pairs),
+                "longformer_tiny_4000_rows": measure_startup("ld", "longformer", ld, tmp, args.pairs),
+            },
+            "loader": {
+                "longformer_tiny_4000_rows": loader_rates("longformer", ld, tmp, args.reps, 60),
+                "multimodal_tiny_256_rows": loader_rates("multimodal", mm, tmp, args.reps, 12),
+            },
         }
     out = REPO / "benchmarks" / "results" / "data_startup.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

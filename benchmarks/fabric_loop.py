@@ -10,15 +10,27 @@ is set up before the optimizer is built (Fabric's FSDP recipe). Fabric's FSDP1 `
 `DeepSpeedStrategy(config=...)` with the ZeRO section of the same --ds file. fp32 ("32-true") everywhere.
 Under torchrun Fabric joins the launcher's processes (its torchelastic environment).
 """
+
 import sys
 
 import torch
+from bench_common import (
+    StepLog,
+    adamw,
+    batches,
+    block_classes,
+    check_world,
+    data_and_model,
+    ds_config,
+    finish,
+    forward_loss,
+    load_config,
+    peer_strategy,
+    warmup_linear,
+)
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DeepSpeedStrategy, ModelParallelStrategy
 from torch.distributed.fsdp import fully_shard
-
-from bench_common import (StepLog, adamw, batches, block_classes, check_world, data_and_model, ds_config,
-                          finish, forward_loss, load_config, peer_strategy, warmup_linear)
 
 
 def strategy_for(cfg, model):
@@ -32,8 +44,9 @@ def strategy_for(cfg, model):
                 fully_shard(block, mesh=dp)
             return fully_shard(module, mesh=dp)
 
-        return ModelParallelStrategy(parallelize, data_parallel_size=torch.distributed.get_world_size(),
-                                     tensor_parallel_size=1)
+        return ModelParallelStrategy(
+            parallelize, data_parallel_size=torch.distributed.get_world_size(), tensor_parallel_size=1
+        )
     if kind == "deepspeed":
         return DeepSpeedStrategy(config=ds_config(cfg))
     return "ddp"
@@ -46,8 +59,12 @@ def main(argv):
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     loader, model = data_and_model(cfg, rank, world, torch.distributed.barrier, shard=False)
-    fabric = Fabric(accelerator=cfg.parallel.device if cfg.parallel.device != "auto" else "auto", devices=world,
-                    strategy=strategy_for(cfg, model), precision="32-true")
+    fabric = Fabric(
+        accelerator=cfg.parallel.device if cfg.parallel.device != "auto" else "auto",
+        devices=world,
+        strategy=strategy_for(cfg, model),
+        precision="32-true",
+    )
     fabric.launch()
     check_world(fabric.world_size)
     if peer_strategy(cfg) == "fsdp":  # FSDP: the optimizer is built on the sharded parameters

@@ -14,6 +14,7 @@ first). The table takes each category's largest rank: under ZeRO-2 a parameter t
 partitions keeps its whole gradient alive on one of them, so ranks differ by up to a few MiB here (both are in
 the JSON).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,34 +35,76 @@ STRATEGIES = {
     "zero3": ["--ds", "ds_configs/zero3.json"],
 }
 FREEZE = (0, 6)
-MODEL = ["--text-config", '{"hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2, '
-         '"intermediate_size": 128}', "--max-steps", "2", "--memory-every", "0", "--max-eval-samples", "8",
-         "--report", "false", "--log-every", "100", "--resume", "none", "--predict-memory", "false"]
+MODEL = [
+    "--text-config",
+    '{"hidden_size": 64, "num_hidden_layers": 8, "num_attention_heads": 2, "intermediate_size": 128}',
+    "--max-steps",
+    "2",
+    "--memory-every",
+    "0",
+    "--max-eval-samples",
+    "8",
+    "--report",
+    "false",
+    "--log-every",
+    "100",
+    "--resume",
+    "none",
+    "--predict-memory",
+    "false",
+]
 KEYS = ("params", "grads", "optimizer", "model_state")
 
 
 def launch(code: Path, data: Path, root: Path) -> dict:
-    plan = [{"name": f"{s}/freeze{n}",
-             "args": ["--config", str(code / "configs/multimodal_tiny.yaml"), "--data-dir", str(data),
-                      "--output-dir", str(root / f"{s}-freeze{n}"), *MODEL,
-                      *[str(code / a) if a.endswith((".json", ".yaml")) else a for a in flags],
-                      *(["--freeze-layers", str(n)] if n else [])]}
-            for s, flags in STRATEGIES.items() for n in FREEZE]
+    plan = [
+        {
+            "name": f"{s}/freeze{n}",
+            "args": [
+                "--config",
+                str(code / "configs/multimodal_tiny.yaml"),
+                "--data-dir",
+                str(data),
+                "--output-dir",
+                str(root / f"{s}-freeze{n}"),
+                *MODEL,
+                *[str(code / a) if a.endswith((".json", ".yaml")) else a for a in flags],
+                *(["--freeze-layers", str(n)] if n else []),
+            ],
+        }
+        for s, flags in STRATEGIES.items()
+        for n in FREEZE
+    ]
     (root / "plan.json").write_text(json.dumps(plan))
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", DS_ACCELERATOR="cpu",
-               OMP_NUM_THREADS="1", PYTHONPATH=str(code))
+    env = dict(
+        os.environ,
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        DS_ACCELERATOR="cpu",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(code),
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
     from shardtrain.runtime.distributed import free_port
-    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(code / "tests/dist/matrix_driver.py"), str(root / "plan.json"),
-           str(root / "out")]
+
+    cmd = [
+        str(Path(sys.executable).parent / "torchrun"),
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(code / "tests/dist/matrix_driver.py"),
+        str(root / "plan.json"),
+        str(root / "out"),
+    ]
     (root / "out").mkdir(exist_ok=True)
     proc = subprocess.run(cmd, env=env, cwd=code, capture_output=True, text=True)
     if proc.returncode != 0:
         print((proc.stdout + proc.stderr)[-4000:], file=sys.stderr)
         raise SystemExit(f"exit {proc.returncode}")
-    return {p["name"]: json.loads((Path(p["args"][p["args"].index("--output-dir") + 1]) / "summary.json").read_text())
-            for p in plan}
+    return {
+        p["name"]: json.loads((Path(p["args"][p["args"].index("--output-dir") + 1]) / "summary.json").read_text())
+        for p in plan
+    }
 
 
 def main() -> int:
@@ -77,27 +120,42 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="freeze_memory-"))
     data = make_data("multimodal", root / "data", n_train=64, n_val=16, seed=0)
     summaries = launch(Path(args.code).resolve(), data, root)
-    results = json.loads(Path(args.out).read_text()) if args.merge and Path(args.out).is_file() else {
-        "model": "multimodal tiny, text encoder 8 x 64 (roberta arch) + resnet18 [1,1,1,1], fp32, 2 CPU ranks",
-        "measured": "summary.json memory.per_rank at step 2, bytes; params/grads/optimizer/model_state: "
-                    "the largest rank", "runs": {}}
+    results = (
+        json.loads(Path(args.out).read_text())
+        if args.merge and Path(args.out).is_file()
+        else {
+            "model": "multimodal tiny, text encoder 8 x 64 (roberta arch) + resnet18 [1,1,1,1], fp32, 2 CPU ranks",
+            "measured": "summary.json memory.per_rank at step 2, bytes; params/grads/optimizer/model_state: "
+            "the largest rank",
+            "runs": {},
+        }
+    )
     table = results["runs"].setdefault(args.label, {})
     for s in STRATEGIES:
         row = {}
         for n in FREEZE:
             summary = summaries[f"{s}/freeze{n}"]
             per_rank = summary["memory"]["per_rank"]
-            row[f"freeze{n}"] = {**{k: max(rec[k] for rec in per_rank.values()) for k in KEYS},
-                                 "per_rank": {r: {k: rec[k] for k in KEYS} for r, rec in per_rank.items()},
-                                 "params_trainable": summary["params_trainable"],
-                                 "params_total": summary["params_total"]}
+            row[f"freeze{n}"] = {
+                **{k: max(rec[k] for rec in per_rank.values()) for k in KEYS},
+                "per_rank": {r: {k: rec[k] for k in KEYS} for r, rec in per_rank.items()},
+                "params_trainable": summary["params_trainable"],
+                "params_total": summary["params_total"],
+            }
         row["model_state_saved"] = 1 - row["freeze6"]["model_state"] / row["freeze0"]["model_state"]
-        row["grads_and_optimizer_saved"] = 1 - ((row["freeze6"]["grads"] + row["freeze6"]["optimizer"])
-                                                / (row["freeze0"]["grads"] + row["freeze0"]["optimizer"]))
+        row["grads_and_optimizer_saved"] = 1 - (
+            (row["freeze6"]["grads"] + row["freeze6"]["optimizer"])
+            / (row["freeze0"]["grads"] + row["freeze0"]["optimizer"])
+        )
         table[s] = row
-        print(f"{args.label:<7} {s:<6} " + " | ".join(
-            f"freeze {n}: " + " ".join(f"{k} {row[f'freeze{n}'][k] / 2**20:6.2f}" for k in KEYS) for n in FREEZE)
-            + f" MiB | model state saved {row['model_state_saved']:.1%}", flush=True)
+        print(
+            f"{args.label:<7} {s:<6} "
+            + " | ".join(
+                f"freeze {n}: " + " ".join(f"{k} {row[f'freeze{n}'][k] / 2**20:6.2f}" for k in KEYS) for n in FREEZE
+            )
+            + f" MiB | model state saved {row['model_state_saved']:.1%}",
+            flush=True,
+        )
     Path(args.out).write_text(json.dumps(results, indent=2))
     return 0
 

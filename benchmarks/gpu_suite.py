@@ -25,6 +25,7 @@ overhead.py: from metrics.jsonl's per-step wall-clock stamps after the warm-up s
 autotuning fall in the warm-up). MFU = counted training FLOPs per sample x samples/s / the GPU's dense peak at
 the case's precision (shardtrain.memory.flops table: H100/H200 989, A100 312 TFLOP/s bf16).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,14 +51,26 @@ CASES = [
     ("fp16_ddp_grad_scaler", "fp16", LONGFORMER, ["--strategy", "ddp", *FP16], 12, 4),
     ("fp16_deepspeed_zero2", "fp16", LONGFORMER, ["--ds", str(DS / "zero2.json"), *FP16], 12, 4),
     ("oom_recovery_real", "oom", FUSION, ["--strategy", "ddp", *CL, "--per-device-batch-size", "256"], 6, 2),
-    ("fsdp_offload", "offload", FUSION, ["--strategy", "fsdp", "--fsdp-policy",
-                                         str(REPO / "fsdp_policies" / "offload.yaml"), *CL], 10, 4),
+    (
+        "fsdp_offload",
+        "offload",
+        FUSION,
+        ["--strategy", "fsdp", "--fsdp-policy", str(REPO / "fsdp_policies" / "offload.yaml"), *CL],
+        10,
+        4,
+    ),
     ("fusion_channels_last_compile", "compile", FUSION, ["--strategy", "ddp", *CL, "--compile", "inductor"], 40, 15),
     ("fusion_eager", "fusion", FUSION, ["--strategy", "ddp"], 30, 8),
     ("fusion_channels_last", "fusion", FUSION, ["--strategy", "ddp", *CL], 30, 8),  # also the strategies' DDP row
     ("longformer_4096", "longformer", LONGFORMER, ["--strategy", "ddp"], 12, 4),
-    ("longformer_4096_ac", "longformer", LONGFORMER, ["--strategy", "ddp", "--activation-checkpointing", "true"],
-     12, 4),
+    (
+        "longformer_4096_ac",
+        "longformer",
+        LONGFORMER,
+        ["--strategy", "ddp", "--activation-checkpointing", "true"],
+        12,
+        4,
+    ),
     ("strategy_fsdp", "strategies", FUSION, ["--strategy", "fsdp", *CL], 20, 6),
     ("strategy_zero2", "strategies", FUSION, ["--ds", str(DS / "zero2.json"), *CL], 20, 6),
     ("strategy_zero2_offload", "strategies", FUSION, ["--ds", str(DS / "zero2_offload.json"), *CL], 10, 4),
@@ -71,14 +84,39 @@ OOM_HEADROOM_GIB = 8
 PREFLIGHT = ("torch", "transformers", "datasets", "deepspeed")
 # --dry-run: the same cases and code paths at shapes a CPU runs in seconds. torch.compile traces with the
 # "aot_eager" backend there (AOTAutograd as inductor, minus minutes of C++ codegen); the GPU uses inductor.
-DRY_FLAGS = ["--device", "cpu", "--text-config",
-             json.dumps({"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-                         "intermediate_size": 64}),
-             "--per-device-batch-size", "2", "--eval-batch-size", "2", "--num-workers", "0",
-             "--pin-memory", "false", "--tokenizer-vocab-size", "300", "--warmup-steps", "0"]
-DRY_MODEL = {FUSION: ["--image-model", "resnet18", "--image-config", json.dumps({"layers": [1, 1, 1, 1]}),
-                      "--image-size", "32", "--max-length", "16", "--fusion-hidden", "16"],
-             LONGFORMER: ["--attention-window", "16", "--max-length", "64"]}
+DRY_FLAGS = [
+    "--device",
+    "cpu",
+    "--text-config",
+    json.dumps({"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}),
+    "--per-device-batch-size",
+    "2",
+    "--eval-batch-size",
+    "2",
+    "--num-workers",
+    "0",
+    "--pin-memory",
+    "false",
+    "--tokenizer-vocab-size",
+    "300",
+    "--warmup-steps",
+    "0",
+]
+DRY_MODEL = {
+    FUSION: [
+        "--image-model",
+        "resnet18",
+        "--image-config",
+        json.dumps({"layers": [1, 1, 1, 1]}),
+        "--image-size",
+        "32",
+        "--max-length",
+        "16",
+        "--fusion-hidden",
+        "16",
+    ],
+    LONGFORMER: ["--attention-window", "16", "--max-length", "64"],
+}
 FUSION_MFU_TARGET = 0.40
 
 
@@ -91,8 +129,15 @@ def make_suite_data(work: Path, dry: bool) -> dict[Path, Path]:
         # Read through an image cache (`shardtrain cache-images`, below): at 40% MFU an H200 trains ~4000
         # samples/s of this model, more than decoding images every epoch feeds from 16 cores
         # (benchmarks/loader.py). The suite measures the model and the loop; loader.py measures the loader.
-        make_data("multimodal", mm, n_train=64 if dry else 512, n_val=8 if dry else 64, seed=0, overwrite=True,
-                  image_size=32 if dry else 224)
+        make_data(
+            "multimodal",
+            mm,
+            n_train=64 if dry else 512,
+            n_val=8 if dry else 64,
+            seed=0,
+            overwrite=True,
+            image_size=32 if dry else 224,
+        )
         # Captions repeated to ~200 words so that every batch is max_length (128) tokens wide, as in the
         # FLOP count; short synthetic captions would measure a 30-token model.
         for split in ("train.jsonl", "validation.jsonl"):
@@ -102,12 +147,21 @@ def make_suite_data(work: Path, dry: bool) -> dict[Path, Path]:
                 r["text"] = " ".join([r["text"]] * 16)
             path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     from shardtrain.data.image_cache import build_image_cache
+
     for split in ("train.jsonl", "validation.jsonl"):
         if not (mm / "cache" / f"{split.split('.')[0]}-{32 if dry else 224}.json").exists():
             build_image_cache(mm / split, "multimodal", 3, mm / "cache", 32 if dry else 224)
     if not (ld / "train.jsonl").exists():
-        make_data("longdoc", ld, n_train=16 if dry else 48, n_val=4 if dry else 8, seed=0, overwrite=True,
-                  min_words=80 if dry else 4200, max_words=100 if dry else 4600)
+        make_data(
+            "longdoc",
+            ld,
+            n_train=16 if dry else 48,
+            n_val=4 if dry else 8,
+            seed=0,
+            overwrite=True,
+            min_words=80 if dry else 4200,
+            max_words=100 if dry else 4600,
+        )
     return {FUSION: mm, LONGFORMER: ld}
 
 
@@ -115,9 +169,25 @@ def case_args(case, work: Path, data: dict, dry: bool) -> list[str]:
     name, _, config, flags, steps, _ = case
     # No checkpoint: none of these cases is about one (each would cost a save's time and disk); a short final
     # evaluation (the configs' max_eval_samples) still runs, as in every run.
-    args = ["--config", str(config), "--data-dir", str(data[config]), "--output-dir", str(work / "runs" / name),
-            "--resume", "none", "--overwrite-output-dir", "true", "--max-steps", str(2 if dry else steps),
-            "--eval-every", "0", "--save-final", "false", *flags]
+    args = [
+        "--config",
+        str(config),
+        "--data-dir",
+        str(data[config]),
+        "--output-dir",
+        str(work / "runs" / name),
+        "--resume",
+        "none",
+        "--overwrite-output-dir",
+        "true",
+        "--max-steps",
+        str(2 if dry else steps),
+        "--eval-every",
+        "0",
+        "--save-final",
+        "false",
+        *flags,
+    ]
     if config == FUSION:
         args += ["--image-cache", str(data[config] / "cache")]
     if dry:
@@ -139,14 +209,20 @@ def planner_prediction(cfg) -> dict:
     try:
         p = plan(cfg, 1, float("inf"), cuda=False)
         variant = variant_of(cfg)
-        row = next(r for r in p["rows"] if r["variant"] == variant
-                   and r["activation_checkpointing"] == cfg.train.activation_checkpointing)
+        row = next(
+            r
+            for r in p["rows"]
+            if r["variant"] == variant and r["activation_checkpointing"] == cfg.train.activation_checkpointing
+        )
     except Exception as e:  # noqa: BLE001 - a prediction that fails is a finding, not a failed case
         return {"predicted_peak_gib": None, "note": f"planner failed: {type(e).__name__}: {str(e)[:200]}"}
-    return {"predicted_peak_gib": row["total_bytes"] / GIB, "variant": variant,
-            "parts_gib": {k: v / GIB for k, v in row["gpu_bytes"].items()},
-            "note": "shardtrain plan's total for the case's variant: params + grads + optimizer + activations + "
-                    "comm + overhead, CUDA context left out"}
+    return {
+        "predicted_peak_gib": row["total_bytes"] / GIB,
+        "variant": variant,
+        "parts_gib": {k: v / GIB for k, v in row["gpu_bytes"].items()},
+        "note": "shardtrain plan's total for the case's variant: params + grads + optimizer + activations + "
+        "comm + overhead, CUDA context left out",
+    }
 
 
 def flops_per_sample(cfg) -> tuple[float | None, str]:
@@ -161,8 +237,10 @@ def flops_per_sample(cfg) -> tuple[float | None, str]:
 
     m, d = cfg.model, cfg.data
     length = d.max_length + (-d.max_length % m.attention_window if m.name == "longformer" else 0)
-    batch = {"input_ids": torch.ones(1, length, dtype=torch.long),
-             "attention_mask": torch.ones(1, length, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.ones(1, length, dtype=torch.long),
+        "attention_mask": torch.ones(1, length, dtype=torch.long),
+    }
     if m.name == "multimodal":
         batch["pixel_values"] = torch.zeros(1, 3, d.image_size, d.image_size)
     trainable = sum(p.numel() for p in factory().parameters())
@@ -171,12 +249,15 @@ def flops_per_sample(cfg) -> tuple[float | None, str]:
 
 def steady_rate(metrics_path: Path, global_batch: int, warmup: int) -> dict:
     stamps = [json.loads(line)["wall_time"] for line in metrics_path.read_text().splitlines() if line.strip()]
-    kept = stamps[max(0, min(warmup, len(stamps) - 2)):]
+    kept = stamps[max(0, min(warmup, len(stamps) - 2)) :]
     periods = [b - a for a, b in zip(kept, kept[1:])]
     if not periods:  # the run stopped before a second step (e.g. a preemption signal)
         return {"samples_per_sec": None, "step_ms_median": None, "steps_timed": 0}
-    return {"samples_per_sec": global_batch * len(periods) / (kept[-1] - kept[0]),
-            "step_ms_median": 1000 * statistics.median(periods), "steps_timed": len(periods)}
+    return {
+        "samples_per_sec": global_batch * len(periods) / (kept[-1] - kept[0]),
+        "step_ms_median": 1000 * statistics.median(periods),
+        "steps_timed": len(periods),
+    }
 
 
 def fill_gpu(headroom_gib: float) -> dict:
@@ -184,14 +265,14 @@ def fill_gpu(headroom_gib: float) -> dict:
     `headroom_gib` of what was free. Returns the blocks still held (freed when the case's process exits)."""
     import torch
 
-    blocks, gib = [], 2 ** 30
+    blocks, gib = [], 2**30
     try:
         while True:
             blocks.append(torch.empty(gib, dtype=torch.uint8, device="cuda"))
     except torch.OutOfMemoryError as e:
         first_line = str(e).splitlines()[0][:200]
     filled = len(blocks)
-    del blocks[max(0, filled - int(headroom_gib)):]
+    del blocks[max(0, filled - int(headroom_gib)) :]
     torch.cuda.empty_cache()
     return {"filled_gib_at_oom": filled, "oom_error": first_line, "left_free_gib": headroom_gib, "_blocks": blocks}
 
@@ -206,10 +287,19 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
 
     name, group, _, flags, steps, warmup = case
     cfg = parse_cli(args)
-    row = {"name": name, "group": group, "flags": flags, "strategy": None, "offload": None,
-           "activation_checkpointing": cfg.train.activation_checkpointing, "compile": cfg.train.compile,
-           "channels_last": cfg.model.channels_last, "precision": cfg.train.precision,
-           "per_device_batch_size": cfg.train.per_device_batch_size, "max_length": cfg.data.max_length}
+    row = {
+        "name": name,
+        "group": group,
+        "flags": flags,
+        "strategy": None,
+        "offload": None,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+        "compile": cfg.train.compile,
+        "channels_last": cfg.model.channels_last,
+        "precision": cfg.train.precision,
+        "per_device_batch_size": cfg.train.per_device_batch_size,
+        "max_length": cfg.data.max_length,
+    }
     cuda = cfg.parallel.device == "cuda"
     held = None
     if name == "oom_recovery_real" and cuda:
@@ -221,11 +311,19 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     summary = train(cfg)
     row["wall_seconds"] = time.time() - t0
     filled, held = held is not None, None  # the ballast goes back before anything else is measured
-    row.update({"strategy": summary.get("strategy"), "offload": summary.get("offload"),
-                "params_total": summary.get("params_total"), "cuda_math": summary.get("cuda_math"),
-                "skipped_steps": summary.get("skipped_steps"), "final_step": summary.get("final_step"),
-                "strategy_settings": {k: v for k, v in (summary.get("strategy_settings") or {}).items()
-                                      if k != "ds_config"}})
+    row.update(
+        {
+            "strategy": summary.get("strategy"),
+            "offload": summary.get("offload"),
+            "params_total": summary.get("params_total"),
+            "cuda_math": summary.get("cuda_math"),
+            "skipped_steps": summary.get("skipped_steps"),
+            "final_step": summary.get("final_step"),
+            "strategy_settings": {
+                k: v for k, v in (summary.get("strategy_settings") or {}).items() if k != "ds_config"
+            },
+        }
+    )
     if name == "oom_recovery_real":
         row["oom_recovery"] = summary.get("oom_recovery")
         row["micro_batch_after_recovery"] = summary["config"]["train"]["per_device_batch_size"]
@@ -236,7 +334,7 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_flops(device_name, cfg.train.precision) if cuda else None
     row["mfu"] = mfu(row["flops_per_sample"], rate["samples_per_sec"], 1, peak) if rate["samples_per_sec"] else None
-    gib = 2 ** 30
+    gib = 2**30
     row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / gib if cuda else None  # the whole case
     row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / gib if cuda else None
     per_step = ((summary.get("memory") or {}).get("per_rank") or {}).get("0") or {}
@@ -256,8 +354,13 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
 def failed_row(case, e: BaseException) -> dict:
     err = f"{type(e).__name__}: {str(e).strip()[:500]}"
     expected = CPU_EXPECTED_ERRORS.get(case[0])
-    return {"name": case[0], "group": case[1], "flags": case[3], "error": err,
-            "status": "cpu_expected_error" if expected and expected in err else "failed"}
+    return {
+        "name": case[0],
+        "group": case[1],
+        "flags": case[3],
+        "error": err,
+        "status": "cpu_expected_error" if expected and expected in err else "failed",
+    }
 
 
 def child_main(names: list[str], work: Path, dry: bool, lines: Path, out: Path, meta: dict) -> int:
@@ -266,6 +369,7 @@ def child_main(names: list[str], work: Path, dry: bool, lines: Path, out: Path, 
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"})
     if "MASTER_PORT" not in os.environ:
         from shardtrain.runtime.distributed import free_port
+
         os.environ["MASTER_PORT"] = str(free_port())
     data = make_suite_data(work, dry)
     for case in [c for c in CASES if c[0] in names]:
@@ -284,6 +388,7 @@ def child_main(names: list[str], work: Path, dry: bool, lines: Path, out: Path, 
         if os.environ.get("GPU_SUITE_TEST_DIE_AFTER") == case[0]:
             os._exit(9)  # test-only: the process dies between two cases, as a CUDA fault or the OOM killer would
     from shardtrain.runtime.distributed import teardown_and_exit
+
     teardown_and_exit(0)
     return 0
 
@@ -305,8 +410,10 @@ def note_unreported(lines: Path, names: list[str], status: str, error: str) -> N
     done = read_rows(lines)
     with open(lines, "a") as f:
         for case in [c for c in CASES if c[0] in names and c[0] not in done]:
-            f.write(json.dumps({"name": case[0], "group": case[1], "flags": case[3], "status": status,
-                                "error": error}) + "\n")
+            f.write(
+                json.dumps({"name": case[0], "group": case[1], "flags": case[3], "status": status, "error": error})
+                + "\n"
+            )
 
 
 def write_result(out: Path, meta: dict, lines: Path, complete: bool = False) -> dict:
@@ -318,11 +425,17 @@ def write_result(out: Path, meta: dict, lines: Path, complete: bool = False) -> 
         name, group, _, flags = case[:4]
         rows.append(done.get(name) or {"name": name, "group": group, "flags": flags, "status": "pending"})
     fusion_mfu = [r["mfu"] for r in rows if r["group"] in ("fusion", "compile") and isinstance(r.get("mfu"), float)]
-    result = {**{k: v for k, v in meta.items() if k != "cases"}, "complete": complete,
-              "targets": {"fusion_mfu_min": FUSION_MFU_TARGET,
-                          "fusion_mfu_best": max(fusion_mfu) if fusion_mfu else None,
-                          "met": (max(fusion_mfu) >= FUSION_MFU_TARGET) if fusion_mfu else None},
-              "wall_seconds": time.time() - meta["started_at"], "cases": rows}
+    result = {
+        **{k: v for k, v in meta.items() if k != "cases"},
+        "complete": complete,
+        "targets": {
+            "fusion_mfu_min": FUSION_MFU_TARGET,
+            "fusion_mfu_best": max(fusion_mfu) if fusion_mfu else None,
+            "met": (max(fusion_mfu) >= FUSION_MFU_TARGET) if fusion_mfu else None,
+        },
+        "wall_seconds": time.time() - meta["started_at"],
+        "cases": rows,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
@@ -340,8 +453,10 @@ def preflight() -> str | None:
         try:
             importlib.import_module(name)
         except Exception as e:  # noqa: BLE001 - an import can fail with anything (a missing dependency's error)
-            return (f"preflight: cannot import {name} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                    f"carry its wheels in .whl/ (docs/performance.md, 'GPU suite')")
+            return (
+                f"preflight: cannot import {name} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                f"carry its wheels in .whl/ (docs/performance.md, 'GPU suite')"
+            )
     return None
 
 
@@ -349,13 +464,23 @@ def environment() -> dict:
     import torch
 
     from shardtrain.observability.tracking import library_versions
-    env = {"versions": library_versions(), "cuda_available": torch.cuda.is_available(),
-           "ds_accelerator": os.environ.get("DS_ACCELERATOR")}
+
+    env = {
+        "versions": library_versions(),
+        "cuda_available": torch.cuda.is_available(),
+        "ds_accelerator": os.environ.get("DS_ACCELERATOR"),
+    }
     if torch.cuda.is_available():
         from shardtrain.memory.flops import peak_flops
+
         name = torch.cuda.get_device_name()
-        env.update({"gpu": name, "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2 ** 30,
-                    "peak_bf16_flops": peak_flops(name, "bf16")})
+        env.update(
+            {
+                "gpu": name,
+                "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30,
+                "peak_bf16_flops": peak_flops(name, "bf16"),
+            }
+        )
     return env
 
 
@@ -363,14 +488,23 @@ def child_env(dry: bool, base: dict | None = None) -> dict:
     """The cases' environment. DS_ACCELERATOR=cpu is for the CPU dry run alone: inherited by a GPU run (the
     Makefile's CPU targets, a shell) it would put DeepSpeed on its CPU accelerator beside CUDA."""
     env = dict(os.environ if base is None else base)
-    env.update({"PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""), "HF_HUB_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
+    env.update(
+        {
+            "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     if dry:
         env.setdefault("OMP_NUM_THREADS", "1")
         env["DS_ACCELERATOR"] = "cpu"
     elif env.get("DS_ACCELERATOR") == "cpu":
-        print("[gpu_suite] DS_ACCELERATOR=cpu is set in this shell: dropped for the GPU cases (DeepSpeed finds "
-              "CUDA itself)", flush=True)
+        print(
+            "[gpu_suite] DS_ACCELERATOR=cpu is set in this shell: dropped for the GPU cases (DeepSpeed finds "
+            "CUDA itself)",
+            flush=True,
+        )
         del env["DS_ACCELERATOR"]
     return env
 
@@ -378,14 +512,19 @@ def child_env(dry: bool, base: dict | None = None) -> dict:
 def print_table(rows: list[dict]) -> None:
     def f(v, fmt):
         return format(v, fmt) if isinstance(v, (int, float)) and v is not None else "-"
-    print(f"\n{'case':30s} {'strategy':9s} {'status':7s} {'samples/s':>10s} {'step ms':>8s} {'MFU':>6s} "
-          f"{'step GiB':>9s} {'plan GiB':>9s}")
+
+    print(
+        f"\n{'case':30s} {'strategy':9s} {'status':7s} {'samples/s':>10s} {'step ms':>8s} {'MFU':>6s} "
+        f"{'step GiB':>9s} {'plan GiB':>9s}"
+    )
     for r in rows:
         mfu = f"{100 * r['mfu']:.1f}%" if isinstance(r.get("mfu"), float) else "-"
-        print(f"{r['name']:30s} {str(r.get('strategy') or '-'):9s} {r['status']:7s} "
-              f"{f(r.get('samples_per_sec'), '10.1f')} {f(r.get('step_ms_median'), '8.1f')} {mfu:>6s} "
-              f"{f(r.get('step_peak_allocated_gib'), '9.2f')} "
-              f"{f((r.get('planner') or {}).get('predicted_peak_gib'), '9.2f')}")
+        print(
+            f"{r['name']:30s} {str(r.get('strategy') or '-'):9s} {r['status']:7s} "
+            f"{f(r.get('samples_per_sec'), '10.1f')} {f(r.get('step_ms_median'), '8.1f')} {mfu:>6s} "
+            f"{f(r.get('step_peak_allocated_gib'), '9.2f')} "
+            f"{f((r.get('planner') or {}).get('predicted_peak_gib'), '9.2f')}"
+        )
         if r["status"] not in ("ok",) and r.get("error"):
             print(f"    {r['error'][:200]}")
 
@@ -395,8 +534,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 steps per case, one process")
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES), help="comma-separated case names")
     ap.add_argument("--work", required=True, help="data and runs (e.g. /tmp/gpu-suite on the GPU machine)")
-    ap.add_argument("--out", required=True, help="the result JSON, rewritten after every case (e.g. "
-                                                 "$OUT/gpu_suite.json on a lent machine)")
+    ap.add_argument(
+        "--out",
+        required=True,
+        help="the result JSON, rewritten after every case (e.g. $OUT/gpu_suite.json on a lent machine)",
+    )
     ap.add_argument("--budget-s", type=float, default=300, help="no case starts after this many seconds")
     ap.add_argument("--case-timeout-s", type=float, default=240, help="a case's process is stopped after this")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -416,12 +558,18 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     lines.unlink(missing_ok=True)
     t_start = time.time()
-    meta = {"suite": "gpu", "dry_run": a.dry_run, "started_at": t_start, "budget_s": a.budget_s,
-            "case_timeout_s": a.case_timeout_s, "cases": names,
-            "method": "world size 1 per case, fresh process per case (one process in --dry-run); samples/s "
-                      "from per-step wall-clock stamps after warm-up; MFU from shardtrain.memory.flops counted "
-                      "FLOPs x samples/s / dense peak at the case's precision; step peak = the run's own "
-                      "torch.cuda.max_memory_allocated over step 2, against shardtrain plan's total for the case"}
+    meta = {
+        "suite": "gpu",
+        "dry_run": a.dry_run,
+        "started_at": t_start,
+        "budget_s": a.budget_s,
+        "case_timeout_s": a.case_timeout_s,
+        "cases": names,
+        "method": "world size 1 per case, fresh process per case (one process in --dry-run); samples/s "
+        "from per-step wall-clock stamps after warm-up; MFU from shardtrain.memory.flops counted "
+        "FLOPs x samples/s / dense peak at the case's precision; step peak = the run's own "
+        "torch.cuda.max_memory_allocated over step 2, against shardtrain plan's total for the case",
+    }
     failure = preflight()
     if failure is None:
         meta["environment"] = environment()
@@ -432,8 +580,17 @@ def main(argv=None) -> int:
         print(f"gpu_suite: {failure}", file=sys.stderr)
         return 3
     env = child_env(a.dry_run)
-    base = [sys.executable, __file__, "--child", "--work", str(work), "--out", str(out),
-            "--child-meta", json.dumps(meta)]
+    base = [
+        sys.executable,
+        __file__,
+        "--child",
+        "--work",
+        str(work),
+        "--out",
+        str(out),
+        "--child-meta",
+        json.dumps(meta),
+    ]
     # One process for every case on CPU (fast); on the GPU one per case: its own peak memory and its own crash.
     batches = [names] if a.dry_run else [[n] for n in names]
     for batch in batches:
@@ -447,8 +604,12 @@ def main(argv=None) -> int:
             proc = subprocess.run(cmd, env=env, timeout=a.case_timeout_s * len(batch), cwd=REPO)
             if proc.returncode != 0:
                 print(f"[gpu_suite] exit {proc.returncode}: {batch}", flush=True)
-                note_unreported(lines, batch, "died", f"the case's process exited {proc.returncode} before reporting "
-                                                      f"(its output is above in the log)")
+                note_unreported(
+                    lines,
+                    batch,
+                    "died",
+                    f"the case's process exited {proc.returncode} before reporting (its output is above in the log)",
+                )
         except subprocess.TimeoutExpired:
             print(f"[gpu_suite] timed out: {batch}", flush=True)
             note_unreported(lines, batch, "timed_out", f"stopped after --case-timeout-s {a.case_timeout_s:g}")

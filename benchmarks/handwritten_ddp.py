@@ -6,14 +6,13 @@
 Same model, data, seed, AdamW (decay / no-decay groups), warmup + linear decay and gradient clipping as
 shardtrain; grad_accum 1 only.
 """
+
 import sys
 
 import torch
 import torch.distributed as dist
+from bench_common import StepLog, adamw, batches, data_and_model, finish, forward_loss, load_config, warmup_linear
 from torch.nn.parallel import DistributedDataParallel as DDP
-
-from bench_common import (StepLog, adamw, batches, data_and_model, finish, forward_loss, load_config,
-                          warmup_linear)
 
 
 def main(argv):

@@ -6,15 +6,14 @@
 Sharded like shardtrain's default policy (each transformer layer / ResNet block its own unit, then the root),
 but every rank builds the full model from the same seed (the simple way; shardtrain builds it on rank 0 only).
 """
+
 import sys
 
 import torch
 import torch.distributed as dist
+from bench_common import StepLog, adamw, batches, data_and_model, finish, forward_loss, load_config, warmup_linear
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-
-from bench_common import (StepLog, adamw, batches, data_and_model, finish, forward_loss, load_config,
-                          warmup_linear)
 
 
 def main(argv):

@@ -7,14 +7,23 @@ The ZeRO section comes from the same --ds file (ds_configs/zero2.json or zero3.j
 DeepSpeed config is written out (bench_common.ds_config), as a user would, with the same client AdamW
 shardtrain hands the engine.
 """
+
 import sys
 
 import deepspeed
 import torch
 import torch.distributed as dist
-
-from bench_common import (StepLog, adamw, batches, data_and_model, ds_config, finish, forward_loss,
-                          load_config, warmup_linear)
+from bench_common import (
+    StepLog,
+    adamw,
+    batches,
+    data_and_model,
+    ds_config,
+    finish,
+    forward_loss,
+    load_config,
+    warmup_linear,
+)
 
 
 def main(argv):

@@ -10,6 +10,7 @@ shardtrain's (Trainer's documented hooks: create_optimizer / create_scheduler; T
 be the same two, but its AdamW is not foreach on CPU), the loss is the built-ins' (compute_loss). Step stamps come
 from a TrainerCallback at on_step_end, on rank 0, into OUT/metrics.jsonl like every other contender.
 """
+
 import json
 import sys
 import time
@@ -17,10 +18,20 @@ from pathlib import Path
 
 import torch
 from accelerate.utils import DistributedType
+from bench_common import (
+    adamw,
+    block_classes,
+    check_world,
+    data_and_model,
+    ds_config,
+    finish,
+    forward_loss,
+    load_config,
+    peer_strategy,
+    warmup_linear,
+)
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from bench_common import (adamw, block_classes, check_world, data_and_model, ds_config, finish, forward_loss,
-                          load_config, peer_strategy, warmup_linear)
 from shardtrain.data import batch_to_device
 
 EXPECTED = {"ddp": DistributedType.MULTI_CPU, "fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED}
@@ -42,8 +53,9 @@ class BuiltinTrainer(Trainer):
 
     def create_scheduler(self, num_training_steps, optimizer=None):
         if self.lr_scheduler is None:
-            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer,
-                                                                  warmup_linear(self.shardtrain_cfg))
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(
+                optimizer or self.optimizer, warmup_linear(self.shardtrain_cfg)
+            )
         return self.lr_scheduler
 
 
@@ -77,18 +89,37 @@ def training_args(cfg, model, out: Path) -> TrainingArguments:
     cpu = cfg.parallel.device == "cpu"
     extra = {}
     if kind == "fsdp":
-        extra = {"fsdp": "full_shard auto_wrap",
-                 "fsdp_config": {"version": 2, "reshard_after_forward": True,
-                                 "transformer_layer_cls_to_wrap": [c.__name__ for c in block_classes(model)]}}
+        extra = {
+            "fsdp": "full_shard auto_wrap",
+            "fsdp_config": {
+                "version": 2,
+                "reshard_after_forward": True,
+                "transformer_layer_cls_to_wrap": [c.__name__ for c in block_classes(model)],
+            },
+        }
     elif kind == "deepspeed":
         extra = {"deepspeed": ds_config(cfg)}
     return TrainingArguments(
-        output_dir=str(out / "hf_trainer"), max_steps=t.max_steps, per_device_train_batch_size=t.per_device_batch_size,
-        gradient_accumulation_steps=1, max_grad_norm=t.max_grad_norm, seed=t.seed, data_seed=t.seed,
-        logging_steps=t.log_every, save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
-        use_cpu=cpu, ddp_backend="gloo" if cpu else None,
-        dataloader_num_workers=cfg.data.num_workers, dataloader_drop_last=True, dataloader_pin_memory=not cpu,
-        remove_unused_columns=False, **extra)
+        output_dir=str(out / "hf_trainer"),
+        max_steps=t.max_steps,
+        per_device_train_batch_size=t.per_device_batch_size,
+        gradient_accumulation_steps=1,
+        max_grad_norm=t.max_grad_norm,
+        seed=t.seed,
+        data_seed=t.seed,
+        logging_steps=t.log_every,
+        save_strategy="no",
+        eval_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        use_cpu=cpu,
+        ddp_backend="gloo" if cpu else None,
+        dataloader_num_workers=cfg.data.num_workers,
+        dataloader_drop_last=True,
+        dataloader_pin_memory=not cpu,
+        remove_unused_columns=False,
+        **extra,
+    )
 
 
 def main(argv):
@@ -98,8 +129,14 @@ def main(argv):
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     loader, model = data_and_model(cfg, rank, world, torch.distributed.barrier, shard=False)
     stamps = StepStamps(out, peer_strategy(cfg))
-    trainer = BuiltinTrainer(model=model, args=training_args(cfg, model, out), train_dataset=loader.dataset,
-                             data_collator=loader.collate_fn, callbacks=[stamps], shardtrain_cfg=cfg)
+    trainer = BuiltinTrainer(
+        model=model,
+        args=training_args(cfg, model, out),
+        train_dataset=loader.dataset,
+        data_collator=loader.collate_fn,
+        callbacks=[stamps],
+        shardtrain_cfg=cfg,
+    )
     stamps.trainer = trainer
     trainer.train()
     finish()

@@ -9,6 +9,7 @@ fp32 and INT8 processes alternate (fp32 first in even rounds, INT8 first in odd 
 round and the median. With --demo-run (the folder `make demo` trained) it also exports that run with --int8
 --eval and records the validation accuracy / macro-F1 of both.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,9 +30,23 @@ if str(REPO) not in sys.path:
 BATCH = 8
 # name -> (training flags that build it, vocabulary, tokens per example, timed batches)
 MODELS = {
-    "roberta-base+resnet50 fusion": (["--config", "configs/multimodal_sentiment.yaml", "--pretrained", "false",
-                                      "--image-weights", "none", "--max-length", "128", "--image-size", "224"],
-                                     50265, 128, 3),
+    "roberta-base+resnet50 fusion": (
+        [
+            "--config",
+            "configs/multimodal_sentiment.yaml",
+            "--pretrained",
+            "false",
+            "--image-weights",
+            "none",
+            "--max-length",
+            "128",
+            "--image-size",
+            "224",
+        ],
+        50265,
+        128,
+        3,
+    ),
     "longformer-base-4096": (["--config", "configs/longformer_4096.yaml", "--pretrained", "false"], 50265, None, 1),
     "multimodal_tiny": (["--config", "configs/multimodal_tiny.yaml"], 1000, 64, 20),
     "longformer_tiny": (["--config", "configs/longformer_tiny.yaml"], 1000, 256, 20),
@@ -40,6 +55,7 @@ MODELS = {
 
 def config(name: str):
     from shardtrain.config.settings import parse_cli
+
     return parse_cli(MODELS[name][0] + ["--output-dir", tempfile.gettempdir()])
 
 
@@ -61,8 +77,10 @@ def write_export(name: str, folder: Path) -> dict:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / "model.safetensors"))
     (folder / EXPORT_META).write_text(json.dumps({"model": cfg.model.name, "export_config": model.export_config()}))
     save_int8(model.hf if cfg.model.name == "longformer" else model, folder / INT8_FILE)
-    return {"bytes_fp32": (folder / "model.safetensors").stat().st_size,
-            "bytes_int8": (folder / INT8_FILE).stat().st_size}
+    return {
+        "bytes_fp32": (folder / "model.safetensors").stat().st_size,
+        "bytes_int8": (folder / INT8_FILE).stat().st_size,
+    }
 
 
 def worker(name: str, folder: Path, variant: str, tokens: int) -> dict:
@@ -74,8 +92,10 @@ def worker(name: str, folder: Path, variant: str, tokens: int) -> dict:
     cfg = config(name)
     model = load_int8(folder) if variant == "int8" else load_export(folder)
     torch.manual_seed(1)
-    batch = {"input_ids": torch.randint(5, MODELS[name][1], (BATCH, tokens)),
-             "attention_mask": torch.ones(BATCH, tokens, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.randint(5, MODELS[name][1], (BATCH, tokens)),
+        "attention_mask": torch.ones(BATCH, tokens, dtype=torch.long),
+    }
     if cfg.model.name == "multimodal":
         batch["pixel_values"] = torch.randn(BATCH, 3, cfg.data.image_size, cfg.data.image_size)
     n = MODELS[name][3]
@@ -85,8 +105,12 @@ def worker(name: str, folder: Path, variant: str, tokens: int) -> dict:
         for _ in range(n):
             model(**batch)
         seconds = time.perf_counter() - t0
-    return {"samples_per_sec": BATCH * n / seconds, "seconds_per_batch": seconds / n,
-            "peak_rss": peak_rss(), "threads": torch.get_num_threads()}
+    return {
+        "samples_per_sec": BATCH * n / seconds,
+        "seconds_per_batch": seconds / n,
+        "peak_rss": peak_rss(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 def peak_rss() -> int:
@@ -106,23 +130,44 @@ def run_worker(name: str, folder: Path, variant: str, tokens: int) -> dict:
 
 def demo_accuracy(run: Path, data_dir: Path, out: Path) -> dict:
     """`shardtrain export RUN OUT --int8 --eval` of the demo run: validation accuracy / macro-F1 of both."""
-    cmd = [sys.executable, "-m", "shardtrain", "export", str(run), str(out), "--int8", "--eval", "--data-dir",
-           str(data_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardtrain",
+        "export",
+        str(run),
+        str(out),
+        "--int8",
+        "--eval",
+        "--data-dir",
+        str(data_dir),
+    ]
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"export of the demo run: exit {proc.returncode}\n{proc.stderr[-3000:]}")
     info = json.loads((out / "shardtrain_export.json").read_text())
     e32, e8 = info["eval_fp32"], info["eval_int8"]
-    return {"accuracy_fp32": e32["accuracy"], "accuracy_int8": e8["accuracy"], "macro_f1_fp32": e32["macro_f1"],
-            "macro_f1_int8": e8["macro_f1"], "n_examples": e32["n_examples"], "demo_run": str(run),
-            "demo_bytes_fp32": info["bytes_fp32"], "demo_bytes_int8": info["bytes_int8"]}
+    return {
+        "accuracy_fp32": e32["accuracy"],
+        "accuracy_int8": e8["accuracy"],
+        "macro_f1_fp32": e32["macro_f1"],
+        "macro_f1_int8": e8["macro_f1"],
+        "n_examples": e32["n_examples"],
+        "demo_run": str(run),
+        "demo_bytes_fp32": info["bytes_fp32"],
+        "demo_bytes_int8": info["bytes_int8"],
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--longformer-tokens", type=int, default=1024,
-                    help="4096 is the model's length; on a 2-core CPU one batch of 8 at 4096 takes minutes")
+    ap.add_argument(
+        "--longformer-tokens",
+        type=int,
+        default=1024,
+        help="4096 is the model's length; on a 2-core CPU one batch of 8 at 4096 takes minutes",
+    )
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--demo-run", default=None, help="the run `make demo` trained (default: none, no accuracy)")
     ap.add_argument("--demo-data", default=str(REPO / "data" / "multimodal"), help="its data (make demo's default)")
@@ -140,7 +185,7 @@ def main() -> None:
             entry = {"model": name, "batch": BATCH, "tokens": tokens, **write_export(name, folder)}
             rounds = {"fp32": [], "int8": []}
             for r in range(args.rounds):
-                for variant in (("fp32", "int8") if r % 2 == 0 else ("int8", "fp32")):
+                for variant in ("fp32", "int8") if r % 2 == 0 else ("int8", "fp32"):
                     rounds[variant].append(run_worker(name, folder, variant, tokens))
                     print(f"{name} round {r} {variant}: {rounds[variant][-1]}", flush=True)
             for variant, runs in rounds.items():
@@ -155,16 +200,23 @@ def main() -> None:
         if args.demo_run:
             demo = next(e for e in results if e["model"] == "multimodal_tiny")
             demo.update(demo_accuracy(Path(args.demo_run), Path(args.demo_data), Path(tmp) / "demo_export"))
-    out = {"what": "fp32 export (model.safetensors) vs `export --int8` (torchao, model_int8.pt), CPU, batch 8, "
-                   "fresh process per measurement, fp32/int8 interleaved, medians",
-           "peak_rss": "VmHWM of the whole process (imports included): load the export, predict warm-up + "
-                       "timed batches",
-           "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                       "threads": torch.get_num_threads(), "load_average_before": load_before,
-                       "load_average_after": os.getloadavg(),
-                       "contended": args.contended or "not stated"},
-           "versions": {"torch": torch.__version__, "torchao": torchao.__version__},
-           "longformer_tokens": args.longformer_tokens, "rounds": args.rounds, "models": results}
+    out = {
+        "what": "fp32 export (model.safetensors) vs `export --int8` (torchao, model_int8.pt), CPU, batch 8, "
+        "fresh process per measurement, fp32/int8 interleaved, medians",
+        "peak_rss": "VmHWM of the whole process (imports included): load the export, predict warm-up + timed batches",
+        "machine": {
+            "cpu": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "contended": args.contended or "not stated",
+        },
+        "versions": {"torch": torch.__version__, "torchao": torchao.__version__},
+        "longformer_tokens": args.longformer_tokens,
+        "rounds": args.rounds,
+        "models": results,
+    }
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
 
@@ -172,6 +224,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         from shardtrain.runtime.chatter import quiet_libraries
+
         quiet_libraries(False)
         print(json.dumps(worker(sys.argv[2], Path(sys.argv[3]), sys.argv[4], int(sys.argv[5]))))
     else:

@@ -20,6 +20,7 @@ What the loader must match, per GPU:
   - the measured GPU rate from benchmarks/results/gpu_suite.json when that exists (null until it runs on a GPU);
   - this CPU's own training rate (fp32, micro-batch 4), for scale.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,6 +43,7 @@ def make_jpeg_data(out: Path, n: int, size: tuple[int, int]) -> Path:
     from PIL import Image
 
     from shardtrain.data import make_data
+
     if (out / "train.jsonl").exists():
         return out
     make_data("multimodal", out, n_train=n, n_val=8, seed=0, overwrite=True, image_size=64)
@@ -59,17 +61,41 @@ def make_jpeg_data(out: Path, n: int, size: tuple[int, int]) -> Path:
 
 def config(data: Path, work: Path, workers: int, batch: int, cache: Path | None = None):
     from shardtrain.config.settings import parse_cli
-    cfg = parse_cli(["--config", str(SHIPPED), "--data-dir", str(data), "--output-dir", str(work / "run"),
-                     "--pretrained", "false", "--num-workers", str(workers),
-                     "--per-device-batch-size", str(batch), "--device", "cpu", "--precision", "fp32",
-                     "--freeze-layers", "0", "--unfreeze-at-step", "none", "--resume", "none",
-                     *(["--image-cache", str(cache)] if cache else [])])
+
+    cfg = parse_cli(
+        [
+            "--config",
+            str(SHIPPED),
+            "--data-dir",
+            str(data),
+            "--output-dir",
+            str(work / "run"),
+            "--pretrained",
+            "false",
+            "--num-workers",
+            str(workers),
+            "--per-device-batch-size",
+            str(batch),
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--freeze-layers",
+            "0",
+            "--unfreeze-at-step",
+            "none",
+            "--resume",
+            "none",
+            *(["--image-cache", str(cache)] if cache else []),
+        ]
+    )
     cfg.model.image_weights = None  # random init: nothing to download (no flag spells None for a str option)
     return cfg
 
 
 def loader_rate(cfg, tok, datasets, batches: int) -> float:
     from shardtrain.data import build_loaders
+
     stream = build_loaders(cfg, tok, *datasets, 0, 1, "cpu").train
     for _ in range(2):  # worker start-up and first prefetch
         stream.next_batch()
@@ -87,6 +113,7 @@ def train_rate(cfg, tok, datasets, steps: int) -> float:
 
     from shardtrain.data import batch_to_device, build_loaders
     from shardtrain.models import build_model
+
     stream = build_loaders(cfg, tok, *datasets, 0, 1, "cpu").train
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data, len(tok)).train()
@@ -117,14 +144,19 @@ def decode_rates(folders: dict, size: int, reps: int, n: int = 60) -> dict:
         with Image.open(path) as img:
             arr = np.asarray(img.convert("RGB").resize((size, size), Image.BILINEAR), dtype=np.float32) / 255.0
         x = torch.from_numpy(arr).permute(2, 0, 1)
-        return (x - torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).view(3, 1, 1)
+        return (x - torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1)) / torch.tensor([0.229, 0.224, 0.225]).view(
+            3, 1, 1
+        )
 
     def uint8_no_draft(path):
         with Image.open(path) as img:
             return np.array(img.convert("RGB").resize((size, size), Image.BILINEAR))
 
-    ways = {"float32_on_host_no_draft": float_on_host, "uint8_no_draft": uint8_no_draft,
-            "uint8_draft (shipped)": lambda path: decode_image(path, size)}
+    ways = {
+        "float32_on_host_no_draft": float_on_host,
+        "uint8_no_draft": uint8_no_draft,
+        "uint8_draft (shipped)": lambda path: decode_image(path, size),
+    }
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     out = {}
@@ -151,17 +183,24 @@ def gpu_rates_at_target(cfg, tok) -> dict:
     from shardtrain.models import build_model
 
     d = cfg.data
-    batch = {"input_ids": torch.ones(1, d.max_length, dtype=torch.long),
-             "attention_mask": torch.ones(1, d.max_length, dtype=torch.long),
-             "pixel_values": torch.zeros(1, 3, d.image_size, d.image_size)}
+    batch = {
+        "input_ids": torch.ones(1, d.max_length, dtype=torch.long),
+        "attention_mask": torch.ones(1, d.max_length, dtype=torch.long),
+        "pixel_values": torch.zeros(1, 3, d.image_size, d.image_size),
+    }
+
     def on_meta(on_meta=True):
         import torch
+
         with torch.device("meta"):
             return build_model(cfg.model, cfg.data, len(tok), load_weights=False)
 
     per_sample = flops.train_flops_per_sample(on_meta, batch, 0)
-    return {"flops_per_sample": per_sample, "tokens_per_sample": int(batch["input_ids"].shape[1]),
-            **{gpu: MFU_TARGET * flops.PEAK_FLOPS[gpu]["bf16"] / per_sample for gpu in ("A100", "H100")}}
+    return {
+        "flops_per_sample": per_sample,
+        "tokens_per_sample": int(batch["input_ids"].shape[1]),
+        **{gpu: MFU_TARGET * flops.PEAK_FLOPS[gpu]["bf16"] / per_sample for gpu in ("A100", "H100")},
+    }
 
 
 def main(argv=None) -> int:
@@ -184,8 +223,9 @@ def main(argv=None) -> int:
     from shardtrain.data import build_datasets, build_tokenizer
     from shardtrain.data.image_cache import build_image_cache
 
-    data = {name: make_jpeg_data(work / f"data-{w}x{h}", n, (w, h)) for name, (w, h) in SOURCES.items()
-            if name != "cache"}
+    data = {
+        name: make_jpeg_data(work / f"data-{w}x{h}", n, (w, h)) for name, (w, h) in SOURCES.items() if name != "cache"
+    }
     data["cache"] = data["jpeg_500x375"]
     cache_dir = work / "cache-500x375"
     t0 = time.perf_counter()
@@ -203,12 +243,17 @@ def main(argv=None) -> int:
         for name, (d, c) in setups.items():
             for w in workers:
                 rates[name][w].append(loader_rate(config(d, work, w, 32, c), tok, datasets[name], a.batches))
-                print(f"rep {rep + 1}/{a.reps} {name:15s} num_workers {w}: {rates[name][w][-1]:8.1f} samples/s",
-                      flush=True)
+                print(
+                    f"rep {rep + 1}/{a.reps} {name:15s} num_workers {w}: {rates[name][w][-1]:8.1f} samples/s",
+                    flush=True,
+                )
     med = {name: {w: statistics.median(r) for w, r in by_w.items()} for name, by_w in rates.items()}
     decode = decode_rates({k: v for k, v in data.items() if k != "cache"}, 224, a.reps, 8 if a.dry_run else 60)
-    cpu_train = None if a.dry_run else train_rate(config(data["jpeg_500x375"], work, 0, a.train_batch), tok,
-                                                   datasets["jpeg_500x375"], steps=2)
+    cpu_train = (
+        None
+        if a.dry_run
+        else train_rate(config(data["jpeg_500x375"], work, 0, a.train_batch), tok, datasets["jpeg_500x375"], steps=2)
+    )
     target = gpu_rates_at_target(base, tok)
     gpu_json = REPO / "benchmarks" / "results" / "gpu_suite.json"
     gpu_rate = None
@@ -218,16 +263,20 @@ def main(argv=None) -> int:
             ok = [r["samples_per_sec"] for r in suite["cases"] if r["group"] == "fusion" and r["status"] == "ok"]
             gpu_rate = max(ok) if ok else None
     from shardtrain.config.settings import load_yaml
+
     shipped = load_yaml(SHIPPED)["data"]["num_workers"]
     # Per worker from the most workers that still have a core each (more only share the same cores).
     fit = max([w for w in workers if 0 < w <= (os.cpu_count() or 1)], default=None)
     per_worker = {name: m[fit] / fit if fit else None for name, m in med.items()}
-    needed = {name: {gpu: (target[gpu] / pw if pw else None) for gpu in ("A100", "H100")}
-              for name, pw in per_worker.items()}
+    needed = {
+        name: {gpu: (target[gpu] / pw if pw else None) for gpu in ("A100", "H100")} for name, pw in per_worker.items()
+    }
     result = {
-        "benchmark": "loader", "dry_run": a.dry_run, "cpus": os.cpu_count(),
+        "benchmark": "loader",
+        "dry_run": a.dry_run,
+        "cpus": os.cpu_count(),
         "workload": "configs/multimodal_sentiment.yaml data path: batch 32, synthetic captions (~20 tokens), "
-                    "images -> 224 px uint8",
+        "images -> 224 px uint8",
         "shipped_num_workers": shipped,
         "loader_samples_per_sec_median": {name: {str(w): r for w, r in m.items()} for name, m in med.items()},
         "loader_runs": {name: {str(w): r for w, r in by_w.items()} for name, by_w in rates.items()},
@@ -238,8 +287,10 @@ def main(argv=None) -> int:
         "gpu_rate_at_40pct_mfu": target,
         "gpu_rate_note": "samples/s per GPU at 40% MFU (bf16 dense peak), from counted FLOPs; not a measurement",
         "workers_needed_per_gpu_at_40pct_mfu": needed,
-        "keeps_up_at_shipped_workers": {name: {gpu: (v is not None and v <= shipped) for gpu, v in by_gpu.items()}
-                                        for name, by_gpu in needed.items()},
+        "keeps_up_at_shipped_workers": {
+            name: {gpu: (v is not None and v <= shipped) for gpu, v in by_gpu.items()}
+            for name, by_gpu in needed.items()
+        },
         "cpu_train_samples_per_sec": cpu_train,
         "cpu_train_note": f"RoBERTa-base + ResNet-50, fp32, micro-batch {a.train_batch}, all cores, this CPU",
         "gpu_train_samples_per_sec": gpu_rate,

@@ -12,6 +12,7 @@ Each cell runs the two as real 2-process torchrun jobs on CPU (gloo), interleave
 that drift on the shared machine hits both alike; step times are the median period between metrics.jsonl
 `wall_time` stamps after the warm-up steps (benchmarks/overhead.py's steady_rate).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,6 +64,7 @@ def meeting_cost(work: Path, n: int = 2000) -> dict:
     script = work / "meeting.py"
     script.write_text(MEETING.replace("__N__", str(n)))
     import launch
+
     run = launch.torchrun([], script=script, timeout=600)
     line = next(x for x in run.output.splitlines() if x.startswith("MEETING"))
     meet_us, rng_us = map(float, line.split()[1:])
@@ -84,10 +86,14 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="oom_guard_"))
     data = make_data("multimodal", work / "data", n_train=512, n_val=16, seed=0)
     scripts = {"base": export(a.base, work / "base"), "new": REPO / "shardtrain" / "main.py"}
-    result = {"method": "2 CPU ranks (gloo), the base commit and this tree interleaved per round; median step "
-                        "period after warm-up, from metrics.jsonl wall_time", "base": a.base, "rounds": a.rounds,
-              "steps": {c: step_plan[c.split(":")[0]] for c in a.cells.split(",")},
-              "cells": {}}
+    result = {
+        "method": "2 CPU ranks (gloo), the base commit and this tree interleaved per round; median step "
+        "period after warm-up, from metrics.jsonl wall_time",
+        "base": a.base,
+        "rounds": a.rounds,
+        "steps": {c: step_plan[c.split(":")[0]] for c in a.cells.split(",")},
+        "cells": {},
+    }
     result["meeting"] = meeting_cost(work)
     print(f"[oom_guard] meeting {result['meeting']}", flush=True)
     write(result, a.out, t_start)
@@ -98,23 +104,37 @@ def main(argv=None) -> int:
         runs = {"base": [], "new": []}
         for r in range(a.rounds):
             for who in ("base", "new"):
-                run = run_one(scripts[who], STRATEGY_ARGS[strategy] + ["--report", "false", "--save-final", "false",
-                                                                       "--max-eval-samples", "16"],
-                              CONFIGS[cname], data, work / f"{cname}-{strategy}-{who}-{r}", steps, 2)
+                run = run_one(
+                    scripts[who],
+                    STRATEGY_ARGS[strategy]
+                    + ["--report", "false", "--save-final", "false", "--max-eval-samples", "16"],
+                    CONFIGS[cname],
+                    data,
+                    work / f"{cname}-{strategy}-{who}-{r}",
+                    steps,
+                    2,
+                )
                 if run.returncode != 0:
                     raise RuntimeError(f"{cell} {who}: exit {run.returncode}\n{run.tail(30)}")
                 rate = steady_rate(run.output_dir / "metrics.jsonl", gb, warmup)
                 runs[who].append(rate["median_step_ms"])
                 print(f"[oom_guard] {cell} round {r} {who}: {rate['median_step_ms']:.1f} ms/step", flush=True)
         base, new = statistics.median(runs["base"]), statistics.median(runs["new"])
-        result["cells"][cell] = {"base_step_ms": runs["base"], "new_step_ms": runs["new"],
-                                 "median_base_ms": base, "median_new_ms": new, "new_over_base": new / base,
-                                 "per_round_ratio": [n / b for b, n in zip(runs["base"], runs["new"])]}
+        result["cells"][cell] = {
+            "base_step_ms": runs["base"],
+            "new_step_ms": runs["new"],
+            "median_base_ms": base,
+            "median_new_ms": new,
+            "new_over_base": new / base,
+            "per_round_ratio": [n / b for b, n in zip(runs["base"], runs["new"])],
+        }
         write(result, a.out, t_start)
     write(result, a.out, t_start)
     for cell, c in result["cells"].items():
-        print(f"{cell:12s} base {c['median_base_ms']:8.1f} ms  new {c['median_new_ms']:8.1f} ms  "
-              f"ratio {c['new_over_base']:.3f}  per round {[round(x, 3) for x in c['per_round_ratio']]}")
+        print(
+            f"{cell:12s} base {c['median_base_ms']:8.1f} ms  new {c['median_new_ms']:8.1f} ms  "
+            f"ratio {c['new_over_base']:.3f}  per round {[round(x, 3) for x in c['per_round_ratio']]}"
+        )
     return 0
 
 

@@ -3,6 +3,7 @@
 
     python benchmarks/plan_seed_setups.py  -> benchmarks/results/plan_seed_setups.json and a markdown table
 """
+
 from __future__ import annotations
 
 import json
@@ -18,10 +19,21 @@ SETUPS = [  # (label, config, overrides, gpus, gpu)
     ("roberta-base + resnet50", "configs/multimodal_sentiment.yaml", {}, 3, "a100-40gb"),
     ("roberta-large + resnet50", "configs/multimodal_sentiment.yaml", {"text_model": "roberta-large"}, 3, "a100-40gb"),
     ("roberta-base + densenet121", "configs/multimodal_densenet.yaml", {}, 3, "a100-40gb"),
-    ("roberta-large + densenet121", "configs/multimodal_densenet.yaml", {"text_model": "roberta-large"}, 3, "a100-40gb"),
+    (
+        "roberta-large + densenet121",
+        "configs/multimodal_densenet.yaml",
+        {"text_model": "roberta-large"},
+        3,
+        "a100-40gb",
+    ),
     ("longformer-base 4096", "configs/longformer_4096.yaml", {}, 4, "v100-16gb"),
-    ("longformer-large 4096", "configs/longformer_4096.yaml", {"text_model": "allenai/longformer-large-4096"}, 4,
-     "v100-16gb"),
+    (
+        "longformer-large 4096",
+        "configs/longformer_4096.yaml",
+        {"text_model": "allenai/longformer-large-4096"},
+        4,
+        "v100-16gb",
+    ),
 ]
 
 
@@ -45,20 +57,32 @@ def main() -> int:
         g = GPUS[gpu]
         p = plan(cfg, n, g.memory_gib * GIB, bf16_ok=g.bf16)
         out[label] = p
-        by = {(r["variant"], r["activation_checkpointing"]): r for r in p["rows"]
-              if r["micro_batch_size"] == cfg.train.per_device_batch_size}
+        by = {
+            (r["variant"], r["activation_checkpointing"]): r
+            for r in p["rows"]
+            if r["micro_batch_size"] == cfg.train.per_device_batch_size
+        }
 
         def cell(v):
-            off, on = by[(v, False)], by[(v, True)]
-            return (f"{off['total_bytes'] / GIB:.1f}{'' if off['fits'] else '✗'} / "
-                    f"{on['total_bytes'] / GIB:.1f}{'' if on['fits'] else '✗'}")
+            off, on = by[(v, False)], by[(v, True)]  # noqa: B023 - called within this iteration
+            return (
+                f"{off['total_bytes'] / GIB:.1f}{'' if off['fits'] else '✗'} / "
+                f"{on['total_bytes'] / GIB:.1f}{'' if on['fits'] else '✗'}"
+            )
+
         rec = p["recommendation"]
-        rec_s = (f"{rec['variant']}, AC {'on' if rec['activation_checkpointing'] else 'off'}, "
-                 f"{rec['micro_batch_size']} x {rec['grad_accum']}" if rec else "nothing fits")
-        lines.append(f"| {label} ({p['model_params'] / 1e6:.0f}M, {p['precision']}) | {n} x {g.name} | "
-                     f"{cfg.train.per_device_batch_size} x {cfg.train.grad_accum}, {cfg.data.max_length} | "
-                     + " | ".join(cell(v) for v in ("ddp", "zero2", "fsdp", "zero3", "zero3_offload"))
-                     + f" | {rec_s} |")
+        rec_s = (
+            f"{rec['variant']}, AC {'on' if rec['activation_checkpointing'] else 'off'}, "
+            f"{rec['micro_batch_size']} x {rec['grad_accum']}"
+            if rec
+            else "nothing fits"
+        )
+        lines.append(
+            f"| {label} ({p['model_params'] / 1e6:.0f}M, {p['precision']}) | {n} x {g.name} | "
+            f"{cfg.train.per_device_batch_size} x {cfg.train.grad_accum}, {cfg.data.max_length} | "
+            + " | ".join(cell(v) for v in ("ddp", "zero2", "fsdp", "zero3", "zero3_offload"))
+            + f" | {rec_s} |"
+        )
         print(lines[-1], flush=True)
     lines.append("\nGiB per GPU predicted, activation checkpointing off / on; ✗ = does not fit (5% headroom).")
     (REPO / "benchmarks/results/plan_seed_setups.json").write_text(json.dumps(out, indent=1))

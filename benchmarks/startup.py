@@ -17,6 +17,7 @@ dropped (a shared machine), so "cold" is cold for these caches, not for the disk
 
 shardtrain's phases come from the wall-clock stamps its loop writes to summary.json `startup`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,30 +39,45 @@ from overhead import REPO, launch  # noqa: E402
 
 CONFIG = REPO / "configs" / "longformer_tiny.yaml"
 CONTENDERS = ["shardtrain", "shardtrain_cli", "handwritten", "accelerate", "fabric", "hf_trainer"]
-PHASES = ["imports", "process_group", "data", "model_build", "strategy_setup", "banner_and_prediction",
-          "first_step"]
+PHASES = ["imports", "process_group", "data", "model_build", "strategy_setup", "banner_and_prediction", "first_step"]
 
 
 def command(contender: str, strategy: str, args: list[str], nproc: int) -> list[str]:
     if contender == "shardtrain_cli":  # what a user types; the parent process starts torchrun itself
-        return [sys.executable, "-m", "shardtrain", "train", "--nproc", str(nproc), *args,
-                *overhead.STRATEGY_ARGS[strategy]]
-    return [str(launch.BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-            f"--master_port={launch.free_port()}", str(overhead.SCRIPTS[contender](strategy)), *args,
-            *overhead.STRATEGY_ARGS[strategy]]
+        return [
+            sys.executable,
+            "-m",
+            "shardtrain",
+            "train",
+            "--nproc",
+            str(nproc),
+            *args,
+            *overhead.STRATEGY_ARGS[strategy],
+        ]
+    return [
+        str(launch.BIN / "torchrun"),
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={launch.free_port()}",
+        str(overhead.SCRIPTS[contender](strategy)),
+        *args,
+        *overhead.STRATEGY_ARGS[strategy],
+    ]
 
 
 def phases(launched: float, stamps: dict) -> dict:
     """Seconds per phase from the loop's wall-clock stamps (imports: launch to train(), the launcher, the
     interpreter, the imports, the config and the pre-launch checks included)."""
     built = stamps["model_build_seconds"]
-    return {"imports": stamps["train_entry"] - launched,
-            "process_group": stamps["process_group"] - stamps["train_entry"],
-            "data": stamps["data"] - stamps["process_group"],
-            "model_build": built,
-            "strategy_setup": stamps["strategy_setup"] - stamps["data"] - built,
-            "banner_and_prediction": stamps["banner"] - stamps["strategy_setup"],
-            "first_step": stamps["first_step"] - stamps["banner"]}
+    return {
+        "imports": stamps["train_entry"] - launched,
+        "process_group": stamps["process_group"] - stamps["train_entry"],
+        "data": stamps["data"] - stamps["process_group"],
+        "model_build": built,
+        "strategy_setup": stamps["strategy_setup"] - stamps["data"] - built,
+        "banner_and_prediction": stamps["banner"] - stamps["strategy_setup"],
+        "first_step": stamps["first_step"] - stamps["banner"],
+    }
 
 
 def run_once(contender: str, strategy: str, data: Path, work: Path, cold: bool, nproc: int, warm_env: dict):
@@ -73,8 +89,22 @@ def run_once(contender: str, strategy: str, data: Path, work: Path, cold: bool, 
     if cold:
         fresh = Path(tempfile.mkdtemp(prefix="cold-", dir=work))
         env.update(TORCH_EXTENSIONS_DIR=str(fresh / "torch_extensions"), HF_DATASETS_CACHE=str(fresh / "datasets"))
-    args = ["--config", str(CONFIG), "--data-dir", str(data), "--output-dir", str(out), "--resume", "none",
-            "--max-steps", "2", "--eval-every", "0", "--save-every", "0"]
+    args = [
+        "--config",
+        str(CONFIG),
+        "--data-dir",
+        str(data),
+        "--output-dir",
+        str(out),
+        "--resume",
+        "none",
+        "--max-steps",
+        "2",
+        "--eval-every",
+        "0",
+        "--save-every",
+        "0",
+    ]
     launched = time.time()
     run = launch.run(command(contender, strategy, args, nproc), timeout=900, env=env, check=False)
     if fresh is not None:
@@ -107,10 +137,14 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--contenders: unknown {sorted(unknown)}; known: {', '.join(CONTENDERS)}")
     if a.dry_run:
-        strategies, a.rounds, a.cold_rounds = ["ddp"] if a.strategies == ap.get_default("strategies") \
-            else strategies, 1, 0
+        strategies, a.rounds, a.cold_rounds = (
+            ["ddp"] if a.strategies == ap.get_default("strategies") else strategies,
+            1,
+            0,
+        )
 
     from shardtrain.data import make_data
+
     work = Path(a.work)
     data = work / "data"
     if not (data / "train.jsonl").exists():
@@ -118,17 +152,24 @@ def main(argv=None) -> int:
     warm_env = launch.test_env(HF_DATASETS_CACHE=str(work / "hf_datasets"))
     warm_env.pop("WANDB_MODE", None)  # W&B stays off, as it is without --report-to
 
-    result = {"benchmark": "startup", "dry_run": a.dry_run, "nproc": a.nproc, "device": "cpu (gloo)",
-              "config": str(CONFIG.relative_to(REPO)), "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
-              "measures": "seconds from starting the launch command to the wall-clock stamp of step 1 in rank 0's "
-                          "metrics.jsonl; medians over rounds",
-              "warm": "TORCH_EXTENSIONS_DIR (DeepSpeed's JIT ops) and HF_DATASETS_CACHE (shardtrain's tokenised "
-                      "splits) filled by an earlier run of the same command",
-              "cold": "TORCH_EXTENSIONS_DIR and HF_DATASETS_CACHE empty (fresh folders for the one run): DeepSpeed "
-                      "builds its ops, shardtrain tokenises; the OS page cache is not dropped (shared machine)",
-              "every_run": "fresh output folder: every contender trains its BPE tokenizer, as a first run does",
-              "command": " ".join(["benchmarks/startup.py", *(argv if argv is not None else sys.argv[1:])]),
-              "rounds": {"warm": a.rounds, "cold": a.cold_rounds}, "entries": []}
+    result = {
+        "benchmark": "startup",
+        "dry_run": a.dry_run,
+        "nproc": a.nproc,
+        "device": "cpu (gloo)",
+        "config": str(CONFIG.relative_to(REPO)),
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
+        "measures": "seconds from starting the launch command to the wall-clock stamp of step 1 in rank 0's "
+        "metrics.jsonl; medians over rounds",
+        "warm": "TORCH_EXTENSIONS_DIR (DeepSpeed's JIT ops) and HF_DATASETS_CACHE (shardtrain's tokenised "
+        "splits) filled by an earlier run of the same command",
+        "cold": "TORCH_EXTENSIONS_DIR and HF_DATASETS_CACHE empty (fresh folders for the one run): DeepSpeed "
+        "builds its ops, shardtrain tokenises; the OS page cache is not dropped (shared machine)",
+        "every_run": "fresh output folder: every contender trains its BPE tokenizer, as a first run does",
+        "command": " ".join(["benchmarks/startup.py", *(argv if argv is not None else sys.argv[1:])]),
+        "rounds": {"warm": a.rounds, "cold": a.cold_rounds},
+        "entries": [],
+    }
     t_start = time.time()
     # One unmeasured run fills the warm tokenised-data cache; the warm JIT-op cache is the venv's (tests fill it).
     run_once("shardtrain", "ddp", data, work, False, a.nproc, warm_env)
@@ -137,7 +178,7 @@ def main(argv=None) -> int:
         runs = {c: {"warm": [], "cold": []} for c in contenders}
         skipped = {}
         plan = [("cold", i) for i in range(a.cold_rounds)] + [("warm", i) for i in range(a.rounds)]
-        for kind, i in plan:
+        for kind, _i in plan:
             for c in contenders:
                 if c in skipped:
                     continue
@@ -158,11 +199,18 @@ def main(argv=None) -> int:
                     entry[f"{kind}_seconds"] = statistics.median(secs) if secs else None
                     entry[f"{kind}_runs"] = secs
                     if c.startswith("shardtrain") and runs[c][kind]:
-                        entry[f"{kind}_phases_median"] = {p: statistics.median(r["phases"][p] for r in runs[c][kind])
-                                                          for p in PHASES}
+                        entry[f"{kind}_phases_median"] = {
+                            p: statistics.median(r["phases"][p] for r in runs[c][kind]) for p in PHASES
+                        }
             result["entries"].append(entry)
-        hand = next((e.get("warm_seconds") for e in result["entries"]
-                     if e["strategy"] == strategy and e["contender"] == "handwritten"), None)
+        hand = next(
+            (
+                e.get("warm_seconds")
+                for e in result["entries"]
+                if e["strategy"] == strategy and e["contender"] == "handwritten"
+            ),
+            None,
+        )
         for e in result["entries"]:
             if e["strategy"] == strategy and hand and e.get("warm_seconds"):
                 e["warm_ratio_vs_handwritten"] = e["warm_seconds"] / hand
@@ -173,8 +221,10 @@ def main(argv=None) -> int:
     print(f"\n{'strategy':8s} {'contender':15s} {'warm s':>7s} {'cold s':>7s} {'vs hand':>8s}")
     for e in result["entries"]:
         f = lambda v: f"{v:7.1f}" if v else f"{'-':>7s}"  # noqa: E731
-        print(f"{e['strategy']:8s} {e['contender']:15s} {f(e.get('warm_seconds'))} {f(e.get('cold_seconds'))} "
-              f"{e.get('warm_ratio_vs_handwritten') or 0:8.2f}" + (f"  {e['skipped'][:60]}" if "skipped" in e else ""))
+        print(
+            f"{e['strategy']:8s} {e['contender']:15s} {f(e.get('warm_seconds'))} {f(e.get('cold_seconds'))} "
+            f"{e.get('warm_ratio_vs_handwritten') or 0:8.2f}" + (f"  {e['skipped'][:60]}" if "skipped" in e else "")
+        )
     print(f"wrote {a.out}")
     return 0
 

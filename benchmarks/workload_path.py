@@ -9,11 +9,11 @@ into a temporary folder (no worktree). Each pair runs both checkouts as real 2-p
 in alternating order, on the same data, seed and flags. The rate is global batch x (steps after warm-up) / (time
 between the first and last kept metrics.jsonl `wall_time` stamps), as benchmarks/overhead.py measures it.
 """
+
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -27,8 +27,12 @@ import launch  # noqa: E402  tests/launch.py: the one way this repo starts torch
 
 
 def base_revision() -> str:
-    first = subprocess.run(["git", "-C", str(REPO), "log", "--diff-filter=A", "--format=%H", "--",
-                            "shardtrain/workload.py"], capture_output=True, text=True, check=True).stdout.split()
+    first = subprocess.run(
+        ["git", "-C", str(REPO), "log", "--diff-filter=A", "--format=%H", "--", "shardtrain/workload.py"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     return f"{first[-1]}^"
 
 
@@ -48,8 +52,21 @@ def rate(run_dir: Path, warmup: int) -> float:
 
 def one(checkout: Path, data: Path, out: Path, steps: int) -> None:
     env = launch.test_env(PYTHONPATH=str(checkout))
-    args = launch.tiny_args("multimodal", data, out, "--strategy", "ddp", "--max-steps", str(steps),
-                            "--save-final", "false", "--log-every", "1000", "--max-eval-samples", "16")
+    args = launch.tiny_args(
+        "multimodal",
+        data,
+        out,
+        "--strategy",
+        "ddp",
+        "--max-steps",
+        str(steps),
+        "--save-final",
+        "false",
+        "--log-every",
+        "1000",
+        "--max-eval-samples",
+        "16",
+    )
     launch.torchrun(args, env=env, script=checkout / "shardtrain" / "main.py", timeout=900)
 
 
@@ -65,6 +82,7 @@ def main() -> int:
         tmp = Path(tmp)
         sys.path.insert(0, str(REPO))
         from shardtrain.data import make_data
+
         data = make_data("multimodal", tmp / "data", n_train=512, n_val=32, seed=0)
         checkouts = {"workload": REPO, "previous": unpack(base, tmp / "previous")}
         rates: dict[str, list[float]] = {k: [] for k in checkouts}
@@ -76,9 +94,17 @@ def main() -> int:
                 rates[name].append(rate(out, args.warmup))
                 print(f"pair {i} {name}: {rates[name][-1]:.2f} samples/s", flush=True)
     ratios = [w / p for w, p in zip(rates["workload"], rates["previous"])]
-    result = {"base": base, "config": "configs/multimodal_tiny.yaml", "strategy": "ddp", "world_size": 2,
-              "steps": args.steps, "warmup": args.warmup, "samples_per_sec": rates,
-              "paired_ratios": [round(r, 4) for r in ratios], "median_ratio": round(statistics.median(ratios), 4)}
+    result = {
+        "base": base,
+        "config": "configs/multimodal_tiny.yaml",
+        "strategy": "ddp",
+        "world_size": 2,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "samples_per_sec": rates,
+        "paired_ratios": [round(r, 4) for r in ratios],
+        "median_ratio": round(statistics.median(ratios), 4),
+    }
     (REPO / "benchmarks" / "results" / "workload_path.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))
     return 0

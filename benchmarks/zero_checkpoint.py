@@ -19,6 +19,7 @@ parameter), bytes <= 1.05 x model state, save and load time <= 1.2 x FSDP's (pai
 The machine is a loaded 2-core VM shared with other engineers: the load average is recorded per launch; at 4
 processes the ranks share 2 cores, so times there say more about the machine than about the formats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,9 +37,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
-STRATEGIES = {"fsdp": ["--strategy", "fsdp"], "zero2": ["--ds", str(REPO / "ds_configs" / "zero2.json")],
-              "zero3": ["--ds", str(REPO / "ds_configs" / "zero3.json")],
-              "zero3_gathered": ["--ds", str(REPO / "ds_configs" / "zero3.json")]}
+STRATEGIES = {
+    "fsdp": ["--strategy", "fsdp"],
+    "zero2": ["--ds", str(REPO / "ds_configs" / "zero2.json")],
+    "zero3": ["--ds", str(REPO / "ds_configs" / "zero3.json")],
+    "zero3_gathered": ["--ds", str(REPO / "ds_configs" / "zero3.json")],
+}
 LAYERS, WIDTH = 16, 2048
 TARGETS = {"extra_rss_over_state_per_rank": 1.25, "bytes_over_state": 1.05, "time_over_fsdp": 1.2}
 
@@ -130,8 +134,21 @@ def worker(a) -> int:
     info = None
     for rnd in range(a.rounds):
         for name in a.strategies.split(","):
-            cfg = parse_cli(["--device", "cpu", "--output-dir", str(work / "out"), "--precision", "fp32",
-                             "--lr", "1e-3", "--warmup-steps", "0", *STRATEGIES[name]])
+            cfg = parse_cli(
+                [
+                    "--device",
+                    "cpu",
+                    "--output-dir",
+                    str(work / "out"),
+                    "--precision",
+                    "fp32",
+                    "--lr",
+                    "1e-3",
+                    "--warmup-steps",
+                    "0",
+                    *STRATEGIES[name],
+                ]
+            )
             info = info or init_distributed("cpu")
             workload = mlp_workload(cfg)
             strategy = make_strategy(cfg, info, workload)
@@ -183,15 +200,27 @@ def worker(a) -> int:
             dist.all_gather(rows, row)
             params = LAYERS * (WIDTH * WIDTH + WIDTH)
             if info.is_rank0:
-                results.append({"round": rnd, "strategy": name, "nproc": info.world_size, "parameters": params,
-                                "save_seconds": max(float(r[0]) for r in rows),
-                                "load_seconds": max(float(r[1]) for r in rows),
-                                "save_extra_rss_bytes_per_rank": [int(r[2]) for r in rows],
-                                "load_extra_rss_bytes_per_rank": [int(r[3]) for r in rows],
-                                "bytes_written": written, "load_average_1min": round(os.getloadavg()[0], 2)})
-                print(f"[zero_checkpoint] N={info.world_size} round {rnd} {name}: save {results[-1]['save_seconds']:.2f}s "
-                      f"load {results[-1]['load_seconds']:.2f}s extra RSS {max(int(r[2]) for r in rows) / 2**20:.0f} MiB "
-                      f"written {written / 2**20:.0f} MiB", flush=True)
+                results.append(
+                    {
+                        "round": rnd,
+                        "strategy": name,
+                        "nproc": info.world_size,
+                        "parameters": params,
+                        "save_seconds": max(float(r[0]) for r in rows),
+                        "load_seconds": max(float(r[1]) for r in rows),
+                        "save_extra_rss_bytes_per_rank": [int(r[2]) for r in rows],
+                        "load_extra_rss_bytes_per_rank": [int(r[3]) for r in rows],
+                        "bytes_written": written,
+                        "load_average_1min": round(os.getloadavg()[0], 2),
+                    }
+                )
+                print(
+                    f"[zero_checkpoint] N={info.world_size} round {rnd} {name}: "
+                    f"save {results[-1]['save_seconds']:.2f}s "
+                    f"load {results[-1]['load_seconds']:.2f}s extra RSS {max(int(r[2]) for r in rows) / 2**20:.0f} MiB "
+                    f"written {written / 2**20:.0f} MiB",
+                    flush=True,
+                )
                 (work / "results.json").write_text(json.dumps(results, indent=1))
             if hasattr(strategy, "engine"):
                 strategy.engine.destroy()
@@ -216,13 +245,18 @@ def summarize(rows: list[dict], strategies: list[str]) -> dict:
                 continue
             extra = statistics.median(max(r["save_extra_rss_bytes_per_rank"]) for r in mine)
             written = statistics.median(r["bytes_written"] for r in mine)
-            cell = {"model_state_bytes": state, "save_extra_rss_bytes_per_rank_max": extra,
-                    "extra_rss_over_state_per_rank": extra / (state / n),
-                    "bytes_written": written, "bytes_over_state": written / state,
-                    "save_seconds": statistics.median(r["save_seconds"] for r in mine),
-                    "load_seconds": statistics.median(r["load_seconds"] for r in mine),
-                    "load_extra_rss_bytes_per_rank_max": statistics.median(
-                        max(r["load_extra_rss_bytes_per_rank"]) for r in mine)}
+            cell = {
+                "model_state_bytes": state,
+                "save_extra_rss_bytes_per_rank_max": extra,
+                "extra_rss_over_state_per_rank": extra / (state / n),
+                "bytes_written": written,
+                "bytes_over_state": written / state,
+                "save_seconds": statistics.median(r["save_seconds"] for r in mine),
+                "load_seconds": statistics.median(r["load_seconds"] for r in mine),
+                "load_extra_rss_bytes_per_rank_max": statistics.median(
+                    max(r["load_extra_rss_bytes_per_rank"]) for r in mine
+                ),
+            }
             if s != "fsdp" and fsdp:
                 paired = [(r, fsdp[r["round"]]) for r in mine if r["round"] in fsdp]
                 cell["save_over_fsdp"] = statistics.median(r["save_seconds"] / f["save_seconds"] for r, f in paired)
@@ -231,7 +265,8 @@ def summarize(rows: list[dict], strategies: list[str]) -> dict:
                     "extra_rss": cell["extra_rss_over_state_per_rank"] <= TARGETS["extra_rss_over_state_per_rank"],
                     "bytes": cell["bytes_over_state"] <= TARGETS["bytes_over_state"],
                     "save_time": cell["save_over_fsdp"] <= TARGETS["time_over_fsdp"],
-                    "load_time": cell["load_over_fsdp"] <= TARGETS["time_over_fsdp"]}
+                    "load_time": cell["load_over_fsdp"] <= TARGETS["time_over_fsdp"],
+                }
             cells[s] = cell
         out[str(n)] = cells
     return out
@@ -251,6 +286,7 @@ def main(argv=None) -> int:
         return worker(a)
 
     import launch  # tests/launch.py: the one way this repo starts torchrun jobs
+
     from shardtrain.observability.tracking import library_versions
 
     rows, loads, t_start, earlier = [], {}, time.time(), {}
@@ -263,37 +299,59 @@ def main(argv=None) -> int:
         work = Path(a.work) / f"n{n}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir(parents=True)
-        cmd = [str(launch.BIN / "torchrun"), f"--nproc_per_node={n}", "--master_addr=127.0.0.1",
-               f"--master_port={launch.free_port()}", str(Path(__file__).resolve()), "--worker",
-               "--rounds", str(a.rounds), "--strategies", a.strategies, "--work", str(work)]
+        cmd = [
+            str(launch.BIN / "torchrun"),
+            f"--nproc_per_node={n}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={launch.free_port()}",
+            str(Path(__file__).resolve()),
+            "--worker",
+            "--rounds",
+            str(a.rounds),
+            "--strategies",
+            a.strategies,
+            "--work",
+            str(work),
+        ]
         before = os.getloadavg()[0]
         launch.run(cmd, timeout=1800, env=launch.test_env())
         loads[str(n)] = [round(before, 2), round(os.getloadavg()[0], 2)]
         rows += json.loads((work / "results.json").read_text())
     strategies = list(dict.fromkeys([*a.strategies.split(","), *(r["strategy"] for r in rows)]))
-    result = {"benchmark": "zero_checkpoint", "issue": 28,
-              "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}) MLP, fp32, AdamW", "device": "cpu (gloo)",
-              "host": {"cpus": os.cpu_count(), "machine": platform.machine()}, "rounds": {str(n): max(r["round"] for r in rows if r["nproc"] == n) + 1 for n in {r["nproc"] for r in rows}},
-              "method": "per world size one torchrun launch; per round every strategy in turn (interleaved): setup, "
-                        "one optimizer step, strategy.save (extra peak RSS sampled every 2 ms from /proc/self/statm "
-                        "minus the RSS just before; wall time of the slowest rank), bytes of the step folder, "
-                        "strategy.load (wall time). Medians over rounds; time ratios paired per round against fsdp. "
-                        "zero3_gathered: the save before issue 28 (full gather on every rank + engine files)",
-              "targets": TARGETS,
-              "machine_load": "a 2-core VM shared with other engineers' jobs; 1-min load average before/after each "
-                              "launch in load_average_1min, and per save in runs",
-              "load_average_1min": loads, "summary": summarize(rows, strategies), "runs": rows,
-              "wall_seconds": round(time.time() - t_start + earlier.get("wall_seconds", 0.0), 1),
-              "versions": library_versions()}
+    result = {
+        "benchmark": "zero_checkpoint",
+        "issue": 28,
+        "model": f"{LAYERS} x Linear({WIDTH}, {WIDTH}) MLP, fp32, AdamW",
+        "device": "cpu (gloo)",
+        "host": {"cpus": os.cpu_count(), "machine": platform.machine()},
+        "rounds": {str(n): max(r["round"] for r in rows if r["nproc"] == n) + 1 for n in {r["nproc"] for r in rows}},
+        "method": "per world size one torchrun launch; per round every strategy in turn (interleaved): setup, "
+        "one optimizer step, strategy.save (extra peak RSS sampled every 2 ms from /proc/self/statm "
+        "minus the RSS just before; wall time of the slowest rank), bytes of the step folder, "
+        "strategy.load (wall time). Medians over rounds; time ratios paired per round against fsdp. "
+        "zero3_gathered: the save before issue 28 (full gather on every rank + engine files)",
+        "targets": TARGETS,
+        "machine_load": "a 2-core VM shared with other engineers' jobs; 1-min load average before/after each "
+        "launch in load_average_1min, and per save in runs",
+        "load_average_1min": loads,
+        "summary": summarize(rows, strategies),
+        "runs": rows,
+        "wall_seconds": round(time.time() - t_start + earlier.get("wall_seconds", 0.0), 1),
+        "versions": library_versions(),
+    }
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"\n{'N':>2} {'strategy':15s} {'extraRSS/(S/N)':>14s} {'bytes/S':>8s} {'save s':>7s} {'load s':>7s} "
-          f"{'save/fsdp':>9s} {'load/fsdp':>9s}")
+    print(
+        f"\n{'N':>2} {'strategy':15s} {'extraRSS/(S/N)':>14s} {'bytes/S':>8s} {'save s':>7s} {'load s':>7s} "
+        f"{'save/fsdp':>9s} {'load/fsdp':>9s}"
+    )
     for n, cells in result["summary"].items():
         for s, c in cells.items():
-            print(f"{n:>2} {s:15s} {c['extra_rss_over_state_per_rank']:14.3f} {c['bytes_over_state']:8.3f} "
-                  f"{c['save_seconds']:7.2f} {c['load_seconds']:7.2f} {c.get('save_over_fsdp', 1.0):9.2f} "
-                  f"{c.get('load_over_fsdp', 1.0):9.2f}")
+            print(
+                f"{n:>2} {s:15s} {c['extra_rss_over_state_per_rank']:14.3f} {c['bytes_over_state']:8.3f} "
+                f"{c['save_seconds']:7.2f} {c['load_seconds']:7.2f} {c.get('save_over_fsdp', 1.0):9.2f} "
+                f"{c.get('load_over_fsdp', 1.0):9.2f}"
+            )
     print(f"wrote {a.out}")
     return 0
 

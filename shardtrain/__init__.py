@@ -9,9 +9,11 @@ Looked up lazily: `shardtrain doctor` and config errors must not pay for importi
 def __getattr__(name):
     if name == "Workload":
         from shardtrain.workloads.base import Workload
+
         return Workload
     if name == "fit":
         from shardtrain.api import fit
+
         return fit
     raise AttributeError(f"module 'shardtrain' has no attribute {name!r}")
 

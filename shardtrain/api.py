@@ -11,6 +11,7 @@ Inside ranks that torchrun / srun / the deepspeed launcher started, each rank tr
 itself with `nproc` processes, as `train` does; the summary then comes from the run's summary.json.
 Overrides are the flags' names with underscores (`max_steps=100`, `workload_args={...}`, `config="x.yaml"`).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ from shardtrain.config.settings import ConfigError, flag_of
 
 
 def fit(workload, **overrides) -> dict:
-    from shardtrain.workloads.base import Workload, target_of
+    from shardtrain.workloads.base import Workload
 
     instance = workload if isinstance(workload, Workload) else None
     if instance is not None:
@@ -32,8 +33,9 @@ def fit(workload, **overrides) -> dict:
     elif isinstance(workload, str):
         target = workload
     else:
-        raise ConfigError(f"shardtrain.fit: expected a Workload subclass, instance or 'module:Class', "
-                          f"got {type(workload).__name__}")
+        raise ConfigError(
+            f"shardtrain.fit: expected a Workload subclass, instance or 'module:Class', got {type(workload).__name__}"
+        )
     if instance is not None and instance.args and "workload_args" not in overrides:
         overrides["workload_args"] = instance.args
     argv = ["--workload", target] + _as_flags(overrides)
@@ -48,8 +50,10 @@ def _importable_target(cls: type) -> str:
         return target_of(cls)
     main_file = getattr(sys.modules["__main__"], "__file__", None)
     if not main_file:
-        raise ConfigError(f"shardtrain.fit: {cls.__name__} is defined in an interactive session; relaunched ranks "
-                          f"cannot import it: put it in a module (e.g. tasks.py)")
+        raise ConfigError(
+            f"shardtrain.fit: {cls.__name__} is defined in an interactive session; relaunched ranks "
+            f"cannot import it: put it in a module (e.g. tasks.py)"
+        )
     folder = str(Path(main_file).resolve().parent)
     # The relaunched ranks find the script's folder through PYTHONPATH; this process through sys.path.
     os.environ["PYTHONPATH"] = folder + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
@@ -95,6 +99,7 @@ def _run(argv: list[str], instance) -> dict:
 
     from shardtrain.loop.train import train
     from shardtrain.runtime.distributed import barrier
+
     if instance is not None:
         instance.cfg = cfg  # the run's config, as a workload built by name gets it
     ours = not dist.is_initialized()  # a group the caller's own code started is the caller's to end

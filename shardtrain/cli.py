@@ -4,6 +4,7 @@ Each command is a module in commands/ with `main(argv) -> int`, imported only wh
 `shardtrain doctor` never pays for importing DeepSpeed. This module owns the one error guard: a ConfigError
 becomes one line on stderr and exit code 2, anything else one line and 1 (a traceback with --debug).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -55,6 +56,7 @@ def run_command(name: str, argv: list[str]) -> int:
     survive_closed_output()  # `shardtrain plan | head` ends quietly; training goes on (see closed_output.py)
     if name not in OWN_VERBOSITY:
         from shardtrain.runtime.chatter import quiet_libraries
+
         quiet_libraries(verbose=False)
     command = importlib.import_module(COMMANDS[name][0])
     code = run_guarded(command.main, argv)
@@ -62,6 +64,7 @@ def run_command(name: str, argv: list[str]) -> int:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         from shardtrain.runtime.distributed import teardown_and_exit
+
         teardown_and_exit(code)  # see distributed.teardown_and_exit
     return code
 
@@ -137,8 +140,9 @@ def _lost_peer(e: BaseException) -> bool:
     names = {c.__name__ for c in type(e).__mro__}
     text = str(e).lower()
     return bool(names & {"DistError", "DistBackendError", "DistNetworkError"}) or any(
-        s in text for s in ("closed by peer", "connection reset", "broken pipe", "connection refused",
-                            "timed out waiting"))  # gloo's line when a peer or its link went silent
+        s in text
+        for s in ("closed by peer", "connection reset", "broken pipe", "connection refused", "timed out waiting")
+    )  # gloo's line when a peer or its link went silent
 
 
 if __name__ == "__main__":

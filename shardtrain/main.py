@@ -1,9 +1,10 @@
 """Script entry for launchers that run a file:
 
-    torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy fsdp
-    deepspeed --num_gpus 4 shardtrain/main.py --config configs/longformer_4096.yaml --ds ds_configs/zero2.json
-    srun python shardtrain/main.py --config ...          (one task per GPU)
+torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy fsdp
+deepspeed --num_gpus 4 shardtrain/main.py --config configs/longformer_4096.yaml --ds ds_configs/zero2.json
+srun python shardtrain/main.py --config ...          (one task per GPU)
 """
+
 import os
 import sys
 

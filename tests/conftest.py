@@ -1,4 +1,5 @@
 """Session-wide fixtures: the synthetic datasets are made once and shared (read-only) by every test."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from local_slurm import local_slurm  # noqa: E402,F401 - the session's Slurm cluster, stopped at its end
 import hosts as namespace_hosts_module  # noqa: E402
+from local_slurm import local_slurm  # noqa: E402,F401 - the session's Slurm cluster, stopped at its end
 
 
 @pytest.fixture
@@ -53,14 +54,23 @@ def datasets_cache(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def mm_data(tmp_path_factory) -> Path:
     from shardtrain.data import make_data
+
     return make_data("multimodal", tmp_path_factory.mktemp("data") / "multimodal", n_train=256, n_val=64, seed=0)
 
 
 @pytest.fixture(scope="session")
 def ld_data(tmp_path_factory) -> Path:
     from shardtrain.data import make_data
-    return make_data("longdoc", tmp_path_factory.mktemp("data") / "longdoc", n_train=128, n_val=32, seed=0,
-                     min_words=60, max_words=300)
+
+    return make_data(
+        "longdoc",
+        tmp_path_factory.mktemp("data") / "longdoc",
+        n_train=128,
+        n_val=32,
+        seed=0,
+        min_words=60,
+        max_words=300,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ Teardown always runs: every process in a node is killed and every namespace dele
 left by an earlier run that could not tear down (the test process was SIGKILLed) fails the next start with a
 line naming it.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 PREFIX = "shardtrain-t"  # every namespace these tests create starts with this
-SUBNET = "10.213.0"      # lives only inside the namespaces; a node's address is SUBNET.<its number>
+SUBNET = "10.213.0"  # lives only inside the namespaces; a node's address is SUBNET.<its number>
 TOOLS = ("ip", "unshare", "nsenter", "mount")
 
 
@@ -43,7 +44,7 @@ def unavailable() -> str | None:
 def _owner_alive(netns: str) -> bool:
     """Whether the process that built `netns` (its name carries that pid) still runs: then the namespace is in
     use by a concurrent test session on this machine, not left over."""
-    pid = netns[len(PREFIX) + 1:].split("-")[0]
+    pid = netns[len(PREFIX) + 1 :].split("-")[0]
     if not pid.isdigit():
         return False
     try:
@@ -60,12 +61,19 @@ def leftovers(mine: str | None = None) -> list[str]:
     which are not leftovers, and neither are those of another live test process."""
     found = []
     netns = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
-    found += [f"network namespace {line.split()[0]}" for line in netns
-              if line.startswith(PREFIX) and not (mine and line.startswith(f"{PREFIX}-{mine}-"))
-              and not (mine and _owner_alive(line.split()[0]))]
+    found += [
+        f"network namespace {line.split()[0]}"
+        for line in netns
+        if line.startswith(PREFIX)
+        and not (mine and line.startswith(f"{PREFIX}-{mine}-"))
+        and not (mine and _owner_alive(line.split()[0]))
+    ]
     links = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout.splitlines()
-    found += [f"link {line.split(':')[1].strip().split('@')[0]}" for line in links
-              if len(line.split(":")) > 1 and line.split(":")[1].strip().startswith(("st-", PREFIX))]
+    found += [
+        f"link {line.split(':')[1].strip().split('@')[0]}"
+        for line in links
+        if len(line.split(":")) > 1 and line.split(":")[1].strip().startswith(("st-", PREFIX))
+    ]
     return found
 
 
@@ -75,7 +83,7 @@ def _ip(*args: str) -> None:
 
 @dataclass
 class Node:
-    name: str           # its hostname: node1, node2, ...
+    name: str  # its hostname: node1, node2, ...
     address: str
     netns: str
     hosts_file: Path
@@ -84,14 +92,29 @@ class Node:
 
     def wrap(self, cmd: list[str], setup: str = "") -> list[str]:
         """`cmd` as run on this node. `setup`: shell lines run first, inside the node (e.g. slurmd's mounts)."""
-        lines = [f"hostname {shlex.quote(self.hostname or self.name)}", f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts",
-                 "mount -t tmpfs -o size=2g tmpfs /dev/shm"]
+        lines = [
+            f"hostname {shlex.quote(self.hostname or self.name)}",
+            f"mount --bind {shlex.quote(str(self.hosts_file))} /etc/hosts",
+            "mount -t tmpfs -o size=2g tmpfs /dev/shm",
+        ]
         lines += [f"mount -t tmpfs tmpfs {shlex.quote(str(d))}" for d in self.private_dirs]
         if setup:
             lines.append(setup)
         script = " && ".join(lines) + ' && exec "$@"'
-        return ["nsenter", f"--net=/run/netns/{self.netns}", "unshare", "--uts", "--mount",
-                "--propagation", "private", "sh", "-c", script, "sh", *cmd]
+        return [
+            "nsenter",
+            f"--net=/run/netns/{self.netns}",
+            "unshare",
+            "--uts",
+            "--mount",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            script,
+            "sh",
+            *cmd,
+        ]
 
     def run(self, cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
         return subprocess.run(self.wrap(cmd), **kwargs)
@@ -112,8 +135,9 @@ class Hosts:
         self.switch = f"{PREFIX}-{self.tag}-switch"
         self.dir = Path(tempfile.mkdtemp(prefix="shardtrain-hosts-"))
         hosts_file = self.dir / "hosts"
-        self.nodes = [Node(f"node{i}", f"{SUBNET}.{i}", f"{PREFIX}-{self.tag}-node{i}", hosts_file)
-                      for i in range(1, count + 1)]
+        self.nodes = [
+            Node(f"node{i}", f"{SUBNET}.{i}", f"{PREFIX}-{self.tag}-node{i}", hosts_file) for i in range(1, count + 1)
+        ]
         hosts_file.write_text("127.0.0.1 localhost\n" + "".join(f"{n.address} {n.name}\n" for n in self.nodes))
 
     def __getitem__(self, name: str) -> Node:
@@ -123,8 +147,10 @@ class Hosts:
         left = leftovers(mine=str(os.getpid()))  # this process's other hosts are in use, not left over
         if left:
             shutil.rmtree(self.dir, ignore_errors=True)
-            raise RuntimeError(f"an earlier test run left {left[0]} behind (and {len(left) - 1} more); remove it "
-                               f"(`ip netns del NAME`) before running the multi-node tests")
+            raise RuntimeError(
+                f"an earlier test run left {left[0]} behind (and {len(left) - 1} more); remove it "
+                f"(`ip netns del NAME`) before running the multi-node tests"
+            )
         try:
             self._build()
         except BaseException:
@@ -140,8 +166,10 @@ class Hosts:
         things on these hosts (slurm/local-cluster/start.sh --run-on). It lives, and goes, with the hosts."""
         path = self.dir / "run-on"
         cases = "".join(f'    {n.name}) exec {shlex.join(n.wrap([]))} "$@" ;;\n' for n in self.nodes)
-        path.write_text(f'#!/bin/sh\n# run-on NODE CMD...\nnode=$1; shift\ncase "$node" in\n{cases}'
-                        f'    *) echo "run-on: no host $node" >&2; exit 2 ;;\nesac\n')
+        path.write_text(
+            f'#!/bin/sh\n# run-on NODE CMD...\nnode=$1; shift\ncase "$node" in\n{cases}'
+            f'    *) echo "run-on: no host $node" >&2; exit 2 ;;\nesac\n'
+        )
         path.chmod(0o755)
         return path
 
@@ -151,8 +179,20 @@ class Hosts:
         _ip("-n", self.switch, "link", "set", "br0", "up")
         for i, node in enumerate(self.nodes, start=1):
             _ip("netns", "add", node.netns)
-            _ip("-n", self.switch, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0",
-                "netns", node.netns)
+            _ip(
+                "-n",
+                self.switch,
+                "link",
+                "add",
+                f"port{i}",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                "eth0",
+                "netns",
+                node.netns,
+            )
             _ip("-n", self.switch, "link", "set", f"port{i}", "master", "br0")
             _ip("-n", self.switch, "link", "set", f"port{i}", "up")
             _ip("-n", node.netns, "addr", "add", f"{node.address}/24", "dev", "eth0")

@@ -2,6 +2,7 @@
 
 Nothing is retried: a failed launch fails the test with the tail of its output.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,16 +27,22 @@ def free_port() -> int:
 
 def test_env(**extra) -> dict:
     env = dict(os.environ)
-    env.update({
-        "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline",
-        # DeepSpeed's JIT-built ops (shm_comm, cpu_adam) are cached once beside the venv.
-        "TORCH_EXTENSIONS_DIR": env.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")),
-        "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
-        # As if the venv were activated: DeepSpeed's JIT builds use the venv's ninja. Debian's ninja 1.11 and
-        # the venv's 1.13 hash build commands differently and rebuilt the shared op cache for each other.
-        "PATH": str(BIN) + os.pathsep + env.get("PATH", ""),
-    })
+    env.update(
+        {
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": "1",
+            "DS_ACCELERATOR": "cpu",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1",
+            "WANDB_MODE": "offline",
+            # DeepSpeed's JIT-built ops (shm_comm, cpu_adam) are cached once beside the venv.
+            "TORCH_EXTENSIONS_DIR": env.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")),
+            "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+            # As if the venv were activated: DeepSpeed's JIT builds use the venv's ninja. Debian's ninja 1.11 and
+            # the venv's 1.13 hash build commands differently and rebuilt the shared op cache for each other.
+            "PATH": str(BIN) + os.pathsep + env.get("PATH", ""),
+        }
+    )
     env.pop("RANK", None)
     env.pop("LOCAL_RANK", None)
     env.pop("WORLD_SIZE", None)
@@ -76,10 +83,12 @@ def _output_dir(args: list[str]) -> Path | None:
     return None
 
 
-def run(cmd: list[str], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None, cwd: Path = REPO,
-        check: bool = True) -> Run:
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or test_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+def run(
+    cmd: list[str], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None, cwd: Path = REPO, check: bool = True
+) -> Run:
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=env or test_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         result = Run(cmd, proc.returncode, stdout + stderr, _output_dir(cmd))
@@ -111,12 +120,26 @@ def kill_tree(pid: int) -> None:
             pass
 
 
-def torchrun(args: list[str], nproc: int = 2, check: bool = True, timeout: float = DEFAULT_TIMEOUT,
-             env: dict | None = None, extra_launcher_args: list[str] = (), script: Path = MAIN) -> Run:
+def torchrun(
+    args: list[str],
+    nproc: int = 2,
+    check: bool = True,
+    timeout: float = DEFAULT_TIMEOUT,
+    env: dict | None = None,
+    extra_launcher_args: list[str] = (),
+    script: Path = MAIN,
+) -> Run:
     # `script`: a test driver that calls shardtrain.loop.train.train() for several configs in one process group
     # (one launch instead of many); everything else goes through MAIN, the file users run.
-    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *extra_launcher_args, str(script), *args]
+    cmd = [
+        str(BIN / "torchrun"),
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *extra_launcher_args,
+        str(script),
+        *args,
+    ]
     return run(cmd, timeout=timeout, env=env, check=check)
 
 
@@ -135,24 +158,41 @@ def run_plan(plan: list[dict], root: Path, timeout: float, tail: int = 40) -> tu
     return run, results
 
 
-def torchrun_nodes_cmd(args: list[str], nproc: int = 1, nnodes: str = "2", endpoint: str = "node1:29400",
-                       extra_launcher_args: list[str] = (), script: Path = MAIN) -> list[str]:
+def torchrun_nodes_cmd(
+    args: list[str],
+    nproc: int = 1,
+    nnodes: str = "2",
+    endpoint: str = "node1:29400",
+    extra_launcher_args: list[str] = (),
+    script: Path = MAIN,
+) -> list[str]:
     """One node's torchrun of a multi-node job, joined through c10d rendezvous at `endpoint` (run it on each
     node of tests/hosts.py's namespace hosts: node.wrap(cmd))."""
-    return [str(BIN / "torchrun"), f"--nnodes={nnodes}", f"--nproc_per_node={nproc}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint={endpoint}", *extra_launcher_args, str(script), *args]
+    return [
+        str(BIN / "torchrun"),
+        f"--nnodes={nnodes}",
+        f"--nproc_per_node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        *extra_launcher_args,
+        str(script),
+        *args,
+    ]
 
 
-def run_together(cmds: list[list[str]], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None,
-                 check: bool = True) -> list[Run]:
+def run_together(
+    cmds: list[list[str]], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None, check: bool = True
+) -> list[Run]:
     """Start every command at once (one per node), wait for all; on a timeout every one is killed and the test
     fails with each one's tail. Runs come back in the order given."""
     import tempfile
     import time
 
     logs = [tempfile.TemporaryFile("w+") for _ in cmds]
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=env or test_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
-             for cmd, log in zip(cmds, logs)]
+    procs = [
+        subprocess.Popen(cmd, cwd=REPO, env=env or test_env(), stdout=log, stderr=subprocess.STDOUT, text=True)
+        for cmd, log in zip(cmds, logs)
+    ]
     deadline = time.monotonic() + timeout
     try:
         for proc in procs:
@@ -178,27 +218,47 @@ def run_together(cmds: list[list[str]], timeout: float = DEFAULT_TIMEOUT, env: d
     return runs
 
 
-def torchrun_background(args: list[str], nproc: int = 2, env: dict | None = None, log: Path | None = None,
-                        extra_launcher_args: list[str] = ()) -> subprocess.Popen:
+def torchrun_background(
+    args: list[str],
+    nproc: int = 2,
+    env: dict | None = None,
+    log: Path | None = None,
+    extra_launcher_args: list[str] = (),
+) -> subprocess.Popen:
     """A torchrun launch the test signals or kills while it runs. The agent is proc.pid; torchrun starts each
     worker in a session of its own, so killpg(agent) would not reach them: signal `pgrep -P proc.pid`."""
-    cmd = [str(BIN / "torchrun"), f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *extra_launcher_args, str(MAIN), *args]
+    cmd = [
+        str(BIN / "torchrun"),
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *extra_launcher_args,
+        str(MAIN),
+        *args,
+    ]
     out = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen(cmd, cwd=REPO, env=env or test_env(), stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env or test_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
 
 
 def cli_background(args: list[str], env: dict | None = None, log: Path | None = None) -> subprocess.Popen:
     """`python -m shardtrain <args>` that the test signals while it runs, in a process group of its own: a
     signal to the group is what a terminal's Ctrl-C sends."""
     out = open(log, "w") if log else subprocess.DEVNULL
-    return subprocess.Popen([sys.executable, "-m", "shardtrain", *args], cwd=REPO, env=env or test_env(),
-                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardtrain", *args],
+        cwd=REPO,
+        env=env or test_env(),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
-def deepspeed_launcher(args: list[str], nproc: int = 2, check: bool = True,
-                       timeout: float = DEFAULT_TIMEOUT, env: dict | None = None) -> Run:
+def deepspeed_launcher(
+    args: list[str], nproc: int = 2, check: bool = True, timeout: float = DEFAULT_TIMEOUT, env: dict | None = None
+) -> Run:
     # Without --num_gpus the launcher counts NUMA nodes on a CPU machine and starts one process.
     cmd = [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()), str(MAIN), *args]
     return run(cmd, timeout=timeout, env=env, check=check)
@@ -219,6 +279,7 @@ def predicted_metrics(run: Run, split: str = "validation") -> dict:
 def strategy_variants() -> dict[str, list[str]]:
     """shardtrain parity's strategy-name -> flags map, with the short name the test tables print."""
     from shardtrain.commands.parity import STRATEGIES
+
     return {("fsdp_sgo" if name == "fsdp_shard_grad_op" else name): flags for name, flags in STRATEGIES.items()}
 
 
@@ -226,5 +287,18 @@ def tiny_args(workload: str, data_dir: Path, output_dir: Path, *extra: str) -> l
     """Arguments for a tiny run. The startup memory prediction (seconds per launch) and the end-of-run
     report are off unless a test asks for them in `extra` (the last occurrence of a flag wins)."""
     config = {"multimodal": "configs/multimodal_tiny.yaml", "longformer": "configs/longformer_tiny.yaml"}[workload]
-    return ["--config", str(REPO / config), "--data-dir", str(data_dir), "--output-dir", str(output_dir),
-            "--resume", "none", "--predict-memory", "false", "--report", "false", *extra]
+    return [
+        "--config",
+        str(REPO / config),
+        "--data-dir",
+        str(data_dir),
+        "--output-dir",
+        str(output_dir),
+        "--resume",
+        "none",
+        "--predict-memory",
+        "false",
+        "--report",
+        "false",
+        *extra,
+    ]

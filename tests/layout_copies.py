@@ -3,6 +3,7 @@ copies have: a text file that is not UTF-8, a post with a text and no image, dis
 
 What each reader must drop from these copies is spelled out beside them (DROPPED_*), for the tests to compare.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -35,21 +36,21 @@ def make_mvsa(root: Path, multiple: bool = False, n_posts: int = 40) -> Path:
         labels = _pairs(label, k)
         text = f"post {post} feels {label} today".encode()
         image = True
-        if post == 2:    # text positive, image neutral: kept as positive
+        if post == 2:  # text positive, image neutral: kept as positive
             labels = "\t".join(["positive,neutral"] * k)
-        if post == 3:    # positive against negative: dropped (labels_disagree)
-            labels = ("positive,negative\tpositive,negative\tneutral,negative" if multiple else "positive,negative")
+        if post == 3:  # positive against negative: dropped (labels_disagree)
+            labels = "positive,negative\tpositive,negative\tneutral,negative" if multiple else "positive,negative"
         if post == 4 and multiple:  # the three text labels all differ: dropped (no_majority)
             labels = "positive,positive\tneutral,positive\tnegative,positive"
-        if post == 5:    # a text and no image: dropped (missing_image)
+        if post == 5:  # a text and no image: dropped (missing_image)
             image = False
-        if post == 6:    # an image and no text: dropped (missing_text)
+        if post == 6:  # an image and no text: dropped (missing_text)
             text = None
-        if post == 7:    # Windows-1252, not UTF-8: "café" plus one byte undefined even there (0x81)
+        if post == 7:  # Windows-1252, not UTF-8: "café" plus one byte undefined even there (0x81)
             text = b"caf\xe9 \x81 post 7 " + label.encode()
-        if post == 8:    # a label that is not one of the three: dropped (malformed_line)
+        if post == 8:  # a label that is not one of the three: dropped (malformed_line)
             labels = "\t".join(["happy,neutral"] * k)
-        if post == 9:    # whitespace only: dropped (empty_text)
+        if post == 9:  # whitespace only: dropped (empty_text)
             text = b"  \n"
         lines.append(f"{post}\t{labels}")
         if text is not None:
@@ -61,8 +62,13 @@ def make_mvsa(root: Path, multiple: bool = False, n_posts: int = 40) -> Path:
 
 
 # What the readers drop from make_mvsa's copies, by reason.
-DROPPED_MVSA_SINGLE = {"labels_disagree": 1, "missing_image": 1, "missing_text": 1, "malformed_line": 1,
-                       "empty_text": 1}
+DROPPED_MVSA_SINGLE = {
+    "labels_disagree": 1,
+    "missing_image": 1,
+    "missing_text": 1,
+    "malformed_line": 1,
+    "empty_text": 1,
+}
 DROPPED_MVSA_MULTIPLE = {**DROPPED_MVSA_SINGLE, "no_majority": 1}
 
 

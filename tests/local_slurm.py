@@ -5,6 +5,7 @@ Started by the first test that needs it; at the end of the session, the daemons 
 already running when the session began is someone else's and is left alone, and SHARDTRAIN_KEEP_SLURM=1 keeps
 the one the session started warm for the next (start.sh then returns in ~0.1 s instead of ~1-2 s).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,7 +25,7 @@ DAEMONS = ("munged", "slurmctld", "slurmd")
 @dataclass
 class LocalSlurm:
     dir: str
-    conf: str          # SLURM_CONF for clients
+    conf: str  # SLURM_CONF for clients
     start_output: str  # what start.sh printed
 
 
@@ -54,8 +55,10 @@ def local_slurm():
         started = {name for name, pid in running_daemons(state_dir).items() if before.get(name) != pid}
     try:
         if start.returncode == PACKAGES_UNAVAILABLE:
-            pytest.skip(f"local Slurm unavailable (start.sh exit 3: packages cannot be installed): "
-                        f"{start.stderr.strip()[-300:]}")
+            pytest.skip(
+                f"local Slurm unavailable (start.sh exit 3: packages cannot be installed): "
+                f"{start.stderr.strip()[-300:]}"
+            )
         assert start.returncode == 0, f"start.sh failed ({start.returncode}):\n{start.stdout}\n{start.stderr}"
         yield LocalSlurm(dir=state_dir, conf=f"{state_dir}/slurm.conf", start_output=start.stdout)
     finally:

@@ -19,6 +19,7 @@ spot interruption or StopTrainingJob is SIGTERM to that process alone (then SIGK
 The environment is the image's (this process's, less PYTHONPATH: the code channel carries shardtrain)
 plus the compose file's `environment`.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,15 +42,23 @@ def container_script(host: str, service: dict, all_hosts: list[str], state: Path
     # The compose network's aliases: every instance's name resolves (here, all on the one loopback).
     hosts_file = scratch / "hosts"
     hosts_file.write_text("127.0.0.1 localhost " + " ".join(all_hosts) + "\n")
-    lines = ["set -e", "ip link set lo up", f"hostname {host}", f"mount --bind {hosts_file} /etc/hosts",
-             f"mount -t overlay overlay -o lowerdir=/opt,upperdir={upper},workdir={work} /opt"]
+    lines = [
+        "set -e",
+        "ip link set lo up",
+        f"hostname {host}",
+        f"mount --bind {hosts_file} /etc/hosts",
+        f"mount -t overlay overlay -o lowerdir=/opt,upperdir={upper},workdir={work} /opt",
+    ]
     volumes = [v[:-2] if v.endswith(":z") else v for v in service["volumes"]]
     volumes.append(f"{checkpoints}:/opt/ml/checkpoints")
     # Parents first: /opt/ml/input before /opt/ml/input/data/<channel>.
     for volume in sorted(volumes, key=lambda v: v.split(":")[1].count("/")):
         src, dst = volume.split(":")[:2]
         # docker makes a missing host folder of a volume, as it does here.
-        lines += [f"mkdir -p {shlex.quote(src)} {shlex.quote(dst)}", f"mount --bind {shlex.quote(src)} {shlex.quote(dst)}"]
+        lines += [
+            f"mkdir -p {shlex.quote(src)} {shlex.quote(dst)}",
+            f"mount --bind {shlex.quote(src)} {shlex.quote(dst)}",
+        ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH",) and not k.startswith("SM_EMULATOR")}
     env.update(e.split("=", 1) for e in service.get("environment", []))
     env_args = " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
@@ -65,14 +74,15 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="sm-container-") as scratch:
         for host, service in compose["services"].items():
             script = container_script(host, service, list(compose["services"]), state, Path(scratch) / host)
-            procs[host] = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--net", "--uts",
-                                            "bash", "-c", script])
+            procs[host] = subprocess.Popen(
+                ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--net", "--uts", "bash", "-c", script]
+            )
         for host, proc in procs.items():
             inits.append(_init_pid(proc))
             (state / f"{host}.pid1").write_text(str(inits[-1]))
         try:
             while True:
-                for host, proc in procs.items():
+                for proc in procs.values():
                     if proc.poll() is not None:
                         return proc.returncode
                 time.sleep(0.2)

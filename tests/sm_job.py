@@ -11,6 +11,7 @@ SPEC: {"root": container root, "emulator_dir": state for sm_compose.py, "channel
 "hyperparameters": {...}, "processes_per_node": N, "instance_count": N}. Prints the SDK's log and exits with
 the container's exit code (1 when the SDK raised for another reason).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,12 +42,17 @@ def main(spec_path: str) -> int:
 
     example = load_example()
     channels = spec["channels"]
-    job = example.build_job("arn:aws:iam::123456789012:role/SageMakerRole", "shardtrain-test:cpu", "my-bucket",
-                            channels["train"], channels.get("validation"),
-                            instance_count=spec.get("instance_count", 1), hyperparameters=spec["hyperparameters"])
+    job = example.build_job(
+        "arn:aws:iam::123456789012:role/SageMakerRole",
+        "shardtrain-test:cpu",
+        "my-bucket",
+        channels["train"],
+        channels.get("validation"),
+        instance_count=spec.get("instance_count", 1),
+        hyperparameters=spec["hyperparameters"],
+    )
     job["distributed"]["process_count_per_node"] = spec["processes_per_node"]
-    trainer, inputs = example.make_trainer(job, training_mode=Mode.LOCAL_CONTAINER,
-                                           local_container_root=spec["root"])
+    trainer, inputs = example.make_trainer(job, training_mode=Mode.LOCAL_CONTAINER, local_container_root=spec["root"])
     try:
         trainer.train(input_data_config=inputs, wait=True)
     except RuntimeError as e:  # _stream_output: the container's exit code

@@ -3,6 +3,7 @@
 wandb 0.31 no longer ships its Python datastore reader; the container is still LevelDB's log format
 (32 KiB blocks of crc32 / length / type-framed chunks) after a 7-byte ':W&B' header.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,8 @@ def _payloads(data: bytes):
         if left_in_block < HEADER:  # a block tail too short for a chunk header is zero padding
             pos += left_in_block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER])
-        chunk = data[pos + HEADER:pos + HEADER + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER])
+        chunk = data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind == FULL:
             yield chunk
@@ -51,17 +52,28 @@ def read_run(path: Path) -> dict:
         out["kinds"][kind] = out["kinds"].get(kind, 0) + 1
         if kind == "run":
             out["run_id"] = rec.run.run_id
-            out["run"] = {"project": rec.run.project, "entity": rec.run.entity, "run_group": rec.run.run_group,
-                          "display_name": rec.run.display_name, "notes": rec.run.notes,
-                          "tags": list(rec.run.tags)}
+            out["run"] = {
+                "project": rec.run.project,
+                "entity": rec.run.entity,
+                "run_group": rec.run.run_group,
+                "display_name": rec.run.display_name,
+                "notes": rec.run.notes,
+                "tags": list(rec.run.tags),
+            }
             out["config"].update({u.key: json.loads(u.value_json) for u in rec.run.config.update})
         elif kind == "config":
             out["config"].update({u.key: json.loads(u.value_json) for u in rec.config.update})
         elif kind == "artifact":
-            out["artifacts"].append({"name": rec.artifact.name, "type": rec.artifact.type,
-                                     "aliases": list(rec.artifact.aliases),
-                                     "files": sorted(e.path for e in rec.artifact.manifest.contents)})
+            out["artifacts"].append(
+                {
+                    "name": rec.artifact.name,
+                    "type": rec.artifact.type,
+                    "aliases": list(rec.artifact.aliases),
+                    "files": sorted(e.path for e in rec.artifact.manifest.contents),
+                }
+            )
         elif kind == "history":
-            out["history"].append({(i.key or "/".join(i.nested_key)): json.loads(i.value_json)
-                                   for i in rec.history.item})
+            out["history"].append(
+                {(i.key or "/".join(i.nested_key)): json.loads(i.value_json) for i in rec.history.item}
+            )
     return out

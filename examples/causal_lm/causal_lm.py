@@ -8,6 +8,7 @@ Perplexity comes from metric_sums / metrics: summed token NLL and token count ad
 ranks, so the perplexity is that of the whole validation set, not a mean of per-batch perplexities.
 Activation checkpointing (--activation-checkpointing) applies to GPT2Block, from the model's _no_split_modules.
 """
+
 from __future__ import annotations
 
 import math
@@ -21,10 +22,18 @@ from shardtrain import Workload
 
 
 class CausalLM(Workload):
-    def __init__(self, cfg, text_dir: str, tokenizer: str, model: str | None = None, model_config: dict | None = None,
-                 block_size: int = 128):
-        super().__init__(cfg, text_dir=text_dir, tokenizer=tokenizer, model=model, model_config=model_config,
-                         block_size=block_size)
+    def __init__(
+        self,
+        cfg,
+        text_dir: str,
+        tokenizer: str,
+        model: str | None = None,
+        model_config: dict | None = None,
+        block_size: int = 128,
+    ):
+        super().__init__(
+            cfg, text_dir=text_dir, tokenizer=tokenizer, model=model, model_config=model_config, block_size=block_size
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
 
     def build_model(self):
@@ -42,7 +51,7 @@ class CausalLM(Workload):
         """The file's tokens cut into block_size pieces (the tail that does not fill one is dropped)."""
         ids = self.tokenizer(path.read_text(), add_special_tokens=False)["input_ids"]
         n = self.args["block_size"]
-        return [torch.tensor(ids[i:i + n]) for i in range(0, len(ids) - n + 1, n)]
+        return [torch.tensor(ids[i : i + n]) for i in range(0, len(ids) - n + 1, n)]
 
     def collate(self, samples):
         ids = torch.stack(samples)

@@ -10,6 +10,7 @@ On your machine the encoders load `roberta-base` and torchvision's ImageNet weig
 how the tests use it. The records are jsonl lines {"text": ..., "image": "images/x.png", "label": 0..N-1},
 image paths relative to the data folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,13 +81,33 @@ class FusionModel(nn.Module):
 
 
 class FusionTask(Workload):
-    def __init__(self, cfg, data_dir: str, tokenizer: str | None = None, text_model: str = "roberta-base",
-                 text_config: dict | None = None, image_layers: list | None = None,
-                 image_weights: str | None = "IMAGENET1K_V1", image_size: int = 224, max_length: int = 128,
-                 fusion_hidden: int = 256, num_labels: int = 3):
-        super().__init__(cfg, data_dir=data_dir, tokenizer=tokenizer, text_model=text_model, text_config=text_config,
-                         image_layers=image_layers, image_weights=image_weights, image_size=image_size,
-                         max_length=max_length, fusion_hidden=fusion_hidden, num_labels=num_labels)
+    def __init__(
+        self,
+        cfg,
+        data_dir: str,
+        tokenizer: str | None = None,
+        text_model: str = "roberta-base",
+        text_config: dict | None = None,
+        image_layers: list | None = None,
+        image_weights: str | None = "IMAGENET1K_V1",
+        image_size: int = 224,
+        max_length: int = 128,
+        fusion_hidden: int = 256,
+        num_labels: int = 3,
+    ):
+        super().__init__(
+            cfg,
+            data_dir=data_dir,
+            tokenizer=tokenizer,
+            text_model=text_model,
+            text_config=text_config,
+            image_layers=image_layers,
+            image_weights=image_weights,
+            image_size=image_size,
+            max_length=max_length,
+            fusion_hidden=fusion_hidden,
+            num_labels=num_labels,
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or text_model)
 
     def build_model(self):
@@ -107,15 +128,22 @@ class FusionTask(Workload):
 
     def datasets(self):
         folder, size = Path(self.args["data_dir"]), self.args["image_size"]
-        return (MultimodalDataset(folder / "train.jsonl", size),
-                MultimodalDataset(folder / "validation.jsonl", size))
+        return (MultimodalDataset(folder / "train.jsonl", size), MultimodalDataset(folder / "validation.jsonl", size))
 
     def collate(self, samples):
-        text = self.tokenizer([s["text"] for s in samples], padding="longest", truncation=True,
-                              max_length=self.args["max_length"], return_tensors="pt")
-        return {"input_ids": text["input_ids"], "attention_mask": text["attention_mask"],
-                "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
-                "labels": torch.tensor([s["label"] for s in samples])}
+        text = self.tokenizer(
+            [s["text"] for s in samples],
+            padding="longest",
+            truncation=True,
+            max_length=self.args["max_length"],
+            return_tensors="pt",
+        )
+        return {
+            "input_ids": text["input_ids"],
+            "attention_mask": text["attention_mask"],
+            "pixel_values": torch.stack([s["pixel_values"] for s in samples]),
+            "labels": torch.tensor([s["label"] for s in samples]),
+        }
 
     def block_classes(self):
         return ("RobertaLayer", "BasicBlock")
@@ -124,6 +152,11 @@ class FusionTask(Workload):
         """The text embeddings and lowest n transformer layers; the CNN's stem and its lowest n stages."""
         with torch.device("meta"):
             model = self.build_model()
-        prefixes = ("text.embeddings.", "image.conv1.", "image.bn1.",
-                    *(f"text.encoder.layer.{i}." for i in range(n)), *(f"image.layer{k + 1}." for k in range(n)))
+        prefixes = (
+            "text.embeddings.",
+            "image.conv1.",
+            "image.bn1.",
+            *(f"text.encoder.layer.{i}." for i in range(n)),
+            *(f"image.layer{k + 1}." for k in range(n)),
+        )
         return [name for name, _ in model.named_parameters() if name.startswith(prefixes)]

@@ -7,6 +7,7 @@
 `model` is a hub name or a local folder; `model_config` instead builds the architecture from a config (random
 init, nothing downloaded), which is how the tests use it.
 """
+
 from __future__ import annotations
 
 import copy
@@ -20,10 +21,25 @@ from shardtrain import Workload
 
 
 class TextClassifier(Workload):
-    def __init__(self, cfg, data_dir: str, tokenizer: str | None = None, model: str | None = None,
-                 model_config: dict | None = None, num_labels: int = 2, max_length: int = 128):
-        super().__init__(cfg, data_dir=data_dir, tokenizer=tokenizer, model=model, model_config=model_config,
-                         num_labels=num_labels, max_length=max_length)
+    def __init__(
+        self,
+        cfg,
+        data_dir: str,
+        tokenizer: str | None = None,
+        model: str | None = None,
+        model_config: dict | None = None,
+        num_labels: int = 2,
+        max_length: int = 128,
+    ):
+        super().__init__(
+            cfg,
+            data_dir=data_dir,
+            tokenizer=tokenizer,
+            model=model,
+            model_config=model_config,
+            num_labels=num_labels,
+            max_length=max_length,
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model)
 
     def build_model(self):
@@ -34,17 +50,24 @@ class TextClassifier(Workload):
         # A copy that gets its weights from rank 0 (the meta device, ZeRO-3's partitions): shapes only.
         if not self.loads_weights or torch.get_default_device().type == "meta":
             return AutoModelForSequenceClassification.from_config(
-                AutoConfig.from_pretrained(name, num_labels=self.args["num_labels"]))
-        return AutoModelForSequenceClassification.from_pretrained(name, num_labels=self.args["num_labels"],
-                                                                  dtype=torch.float32)
+                AutoConfig.from_pretrained(name, num_labels=self.args["num_labels"])
+            )
+        return AutoModelForSequenceClassification.from_pretrained(
+            name, num_labels=self.args["num_labels"], dtype=torch.float32
+        )
 
     def datasets(self):
         folder = Path(self.args["data_dir"])
         return read_jsonl(folder / "train.jsonl"), read_jsonl(folder / "validation.jsonl")
 
     def collate(self, samples):
-        batch = self.tokenizer([s["text"] for s in samples], padding="longest", truncation=True,
-                               max_length=self.args["max_length"], return_tensors="pt")
+        batch = self.tokenizer(
+            [s["text"] for s in samples],
+            padding="longest",
+            truncation=True,
+            max_length=self.args["max_length"],
+            return_tensors="pt",
+        )
         return {**batch, "labels": torch.tensor([s["label"] for s in samples])}
 
     def export(self, model, out_dir):

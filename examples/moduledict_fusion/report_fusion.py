@@ -16,6 +16,7 @@ smaller `image_arch` without `image_weights`) build small architectures instead,
 The records are jsonl lines {"text": ..., "image": "images/x.png", "label": 0..N-1}, image paths relative to the
 data folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,16 @@ from transformers import AutoConfig, AutoTokenizer, RobertaConfig, RobertaModel
 
 from shardtrain import Workload
 
-
 # The repeated block of each torchvision CNN this file knows (its head must be `fc`): resnet50 in the report, the
 # small ShuffleNet in the tests.
-IMAGE_BLOCKS = {"resnet18": "BasicBlock", "resnet34": "BasicBlock", "resnet50": "Bottleneck", "resnet101": "Bottleneck",
-                "shufflenet_v2_x0_5": "InvertedResidual", "shufflenet_v2_x1_0": "InvertedResidual"}
+IMAGE_BLOCKS = {
+    "resnet18": "BasicBlock",
+    "resnet34": "BasicBlock",
+    "resnet50": "Bottleneck",
+    "resnet101": "Bottleneck",
+    "shufflenet_v2_x0_5": "InvertedResidual",
+    "shufflenet_v2_x1_0": "InvertedResidual",
+}
 
 
 class PostDataset(Dataset):
@@ -44,17 +50,22 @@ class PostDataset(Dataset):
         self.folder, self.tokenizer, self.max_length = records.parent, tokenizer, max_length
         with open(records) as f:
             self.rows = [json.loads(line) for line in f if line.strip()]
-        self.transform = transforms.Compose([
-            transforms.Resize((image_size, image_size)), transforms.ToTensor(),
-            transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+        self.transform = transforms.Compose(
+            [
+                transforms.Resize((image_size, image_size)),
+                transforms.ToTensor(),
+                transforms.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+            ]
+        )
 
     def __len__(self):
         return len(self.rows)
 
     def __getitem__(self, i):
         row = self.rows[i]
-        enc = self.tokenizer(row["text"], padding="max_length", truncation=True, max_length=self.max_length,
-                             return_tensors="pt")
+        enc = self.tokenizer(
+            row["text"], padding="max_length", truncation=True, max_length=self.max_length, return_tensors="pt"
+        )
         text_input_dict = {k: v.squeeze(0) for k, v in enc.items()}
         with Image.open(self.folder / row["image"]) as img:
             image = self.transform(img.convert("RGB"))
@@ -74,14 +85,35 @@ class FusionLayer(nn.Module):
 
 
 class ReportFusion(Workload):
-    def __init__(self, cfg, data_dir: str, tokenizer: str | None = None, text_model: str = "roberta-base",
-                 text_config: dict | None = None, image_arch: str = "resnet50", image_weights: str | None = "DEFAULT",
-                 image_size: int = 224, max_length: int = 128, fusion_hidden: int = 512, num_labels: int = 3,
-                 freeze_lower: bool = True):
-        super().__init__(cfg, data_dir=data_dir, tokenizer=tokenizer, text_model=text_model, text_config=text_config,
-                         image_arch=image_arch, image_weights=image_weights, image_size=image_size,
-                         max_length=max_length, fusion_hidden=fusion_hidden, num_labels=num_labels,
-                         freeze_lower=freeze_lower)
+    def __init__(
+        self,
+        cfg,
+        data_dir: str,
+        tokenizer: str | None = None,
+        text_model: str = "roberta-base",
+        text_config: dict | None = None,
+        image_arch: str = "resnet50",
+        image_weights: str | None = "DEFAULT",
+        image_size: int = 224,
+        max_length: int = 128,
+        fusion_hidden: int = 512,
+        num_labels: int = 3,
+        freeze_lower: bool = True,
+    ):
+        super().__init__(
+            cfg,
+            data_dir=data_dir,
+            tokenizer=tokenizer,
+            text_model=text_model,
+            text_config=text_config,
+            image_arch=image_arch,
+            image_weights=image_weights,
+            image_size=image_size,
+            max_length=max_length,
+            fusion_hidden=fusion_hidden,
+            num_labels=num_labels,
+            freeze_lower=freeze_lower,
+        )
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or text_model)
 
     def build_model(self):
@@ -97,9 +129,13 @@ class ReportFusion(Workload):
         img = models.get_model(a["image_arch"], weights=a["image_weights"] if load else None)
         image_dim = img.fc.in_features
         img.fc = nn.Identity()  # the pooled features go to the fusion layer
-        model = nn.ModuleDict({"text": text, "img": img,
-                               "fusion": FusionLayer(text.config.hidden_size, image_dim, a["fusion_hidden"],
-                                                     a["num_labels"])})
+        model = nn.ModuleDict(
+            {
+                "text": text,
+                "img": img,
+                "fusion": FusionLayer(text.config.hidden_size, image_dim, a["fusion_hidden"], a["num_labels"]),
+            }
+        )
         if a["freeze_lower"]:  # the report's advice: keep the pretrained lower layers as they are
             for p in model["text"].embeddings.parameters():
                 p.requires_grad = False
@@ -110,8 +146,10 @@ class ReportFusion(Workload):
 
     def datasets(self):
         folder, a = Path(self.args["data_dir"]), self.args
-        return tuple(PostDataset(folder / f"{split}.jsonl", self.tokenizer, a["max_length"], a["image_size"])
-                     for split in ("train", "validation"))
+        return tuple(
+            PostDataset(folder / f"{split}.jsonl", self.tokenizer, a["max_length"], a["image_size"])
+            for split in ("train", "validation")
+        )
 
     def collate(self, samples):
         text, pixels, labels = super().collate(samples)  # the (text_input_dict, image, label) tuples, batched

@@ -20,6 +20,7 @@ hyperparameters are not passed to a `command`; the driver it runs reads them its
 
 `build_job()` returns plain data and needs neither the SDK nor AWS; `main()` turns it into SDK objects.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,14 +33,26 @@ TORCHRUN_DRIVER = "/opt/ml/input/data/sm_drivers/distributed_drivers/torchrun_dr
 INIT_COMMAND = f"exec python -m shardtrain.runtime.container_init python {TORCHRUN_DRIVER}"
 
 
-def build_job(role: str, image: str, bucket: str, train: str, validation: str | None = None,
-              instance_type: str = "ml.p3.8xlarge", instance_count: int = 1, spot: bool = True,
-              max_run_hours: float = 24, max_wait_hours: float = 48, job_name: str = "shardtrain-longformer",
-              hyperparameters: dict | None = None) -> dict:
+def build_job(
+    role: str,
+    image: str,
+    bucket: str,
+    train: str,
+    validation: str | None = None,
+    instance_type: str = "ml.p3.8xlarge",
+    instance_count: int = 1,
+    spot: bool = True,
+    max_run_hours: float = 24,
+    max_wait_hours: float = 48,
+    job_name: str = "shardtrain-longformer",
+    hyperparameters: dict | None = None,
+) -> dict:
     """Everything the training job needs, as plain values (the SDK config classes take them as keywords)."""
     if spot and max_wait_hours < max_run_hours:
-        raise ValueError(f"max_wait_hours ({max_wait_hours}) must be >= max_run_hours ({max_run_hours}): "
-                         f"SageMaker counts time spent waiting for spot capacity against it")
+        raise ValueError(
+            f"max_wait_hours ({max_wait_hours}) must be >= max_run_hours ({max_run_hours}): "
+            f"SageMaker counts time spent waiting for spot capacity against it"
+        )
     hp = {
         "config": "configs/longformer_4096.yaml",
         # DDP with the config's activation checkpointing: `shardtrain plan` recommends it for 4 x V100 16 GB
@@ -64,10 +77,18 @@ def build_job(role: str, image: str, bucket: str, train: str, validation: str | 
         # The repository root is uploaded; main.py is the same entry torchrun runs everywhere else.
         # entry_script is what the torchrun driver starts in each process; `command` runs that driver under
         # the init that passes a stop signal on.
-        "source_code": {"source_dir": str(REPO), "entry_script": "shardtrain/main.py", "command": INIT_COMMAND,
-                        "requirements": "requirements.txt"},
-        "compute": {"instance_type": instance_type, "instance_count": instance_count,
-                    "volume_size_in_gb": 100, **({"enable_managed_spot_training": True} if spot else {})},
+        "source_code": {
+            "source_dir": str(REPO),
+            "entry_script": "shardtrain/main.py",
+            "command": INIT_COMMAND,
+            "requirements": "requirements.txt",
+        },
+        "compute": {
+            "instance_type": instance_type,
+            "instance_count": instance_count,
+            "volume_size_in_gb": 100,
+            **({"enable_managed_spot_training": True} if spot else {}),
+        },
         "stopping_condition": stopping,
         # Torchrun() starts one process per GPU on each instance (4 on a p3.8xlarge).
         "distributed": {"kind": "torchrun", "process_count_per_node": None},
@@ -80,8 +101,14 @@ def build_job(role: str, image: str, bucket: str, train: str, validation: str | 
 def make_trainer(job: dict, **trainer_options):
     """The SDK's ModelTrainer for `job`; `trainer_options` go to it as they are (tests: a local training_mode)."""
     from sagemaker.train import ModelTrainer
-    from sagemaker.train.configs import (CheckpointConfig, Compute, InputData, OutputDataConfig, SourceCode,
-                                         StoppingCondition)
+    from sagemaker.train.configs import (
+        CheckpointConfig,
+        Compute,
+        InputData,
+        OutputDataConfig,
+        SourceCode,
+        StoppingCondition,
+    )
     from sagemaker.train.distributed import Torchrun
 
     dist = {k: v for k, v in job["distributed"].items() if k != "kind" and v is not None}

@@ -10,6 +10,7 @@ tensor to what the reader holds. Only tensors
 go into DCP: its non-tensor entries are read back with torch.load(weights_only=False); optimizer
 hyperparameters come from the config, and the learning rates from the JSON.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,8 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from shardtrain.checkpointing.flat_chunks import SavePlanner
 from shardtrain.checkpointing.store import AsyncWrite
@@ -40,8 +41,11 @@ def save_dcp(ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool) -> N
 
 def save_portable(ckpt_dir: Path, model_sd: dict, optim_state: dict, extra: dict, is_rank0: bool) -> None:
     """Tensors, DTensors or FlatRange partitions (flat_chunks.py) by name."""
-    dcp.save({"model": model_sd, "optim": {"state": optim_state}}, storage_writer=storage_writer(ckpt_dir),
-             planner=SavePlanner())
+    dcp.save(
+        {"model": model_sd, "optim": {"state": optim_state}},
+        storage_writer=storage_writer(ckpt_dir),
+        planner=SavePlanner(),
+    )
     if is_rank0:
         (ckpt_dir / EXTRA_FILE).write_text(json.dumps(extra))
 
@@ -57,22 +61,31 @@ def save_dcp_async(ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool
     is the same either way (shared-memory staging blocked no shorter, measured), and a thread dies with its rank
     on kill -9, leaving no writer process behind."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    future = dcp.async_save({"model": model_sd, "optim": {"state": optim_sd["state"]}},
-                            storage_writer=storage_writer(ckpt_dir), process_group=group,
-                            async_checkpointer_type=AsyncCheckpointerType.THREAD)
+    future = dcp.async_save(
+        {"model": model_sd, "optim": {"state": optim_sd["state"]}},
+        storage_writer=storage_writer(ckpt_dir),
+        process_group=group,
+        async_checkpointer_type=AsyncCheckpointerType.THREAD,
+    )
     if is_rank0:
         (ckpt_dir / EXTRA_FILE).write_text(json.dumps(extra))  # JSON of the snapshotted step, written now
     return AsyncWrite(future)
 
 
-def save_portable_async(ckpt_dir: Path, model_sd: dict, optim_state: dict, extra: dict, is_rank0: bool,
-                        group) -> AsyncWrite:
+def save_portable_async(
+    ckpt_dir: Path, model_sd: dict, optim_state: dict, extra: dict, is_rank0: bool, group
+) -> AsyncWrite:
     """save_portable in the background, for tensors that are already this rank's private host copies (DeepSpeed's
     partitions): DCP stages nothing more, so the caller's copy was the whole snapshot. `group` as in
     save_dcp_async."""
-    future = dcp.async_save({"model": model_sd, "optim": {"state": optim_state}},
-                            storage_writer=storage_writer(ckpt_dir), process_group=group, planner=SavePlanner(),
-                            async_checkpointer_type=AsyncCheckpointerType.THREAD, async_stager=_AlreadyStaged())
+    future = dcp.async_save(
+        {"model": model_sd, "optim": {"state": optim_state}},
+        storage_writer=storage_writer(ckpt_dir),
+        process_group=group,
+        planner=SavePlanner(),
+        async_checkpointer_type=AsyncCheckpointerType.THREAD,
+        async_stager=_AlreadyStaged(),
+    )
     if is_rank0:
         (ckpt_dir / EXTRA_FILE).write_text(json.dumps(extra))
     return AsyncWrite(future)
@@ -80,6 +93,7 @@ def save_portable_async(ckpt_dir: Path, model_sd: dict, optim_state: dict, extra
 
 class _AlreadyStaged(AsyncStager):
     """A stager for a state dict of private copies: nothing to copy, nothing to wait for."""
+
     _synchronize_after_execute = False
 
     def stage(self, state_dict):
@@ -115,6 +129,7 @@ class _DelayedWriter(FileSystemWriter):
 
 def dist_rank() -> int:
     import torch.distributed as dist
+
     return dist.get_rank() if dist.is_initialized() else 0
 
 
@@ -127,21 +142,27 @@ def read_metadata(ckpt_dir: Path):
 
 def tensor_shapes(metadata) -> dict[str, tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items()
-            if isinstance(v, TensorStorageMetadata)}
+
+    return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def check_model_fits(ckpt_dir: Path, wanted: dict[str, tuple], saved: dict[str, tuple]) -> None:
     """One line listing the parameters that are missing, unexpected or differently shaped."""
     want = {k: v for k, v in wanted.items()}
-    have = {k[len("model."):]: v for k, v in saved.items() if k.startswith("model.")}
+    have = {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")}
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want))
     shapes = [f"{k} {list(have[k])} vs {list(want[k])}" for k in sorted(set(want) & set(have)) if have[k] != want[k]]
     if missing or unexpected or shapes:
-        parts = [f"{label} ({len(items)}): {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
-                 for label, items in (("missing", missing), ("unexpected", unexpected),
-                                      ("shape checkpoint vs model", shapes)) if items]
+        parts = [
+            f"{label} ({len(items)}): {', '.join(items[:4])}{' ...' if len(items) > 4 else ''}"
+            for label, items in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("shape checkpoint vs model", shapes),
+            )
+            if items
+        ]
         raise ConfigError(f"--resume {ckpt_dir}: checkpoint is from another model: " + "; ".join(parts))
 
 
@@ -152,12 +173,13 @@ def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn
     state = {"model": model_sd}
     optim_state = optim_sd["state"]
     if load_optimizer:
-        have = {k: v for k, v in optim_state.items()
-                if all(f"optim.state.{k}.{s}" in shapes for s in v)}
+        have = {k: v for k, v in optim_state.items() if all(f"optim.state.{k}.{s}" in shapes for s in v)}
         if len(have) < len(optim_state):
             skipped = sorted(set(optim_state) - set(have))
-            warn(f"optimizer state for {len(skipped)} of {len(optim_state)} parameters is not in {ckpt_dir} "
-                 f"(e.g. {skipped[0]}): they start with fresh Adam moments")
+            warn(
+                f"optimizer state for {len(skipped)} of {len(optim_state)} parameters is not in {ckpt_dir} "
+                f"(e.g. {skipped[0]}): they start with fresh Adam moments"
+            )
         state["optim"] = {"state": have}
     try:
         dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR))
@@ -166,8 +188,12 @@ def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn
         raise ConfigError(f"--resume {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): {msg}") from None
     if load_optimizer:
         optim_state.update(state["optim"]["state"])
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=optim_sd if load_optimizer else {},
-                   options=StateDictOptions(strict=True))
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=optim_sd if load_optimizer else {},
+        options=StateDictOptions(strict=True),
+    )
     extra = ckpt_dir / EXTRA_FILE
     return json.loads(extra.read_text()) if extra.exists() else {}

@@ -13,6 +13,7 @@ Runs in one process with no process group: it reads the checkpoint's portable `m
     OUT/model_int8.pt         (--int8) torchao INT8 (Linear: int8 weights and activations; embeddings: int8
                               weights), torch.save of the state_dict; CPU inference only
 """
+
 from __future__ import annotations
 
 import copy
@@ -49,10 +50,12 @@ def _refuse_older_than_run(run: Path, found: Path, asked: Path) -> None:
         return  # still running, or crashed: its newest checkpoint is all there is
     saved = checkpoint.read_trainer_state(found)["step"]
     if final is not None and saved < final:
-        raise ConfigError(f"export {asked}: the newest checkpoint is step {saved}, but the run ended at step "
-                          f"{final} (summary.json), so steps {saved + 1}-{final} were never saved "
-                          f"(--save-final false); export step {saved} by naming it ({found}), or resume the "
-                          f"run to save its end")
+        raise ConfigError(
+            f"export {asked}: the newest checkpoint is step {saved}, but the run ended at step "
+            f"{final} (summary.json), so steps {saved + 1}-{final} were never saved "
+            f"(--save-final false); export step {saved} by naming it ({found}), or resume the "
+            f"run to save its end"
+        )
 
 
 def _vocab_size(model_sd: dict) -> int | None:
@@ -76,20 +79,29 @@ def rebuild_from_checkpoint(ckpt_dir: Path):
     unexpected = sorted(set(weights) - set(own))
     shapes = [k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape)]
     if missing or unexpected or shapes:
-        raise ConfigError(f"export {ckpt_dir}: weights do not fit the model in its config: missing {missing[:4]}, "
-                          f"unexpected {unexpected[:4]}, shape mismatches {sorted(shapes)[:4]}")
+        raise ConfigError(
+            f"export {ckpt_dir}: weights do not fit the model in its config: missing {missing[:4]}, "
+            f"unexpected {unexpected[:4]}, shape mismatches {sorted(shapes)[:4]}"
+        )
     model.load_state_dict(weights, strict=True)
     return model.eval(), cfg
 
 
-def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, workload: str | None = None,
-                      workload_args: str | None = None, evaluate: bool = False) -> dict:
+def export_checkpoint(
+    ckpt: str | Path,
+    out: str | Path,
+    int8: bool = False,
+    workload: str | None = None,
+    workload_args: str | None = None,
+    evaluate: bool = False,
+) -> dict:
     """`workload` / `workload_args` (--workload, --workload-args): rebuild the model with this workload instead
     of the one the run recorded (its module moved, or its args name paths of another machine)."""
     ckpt_dir = _resolve(ckpt)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     from shardtrain.config.settings import is_builtin_workload
+
     state = checkpoint.read_trainer_state(ckpt_dir)
     run_cfg = from_dict(state["config"], source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
     if workload is not None or workload_args is not None:
@@ -97,13 +109,19 @@ def export_checkpoint(ckpt: str | Path, out: str | Path, int8: bool = False, wor
     if not is_builtin_workload(run_cfg):
         return export_workload(ckpt_dir, run_cfg, out, int8, evaluate)
     model, cfg = rebuild_from_checkpoint(ckpt_dir)
-    info = {"checkpoint": str(ckpt_dir), "model": cfg.model.name, "export_config": model.export_config(),
-            **label_maps(cfg), "config": cfg.to_dict()}  # the run's data settings: `predict` reads them
+    info = {
+        "checkpoint": str(ckpt_dir),
+        "model": cfg.model.name,
+        "export_config": model.export_config(),
+        **label_maps(cfg),
+        "config": cfg.to_dict(),
+    }  # the run's data settings: `predict` reads them
     if cfg.model.name == "longformer":
         # config.json + model.safetensors; the HF config has the run's id2label/label2id (models/archs.py)
         save_hf_quietly(model.hf, out)
     else:
         from safetensors.torch import save_file
+
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
         (out / "config.json").write_text(json.dumps({**model.export_config(), **label_maps(cfg)}, indent=1))
     normal_mode(out / "model.safetensors")
@@ -125,9 +143,11 @@ def run_tokenizer(cfg, run_dir: Path):
     own = run_dir / "tokenizer"
     name = str(own) if (own / "tokenizer.json").is_file() else cfg.data.tokenizer
     if name is None:
-        raise ConfigError(f"export: the run's tokenizer {own} is not there (the run trained it, data.tokenizer "
-                          f"is unset): keep the run's tokenizer/ folder beside its checkpoints/; an export without "
-                          f"it would tokenise text into other ids")
+        raise ConfigError(
+            f"export: the run's tokenizer {own} is not there (the run trained it, data.tokenizer "
+            f"is unset): keep the run's tokenizer/ folder beside its checkpoints/; an export without "
+            f"it would tokenise text into other ids"
+        )
     try:
         return AutoTokenizer.from_pretrained(name)
     except Exception as e:  # noqa: BLE001 - OSError, ValueError, HFValidationError: all mean "not usable"
@@ -176,8 +196,10 @@ def _with_workload(run_cfg, workload: str | None, workload_args: str | None):
     cfg = copy.deepcopy(run_cfg)
     if workload is not None and workload_target(flags) != workload_target(run_cfg):
         if is_builtin_workload(run_cfg) or is_builtin_workload(flags):
-            raise ConfigError(f"export --workload {workload}: the run trained {workload_target(run_cfg)}; a "
-                              f"built-in's weights fit only that built-in")
+            raise ConfigError(
+                f"export --workload {workload}: the run trained {workload_target(run_cfg)}; a "
+                f"built-in's weights fit only that built-in"
+            )
         cfg.workload.workload, cfg.workload.workload_args = workload, {}
     if workload_args is not None:
         cfg.workload.workload_args = flags.workload.workload_args
@@ -191,9 +213,11 @@ def load_fitting_weights(model: nn.Module, weights: dict, workload, what: str) -
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     shapes = sorted(k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape))
     if missing or unexpected or shapes:
-        raise ConfigError(f"{what}: its weights do not fit {type(workload).__name__}.build_model() (a checkpoint "
-                          f"of another workload or size?): missing {missing[:3]}, unexpected {unexpected[:3]}, "
-                          f"shape mismatches {shapes[:3]}")
+        raise ConfigError(
+            f"{what}: its weights do not fit {type(workload).__name__}.build_model() (a checkpoint "
+            f"of another workload or size?): missing {missing[:3]}, unexpected {unexpected[:3]}, "
+            f"shape mismatches {shapes[:3]}"
+        )
     model.load_state_dict(weights, strict=True)
     return model
 
@@ -202,7 +226,7 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     """A user's workload: its model rebuilt as training built it (same seed), the checkpoint's weights loaded,
     then written by Workload.export (by default model.safetensors + workload.json)."""
     from shardtrain.checkpointing.portable import read_portable
-    from shardtrain.config.settings import add_import_paths, where
+    from shardtrain.config.settings import add_import_paths
     from shardtrain.runtime.training_rng import aside
     from shardtrain.workloads.base import load_workload
 
@@ -214,9 +238,14 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     workload.export(model.eval(), out)
     for f in out.glob("*.safetensors"):
         normal_mode(f)
-    info = {"checkpoint": str(ckpt_dir), "workload": cfg.workload.workload, "workload_args": cfg.workload.workload_args,
-            **label_maps(cfg), "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors")),
-            "config": cfg.to_dict()}  # the run's data settings: `predict` reads them
+    info = {
+        "checkpoint": str(ckpt_dir),
+        "workload": cfg.workload.workload,
+        "workload_args": cfg.workload.workload_args,
+        **label_maps(cfg),
+        "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors")),
+        "config": cfg.to_dict(),
+    }  # the run's data settings: `predict` reads them
     if evaluate:
         info["eval_fp32"] = evaluate_workload(workload, model)
     if int8:  # build_model() + load_int8_weights(model, OUT/model_int8.pt) reads it back
@@ -234,8 +263,10 @@ def label_maps(cfg) -> dict:
     names = cfg.data.label_names
     if not names:
         return {}
-    return {"id2label": {str(i): name for i, name in enumerate(names)},
-            "label2id": {name: i for i, name in enumerate(names)}}
+    return {
+        "id2label": {str(i): name for i, name in enumerate(names)},
+        "label2id": {name: i for i, name in enumerate(names)},
+    }
 
 
 @torch.no_grad()
@@ -249,8 +280,11 @@ def evaluate_workload(workload, model: nn.Module) -> dict:
     if validation is None:
         raise ConfigError(f"export --eval: {type(workload).__name__}.datasets() has no validation split")
     sums: dict = {}
-    for batch in DataLoader(validation, batch_size=workload.cfg.train.eval_batch_size
-                            or workload.cfg.train.per_device_batch_size, collate_fn=CheckedCollate(workload)):
+    for batch in DataLoader(
+        validation,
+        batch_size=workload.cfg.train.eval_batch_size or workload.cfg.train.per_device_batch_size,
+        collate_fn=CheckedCollate(workload),
+    ):
         for key, value in workload.metric_sums(workload.forward(model, batch), batch).items():
             sums[key] = sums[key] + value.double() if key in sums else value.double()
     return workload.metrics(sums)
@@ -330,6 +364,7 @@ def load_int8_weights(model: nn.Module, path: Path) -> nn.Module:
         state = torch.load(path, weights_only=True, mmap=True)
         model.load_state_dict(state, strict=True, assign=True)
     except Exception as e:  # noqa: BLE001 - torch's unpickling / size errors about the file's bytes
-        raise ConfigError(f"{path}: cannot load the INT8 weights (truncated, or not this model's?): "
-                          f"{' '.join(str(e).split())[:200]}") from None
+        raise ConfigError(
+            f"{path}: cannot load the INT8 weights (truncated, or not this model's?): {' '.join(str(e).split())[:200]}"
+        ) from None
     return model.eval()

@@ -4,6 +4,7 @@ Sharded strategies hold no full copy of the weights on any rank, so the consolid
 one way that works for all of them: commit a checkpoint of the last step (every rank), then rank 0
 exports it with shardtrain.checkpointing.export, which reads any strategy's checkpoint in one process.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

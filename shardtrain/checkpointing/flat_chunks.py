@@ -14,6 +14,7 @@ ZeRO rank reads back only its range, from a checkpoint of any strategy and world
 that also look up its rectangles (DCP itself asks it for its write items and chunks: `__create_write_items__`,
 `__create_chunk_list__`, as DTensor answers them).
 """
+
 from __future__ import annotations
 
 import math
@@ -70,14 +71,20 @@ class FlatRange:
         assert flat.dim() == 1 and start + flat.numel() <= math.prod(self.shape), (tuple(shape), start, flat.numel())
         self.views = {}
         for offsets, sizes, at in range_boxes(tuple(self.shape), start, flat.numel()):
-            self.views[torch.Size(offsets)] = flat[at:at + math.prod(sizes)].view(sizes)
+            self.views[torch.Size(offsets)] = flat[at : at + math.prod(sizes)].view(sizes)
 
     def __create_write_items__(self, fqn: str, obj) -> list[WriteItem]:
         props = TensorProperties.create_from_tensor(self.flat)
-        return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,
-                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.size()),
-                                                      properties=props, size=self.shape))
-                for offsets, view in self.views.items()]
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offsets, sizes=view.size()), properties=props, size=self.shape
+                ),
+            )
+            for offsets, view in self.views.items()
+        ]
 
     def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
         return [ChunkStorageMetadata(offsets=offsets, sizes=view.size()) for offsets, view in self.views.items()]

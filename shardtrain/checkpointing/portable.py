@@ -3,6 +3,7 @@
 Every checkpoint (any strategy) holds `model_optim/` (checkpointing/dcp_state.py). This gathers it into
 full tensors on the CPU, after the unpickling guard.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,8 +21,10 @@ def read_portable(ckpt_dir: str | Path, optimizer: bool = False) -> dict[str, di
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / MODEL_DIR).is_dir():
-        raise ConfigError(f"{ckpt_dir}: no {MODEL_DIR}/ folder: not a shardtrain checkpoint (or written "
-                          f"before the portable form existed)")
+        raise ConfigError(
+            f"{ckpt_dir}: no {MODEL_DIR}/ folder: not a shardtrain checkpoint (or written "
+            f"before the portable form existed)"
+        )
     metadata = read_metadata(ckpt_dir)
     shapes = tensor_shapes(metadata)
     wanted = [k for k in shapes if k.startswith("model.") or (optimizer and k.startswith("optim.state."))]
@@ -33,8 +36,9 @@ def read_portable(ckpt_dir: str | Path, optimizer: bool = False) -> dict[str, di
     try:
         dcp.load(flat, checkpoint_id=str(ckpt_dir / MODEL_DIR), no_dist=True)
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"{ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): "
-                          f"{' '.join(str(e).split())[:300]}") from None
-    model = {k[len("model."):]: v for k, v in flat.items() if k.startswith("model.")}
-    optim = {k[len("optim.state."):]: v for k, v in flat.items() if k.startswith("optim.state.")}
+        raise ConfigError(
+            f"{ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): {' '.join(str(e).split())[:300]}"
+        ) from None
+    model = {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
+    optim = {k[len("optim.state.") :]: v for k, v in flat.items() if k.startswith("optim.state.")}
     return {"model": model, "optim": optim}

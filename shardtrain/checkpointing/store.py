@@ -7,6 +7,7 @@ A step directory counts only once COMMITTED exists; it is written last, after ev
 With --async-save the shards are written in the background (start_save -> PendingSave); the commit waits until
 every rank's write is on disk (finish_save, or commit_agreed from the loop's per-step agreement).
 """
+
 from __future__ import annotations
 
 import json
@@ -97,8 +98,10 @@ def save_rng(path: Path, rank: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
     py_state = random.getstate()
     np_state = np.random.get_state()
-    meta = {"python": json.dumps([py_state[0], list(py_state[1]), py_state[2]]),
-            "numpy": json.dumps([np_state[0], np_state[1].tolist(), *np_state[2:]])}
+    meta = {
+        "python": json.dumps([py_state[0], list(py_state[1]), py_state[2]]),
+        "numpy": json.dumps([np_state[0], np_state[1].tolist(), *np_state[2:]]),
+    }
     save_file(rng_state(), str(path / f"rank-{rank:05d}.safetensors"), metadata=meta)
 
 
@@ -158,10 +161,11 @@ class AsyncWrite:
 @dataclass
 class PendingSave:
     """A checkpoint whose shards are written (or being written, --async-save) but not yet committed."""
+
     path: Path
     keep_last: int
-    state: dict                       # trainer_state.json of the snapshotted step, written at the commit
-    write: AsyncWrite | None = None   # this rank's background write; None: written before start_save returned
+    state: dict  # trainer_state.json of the snapshotted step, written at the commit
+    write: AsyncWrite | None = None  # this rank's background write; None: written before start_save returned
     failure: BaseException | None = None  # this rank's error so far
 
     @property
@@ -179,8 +183,7 @@ class PendingSave:
         return self.failure is not None
 
 
-def start_save(strategy, trainer_state: dict, output_dir: str | Path, keep_last: int,
-               background: bool) -> PendingSave:
+def start_save(strategy, trainer_state: dict, output_dir: str | Path, keep_last: int, background: bool) -> PendingSave:
     """Every rank calls this: the step's directory, the strategy's shards (`background`: staged to host memory
     and written by a thread, strategy.save_async) and this rank's RNG state, as of this step. Nothing is committed:
     finish_save or commit_agreed does that once every rank's shards are on disk."""
@@ -198,8 +201,16 @@ def start_save(strategy, trainer_state: dict, output_dir: str | Path, keep_last:
     barrier()
     step, rank = trainer_state["step"], strategy.dist.rank
     # The trainer state and RNG belong to the step that was snapshotted, not to the step its write finishes at.
-    pending = PendingSave(path, keep_last, {**trainer_state, "format_version": FORMAT_VERSION,
-                                            "strategy": strategy.describe(), "world_size": strategy.dist.world_size})
+    pending = PendingSave(
+        path,
+        keep_last,
+        {
+            **trainer_state,
+            "format_version": FORMAT_VERSION,
+            "strategy": strategy.describe(),
+            "world_size": strategy.dist.world_size,
+        },
+    )
     try:
         if background:
             pending.write = strategy.save_async(path)
@@ -240,12 +251,19 @@ def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) 
         code = all_reduce_max(float(getattr(failure, "errno", None) or (-1 if failure else 0)), strategy.device)
         _abandon(path, root, rank0)
         from shardtrain.config.settings import ConfigError
+
         previous = latest_committed(root)
-        cause = (_cause(failure) if failure and getattr(failure, "errno", None) == code
-                 else os.strerror(int(code)) if code > 0 else "a rank failed to write its shards")
-        raise ConfigError(f"saving checkpoint {path} failed ({cause}); "
-                          f"{'the previous checkpoint ' + str(previous) + ' is intact' if previous else 'no earlier checkpoint exists'}"
-                          f"; free space under {root} and rerun with --resume auto")
+        cause = (
+            _cause(failure)
+            if failure and getattr(failure, "errno", None) == code
+            else os.strerror(int(code))
+            if code > 0
+            else "a rank failed to write its shards"
+        )
+        kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
+        raise ConfigError(
+            f"saving checkpoint {path} failed ({cause}); {kept}; free space under {root} and rerun with --resume auto"
+        )
     faults.maybe_kill("save", pending.step, strategy.dist.rank)
     if not agreed_in_loop:
         barrier()  # every rank's shards are on disk before the commit marker
@@ -297,8 +315,10 @@ def read_trainer_state(path: Path) -> dict:
     except json.JSONDecodeError as e:
         raise ConfigError(f"--resume {path / TRAINER_STATE}: corrupt JSON at line {e.lineno}: {e.msg}") from None
     if state.get("format_version", 0) > FORMAT_VERSION:
-        raise ConfigError(f"--resume {path}: checkpoint format {state['format_version']} is newer than this "
-                          f"shardtrain understands ({FORMAT_VERSION}); upgrade shardtrain")
+        raise ConfigError(
+            f"--resume {path}: checkpoint format {state['format_version']} is newer than this "
+            f"shardtrain understands ({FORMAT_VERSION}); upgrade shardtrain"
+        )
     return state
 
 
@@ -313,16 +333,29 @@ def find_resume_dir(resume: str, output_dir: str | Path, label: str = "--resume"
         path = latest_committed(root) or path
     if not is_committed(path):
         from shardtrain.config.settings import ConfigError
+
         if path.is_dir() and not STEP_DIR.match(path.name):
-            raise ConfigError(f"{label} {resume}: no committed checkpoint in this run folder "
-                              f"(a run writes one at its end unless --save-final false, and every --save-every N steps)")
+            raise ConfigError(
+                f"{label} {resume}: no committed checkpoint in this run folder "
+                f"(a run writes one at its end unless --save-final false, and every --save-every N steps)"
+            )
         raise ConfigError(f"{label} {resume}: not a committed checkpoint (missing {COMMIT_MARKER})")
     return path
 
 
 # What a run writes into its output dir; --overwrite-output-dir removes exactly these, nothing of the user's.
-RUN_ARTIFACTS = ("checkpoints", "tokenizer", "metrics.jsonl", "eval.jsonl", "summary.json", "report.html",
-                 "labels.json", "curves.png", "throughput.png", "memory.png")
+RUN_ARTIFACTS = (
+    "checkpoints",
+    "tokenizer",
+    "metrics.jsonl",
+    "eval.jsonl",
+    "summary.json",
+    "report.html",
+    "labels.json",
+    "curves.png",
+    "throughput.png",
+    "memory.png",
+)
 
 
 def previous_run(output_dir: str | Path) -> str | None:
@@ -344,9 +377,11 @@ def refuse_to_overwrite(cfg) -> None:
     c = cfg.checkpoint
     found = previous_run(c.output_dir) if c.resume == "none" and not c.overwrite_output_dir else None
     if found:
-        raise ConfigError(f"{where('output_dir')} {c.output_dir} already holds a run ({found}) and --resume is "
-                          f"none: --resume auto continues it, --overwrite-output-dir starts over in it "
-                          f"(deleting its checkpoints and metrics), or choose another --output-dir")
+        raise ConfigError(
+            f"{where('output_dir')} {c.output_dir} already holds a run ({found}) and --resume is "
+            f"none: --resume auto continues it, --overwrite-output-dir starts over in it "
+            f"(deleting its checkpoints and metrics), or choose another --output-dir"
+        )
 
 
 def clear_previous_run(output_dir: str | Path) -> None:

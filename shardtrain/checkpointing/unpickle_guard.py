@@ -5,6 +5,7 @@ torch.distributed.checkpoint folder (read with a plain `pickle.load` inside torc
 files (read by DeepSpeed with `torch.load(weights_only=False)`). Each is checked here first with an
 unpickler that only rebuilds plain data, so a crafted file fails with one line and executes nothing.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,9 +18,11 @@ from pathlib import Path
 from shardtrain.config.settings import ConfigError
 
 # DeepSpeed's checkpoints hold these plain-data classes next to tensors (measured on 0.19.8 ZeRO-2/3).
-DEEPSPEED_GLOBALS = ("deepspeed.runtime.zero.config.ZeroStageEnum",
-                     "deepspeed.utils.tensor_fragment.fragment_address",
-                     "deepspeed.runtime.fp16.loss_scaler.LossScaler")
+DEEPSPEED_GLOBALS = (
+    "deepspeed.runtime.zero.config.ZeroStageEnum",
+    "deepspeed.utils.tensor_fragment.fragment_address",
+    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
+)
 _BUILTINS = {"set", "frozenset", "tuple", "list", "dict", "slice"}
 
 
@@ -28,8 +31,10 @@ class UnsafeCheckpoint(ConfigError):
 
 
 def _refuse(path: Path, what: str) -> UnsafeCheckpoint:
-    return UnsafeCheckpoint(f"checkpoint file {path} contains a pickled {what}, which loading would execute; "
-                            f"refusing to load it (only plain tensors and checkpoint metadata are accepted)")
+    return UnsafeCheckpoint(
+        f"checkpoint file {path} contains a pickled {what}, which loading would execute; "
+        f"refusing to load it (only plain tensors and checkpoint metadata are accepted)"
+    )
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -45,15 +50,19 @@ class _MetadataUnpickler(pickle.Unpickler):
             return getattr(__import__("builtins"), name)
         if module == "collections" and name == "OrderedDict":
             from collections import OrderedDict
+
             return OrderedDict
         if module == "pathlib" and name in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"):
             import pathlib
+
             return getattr(pathlib, name)  # a path object: building one does no I/O
         if module == "torch.serialization" and name == "_get_layout":
             import torch.serialization
+
             return torch.serialization._get_layout  # a lookup of torch.strided & co. by name
         if module == "torch":
             import torch
+
             obj = getattr(torch, name, None)
             if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
                 return obj
@@ -100,4 +109,6 @@ def check_torch_file(path: Path, allowed: tuple[str, ...] = DEEPSPEED_GLOBALS) -
         what = first.split("Unsupported global: GLOBAL ", 1)[-1].split(" ")[0] if "GLOBAL" in first else "object"
         raise _refuse(path, f"object '{what}'") from None
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"checkpoint file {path} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+        raise ConfigError(
+            f"checkpoint file {path} is corrupt ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        ) from None

@@ -1,5 +1,6 @@
 """`shardtrain cache-images`: decode and resize a run's images once, into the memory-mapped cache that
 `--image-cache DIR` trains from (data/image_cache.py)."""
+
 from __future__ import annotations
 
 from shardtrain.config.errors import ConfigError
@@ -9,9 +10,11 @@ def main(argv: list[str]) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog="shardtrain cache-images", description="Decode and resize every image of the training config's "
+        prog="shardtrain cache-images",
+        description="Decode and resize every image of the training config's "
         "train and validation splits once, into --image-cache DIR; train with the same --image-cache DIR. "
-        "Every other option is a training flag (--config, --data-dir, --image-size, ...).")
+        "Every other option is a training flag (--config, --data-dir, --image-size, ...).",
+    )
     parser.add_argument("--jobs", type=int, default=0, help="decoding processes (default: all cores)")
     parser.add_argument("--rebuild", action="store_true", help="decode again even when the cache is up to date")
     args, rest = parser.parse_known_args(argv)
@@ -29,6 +32,7 @@ def main(argv: list[str]) -> int:
     if args.jobs < 0:
         raise ConfigError(f"cache-images: --jobs must be >= 0, got {args.jobs}")
     from shardtrain.data.sources import source_of
+
     if d.dataset_format:
         _cache_layout_images(cfg, args.rebuild, args.jobs)
         print(f"train with: --image-cache {d.image_cache}")
@@ -43,19 +47,22 @@ def main(argv: list[str]) -> int:
         if not args.rebuild:
             try:  # the same check training makes: split file, every image's size and mtime
                 cache = ImageCache(Path(d.image_cache), path, d.image_size)
-                print(f"{path.name}: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild "
-                      f"decodes again)")
+                print(
+                    f"{path.name}: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild decodes again)"
+                )
                 continue
             except ConfigError:
                 pass
-        summary = build_image_cache(path, kind, cfg.model.num_labels, Path(d.image_cache), d.image_size,
-                                    workers=args.jobs, progress=print)
+        summary = build_image_cache(
+            path, kind, cfg.model.num_labels, Path(d.image_cache), d.image_size, workers=args.jobs, progress=print
+        )
         bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
-        print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
-              f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
+        print(
+            f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
+            f"({summary['bytes'] / 2**20:.1f} MiB){bad}"
+        )
     print(f"train with: --image-cache {d.image_cache}")
     return 0
-
 
 
 def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
@@ -78,15 +85,20 @@ def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
         if not rebuild:
             try:
                 cache = open_source_image_cache(cfg, split, [image_key(v) for v in images])
-                print(f"{split} split: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild decodes again)")
+                print(
+                    f"{split} split: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild decodes again)"
+                )
                 continue
             except ConfigError:
                 pass
-        summary = build_source_image_cache(split, images, Path(d.image_cache), d.image_size, workers=jobs,
-                                           progress=print)
+        summary = build_source_image_cache(
+            split, images, Path(d.image_cache), d.image_size, workers=jobs, progress=print
+        )
         bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
-        print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
-              f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
+        print(
+            f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
+            f"({summary['bytes'] / 2**20:.1f} MiB){bad}"
+        )
 
 
 def _cache_layout_images(cfg, rebuild: bool, jobs: int) -> None:
@@ -102,13 +114,18 @@ def _cache_layout_images(cfg, rebuild: bool, jobs: int) -> None:
     if not rebuild:
         try:
             cache = open_layout_image_cache(cfg, layout)
-            print(f"{d.dataset_format}: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild "
-                  f"decodes again)")
+            print(
+                f"{d.dataset_format}: up to date ({len(cache.rows)} images at {d.image_size}px; --rebuild "
+                f"decodes again)"
+            )
             return
         except ConfigError:
             pass
-    summary = build_source_image_cache(d.dataset_format, layout_images(layout), Path(d.image_cache), d.image_size,
-                                       workers=jobs, progress=print)
+    summary = build_source_image_cache(
+        d.dataset_format, layout_images(layout), Path(d.image_cache), d.image_size, workers=jobs, progress=print
+    )
     bad = f", {summary['bad']} did not decode (--skip-bad-samples skips them)" if summary["bad"] else ""
-    print(f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
-          f"({summary['bytes'] / 2**20:.1f} MiB){bad}")
+    print(
+        f"{summary['split']}: {summary['images']} images at {d.image_size}px -> {summary['array']} "
+        f"({summary['bytes'] / 2**20:.1f} MiB){bad}"
+    )

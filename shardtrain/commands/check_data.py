@@ -3,6 +3,7 @@
 A jsonl folder, the source that training flags name, a published layout, or a user's workload (its datasets()
 and collate on a few samples).
 """
+
 from __future__ import annotations
 
 from shardtrain.config.errors import ConfigError
@@ -14,35 +15,56 @@ def main(argv: list[str]) -> int:
     from shardtrain.config.settings import add_workload_flags
 
     parser = argparse.ArgumentParser(
-        prog="shardtrain check-data", description="List every problem of a jsonl data folder (DIR), of the "
+        prog="shardtrain check-data",
+        description="List every problem of a jsonl data folder (DIR), of the "
         "source that training flags name (--config, --dataset-name, --train-file, --train-dir, --dataset-format, "
-        "column flags), or of a user's --workload (its datasets() and collate on a few samples).")
+        "column flags), or of a user's --workload (its datasets() and collate on a few samples).",
+    )
     parser.add_argument("dir", nargs="?", default=None, help="a built-in dataset folder (not with a user's --workload)")
-    parser.add_argument("--kind", choices=["multimodal", "longdoc"], default=None,
-                        help="default: multimodal if records name images")
-    parser.add_argument("--num-labels", type=int, default=None,
-                        help="labels must be in 0..N-1 (default: what make-data recorded, else 3)")
-    parser.add_argument("--dataset-format", default=None,
-                        help="a published layout (mvsa-single, mvsa-multiple, twitter2015, twitter2017): what its "
-                             "reader keeps and drops, and every image decoded")
+    parser.add_argument(
+        "--kind", choices=["multimodal", "longdoc"], default=None, help="default: multimodal if records name images"
+    )
+    parser.add_argument(
+        "--num-labels",
+        type=int,
+        default=None,
+        help="labels must be in 0..N-1 (default: what make-data recorded, else 3)",
+    )
+    parser.add_argument(
+        "--dataset-format",
+        default=None,
+        help="a published layout (mvsa-single, mvsa-multiple, twitter2015, twitter2017): what its "
+        "reader keeps and drops, and every image decoded",
+    )
     parser.add_argument("--config", default=None, help="a training config whose workload (and its args) to check")
     add_workload_flags(parser)
     parser.add_argument("--samples", type=int, default=4, help="with a user's workload: samples read per split")
     parser.add_argument("--debug", action="store_true")
-    own = ("--kind", "--num-labels", "--dataset-format", "--workload", "--workload-args", "--samples", "--debug",
-           "-h", "--help")
+    own = (
+        "--kind",
+        "--num-labels",
+        "--dataset-format",
+        "--workload",
+        "--workload-args",
+        "--samples",
+        "--debug",
+        "-h",
+        "--help",
+    )
     if not argv or any(a.startswith("--") and a.split("=")[0] not in own for a in argv):
         # Training flags: a positional DIR may only come first (argparse would take a flag's value for it).
         folder = argv[0] if argv and not argv[0].startswith("-") else None
-        return _check_source_main(folder, [a for a in argv[1 if folder else 0:] if a != "--debug"])
+        return _check_source_main(folder, [a for a in argv[1 if folder else 0 :] if a != "--debug"])
     args = parser.parse_args(argv)
 
     from pathlib import Path
 
     from shardtrain.data import check_data
     from shardtrain.data.synthetic import dataset_info
+
     if args.config or args.workload:
         from shardtrain.config.settings import command_config, is_builtin_workload
+
         cfg = command_config(args.config, args.workload, args.workload_args)
         if not is_builtin_workload(cfg):
             return _check_workload(cfg, args)
@@ -64,7 +86,6 @@ def main(argv: list[str]) -> int:
         print(f"(labels were checked against {num_labels} classes: pass --num-labels with the model's num_labels)")
     print(f"{len(problems)} problem(s) in {args.dir}" if problems else f"{args.dir}: no problems found")
     return 1 if problems else 0
-
 
 
 def _check_layout(data_dir: str, fmt: str) -> int:
@@ -103,8 +124,11 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
         what = ", ".join(_source_names(cfg))
         for line in problems:
             print(line)
-        print(f"{len(problems)} problem(s): {_where_problems_are(problems, _source_names(cfg))}" if problems
-              else f"{what}: no problems found")
+        print(
+            f"{len(problems)} problem(s): {_where_problems_are(problems, _source_names(cfg))}"
+            if problems
+            else f"{what}: no problems found"
+        )
         return 1 if problems else 0
     for line in problems:
         print(line)
@@ -124,8 +148,9 @@ def _where_problems_are(problems: list[str], names: list[str]) -> str:
     counts: dict[str, int] = {}
     for line in problems:
         # The longest name that starts the line: `a.csv` must not take the lines of `a.csv.bak`.
-        name = (max((n for n in names if line.startswith(n)), key=len, default=None) or
-                max((n for n in names if n in line), key=len, default=None))  # `no usable rows in FILE`
+        name = max((n for n in names if line.startswith(n)), key=len, default=None) or max(
+            (n for n in names if n in line), key=len, default=None
+        )  # `no usable rows in FILE`
         counts[name or "the data as a whole"] = counts.get(name or "the data as a whole", 0) + 1
     return ", ".join(f"{n} in {name}" for name, n in counts.items())
 
@@ -136,16 +161,21 @@ def _check_workload(cfg, args) -> int:
     from shardtrain.workloads.check import check_workload_data
 
     if args.dir is not None or args.kind is not None:
-        raise ConfigError(f"check-data: {cfg.workload.workload} reads its own data in datasets(); drop "
-                          f"{'the folder ' + args.dir if args.dir else '--kind'} (pass its location in --workload-args)")
+        raise ConfigError(
+            f"check-data: {cfg.workload.workload} reads its own data in datasets(); drop "
+            f"{'the folder ' + args.dir if args.dir else '--kind'} (pass its location in --workload-args)"
+        )
     if args.samples < 1:
         raise ConfigError(f"check-data: --samples must be positive, got {args.samples}")
     name = workload_class(cfg).__name__
     problems, notes = check_workload_data(cfg, args.samples)
     for line in notes + problems:
         print(line)
-    print(f"{len(problems)} problem(s) in {name}'s data" if problems
-          else f"{name}: datasets() and collate give batches its model takes; no problems found")
+    print(
+        f"{len(problems)} problem(s) in {name}'s data"
+        if problems
+        else f"{name}: datasets() and collate give batches its model takes; no problems found"
+    )
     return 1 if problems else 0
 
 

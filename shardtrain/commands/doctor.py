@@ -8,6 +8,7 @@ Exit code 1 when something would stop training (a launcher variable that makes r
 a network interface NCCL cannot find...); warnings alone exit 0.
 Everything heavy (torch, DeepSpeed) is imported inside the functions: importing this module is instant.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,18 +23,34 @@ from typing import Mapping
 
 from shardtrain.config.sagemaker_env import TORCHRUN_HINT
 
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCHELASTIC_RUN_ID", "CUDA_VISIBLE_DEVICES")
-SLURM_VARS = ("SLURM_JOB_ID", "SLURM_NTASKS", "SLURM_NTASKS_PER_NODE", "SLURM_PROCID", "SLURM_LOCALID",
-              "SLURM_NODEID", "SLURM_JOB_NODELIST", "SLURM_GPUS_ON_NODE", "SLURM_CPUS_PER_TASK")
-SAGEMAKER_VARS = ("SM_NUM_GPUS", "SM_NUM_CPUS", "SM_HOSTS", "SM_CURRENT_HOST", "SM_MODEL_DIR",
-                  "SM_OUTPUT_DATA_DIR")
+LAUNCHER_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "CUDA_VISIBLE_DEVICES",
+)
+SLURM_VARS = (
+    "SLURM_JOB_ID",
+    "SLURM_NTASKS",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_PROCID",
+    "SLURM_LOCALID",
+    "SLURM_NODEID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_GPUS_ON_NODE",
+    "SLURM_CPUS_PER_TASK",
+)
+SAGEMAKER_VARS = ("SM_NUM_GPUS", "SM_NUM_CPUS", "SM_HOSTS", "SM_CURRENT_HOST", "SM_MODEL_DIR", "SM_OUTPUT_DATA_DIR")
 DS_OPS = ("CPUAdamBuilder", "FusedAdamBuilder")
 
 
 @dataclass
 class Problem:
-    level: str   # "error" blocks training; "warning" costs speed or surprises
+    level: str  # "error" blocks training; "warning" costs speed or surprises
     message: str
     fix: str
 
@@ -66,15 +83,24 @@ def gpus() -> list[dict]:
     out = []
     for i in range(torch.cuda.device_count()):
         p = torch.cuda.get_device_properties(i)
-        out.append({"index": i, "name": p.name, "memory_gb": round(p.total_memory / 2**30, 1),
-                    "compute_capability": f"{p.major}.{p.minor}", "bf16": p.major >= 8})
+        out.append(
+            {
+                "index": i,
+                "name": p.name,
+                "memory_gb": round(p.total_memory / 2**30, 1),
+                "compute_capability": f"{p.major}.{p.minor}",
+                "bf16": p.major >= 8,
+            }
+        )
     return out
 
 
 def deepspeed_ops() -> dict:
     """Whether DeepSpeed could JIT-build its Adam ops here; is_compatible() checks without building."""
-    info = {"ninja": bool(shutil.which("ninja")) or _has_module("ninja"),
-            "cxx": shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++")}
+    info = {
+        "ninja": bool(shutil.which("ninja")) or _has_module("ninja"),
+        "cxx": shutil.which(os.environ.get("CXX", "c++")) or shutil.which("g++") or shutil.which("clang++"),
+    }
     if not _has_module("deepspeed"):
         return {**info, "ops": {}}
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda_available() else "cuda")
@@ -123,30 +149,59 @@ def check_launcher(env: Mapping[str, str], n_gpus: int) -> list[Problem]:
     world = _int(env.get("WORLD_SIZE"))
     rank = _int(env.get("RANK"))
     if world is not None and world > 1 and rank is None:
-        out.append(Problem("error", f"WORLD_SIZE={world} is set but RANK is not: rank 0 would wait for peers "
-                                    f"that never start", f"launch with torchrun --nproc_per_node={n_gpus or 'N'} "
-                                    f"(it sets RANK per process), or unset WORLD_SIZE"))
+        out.append(
+            Problem(
+                "error",
+                f"WORLD_SIZE={world} is set but RANK is not: rank 0 would wait for peers that never start",
+                f"launch with torchrun --nproc_per_node={n_gpus or 'N'} "
+                f"(it sets RANK per process), or unset WORLD_SIZE",
+            )
+        )
     if world is not None and rank is not None and not 0 <= rank < world:
-        out.append(Problem("error", f"RANK={rank} is outside 0..WORLD_SIZE-1 ({world - 1})",
-                           "let the launcher set RANK/WORLD_SIZE instead of setting them by hand"))
+        out.append(
+            Problem(
+                "error",
+                f"RANK={rank} is outside 0..WORLD_SIZE-1 ({world - 1})",
+                "let the launcher set RANK/WORLD_SIZE instead of setting them by hand",
+            )
+        )
     if world is not None and world > 1 and rank is not None:
         missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not env.get(v)]
         if missing:
-            out.append(Problem("error", f"WORLD_SIZE={world} but {' and '.join(missing)} unset: the ranks cannot "
-                                        f"meet", "launch with torchrun, or export MASTER_ADDR=<rank-0 host> "
-                                        "MASTER_PORT=29500"))
+            out.append(
+                Problem(
+                    "error",
+                    f"WORLD_SIZE={world} but {' and '.join(missing)} unset: the ranks cannot meet",
+                    "launch with torchrun, or export MASTER_ADDR=<rank-0 host> MASTER_PORT=29500",
+                )
+            )
         if "LOCAL_RANK" not in env and "SLURM_LOCALID" not in env:
-            out.append(Problem("warning", f"RANK/WORLD_SIZE are set but LOCAL_RANK is not: every process "
-                                          f"would use GPU 0", "launch with torchrun or srun, which set LOCAL_RANK"))
+            out.append(
+                Problem(
+                    "warning",
+                    "RANK/WORLD_SIZE are set but LOCAL_RANK is not: every process would use GPU 0",
+                    "launch with torchrun or srun, which set LOCAL_RANK",
+                )
+            )
     local = _int(env.get("LOCAL_RANK"))
     if n_gpus and local is not None and local >= n_gpus:
-        out.append(Problem("error", f"LOCAL_RANK={local} but only {n_gpus} GPU(s) visible",
-                           f"start at most {n_gpus} processes per node (--nproc_per_node={n_gpus})"))
+        out.append(
+            Problem(
+                "error",
+                f"LOCAL_RANK={local} but only {n_gpus} GPU(s) visible",
+                f"start at most {n_gpus} processes per node (--nproc_per_node={n_gpus})",
+            )
+        )
     if n_gpus > 1 and rank is None and not _int(env.get("SLURM_NTASKS", "1")) > 1:
-        out.append(Problem("warning", f"{n_gpus} GPUs visible and no launcher: a plain single process would "
-                                      f"use GPU 0 only", f"`shardtrain train` relaunches itself with "
-                                      f"{n_gpus} processes (--nproc auto); with your own script use "
-                                      f"torchrun --nproc_per_node={n_gpus}"))
+        out.append(
+            Problem(
+                "warning",
+                f"{n_gpus} GPUs visible and no launcher: a plain single process would use GPU 0 only",
+                f"`shardtrain train` relaunches itself with "
+                f"{n_gpus} processes (--nproc auto); with your own script use "
+                f"torchrun --nproc_per_node={n_gpus}",
+            )
+        )
     return out
 
 
@@ -158,26 +213,50 @@ def check_sagemaker(env: Mapping[str, str], n_gpus: int) -> list[Problem]:
             out.append(Problem("error", f"{name}={path} is not a folder", "check the channel's S3 input"))
     train = env.get("SM_CHANNEL_TRAIN") or env.get("SM_CHANNEL_TRAINING")
     if train and os.path.isdir(train) and not os.path.isfile(os.path.join(train, "train.jsonl")):
-        out.append(Problem("error", f"the train channel {train} has no train.jsonl",
-                           "upload train.jsonl (and its images) at the channel's S3 prefix"))
-    if train and os.path.isdir(train) and not env.get("SM_CHANNEL_VALIDATION") \
-            and not os.path.isfile(os.path.join(train, "validation.jsonl")):
-        out.append(Problem("error", f"no validation data: no SM_CHANNEL_VALIDATION and no validation.jsonl "
-                                    f"in {train}", "add a 'validation' channel or put validation.jsonl beside "
-                                    "train.jsonl"))
+        out.append(
+            Problem(
+                "error",
+                f"the train channel {train} has no train.jsonl",
+                "upload train.jsonl (and its images) at the channel's S3 prefix",
+            )
+        )
+    if (
+        train
+        and os.path.isdir(train)
+        and not env.get("SM_CHANNEL_VALIDATION")
+        and not os.path.isfile(os.path.join(train, "validation.jsonl"))
+    ):
+        out.append(
+            Problem(
+                "error",
+                f"no validation data: no SM_CHANNEL_VALIDATION and no validation.jsonl in {train}",
+                "add a 'validation' channel or put validation.jsonl beside train.jsonl",
+            )
+        )
     sm_gpus = _int(env.get("SM_NUM_GPUS"))
     if sm_gpus is not None and sm_gpus != n_gpus:
-        out.append(Problem("warning", f"SM_NUM_GPUS={sm_gpus} but torch sees {n_gpus} GPU(s)",
-                           "check CUDA_VISIBLE_DEVICES and that the image's torch is a CUDA build"))
+        out.append(
+            Problem(
+                "warning",
+                f"SM_NUM_GPUS={sm_gpus} but torch sees {n_gpus} GPU(s)",
+                "check CUDA_VISIBLE_DEVICES and that the image's torch is a CUDA build",
+            )
+        )
     try:
         hosts = json.loads(env.get("SM_HOSTS", "[]"))
     except json.JSONDecodeError:
         hosts = []
-        out.append(Problem("error", f"SM_HOSTS is not a JSON list: {env['SM_HOSTS']!r}",
-                           "let the SageMaker toolkit set it"))
+        out.append(
+            Problem("error", f"SM_HOSTS is not a JSON list: {env['SM_HOSTS']!r}", "let the SageMaker toolkit set it")
+        )
     if len(hosts) > 1 and "RANK" not in env:
-        out.append(Problem("error", f"{len(hosts)} SageMaker hosts and no launcher: each would train alone",
-                           f"start the job with {TORCHRUN_HINT}"))
+        out.append(
+            Problem(
+                "error",
+                f"{len(hosts)} SageMaker hosts and no launcher: each would train alone",
+                f"start the job with {TORCHRUN_HINT}",
+            )
+        )
     return out
 
 
@@ -186,20 +265,35 @@ def check_threads(env: Mapping[str, str], cpus: int, procs_per_node: int, worker
     per_proc = max(1, cpus // max(1, procs_per_node))
     omp = env.get("OMP_NUM_THREADS")
     if omp is None:
-        out.append(Problem("warning", "OMP_NUM_THREADS is unset: torchrun sets 1, the deepspeed launcher sets "
-                                      "nothing (unset, a CPU run here was 1.8x slower)",
-                           f"export OMP_NUM_THREADS={per_proc} ({_count(cpus, 'CPU')} for "
-                           f"{_count(procs_per_node, 'process')})"))
+        out.append(
+            Problem(
+                "warning",
+                "OMP_NUM_THREADS is unset: torchrun sets 1, the deepspeed launcher sets "
+                "nothing (unset, a CPU run here was 1.8x slower)",
+                f"export OMP_NUM_THREADS={per_proc} ({_count(cpus, 'CPU')} for {_count(procs_per_node, 'process')})",
+            )
+        )
     elif (_int(omp) or 0) * procs_per_node > cpus:
-        out.append(Problem("warning", f"OMP_NUM_THREADS={omp} x {_count(procs_per_node, 'process')} > "
-                                      f"{_count(cpus, 'CPU')}: "
-                                      f"threads fight for cores", f"export OMP_NUM_THREADS={per_proc}"))
+        out.append(
+            Problem(
+                "warning",
+                f"OMP_NUM_THREADS={omp} x {_count(procs_per_node, 'process')} > "
+                f"{_count(cpus, 'CPU')}: "
+                f"threads fight for cores",
+                f"export OMP_NUM_THREADS={per_proc}",
+            )
+        )
     if workers is not None and procs_per_node * (1 + workers) > cpus:
         fit = max(0, cpus // max(1, procs_per_node) - 1)
-        out.append(Problem("warning", f"{_count(workers, 'loader worker')} x {_count(procs_per_node, 'process')} "
-                                      f"+ the processes themselves = {procs_per_node * (1 + workers)} > "
-                                      f"{_count(cpus, 'CPU')}",
-                           f"--num-workers {fit}"))
+        out.append(
+            Problem(
+                "warning",
+                f"{_count(workers, 'loader worker')} x {_count(procs_per_node, 'process')} "
+                f"+ the processes themselves = {procs_per_node * (1 + workers)} > "
+                f"{_count(cpus, 'CPU')}",
+                f"--num-workers {fit}",
+            )
+        )
     return out
 
 
@@ -208,30 +302,52 @@ def check_nccl(env: Mapping[str, str], ifaces: list[str]) -> list[Problem]:
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         value = env.get(var)
         if value and ifaces and not value.startswith("^") and not _iface_matches(value, ifaces):
-            out.append(Problem("error", f"{var}={value} matches no network interface here "
-                                        f"({', '.join(ifaces)})", f"unset {var} or name one of them"))
+            out.append(
+                Problem(
+                    "error",
+                    f"{var}={value} matches no network interface here ({', '.join(ifaces)})",
+                    f"unset {var} or name one of them",
+                )
+            )
     for var in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE", "NCCL_SHM_DISABLE"):
         if env.get(var) == "1":
-            out.append(Problem("warning", f"{var}=1 forces a slower transport",
-                               f"unset {var} unless it works around a known hang"))
+            out.append(
+                Problem(
+                    "warning", f"{var}=1 forces a slower transport", f"unset {var} unless it works around a known hang"
+                )
+            )
     if env.get("NCCL_DEBUG", "").upper() in ("INFO", "TRACE"):
-        out.append(Problem("warning", f"NCCL_DEBUG={env['NCCL_DEBUG']} floods the log",
-                           "unset NCCL_DEBUG (or WARN) once the problem it was for is solved"))
+        out.append(
+            Problem(
+                "warning",
+                f"NCCL_DEBUG={env['NCCL_DEBUG']} floods the log",
+                "unset NCCL_DEBUG (or WARN) once the problem it was for is solved",
+            )
+        )
     return out
 
 
 def check_ops(ops: dict) -> list[Problem]:
     out = []
     if not ops.get("cxx"):
-        out.append(Problem("warning", "no C++ compiler: DeepSpeed cannot JIT-build cpu_adam / fused_adam",
-                           "apt-get install g++ (or set \"torch_adam\": true in the DeepSpeed optimizer params)"))
+        out.append(
+            Problem(
+                "warning",
+                "no C++ compiler: DeepSpeed cannot JIT-build cpu_adam / fused_adam",
+                'apt-get install g++ (or set "torch_adam": true in the DeepSpeed optimizer params)',
+            )
+        )
     if not ops.get("ninja"):
-        out.append(Problem("warning", "ninja not found: DeepSpeed cannot JIT-build its ops",
-                           "pip install ninja"))
+        out.append(Problem("warning", "ninja not found: DeepSpeed cannot JIT-build its ops", "pip install ninja"))
     for name, ok in ops.get("ops", {}).items():
         if not ok:
-            out.append(Problem("warning", f"DeepSpeed op {name} is not buildable here",
-                               "use \"torch_adam\": true, or no optimizer offload"))
+            out.append(
+                Problem(
+                    "warning",
+                    f"DeepSpeed op {name} is not buildable here",
+                    'use "torch_adam": true, or no optimizer offload',
+                )
+            )
     return out
 
 
@@ -248,7 +364,7 @@ def _iface_matches(value: str, ifaces: list[str]) -> bool:
 
 
 def _count(n: int, noun: str) -> str:
-    """"1 process", "2 processes", "1 CPU", "4 CPUs"."""
+    """ "1 process", "2 processes", "1 CPU", "4 CPUs"."""
     if n == 1:
         return f"1 {noun}"
     return f"{n} {noun}es" if noun.endswith(("s", "sh", "ch", "x")) else f"{n} {noun}s"
@@ -267,18 +383,28 @@ def diagnose(env: Mapping[str, str], workers: int | None = None) -> dict:
     ops = deepspeed_ops()
     procs = _int(env.get("LOCAL_WORLD_SIZE")) or _int(env.get("SLURM_NTASKS_PER_NODE")) or max(1, len(gpu_list))
     cpus = cpu_count()
-    problems = (check_launcher(env, len(gpu_list)) + check_sagemaker(env, len(gpu_list))
-                + check_threads(env, cpus, procs, workers) + check_nccl(env, interfaces()) + check_ops(ops))
+    problems = (
+        check_launcher(env, len(gpu_list))
+        + check_sagemaker(env, len(gpu_list))
+        + check_threads(env, cpus, procs, workers)
+        + check_nccl(env, interfaces())
+        + check_ops(ops)
+    )
     pick = lambda names: {k: env[k] for k in names if k in env}  # noqa: E731
     return {
         "versions": versions(),
         "gpus": gpu_list,
         "deepspeed_ops": ops,
-        "env": {"launcher": pick(LAUNCHER_VARS), "slurm": pick(SLURM_VARS),
-                "sagemaker": {**pick(SAGEMAKER_VARS), **{k: v for k, v in env.items() if k.startswith("SM_CHANNEL_")}},
-                "nccl": {k: v for k, v in env.items() if k.startswith("NCCL_")},
-                "omp_num_threads": env.get("OMP_NUM_THREADS")},
-        "cpus": cpus, "processes_per_node": procs, "loader_workers": workers,
+        "env": {
+            "launcher": pick(LAUNCHER_VARS),
+            "slurm": pick(SLURM_VARS),
+            "sagemaker": {**pick(SAGEMAKER_VARS), **{k: v for k, v in env.items() if k.startswith("SM_CHANNEL_")}},
+            "nccl": {k: v for k, v in env.items() if k.startswith("NCCL_")},
+            "omp_num_threads": env.get("OMP_NUM_THREADS"),
+        },
+        "cpus": cpus,
+        "processes_per_node": procs,
+        "loader_workers": workers,
         "problems": [asdict(p) for p in problems],
         "ok": not any(p.level == "error" for p in problems),
     }
@@ -289,25 +415,31 @@ def render(report: dict) -> str:
     lines = ["versions: " + " | ".join(f"{k} {v[k] or '-'}" for k in v)]
     if report["gpus"]:
         for g in report["gpus"]:
-            lines.append(f"gpu {g['index']}: {g['name']} | {g['memory_gb']} GiB | compute {g['compute_capability']} | "
-                         f"bf16 {'yes' if g['bf16'] else 'no (use fp16)'}")
+            lines.append(
+                f"gpu {g['index']}: {g['name']} | {g['memory_gb']} GiB | compute {g['compute_capability']} | "
+                f"bf16 {'yes' if g['bf16'] else 'no (use fp16)'}"
+            )
     else:
         lines.append("gpus: none visible (CPU training with gloo)")
     ops = report["deepspeed_ops"]
-    lines.append(f"deepspeed ops: ninja {'yes' if ops['ninja'] else 'no'} | c++ {ops['cxx'] or 'no'} | "
-                 + " | ".join(f"{k} {'buildable' if ok else 'not buildable'}" for k, ok in ops["ops"].items()))
+    lines.append(
+        f"deepspeed ops: ninja {'yes' if ops['ninja'] else 'no'} | c++ {ops['cxx'] or 'no'} | "
+        + " | ".join(f"{k} {'buildable' if ok else 'not buildable'}" for k, ok in ops["ops"].items())
+    )
     for group, values in report["env"].items():
         if isinstance(values, dict):
             lines.append(f"{group}: " + (" ".join(f"{k}={val}" for k, val in values.items()) or "-"))
-    lines.append(f"threads: OMP_NUM_THREADS={report['env']['omp_num_threads'] or 'unset'} | "
-                 f"{_count(report['cpus'], 'CPU')} | {_count(report['processes_per_node'], 'process')} per node"
-                 + (f" | {_count(report['loader_workers'], 'loader worker')}"
-                    if report["loader_workers"] is not None else ""))
+    lines.append(
+        f"threads: OMP_NUM_THREADS={report['env']['omp_num_threads'] or 'unset'} | "
+        f"{_count(report['cpus'], 'CPU')} | {_count(report['processes_per_node'], 'process')} per node"
+        + (f" | {_count(report['loader_workers'], 'loader worker')}" if report["loader_workers"] is not None else "")
+    )
     problems = [Problem(**p) for p in report["problems"]]
     lines += [p.line() for p in problems]
     errors = sum(p.level == "error" for p in problems)
-    lines.append(f"{_count(errors, 'error')}, {_count(len(problems) - errors, 'warning')}" if problems
-                 else "no problems found")
+    lines.append(
+        f"{_count(errors, 'error')}, {_count(len(problems) - errors, 'warning')}" if problems else "no problems found"
+    )
     return "\n".join(lines)
 
 
@@ -321,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     workers = None
     if args.config:
         from shardtrain.config.settings import from_dict, load_yaml
+
         workers = from_dict(load_yaml(args.config), source=f"--config {args.config}").data.num_workers
     report = diagnose(os.environ, workers)
     print(json.dumps(report, indent=1) if args.json else render(report), flush=True)
     return 0 if report["ok"] else 1
-

@@ -1,4 +1,5 @@
 """`shardtrain make-data`: a small synthetic dataset in the jsonl layout, for demos and tests."""
+
 from __future__ import annotations
 
 import argparse
@@ -19,8 +20,15 @@ def main(argv: list[str]) -> int:
 
     from shardtrain.data.synthetic import DATASET_INFO, make_data
 
-    path = make_data(args.kind, args.dir, n_train=args.n_train, n_val=args.n_val, seed=args.seed,
-                     num_labels=args.num_labels, overwrite=args.overwrite)
+    path = make_data(
+        args.kind,
+        args.dir,
+        n_train=args.n_train,
+        n_val=args.n_val,
+        seed=args.seed,
+        num_labels=args.num_labels,
+        overwrite=args.overwrite,
+    )
     (path / DATASET_INFO).write_text(json.dumps({"kind": args.kind, "num_labels": args.num_labels}) + "\n")
     print(f"wrote {args.n_train} train / {args.n_val} validation {args.kind} examples to {path}")
     return 0

@@ -13,6 +13,7 @@ gradient scale (an averaging or accumulation factor) from the loss. Both default
 the runs' precision and device (docs/strategies.md, "Parity tolerances"). Exit 0: parity; 1: divergence;
 3: a run failed (its log is kept).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -79,6 +80,7 @@ def run_settings(config: str | None, flags: list[str]) -> tuple[str, str]:
         deterministic = known.deterministic.lower() in ("true", "1", "yes", "on")
     if device == "auto":
         import torch
+
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and precision == "fp32" and deterministic:
         device = "cuda-deterministic"
@@ -120,11 +122,39 @@ def run_one(name: str, args: argparse.Namespace, common: list[str], extra: list[
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
     config = ["--config", str(Path(args.config).resolve())] if args.config else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={args.nproc}",
-           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(MAIN), *config, *STRATEGIES[name], "--max-steps", str(args.steps),
-           "--output-dir", str(run_dir), "--resume", "none", "--save-every", "0", "--save-final", "false",
-           "--eval-every", "0", "--log-every", str(args.steps), "--report", "false", "--report-to", "none", "--predict-memory", "false",
-           *common, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={args.nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        str(MAIN),
+        *config,
+        *STRATEGIES[name],
+        "--max-steps",
+        str(args.steps),
+        "--output-dir",
+        str(run_dir),
+        "--resume",
+        "none",
+        "--save-every",
+        "0",
+        "--save-final",
+        "false",
+        "--eval-every",
+        "0",
+        "--log-every",
+        str(args.steps),
+        "--report",
+        "false",
+        "--report-to",
+        "none",
+        "--predict-memory",
+        "false",
+        *common,
+        *extra,
+    ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice; unset, the deepspeed path ran ~1.8x slower
     # The runs start in the checkout; a --workload module in the user's working directory must still import.
@@ -143,6 +173,7 @@ def run_one(name: str, args: argparse.Namespace, common: list[str], extra: list[
 
 def read_steps(run_dir: Path) -> dict[int, dict]:
     from shardtrain.observability.runlog import load_run
+
     return {r["step"]: r for r in load_run(run_dir).steps}
 
 
@@ -170,21 +201,37 @@ def compare(results: dict[str, dict[int, dict]], tolerance: float, grad_toleranc
                 first_divergence = {"step": step, "strategy": name, "loss_rel_diff": dl, "grad_norm_rel_diff": dg}
         rows.append(row)
     missing = {n: sorted(set(ref) ^ set(r)) for n, r in results.items() if set(r) != set(ref)}
-    return {"reference": names[0], "tolerance": tolerance, "grad_norm_tolerance": grad_tolerance,
-            "steps": rows, "first_divergence": first_divergence, "missing_steps": missing}
+    return {
+        "reference": names[0],
+        "tolerance": tolerance,
+        "grad_norm_tolerance": grad_tolerance,
+        "steps": rows,
+        "first_divergence": first_divergence,
+        "missing_steps": missing,
+    }
 
 
 def format_table(report: dict) -> str:
     names = list(report["steps"][0]["loss"]) if report["steps"] else []
     ref, others = names[:1], names[1:]
-    head = f"{'step':>4}  " + "  ".join(f"{n:>12}" for n in names) + "  " + \
-        "  ".join(f"{'Δloss ' + n:>18}  {'Δgnorm ' + n:>19}" for n in others)
-    lines = [f"relative differences from {''.join(ref)} (tolerance loss {report['tolerance']:g}, "
-             f"grad norm {report['grad_norm_tolerance']:g})", head]
+    head = (
+        f"{'step':>4}  "
+        + "  ".join(f"{n:>12}" for n in names)
+        + "  "
+        + "  ".join(f"{'Δloss ' + n:>18}  {'Δgnorm ' + n:>19}" for n in others)
+    )
+    lines = [
+        f"relative differences from {''.join(ref)} (tolerance loss {report['tolerance']:g}, "
+        f"grad norm {report['grad_norm_tolerance']:g})",
+        head,
+    ]
     for row in report["steps"]:
-        lines.append(f"{row['step']:>4}  " + "  ".join(f"{row['loss'][n]:12.6f}" for n in names) + "  " +
-                     "  ".join(f"{row['loss_rel_diff'][n]:18.2e}  {row['grad_norm_rel_diff'][n]:19.2e}"
-                               for n in others))
+        lines.append(
+            f"{row['step']:>4}  "
+            + "  ".join(f"{row['loss'][n]:12.6f}" for n in names)
+            + "  "
+            + "  ".join(f"{row['loss_rel_diff'][n]:18.2e}  {row['grad_norm_rel_diff'][n]:19.2e}" for n in others)
+        )
     return "\n".join(lines)
 
 
@@ -195,8 +242,10 @@ def check_comparable(runs) -> list[str]:
 
     diffs, unknown = differences(runs)
     if unknown:
-        raise ConfigError(f"--runs: {unknown[0]} has no summary.json or checkpoint recording its settings: "
-                          f"cannot tell whether it is comparable")
+        raise ConfigError(
+            f"--runs: {unknown[0]} has no summary.json or checkpoint recording its settings: "
+            f"cannot tell whether it is comparable"
+        )
     refused = in_groups(diffs, WORKLOAD + TRAJECTORY)
     if refused:
         more = f" (and {len(refused) - 1} more difference(s))" if len(refused) > 1 else ""
@@ -233,8 +282,10 @@ def conclude(results: dict[str, dict[int, dict]], args: argparse.Namespace, out:
         print(f"parity: runs logged different steps: {report['missing_steps']}", file=sys.stderr)
         return 1
     if div:
-        print(f"parity: DIVERGED at step {div['step']}: {div['strategy']} vs {report['reference']} "
-              f"(loss {div['loss_rel_diff']:.2e} relative, grad norm {div['grad_norm_rel_diff']:.2e}){where}")
+        print(
+            f"parity: DIVERGED at step {div['step']}: {div['strategy']} vs {report['reference']} "
+            f"(loss {div['loss_rel_diff']:.2e} relative, grad norm {div['grad_norm_rel_diff']:.2e}){where}"
+        )
         return 1
     print(f"parity: OK, {', '.join(results)} agree over {len(report['steps'])} steps{where}")
     return 0
@@ -265,45 +316,74 @@ def _workload_flags(flags: list[str]) -> tuple[str | None, str | None]:
 
 def main(argv: list[str]) -> int:
 
-    parser = argparse.ArgumentParser(prog="shardtrain parity", description=__doc__.split("\n\n")[0],
-                                     epilog="Other flags (e.g. --data-dir DIR) are passed to every run.")
-    parser.add_argument("--config", help="the training config every strategy runs (without --runs: it, or "
-                                         "--workload, or both)")
-    parser.add_argument("--runs", metavar="DIR,DIR[,...]",
-                        help="compare these finished runs' metrics.jsonl instead of training; the first is the "
-                             "reference")
+    parser = argparse.ArgumentParser(
+        prog="shardtrain parity",
+        description=__doc__.split("\n\n")[0],
+        epilog="Other flags (e.g. --data-dir DIR) are passed to every run.",
+    )
+    parser.add_argument(
+        "--config", help="the training config every strategy runs (without --runs: it, or --workload, or both)"
+    )
+    parser.add_argument(
+        "--runs",
+        metavar="DIR,DIR[,...]",
+        help="compare these finished runs' metrics.jsonl instead of training; the first is the reference",
+    )
     parser.add_argument("--strategies", default=None, help="default: ddp,fsdp,zero2,zero3")
     parser.add_argument("--steps", type=int, default=None, help="default: 10")
     parser.add_argument("--nproc", type=int, default=None, help="default: 2")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="relative loss difference (default: by precision and device, 1e-4 for fp32 on CPU; "
-                             "docs/strategies.md)")
-    parser.add_argument("--grad-norm-tolerance", type=float, default=None,
-                        help="relative gradient-norm difference (default: by precision and device, 1e-3 for fp32 "
-                             "on CPU)")
-    parser.add_argument("--args-for", action="append", default=[], metavar="NAME='FLAGS'",
-                        help="extra flags for one strategy's run, e.g. --args-for fsdp='--lr 2e-3'")
-    parser.add_argument("--out", help="keep the runs and parity.json here (default: a new temporary folder; "
-                                      "with --runs, parity.json is written only when --out is given)")
+    parser.add_argument(
+        "--tolerance",
+        type=float,
+        default=None,
+        help="relative loss difference (default: by precision and device, 1e-4 for fp32 on CPU; docs/strategies.md)",
+    )
+    parser.add_argument(
+        "--grad-norm-tolerance",
+        type=float,
+        default=None,
+        help="relative gradient-norm difference (default: by precision and device, 1e-3 for fp32 on CPU)",
+    )
+    parser.add_argument(
+        "--args-for",
+        action="append",
+        default=[],
+        metavar="NAME='FLAGS'",
+        help="extra flags for one strategy's run, e.g. --args-for fsdp='--lr 2e-3'",
+    )
+    parser.add_argument(
+        "--out",
+        help="keep the runs and parity.json here (default: a new temporary folder; "
+        "with --runs, parity.json is written only when --out is given)",
+    )
     parser.add_argument("--debug", action="store_true")
     args, common = parser.parse_known_args(argv)
     common = [a for a in common if a != "--debug"]
     if args.tolerance is None or args.grad_norm_tolerance is None:
         # --runs: the runs' own record is the reference's precision and device; otherwise what the runs will use.
-        precision, device = (runs_settings(args.runs) if args.runs is not None else
-                             run_settings(args.config, common))
+        precision, device = runs_settings(args.runs) if args.runs is not None else run_settings(args.config, common)
         loss_tol, grad_tol = default_tolerances(precision, device)
         args.tolerance = loss_tol if args.tolerance is None else args.tolerance
         args.grad_norm_tolerance = grad_tol if args.grad_norm_tolerance is None else args.grad_norm_tolerance
-        print(f"parity: tolerances for {precision} on {device}: loss {args.tolerance:g}, grad norm "
-              f"{args.grad_norm_tolerance:g} (relative)")
+        print(
+            f"parity: tolerances for {precision} on {device}: loss {args.tolerance:g}, grad norm "
+            f"{args.grad_norm_tolerance:g} (relative)"
+        )
 
     if not (args.tolerance >= 0 and args.grad_norm_tolerance >= 0):
         raise ConfigError("--tolerance and --grad-norm-tolerance must be >= 0")
     if args.runs is not None:
-        training = [flag for flag, value in (("--config", args.config), ("--strategies", args.strategies),
-                                             ("--steps", args.steps), ("--nproc", args.nproc),
-                                             ("--args-for", args.args_for or None)) if value is not None]
+        training = [
+            flag
+            for flag, value in (
+                ("--config", args.config),
+                ("--strategies", args.strategies),
+                ("--steps", args.steps),
+                ("--nproc", args.nproc),
+                ("--args-for", args.args_for or None),
+            )
+            if value is not None
+        ]
         training += common[:1]  # training flags for the runs to make
         if training:
             raise ConfigError(f"--runs compares finished runs and trains nothing: drop {training[0]}")
@@ -313,14 +393,17 @@ def main(argv: list[str]) -> int:
         return conclude(results, args, Path(args.out) if args.out else None)
     workload = _workload_flags(common)
     if args.config is None and workload[0] is None:
-        raise ConfigError("parity: give --config FILE or --workload my_pkg.tasks:MyTask (train each strategy), "
-                          "or --runs DIR,DIR (compare finished runs)")
+        raise ConfigError(
+            "parity: give --config FILE or --workload my_pkg.tasks:MyTask (train each strategy), "
+            "or --runs DIR,DIR (compare finished runs)"
+        )
     names = parse_strategies(args.strategies or "ddp,fsdp,zero2,zero3")
     args.steps = 10 if args.steps is None else args.steps
     args.nproc = 2 if args.nproc is None else args.nproc
     if args.steps < 1 or args.nproc < 1:
         raise ConfigError(f"--steps and --nproc must be positive, got {args.steps} and {args.nproc}")
     from shardtrain.workloads.base import workload_class
+
     workload_class(command_config(args.config, *workload))  # imports, and names a Workload, before any run
     extra = parse_args_for(args.args_for, names)
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="shardtrain-parity-"))
@@ -332,4 +415,3 @@ def main(argv: list[str]) -> int:
             return 3
         results[name] = read_steps(run_dir)
     return conclude(results, args, out)
-

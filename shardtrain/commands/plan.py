@@ -1,5 +1,6 @@
 """`shardtrain plan`: per-GPU memory of every strategy for a config (or a workload) on N GPUs of a kind,
 before renting them (memory/planner.py does the arithmetic)."""
+
 from __future__ import annotations
 
 import argparse
@@ -7,16 +8,26 @@ import json
 import sys
 
 from shardtrain.config.settings import ConfigError, add_workload_flags, command_config, is_builtin_workload, validate
-from shardtrain.memory.planner import (GIB, GPUS, arch_only, format_plan, format_workload_plan, plan, plan_workload,
-                                       resolve_gpu)
+from shardtrain.memory.planner import (
+    GIB,
+    GPUS,
+    arch_only,
+    format_plan,
+    format_workload_plan,
+    plan,
+    plan_workload,
+    resolve_gpu,
+)
 
 
 class _OneLineParser(argparse.ArgumentParser):
     """A bad flag is one line (a ConfigError) naming what plan takes, not argparse's usage block."""
 
     def error(self, message):
-        raise ConfigError(f"plan: {message} (plan takes --config/--workload, --gpus, --gpu, the batch, length and "
-                          f"precision flags, and train's data flags: shardtrain plan --help)")
+        raise ConfigError(
+            f"plan: {message} (plan takes --config/--workload, --gpus, --gpu, the batch, length and "
+            f"precision flags, and train's data flags: shardtrain plan --help)"
+        )
 
 
 def main(argv: list[str]) -> int:
@@ -31,12 +42,19 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--debug", action="store_true")
     from shardtrain.config.settings import FIELDS, FLAG_ALIASES, flag_of
+
     # train's data flags (--train-file, --text-column-names, ...): the vocabulary and the classes come from the data
     for name, (section, _, typ) in FIELDS.items():
         if section == "data" and name != "max_length":
             extra = {"nargs": "?", "const": "true", "metavar": "{true,false}"} if typ is bool else {}
-            parser.add_argument(flag_of(name), *FLAG_ALIASES.get(name, []), dest=f"data__{name}", default=None,
-                                help=f"as in train (data.{name})", **extra)
+            parser.add_argument(
+                flag_of(name),
+                *FLAG_ALIASES.get(name, []),
+                dest=f"data__{name}",
+                default=None,
+                help=f"as in train (data.{name})",
+                **extra,
+            )
     args = parser.parse_args(argv)
     cfg = _plan_config(args)
     if args.gpus < 1:
@@ -48,13 +66,17 @@ def main(argv: list[str]) -> int:
         return 0
     # Only a text model missing from the offline table is read from the hub (its config, no weights).
     from shardtrain.runtime.hub import check_hub_names
+
     note = check_hub_names(arch_only(cfg), fields=("text_model",))
     if note:
         print(f"shardtrain: {note}", file=sys.stderr)
     p = plan(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)
     p["launch"] = launch_line(p, args, argv)
-    print(json.dumps(p, indent=2) if args.json else format_plan(p, gpu.name)
-          + (f"\nlaunch: {p['launch']}" if p["launch"] else ""))
+    print(
+        json.dumps(p, indent=2)
+        if args.json
+        else format_plan(p, gpu.name) + (f"\nlaunch: {p['launch']}" if p["launch"] else "")
+    )
     return 0
 
 
@@ -68,8 +90,16 @@ def launch_line(p: dict, args, argv: list[str]) -> str | None:
         return None
     shown = [a.replace(str(REPO) + "/", "") for a in STRATEGIES[rec["variant"]]]
     given = [a for a in _without(argv, ("--gpus", "--gpu", "--per-device-batch-size"), ("--json", "--debug"))]
-    flags = ["--nproc", str(args.gpus), *given, *shown, "--per-device-batch-size", str(rec["micro_batch_size"]),
-             "--grad-accum", str(rec["grad_accum"])]
+    flags = [
+        "--nproc",
+        str(args.gpus),
+        *given,
+        *shown,
+        "--per-device-batch-size",
+        str(rec["micro_batch_size"]),
+        "--grad-accum",
+        str(rec["grad_accum"]),
+    ]
     if rec["activation_checkpointing"]:
         flags.append("--activation-checkpointing")
     return "shardtrain train " + " ".join(flags)
@@ -101,6 +131,7 @@ def _plan_config(args):
     if args.precision:
         cfg.train.precision = args.precision
     from shardtrain.config.settings import FIELDS, _coerce, flag_of
+
     for name in FIELDS:
         value = getattr(args, f"data__{name}", None)
         if value is not None:

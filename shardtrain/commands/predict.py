@@ -23,6 +23,7 @@ it); this process then joins the blocks in input order. No process group is need
 between the workers, and so no example is padded in or counted twice. preds.jsonl appears only complete:
 written to a temporary file beside it, then renamed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,17 @@ from shardtrain.config.settings import ConfigError
 # The parent process tells its workers where to put their blocks; a worker without it was not started by us.
 PARTS_ENV = "SHARDTRAIN_PREDICT_PARTS"
 # Fields of the data section that name where the data is; one given on the command line replaces the run's.
-SOURCE_FIELDS = ("data_dir", "dataset_name", "dataset_config_name", "train_file", "validation_file", "train_dir",
-                 "validation_dir", "dataset_format", "eval_data_dir")
+SOURCE_FIELDS = (
+    "data_dir",
+    "dataset_name",
+    "dataset_config_name",
+    "train_file",
+    "validation_file",
+    "train_dir",
+    "validation_dir",
+    "dataset_format",
+    "eval_data_dir",
+)
 # Flags of `train` that predict takes besides the data section: which workload rebuilds the model, and where.
 OTHER_FIELDS = ("workload", "workload_args", "device")
 
@@ -55,24 +65,43 @@ class _OneLineParser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _OneLineParser(
-        prog="shardtrain predict", allow_abbrev=False, description="Predict with a run's model (any strategy's checkpoint, or an "
+        prog="shardtrain predict",
+        allow_abbrev=False,
+        description="Predict with a run's model (any strategy's checkpoint, or an "
         "export) on a split of the run's data or of the data that training's data-source flags name.",
         epilog="Data-source flags are train's: --data-dir, --train-file/--validation-file, --dataset-name, "
-               "--train-dir/--validation-dir, --dataset-format, column names, --max-eval-samples, ... "
-               "(shardtrain train --help lists them).")
-    parser.add_argument("source", help="a run's output dir (its latest checkpoint), a checkpoint step dir, or an "
-                                       "export folder")
-    parser.add_argument("--file", default=None, help="predict every row of this file, in order (csv, json/jsonl, "
-                        "parquet; the run's text/image columns, labels optional)")
-    parser.add_argument("--id-column", default=None, help="a column copied into each line as `id` (default: `id` "
-                        "where the data has one)")
-    parser.add_argument("--split", choices=["train", "validation"], default=None,
-                        help="a split of the run's data (or of the data-source flags'): default validation")
+        "--train-dir/--validation-dir, --dataset-format, column names, --max-eval-samples, ... "
+        "(shardtrain train --help lists them).",
+    )
+    parser.add_argument(
+        "source", help="a run's output dir (its latest checkpoint), a checkpoint step dir, or an export folder"
+    )
+    parser.add_argument(
+        "--file",
+        default=None,
+        help="predict every row of this file, in order (csv, json/jsonl, "
+        "parquet; the run's text/image columns, labels optional)",
+    )
+    parser.add_argument(
+        "--id-column",
+        default=None,
+        help="a column copied into each line as `id` (default: `id` where the data has one)",
+    )
+    parser.add_argument(
+        "--split",
+        choices=["train", "validation"],
+        default=None,
+        help="a split of the run's data (or of the data-source flags'): default validation",
+    )
     parser.add_argument("--output", default="preds.jsonl", help="one JSON line per example (default: preds.jsonl)")
     parser.add_argument("--top-k", type=int, default=5, help="classes (most likely first) in each line's probs")
     parser.add_argument("--batch-size", type=int, default=None, help="default: the run's eval batch size")
-    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-                        help="autocast dtype (bf16 also on CPU; fp16 on GPU only)")
+    parser.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="autocast dtype (bf16 also on CPU; fp16 on GPU only)",
+    )
     parser.add_argument("--int8", action="store_true", help="an export's INT8 copy (export --int8) instead of fp32")
     parser.add_argument("--nproc", type=int, default=1, help="data-parallel processes (one per GPU)")
     parser.add_argument("--verbose", action="store_true", help="show the libraries' warnings and info lines")
@@ -84,6 +113,7 @@ def main(argv: list[str]) -> int:
     """`shardtrain predict`: the cli calls this inside its error guard; user errors raise ConfigError."""
     args, rest = parse_args(argv)
     from shardtrain.runtime.chatter import quiet_libraries
+
     quiet_libraries(args.verbose)
     source = open_source(args, rest)  # every check that needs no model or data: before any process starts
     if os.environ.get(PARTS_ENV):  # a worker of `--nproc N`
@@ -91,6 +121,7 @@ def main(argv: list[str]) -> int:
         predict_block(source, args, rank, world, Path(os.environ[PARTS_ENV]))
         return 0
     from shardtrain.runtime.launch import under_launcher
+
     if under_launcher():
         raise ConfigError("predict: run it as one plain process; --nproc N starts the N workers itself")
     output = Path(args.output)
@@ -126,22 +157,35 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     for name in taken:
         section, _, typ = FIELDS[name]
         extra = {"nargs": "?", "const": "true", "metavar": "{true,false}"} if typ is bool else {}
-        parser.add_argument(flag_of(name), *FLAG_ALIASES.get(name, []), dest=name, default=None,
-                            help=f"as in train ({section}.{name})", **extra)
+        parser.add_argument(
+            flag_of(name),
+            *FLAG_ALIASES.get(name, []),
+            dest=name,
+            default=None,
+            help=f"as in train ({section}.{name})",
+            **extra,
+        )
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         flag = unknown[0].split("=")[0]
-        trains = flag == "--config" or flag in {flag_of(n) for n in FIELDS} | {a for v in FLAG_ALIASES.values() for a in v}
-        raise ConfigError(f"predict: {flag} is a training setting; the run's own config comes with its checkpoint "
-                          f"or export, and predict takes only data-source flags (--data-dir, --validation-file, ...), "
-                          f"--workload, --workload-args and --device" if trains else
-                          f"predict: unknown argument '{unknown[0]}' (shardtrain predict --help)")
+        trains = flag == "--config" or flag in {flag_of(n) for n in FIELDS} | {
+            a for v in FLAG_ALIASES.values() for a in v
+        }
+        raise ConfigError(
+            f"predict: {flag} is a training setting; the run's own config comes with its checkpoint "
+            f"or export, and predict takes only data-source flags (--data-dir, --validation-file, ...), "
+            f"--workload, --workload-args and --device"
+            if trains
+            else f"predict: unknown argument '{unknown[0]}' (shardtrain predict --help)"
+        )
     given = {name: getattr(args, name) for name in taken if getattr(args, name) is not None}
     if args.file is not None:
         other = [flag_of(n) for n in SOURCE_FIELDS if n in given]
         if other or args.split is not None:
-            raise ConfigError(f"predict --file {args.file}: predicts every row of that file; drop "
-                              f"{(other or ['--split'])[0]} (the data is the file, its columns the run's)")
+            raise ConfigError(
+                f"predict --file {args.file}: predicts every row of that file; drop "
+                f"{(other or ['--split'])[0]} (the data is the file, its columns the run's)"
+            )
     if args.split is None:
         args.split = "validation"
     if args.top_k < 1:
@@ -151,8 +195,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
     if args.nproc < 1:
         raise ConfigError(f"predict: --nproc must be positive, got {args.nproc}")
     if args.int8 and args.precision != "fp32":
-        raise ConfigError(f"predict: --int8 runs the quantized model's own int8 kernels; drop --precision "
-                          f"{args.precision}")
+        raise ConfigError(
+            f"predict: --int8 runs the quantized model's own int8 kernels; drop --precision {args.precision}"
+        )
     output = Path(args.output)
     if output.is_dir():
         raise ConfigError(f"predict: --output {output} is a folder; name the file to write, e.g. {output}/preds.jsonl")
@@ -164,8 +209,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, dict]:
 def split_metrics(path: Path, given: dict, int8: bool = False, split: str = "validation") -> dict:
     """The metrics of an export (or checkpoint) on a split of the run's own data, whichever source that was, as
     predict computes them (`export --eval`)."""
-    args = argparse.Namespace(source=str(path), int8=int8, split=split, file=None, id_column=None, batch_size=None,
-                              precision="fp32", top_k=1)
+    args = argparse.Namespace(
+        source=str(path), int8=int8, split=split, file=None, id_column=None, batch_size=None, precision="fp32", top_k=1
+    )
     import contextlib
     import io
 
@@ -182,11 +228,11 @@ def split_metrics(path: Path, given: dict, int8: bool = False, split: str = "val
 # ---- the model and its config ----------------------------------------------------------------------------
 @dataclass
 class Source:
-    cfg: object            # the run's Config, with the command line's data flags over it
-    workload: object       # the Workload that rebuilds the model and reads the data
-    load_model: object     # () -> nn.Module in eval mode, weights loaded
+    cfg: object  # the run's Config, with the command line's data flags over it
+    workload: object  # the Workload that rebuilds the model and reads the data
+    load_model: object  # () -> nn.Module in eval mode, weights loaded
     label_names: list
-    where: str             # the checkpoint or export, for messages
+    where: str  # the checkpoint or export, for messages
 
 
 def open_source(args, given: dict) -> Source:
@@ -213,6 +259,7 @@ def _checkpoint_source(path: Path, given: dict) -> Source:
     def load_model():
         from shardtrain.checkpointing.export import load_fitting_weights
         from shardtrain.checkpointing.portable import read_portable
+
         weights = read_portable(ckpt)["model"]
         return load_fitting_weights(_build(workload, cfg), weights, workload, f"predict {ckpt}").eval()
 
@@ -232,18 +279,24 @@ def _export_source(path: Path, args, given: dict) -> Source:
     elif Path(meta.get("checkpoint", "")).is_dir():  # exports written before the meta kept the run's config
         saved = checkpoint.read_trainer_state(Path(meta["checkpoint"]))["config"]
     else:
-        raise ConfigError(f"predict: {path / EXPORT_META} has no run config and its checkpoint "
-                          f"{meta.get('checkpoint')} is gone: export the checkpoint again")
+        raise ConfigError(
+            f"predict: {path / EXPORT_META} has no run config and its checkpoint "
+            f"{meta.get('checkpoint')} is gone: export the checkpoint again"
+        )
     cfg = _with_flags(saved, given, run_dir=path, where=str(path))
     from shardtrain.config.settings import is_builtin_workload
+
     if ("model" in meta) != is_builtin_workload(cfg):
-        raise ConfigError(f"predict --workload: {path} holds {meta.get('model') or meta.get('workload')}'s model, "
-                          f"which --workload {cfg.workload.workload} cannot rebuild")
+        raise ConfigError(
+            f"predict --workload: {path} holds {meta.get('model') or meta.get('workload')}'s model, "
+            f"which --workload {cfg.workload.workload} cannot rebuild"
+        )
     workload = _workload(cfg)
     names = list(cfg.data.label_names) or [meta["id2label"][str(i)] for i in range(len(meta.get("id2label", {})))]
 
     def load_model():
         from shardtrain.checkpointing import export
+
         if args.int8 and "model" in meta:
             return export.load_int8(path)
         if args.int8:  # a user's workload: its architecture, the int8 weights assigned (torchao's documented load)
@@ -251,13 +304,18 @@ def _export_source(path: Path, args, given: dict) -> Source:
         if "model" in meta:  # a built-in's export
             return _readable(lambda: export.load_export(path), path / "model.safetensors")
         from safetensors.torch import load_file
+
         from shardtrain.checkpointing.export import load_fitting_weights
+
         file = path / "model.safetensors"
         if not file.is_file():
-            raise ConfigError(f"predict: {path} has no model.safetensors: {type(workload).__name__}.export wrote "
-                              f"its own files; predict from the run's checkpoint instead")
-        return load_fitting_weights(_build(workload, cfg), _readable(lambda: load_file(str(file)), file), workload,
-                                    f"predict {path}").eval()
+            raise ConfigError(
+                f"predict: {path} has no model.safetensors: {type(workload).__name__}.export wrote "
+                f"its own files; predict from the run's checkpoint instead"
+            )
+        return load_fitting_weights(
+            _build(workload, cfg), _readable(lambda: load_file(str(file)), file), workload, f"predict {path}"
+        ).eval()
 
     return Source(cfg, workload, load_model, names, str(path))
 
@@ -269,8 +327,9 @@ def _readable(load, file: Path):
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors / torch errors about the file's bytes
-        raise ConfigError(f"predict: cannot read {file} (truncated or not this model's?): "
-                          f"{' '.join(str(e).split())[:200]}") from None
+        raise ConfigError(
+            f"predict: cannot read {file} (truncated or not this model's?): {' '.join(str(e).split())[:200]}"
+        ) from None
 
 
 def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
@@ -307,8 +366,10 @@ def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
         cfg.data.tokenizer = str(tokenizer)
     validate(cfg)
     if is_builtin_workload(cfg) and cfg.data.tokenizer is None:
-        raise ConfigError(f"predict: {run_dir} has no tokenizer/ folder, and the run trained its own tokenizer; "
-                          f"pass the one it used with --tokenizer DIR")
+        raise ConfigError(
+            f"predict: {run_dir} has no tokenizer/ folder, and the run trained its own tokenizer; "
+            f"pass the one it used with --tokenizer DIR"
+        )
     return cfg
 
 
@@ -353,8 +414,12 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
     data, rows, ids = predicted_data(source, args)
     start, stop = block_bounds(len(data), rank, world)
     model = source.load_model().to(device)
-    loader = DataLoader(Subset(data, range(start, stop)), batch_size=args.batch_size or cfg.eval_batch_size,
-                        collate_fn=CheckedCollate(workload), num_workers=cfg.data.num_workers)
+    loader = DataLoader(
+        Subset(data, range(start, stop)),
+        batch_size=args.batch_size or cfg.eval_batch_size,
+        collate_fn=CheckedCollate(workload),
+        num_workers=cfg.data.num_workers,
+    )
     bar = _progress(stop - start, rank)
     sums: dict = {}
     index, names, labelled = start, source.label_names, 0
@@ -365,14 +430,19 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
                 outputs = workload.forward(model, batch)
             logits = logits_of(outputs).float()
             if logits.dim() != 2:
-                raise ConfigError(f"predict classifies examples: {type(workload).__name__}.forward gives logits of "
-                                  f"shape {tuple(logits.shape)}, not [batch, classes]")
+                raise ConfigError(
+                    f"predict classifies examples: {type(workload).__name__}.forward gives logits of "
+                    f"shape {tuple(logits.shape)}, not [batch, classes]"
+                )
             labels = top_tensor(batch, "labels")  # a batch of another shape: no true_label, no metrics
             known = labels.reshape(-1) >= 0 if labels is not None else None
             if known is not None and bool(known.any()):
                 # Metrics over the labelled rows only (an unlabelled row of --file has label -1).
-                scored = (workload.metric_sums(outputs, batch) if bool(known.all()) else
-                          workload.metric_sums(logits[known], _rows_of_batch(batch, known)))
+                scored = (
+                    workload.metric_sums(outputs, batch)
+                    if bool(known.all())
+                    else workload.metric_sums(logits[known], _rows_of_batch(batch, known))
+                )
                 for key, value in scored.items():
                     value = value.detach().double().cpu()
                     sums[key] = sums[key] + value if key in sums else value
@@ -383,9 +453,14 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
                 line = {"index": index, "row": rows[index] if rows is not None else index}
                 if ids is not None:
                     line["id"] = ids[index]
-                line.update({"label": _name(names, int(top.indices[row, 0])),
-                             "probs": {_name(names, int(c)): round(float(p), 6)
-                                       for p, c in zip(top.values[row], top.indices[row])}})
+                line.update(
+                    {
+                        "label": _name(names, int(top.indices[row, 0])),
+                        "probs": {
+                            _name(names, int(c)): round(float(p), 6) for p, c in zip(top.values[row], top.indices[row])
+                        },
+                    }
+                )
                 if known is not None and bool(known[row]):
                     line["true_label"] = _name(names, int(labels.reshape(-1)[row]))
                 out.write(json.dumps(line) + "\n")
@@ -394,8 +469,9 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
                 bar.update(len(probs))
     if bar is not None:
         bar.close()
-    torch.save({"rows": index - start, "expected": stop - start, "sums": sums, "labelled": labelled},
-               parts / f"rank-{rank}.pt")
+    torch.save(
+        {"rows": index - start, "expected": stop - start, "sums": sums, "labelled": labelled}, parts / f"rank-{rank}.pt"
+    )
 
 
 def _rows_of_batch(batch: dict, keep) -> dict:
@@ -411,10 +487,13 @@ def predicted_data(source: Source, args) -> tuple:
     cfg, workload = source.cfg, source.workload
     if args.file is not None:
         if not is_builtin_workload(cfg):
-            raise ConfigError(f"predict --file: {type(workload).__name__} reads its own data (its datasets()); "
-                              f"name other data through its --workload-args and predict a --split")
+            raise ConfigError(
+                f"predict --file: {type(workload).__name__} reads its own data (its datasets()); "
+                f"name other data through its --workload-args and predict a --split"
+            )
         from shardtrain.data.sources import prediction_rows
         from shardtrain.data.split_dataset import SplitDataset
+
         read = prediction_rows(cfg, args.file, args.id_column)
         # Not tokenised ahead: collate tokenises (truncating at data.max_length) as the ahead-of-time map does.
         data = SplitDataset(read.table, read.origin, cfg.data.image_size, cfg.model.name == "multimodal", [])
@@ -422,14 +501,19 @@ def predicted_data(source: Source, args) -> tuple:
     train, validation = workload.datasets()
     data = train if args.split == "train" else validation
     if data is None:
-        raise ConfigError(f"predict --split {args.split}: {type(workload).__name__}.datasets() has no {args.split} "
-                          f"split for this data")
+        raise ConfigError(
+            f"predict --split {args.split}: {type(workload).__name__}.datasets() has no {args.split} "
+            f"split for this data"
+        )
     held = (getattr(data, "source", None) or {}).get("validation_split")
     if held and os.environ.get("RANK", "0") == "0":
         pct = held["percentage"] if args.split == "validation" else 100 - held["percentage"]
-        print(f"predict: the {args.split} split is {pct}% of the run's training rows, shuffled (--validation-split-"
-              f"percentage {held['percentage']}, seed {held['seed']}): each line's `row` says which row it is; "
-              f"--file F predicts every row of F in order", flush=True)
+        print(
+            f"predict: the {args.split} split is {pct}% of the run's training rows, shuffled (--validation-split-"
+            f"percentage {held['percentage']}, seed {held['seed']}): each line's `row` says which row it is; "
+            f"--file F predicts every row of F in order",
+            flush=True,
+        )
     table = getattr(data, "table", None)
     column = next((c for c in ("row", "line") if table is not None and c in table.column_names), None)
     rows = column_values(table, column) if column else None
@@ -443,16 +527,20 @@ def _split_ids(cfg, data, split: str, rows, id_column):
     kind = source_of(cfg) if not cfg.data.dataset_format else "dataset_format"
     if rows is None or kind in ("data_dir", "dataset_format") or not hasattr(data, "source"):
         if id_column is not None:
-            raise ConfigError(f"predict --id-column {id_column}: the {split} split's rows have no columns besides "
-                              f"text and label (the jsonl layout, or a workload's own data)")
+            raise ConfigError(
+                f"predict --id-column {id_column}: the {split} split's rows have no columns besides "
+                f"text and label (the jsonl layout, or a workload's own data)"
+            )
         return None
     raw = read_raw(cfg, kind)
     origin = raw[split] if raw.get(split) is not None else raw["train"]  # a held-out validation split: train's rows
     name = id_column or "id"
     if name not in origin.ds.column_names:
         if id_column is not None:
-            raise ConfigError(f"predict --id-column {id_column}: no column '{id_column}' in {origin.origin} "
-                              f"(columns: {', '.join(origin.ds.column_names)})")
+            raise ConfigError(
+                f"predict --id-column {id_column}: no column '{id_column}' in {origin.origin} "
+                f"(columns: {', '.join(origin.ds.column_names)})"
+            )
         return None
     values = column_values(origin.ds, name)
     return [values[r] for r in rows]
@@ -462,6 +550,7 @@ def _device(cfg, precision: str):
     import torch
 
     from shardtrain.runtime.distributed import resolve_device_type
+
     kind = resolve_device_type(cfg.parallel.device)
     if precision == "fp16" and kind != "cuda":
         raise ConfigError("predict --precision fp16: half-precision kernels are a GPU's; on CPU use bf16 or fp32")
@@ -477,6 +566,7 @@ def _progress(total: int, rank: int):
     if rank != 0 or not sys.stderr.isatty():
         return None
     from tqdm import tqdm
+
     return tqdm(total=total, unit="ex", desc="predict", file=sys.stderr, dynamic_ncols=True)
 
 
@@ -486,8 +576,12 @@ def launch_workers(argv: list[str], nproc: int, parts: Path) -> int:
     from shardtrain.runtime.launch import launch_local, without_flag
 
     rest = without_flag(argv, "--nproc")
-    return launch_local(nproc, ["-m", "shardtrain", "predict", *rest], shown=f"-m shardtrain predict {' '.join(rest)}",
-                        extra_env={PARTS_ENV: str(parts)})
+    return launch_local(
+        nproc,
+        ["-m", "shardtrain", "predict", *rest],
+        shown=f"-m shardtrain predict {' '.join(rest)}",
+        extra_env={PARTS_ENV: str(parts)},
+    )
 
 
 def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
@@ -507,8 +601,9 @@ def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
                     raise ConfigError(f"predict: worker {rank} of {world} wrote no predictions")
                 block = torch.load(done, weights_only=True)
                 if block["rows"] != block["expected"]:
-                    raise ConfigError(f"predict: worker {rank} predicted {block['rows']} of its "
-                                      f"{block['expected']} examples")
+                    raise ConfigError(
+                        f"predict: worker {rank} predicted {block['rows']} of its {block['expected']} examples"
+                    )
                 with open(parts / f"rank-{rank}.jsonl") as f:
                     shutil.copyfileobj(f, tmp)
                 rows += block["rows"]
@@ -522,4 +617,3 @@ def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
         raise
     metrics = workload.metrics(sums) if sums else {}
     return {**metrics, "_rows": rows, "_labelled": labelled}
-

@@ -1,4 +1,5 @@
 """`shardtrain report OUT`: OUT/report.html with plots, from what the run wrote (observability/report.py)."""
+
 from __future__ import annotations
 
 import argparse

@@ -16,6 +16,7 @@ the tokenizer and metrics.jsonl it wrote, and SageMaker syncs that folder to che
 restores it after a spot interruption, where `--resume auto` (the default) picks it up.
 Not named sagemaker.py: it would shadow the SDK.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,10 +52,11 @@ def write_failure_reason(line: str, env: Mapping[str, str] | None = None) -> Non
 
 
 def hyperparameter_hint(flag_hint: str) -> str:
-    """"; did you mean '--save-every'?" -> "; did you mean 'save_every' (--save-every)?": a hyperparameter's
+    """ "; did you mean '--save-every'?" -> "; did you mean 'save_every' (--save-every)?": a hyperparameter's
     own spelling first."""
-    return re.sub(r"'--([A-Za-z0-9-]+)'", lambda m: f"'{m.group(1).replace('-', '_')}' (--{m.group(1)})",
-                  flag_hint, count=1)
+    return re.sub(
+        r"'--([A-Za-z0-9-]+)'", lambda m: f"'{m.group(1).replace('-', '_')}' (--{m.group(1)})", flag_hint, count=1
+    )
 
 
 def in_sagemaker(env: Mapping[str, str]) -> bool:
@@ -83,5 +85,6 @@ def check_hosts(env: Mapping[str, str]) -> None:
     except json.JSONDecodeError:
         raise ConfigError(f"SM_HOSTS is not a JSON list: {env['SM_HOSTS']!r}") from None
     if len(hosts) > 1 and "RANK" not in env:
-        raise ConfigError(f"SageMaker job on {len(hosts)} hosts started without a launcher: start it with "
-                          f"{TORCHRUN_HINT}")
+        raise ConfigError(
+            f"SageMaker job on {len(hosts)} hosts started without a launcher: start it with {TORCHRUN_HINT}"
+        )

@@ -4,6 +4,7 @@ Sections exist only to keep YAML files readable; every field name is unique acro
 so each one is also a flat command-line flag (`train.per_device_batch_size` <-> `--per-device-batch-size`).
 Errors name the flag or the YAML key, and show the arithmetic where there is some.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,177 +35,257 @@ def setting(default: Any, help: str) -> Any:
 @dataclass
 class ModelConfig:
     name: Literal["multimodal", "longformer"] = setting(
-        "multimodal", "the built-in model: multimodal (text + image fusion) or longformer (long documents)")
+        "multimodal", "the built-in model: multimodal (text + image fusion) or longformer (long documents)"
+    )
     text_model: str = setting("roberta-base", "the text encoder: a Hugging Face hub name or a local folder")
     # With pretrained=false the architecture alone is used (random init): the tests' tiny models.
-    pretrained: bool = setting(True, "load the text model's pretrained weights; false: its architecture, randomly "
-                                     "initialised")
-    text_config: dict = setting({}, "overrides of the text model's Hugging Face config, as JSON, e.g. "
-                                    '{"num_hidden_layers": 2}')
+    pretrained: bool = setting(
+        True, "load the text model's pretrained weights; false: its architecture, randomly initialised"
+    )
+    text_config: dict = setting(
+        {}, 'overrides of the text model\'s Hugging Face config, as JSON, e.g. {"num_hidden_layers": 2}'
+    )
     image_model: Literal["resnet50", "resnet18", "densenet121"] = setting(
-        "resnet50", "the image encoder (torchvision) of the multimodal model")
-    image_weights: Optional[str] = setting(None, "the image encoder's weights: a torchvision weights name (e.g. "
-                                                 "IMAGENET1K_V2) or a local .pth/.safetensors file; unset: random init")
-    image_config: dict = setting({}, "overrides of the torchvision constructor, as JSON, e.g. "
-                                     '{"layers": [1,1,1,1]} or DenseNet\'s block_config')
+        "resnet50", "the image encoder (torchvision) of the multimodal model"
+    )
+    image_weights: Optional[str] = setting(
+        None,
+        "the image encoder's weights: a torchvision weights name (e.g. "
+        "IMAGENET1K_V2) or a local .pth/.safetensors file; unset: random init",
+    )
+    image_config: dict = setting(
+        {}, 'overrides of the torchvision constructor, as JSON, e.g. {"layers": [1,1,1,1]} or DenseNet\'s block_config'
+    )
     fusion: Literal["concat", "gated"] = setting("concat", "how the multimodal head combines text and image features")
     fusion_hidden: int = setting(512, "width of the fusion head's hidden layer (units)")
     dropout: float = setting(0.1, "dropout probability of the text encoder and the fusion head (0..1)")
     # The jsonl --data-dir layout's integer labels do not say how many classes there are, hence its 3.
-    num_labels: Optional[int] = setting(None, "number of classes; unset: the classes a ClassLabel, string or bool "
-                                              "label column names, or 3 for the jsonl --data-dir layout")
-    freeze_layers: int = setting(0, "freeze the text embeddings and the first N encoder layers (and a matching "
-                                    "share of the CNN); 0: train everything")
-    unfreeze_at_step: Optional[int] = setting(None, "optimizer step at which the frozen layers start to train; "
-                                                    "unset: frozen for the whole run")
+    num_labels: Optional[int] = setting(
+        None,
+        "number of classes; unset: the classes a ClassLabel, string or bool "
+        "label column names, or 3 for the jsonl --data-dir layout",
+    )
+    freeze_layers: int = setting(
+        0,
+        "freeze the text embeddings and the first N encoder layers (and a matching "
+        "share of the CNN); 0: train everything",
+    )
+    unfreeze_at_step: Optional[int] = setting(
+        None, "optimizer step at which the frozen layers start to train; unset: frozen for the whole run"
+    )
     attention_window: int = setting(512, "Longformer's sliding attention window (tokens)")
-    channels_last: bool = setting(False, "channels-last layout for the CNN's activations: faster convolutions on "
-                                         "GPUs")
+    channels_last: bool = setting(False, "channels-last layout for the CNN's activations: faster convolutions on GPUs")
     attention: Literal["sdpa", "eager"] = setting(
-        "sdpa", "the text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls")
+        "sdpa", "the text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls"
+    )
 
 
 @dataclass
 class DataConfig:
-    data_dir: str = setting("data/multimodal", "folder of train.jsonl and validation.jsonl (or of a published "
-                                               "layout, with --dataset-format)")
+    data_dir: str = setting(
+        "data/multimodal",
+        "folder of train.jsonl and validation.jsonl (or of a published layout, with --dataset-format)",
+    )
     # None trains a byte-level BPE on the training text, which only a randomly initialised model can use.
-    tokenizer: Optional[str] = setting(None, "tokenizer: a hub name or folder; unset: the text model's own, or one "
-                                             "trained on the training text when pretrained is false")
+    tokenizer: Optional[str] = setting(
+        None,
+        "tokenizer: a hub name or folder; unset: the text model's own, or one "
+        "trained on the training text when pretrained is false",
+    )
     tokenizer_vocab_size: int = setting(2000, "vocabulary size of the tokenizer trained when none is given")
     max_length: int = setting(128, "texts are truncated to this many tokens")
     image_size: int = setting(224, "images are resized to this many pixels square")
     num_workers: int = setting(4, "data-loading worker processes per rank (0: load in the training process)")
     pin_memory: bool = setting(True, "page-locked host memory for batches, for faster copies to the GPU (CUDA only)")
-    skip_bad_samples: bool = setting(False, "skip records that do not read (empty text, undecodable image) and "
-                                            "count them, instead of stopping with one line naming the first")
+    skip_bad_samples: bool = setting(
+        False,
+        "skip records that do not read (empty text, undecodable image) and "
+        "count them, instead of stopping with one line naming the first",
+    )
     max_train_samples: Optional[int] = setting(None, "train on the first N records only; unset: all")
     max_eval_samples: Optional[int] = setting(None, "evaluate on the first N records only; unset: all")
-    eval_data_dir: Optional[str] = setting(None, "folder holding validation.jsonl when it is not data_dir "
-                                                 "(SageMaker's separate validation channel)")
-    image_cache: Optional[str] = setting(None, "folder of decoded images written by `shardtrain cache-images`; "
-                                               "unset: decode every image every epoch")
+    eval_data_dir: Optional[str] = setting(
+        None, "folder holding validation.jsonl when it is not data_dir (SageMaker's separate validation channel)"
+    )
+    image_cache: Optional[str] = setting(
+        None, "folder of decoded images written by `shardtrain cache-images`; unset: decode every image every epoch"
+    )
     # No conversion script between the download and a run: the layout is read as unpacked (data/layouts.py).
     dataset_format: Optional[Literal["mvsa-single", "mvsa-multiple", "twitter2015", "twitter2017"]] = setting(
-        None, "read data_dir as this research dataset's published layout; unset: the jsonl splits")
+        None, "read data_dir as this research dataset's published layout; unset: the jsonl splits"
+    )
     streaming: bool = setting(False, "read the training split as a stream, not into memory: data bigger than RAM")
-    preprocessing_num_workers: Optional[int] = setting(None, "processes that tokenise through datasets.map (cached); "
-                                                             "unset: this process")
+    preprocessing_num_workers: Optional[int] = setting(
+        None, "processes that tokenise through datasets.map (cached); unset: this process"
+    )
     # Sources other than the jsonl --data-dir layout (shardtrain/data/sources.py), with the flag names of HF's
     # run_classification.py.
-    dataset_name: Optional[str] = setting(None, "a dataset for datasets.load_dataset: a hub name, a local path, "
-                                                "or a save_to_disk folder")
-    dataset_config_name: Optional[str] = setting(None, "the dataset's configuration (load_dataset's second "
-                                                       "argument), e.g. a GLUE task")
-    train_file: Optional[str] = setting(None, "the training split as one csv, json/jsonl or parquet file (by "
-                                              "its extension)")
+    dataset_name: Optional[str] = setting(
+        None, "a dataset for datasets.load_dataset: a hub name, a local path, or a save_to_disk folder"
+    )
+    dataset_config_name: Optional[str] = setting(
+        None, "the dataset's configuration (load_dataset's second argument), e.g. a GLUE task"
+    )
+    train_file: Optional[str] = setting(
+        None, "the training split as one csv, json/jsonl or parquet file (by its extension)"
+    )
     validation_file: Optional[str] = setting(None, "the validation split as one csv, json/jsonl or parquet file")
-    train_dir: Optional[str] = setting(None, "an image folder with a metadata.jsonl or metadata.csv (file_name, "
-                                             "text, label) for training, read by datasets' imagefolder")
+    train_dir: Optional[str] = setting(
+        None,
+        "an image folder with a metadata.jsonl or metadata.csv (file_name, "
+        "text, label) for training, read by datasets' imagefolder",
+    )
     validation_dir: Optional[str] = setting(None, "the same for the validation split")
     # IMDB's validation is its `test`.
     train_split_name: str = setting("train", "the split of a dataset with several to train on")
     validation_split_name: str = setting("validation", "the split to evaluate on")
-    validation_split_percentage: Optional[int] = setting(None, "for a source without a validation split: this "
-                                                               "percentage of train, drawn with the seed")
-    text_column_names: list = setting(["text"], "columns read as text, comma-separated; several are joined with "
-                                                "text_column_delimiter")
+    validation_split_percentage: Optional[int] = setting(
+        None, "for a source without a validation split: this percentage of train, drawn with the seed"
+    )
+    text_column_names: list = setting(
+        ["text"], "columns read as text, comma-separated; several are joined with text_column_delimiter"
+    )
     text_column_delimiter: str = setting(" ", "what joins several text columns")
     label_column_name: str = setting("label", "the column read as the label")
     image_column_name: str = setting("image", "the column read as the image")
     # A run records them here, so its saved config, checkpoints and exports carry the mapping.
-    label_names: list = setting([], "class names in id order (id2label), comma-separated; empty: taken from the "
-                                    "data. Set it to fix the order yourself")
+    label_names: list = setting(
+        [],
+        "class names in id order (id2label), comma-separated; empty: taken from the "
+        "data. Set it to fix the order yourself",
+    )
 
 
 @dataclass
 class TrainConfig:
     max_steps: int = setting(1000, "optimizer steps to train; the learning-rate schedule follows it")
-    per_device_batch_size: int = setting(32, "samples per process and micro-batch; the global batch is this x "
-                                             "processes x grad_accum")
-    eval_batch_size: Optional[int] = setting(None, "samples per process and evaluation batch; unset: "
-                                                   "per_device_batch_size")
+    per_device_batch_size: int = setting(
+        32, "samples per process and micro-batch; the global batch is this x processes x grad_accum"
+    )
+    eval_batch_size: Optional[int] = setting(
+        None, "samples per process and evaluation batch; unset: per_device_batch_size"
+    )
     grad_accum: int = setting(1, "micro-batches accumulated into one optimizer step")
     lr: float = setting(3e-5, "peak learning rate of AdamW")
     weight_decay: float = setting(0.01, "AdamW's decoupled weight decay")
     warmup_steps: int = setting(0, "optimizer steps of linear warmup from 0 to lr")
     lr_scheduler: Literal["linear", "cosine", "constant"] = setting(
-        "linear", "learning rate after warmup: linear or cosine decay to 0 at max_steps, or constant")
+        "linear", "learning rate after warmup: linear or cosine decay to 0 at max_steps, or constant"
+    )
     max_grad_norm: float = setting(1.0, "gradients are clipped to this global L2 norm")
     seed: int = setting(42, "random seed of weights, data order and dropout")
     precision: Literal["fp32", "bf16", "fp16"] = setting(
-        "fp32", "compute precision: fp32, or bf16 / fp16 under autocast (fp16 with a loss scaler)")
-    activation_checkpointing: bool = setting(False, "recompute each block's activations in backward: less memory, "
-                                                    "about one more forward per step")
+        "fp32", "compute precision: fp32, or bf16 / fp16 under autocast (fp16 with a loss scaler)"
+    )
+    activation_checkpointing: bool = setting(
+        False, "recompute each block's activations in backward: less memory, about one more forward per step"
+    )
     eval_every: int = setting(0, "evaluate every N optimizer steps; 0: only at the end")
     log_every: int = setting(10, "log the loss and throughput every N optimizer steps")
     nan_policy: Literal["skip", "abort"] = setting(
-        "skip", "a step with a non-finite loss or gradient: skip its update (every rank alike), or abort the run")
+        "skip", "a step with a non-finite loss or gradient: skip its update (every rank alike), or abort the run"
+    )
     max_bad_steps: int = setting(5, "abort after this many skipped steps in a row")
-    oom_recovery: bool = setting(True, "on CUDA out-of-memory, retry the step with a smaller micro-batch and more "
-                                       "accumulation: the same global batch")
+    oom_recovery: bool = setting(
+        True,
+        "on CUDA out-of-memory, retry the step with a smaller micro-batch and more accumulation: the same global batch",
+    )
     # Test-only fault injection: exercises --oom-recovery without a GPU.
-    inject_oom_above: Optional[int] = setting(None, "test only: raise a real torch.OutOfMemoryError on rank 0 while "
-                                                    "the micro-batch is above this size; unset: off")
-    inject_oom: list = setting([], "test only: out-of-memory errors where real ones happen, POINT@STEP:RANK, "
-                                   "comma-separated; POINT is forward, alloc (a real allocation that fails), "
-                                   "backward, recompute or step (see shardtrain/loop/oom.py); fires while the "
-                                   "micro-batch is above --inject-oom-above, if set")
+    inject_oom_above: Optional[int] = setting(
+        None,
+        "test only: raise a real torch.OutOfMemoryError on rank 0 while the micro-batch is above this size; unset: off",
+    )
+    inject_oom: list = setting(
+        [],
+        "test only: out-of-memory errors where real ones happen, POINT@STEP:RANK, "
+        "comma-separated; POINT is forward, alloc (a real allocation that fails), "
+        "backward, recompute or step (see shardtrain/loop/oom.py); fires while the "
+        "micro-batch is above --inject-oom-above, if set",
+    )
     # Every tensor of every rank is walked, so not every step.
     memory_every: int = setting(100, "account each rank's memory on steps 1, 2 and every N steps; 0: only 1 and 2")
     # "inductor" generates fused kernels (the GPU choice); "aot_eager" / "eager" only trace, which tests use to
     # exercise the path cheaply on CPU.
     compile: Literal["none", "inductor", "aot_eager", "eager"] = setting(
-        "none", "torch.compile backend for the model; none: eager mode")
+        "none", "torch.compile backend for the model; none: eager mode"
+    )
     # TF32 and cuDNN autotuning are CUDA's fast defaults (runtime/device_defaults.py); this is the one switch off.
-    deterministic: bool = setting(False, "CUDA: TF32 off, cuDNN autotuning off and deterministic cuDNN kernels "
-                                         "(slower; for bit-for-bit reruns); false: TF32 matmuls and "
-                                         "cudnn.benchmark on. No effect on CPU")
-    fused_adamw: bool = setting(True, "fused AdamW kernels on CUDA (one launch for all parameters); CPU always "
-                                      "uses the foreach implementation")
+    deterministic: bool = setting(
+        False,
+        "CUDA: TF32 off, cuDNN autotuning off and deterministic cuDNN kernels "
+        "(slower; for bit-for-bit reruns); false: TF32 matmuls and "
+        "cudnn.benchmark on. No effect on CPU",
+    )
+    fused_adamw: bool = setting(
+        True, "fused AdamW kernels on CUDA (one launch for all parameters); CPU always uses the foreach implementation"
+    )
     # Exercises --nan-policy and the ranks' agreement to skip.
-    inject_nan_at_steps: list = setting([], "test only: the last rank's loss becomes NaN at these optimizer steps "
-                                            "(1-based, comma-separated, e.g. 3,4)")
+    inject_nan_at_steps: list = setting(
+        [], "test only: the last rank's loss becomes NaN at these optimizer steps (1-based, comma-separated, e.g. 3,4)"
+    )
 
 
 @dataclass
 class ParallelConfig:
     strategy: Literal["ddp", "fsdp", "deepspeed", "auto", "zero2", "zero3", "zero2_offload", "zero3_offload"] = setting(
-        "ddp", "how the model is distributed: ddp, fsdp, deepspeed (with --ds), zero2/zero3[_offload] (DeepSpeed "
-               "with the shipped ds_configs/<name>.json), or auto (the cheapest that fits, as `plan` picks)")
+        "ddp",
+        "how the model is distributed: ddp, fsdp, deepspeed (with --ds), zero2/zero3[_offload] (DeepSpeed "
+        "with the shipped ds_configs/<name>.json), or auto (the cheapest that fits, as `plan` picks)",
+    )
     ds: Optional[str] = setting(None, "a DeepSpeed JSON config; selects --strategy deepspeed")
-    fsdp_policy: str = setting("fsdp_policies/default.yaml", "FSDP's policy file (blocks to wrap, sharding, "
-                                                             "offload, activation checkpointing) for --strategy fsdp")
-    device: Literal["auto", "cpu", "cuda"] = setting("auto", "where to train; auto: CUDA when a GPU is visible, "
-                                                             "else CPU")
-    nproc: str = setting("auto", "processes to start when `shardtrain train` runs as one plain process; auto: one "
-                                 "per visible GPU (1 without)")
+    fsdp_policy: str = setting(
+        "fsdp_policies/default.yaml",
+        "FSDP's policy file (blocks to wrap, sharding, offload, activation checkpointing) for --strategy fsdp",
+    )
+    device: Literal["auto", "cpu", "cuda"] = setting(
+        "auto", "where to train; auto: CUDA when a GPU is visible, else CPU"
+    )
+    nproc: str = setting(
+        "auto",
+        "processes to start when `shardtrain train` runs as one plain process; auto: one per visible GPU (1 without)",
+    )
     # A peer or link that goes silent (no reset, no FIN) leaves the others inside a collective: only this ends it.
-    dist_timeout: float = setting(1800.0, "seconds a collective waits for the other ranks before the run fails "
-                                          "(the process group's timeout): bounds a hang on a silent node or link")
-    memory_budget_gb: Optional[float] = setting(None, "memory per device (GB) that --strategy auto must fit in; "
-                                                      "unset: the GPU's own (required on CPU)")
+    dist_timeout: float = setting(
+        1800.0,
+        "seconds a collective waits for the other ranks before the run fails "
+        "(the process group's timeout): bounds a hang on a silent node or link",
+    )
+    memory_budget_gb: Optional[float] = setting(
+        None, "memory per device (GB) that --strategy auto must fit in; unset: the GPU's own (required on CPU)"
+    )
 
 
 @dataclass
 class CheckpointConfig:
     output_dir: str = setting("runs/default", "the run's folder: checkpoints, metrics.jsonl, summary.json, report")
     save_every: int = setting(0, "save a checkpoint every N optimizer steps; 0: only at the end (see save_final)")
-    save_final: bool = setting(True, "commit the last step when the run ends, so export and --resume see the model "
-                                     "it ended with; false keeps only the --save-every checkpoints")
+    save_final: bool = setting(
+        True,
+        "commit the last step when the run ends, so export and --resume see the model "
+        "it ended with; false keeps only the --save-every checkpoints",
+    )
     keep_last: int = setting(2, "checkpoints kept; older ones are deleted")
     # torch DCP async_save for every strategy (docs/checkpoints.md).
-    async_save: bool = setting(False, "write checkpoints in the background: training waits only while the state "
-                                      "is copied to host memory; committed once every rank's write is on disk")
+    async_save: bool = setting(
+        False,
+        "write checkpoints in the background: training waits only while the state "
+        "is copied to host memory; committed once every rank's write is on disk",
+    )
     # The portable form is what every resume reads; DeepSpeed's own files are a second copy of the same state.
-    engine_files: bool = setting(False, "DeepSpeed only: also write DeepSpeed's own engine files (engine/), for its "
-                                        "tools such as zero_to_fp32.py; resume and export read the portable form")
-    resume: str = setting("auto", "auto (the latest committed checkpoint in output_dir, if any), none, or a "
-                                  "checkpoint folder")
-    overwrite_output_dir: bool = setting(False, "with --resume none, start over in an output_dir that already "
-                                                "holds a run (otherwise refused)")
-    final_model_dir: Optional[str] = setting(None, "at the end, rank 0 writes the consolidated model here "
-                                                   "(SageMaker: SM_MODEL_DIR); unset: not written")
+    engine_files: bool = setting(
+        False,
+        "DeepSpeed only: also write DeepSpeed's own engine files (engine/), for its "
+        "tools such as zero_to_fp32.py; resume and export read the portable form",
+    )
+    resume: str = setting(
+        "auto", "auto (the latest committed checkpoint in output_dir, if any), none, or a checkpoint folder"
+    )
+    overwrite_output_dir: bool = setting(
+        False, "with --resume none, start over in an output_dir that already holds a run (otherwise refused)"
+    )
+    final_model_dir: Optional[str] = setting(
+        None, "at the end, rank 0 writes the consolidated model here (SageMaker: SM_MODEL_DIR); unset: not written"
+    )
 
 
 @dataclass
@@ -215,25 +296,32 @@ class LogConfig:
     wandb_entity: Optional[str] = setting(None, "W&B entity (team or user); unset: WANDB_ENTITY, else yours")
     wandb_run_name: Optional[str] = setting(None, "W&B run name; unset: WANDB_NAME, else one W&B makes up")
     # Off on CPU by default, where W&B's sampler thread only competes with data loading.
-    wandb_system_metrics: Optional[bool] = setting(None, "W&B's system panels (GPU utilisation and memory); unset: "
-                                                         "on for CUDA runs, off on CPU")
+    wandb_system_metrics: Optional[bool] = setting(
+        None, "W&B's system panels (GPU utilisation and memory); unset: on for CUDA runs, off on CPU"
+    )
     # As HF Trainer's WANDB_LOG_MODEL=end does.
-    wandb_log_model: Optional[bool] = setting(None, "upload the final model as a W&B artifact (type model); unset: "
-                                                    "follows WANDB_LOG_MODEL")
-    verbose: bool = setting(False, "show the libraries' info lines and warnings (hidden by default) and W&B's "
-                                   "own output")
+    wandb_log_model: Optional[bool] = setting(
+        None, "upload the final model as a W&B artifact (type model); unset: follows WANDB_LOG_MODEL"
+    )
+    verbose: bool = setting(
+        False, "show the libraries' info lines and warnings (hidden by default) and W&B's own output"
+    )
     debug: bool = setting(False, "show the full traceback of an error instead of its one line")
     report: bool = setting(True, "write OUT/report.html with plots at the end of the run")
-    predict_memory: bool = setting(True, "the startup banner predicts memory per rank, measuring activations on CPU "
-                                         "(seconds on rank 0); false skips it")
+    predict_memory: bool = setting(
+        True,
+        "the startup banner predicts memory per rank, measuring activations on CPU (seconds on rank 0); false skips it",
+    )
 
 
 @dataclass
 class WorkloadConfig:
     # A dotted module path (no file paths: they break in subprocesses); the config file's folder is on the
     # import path. None: the built-in that model.name names (the configs written before workloads existed).
-    workload: Optional[str] = setting(None, "your Workload, my_pkg.tasks:MyTask, or a built-in (multimodal, "
-                                            "longformer); unset: the one model.name names")
+    workload: Optional[str] = setting(
+        None,
+        "your Workload, my_pkg.tasks:MyTask, or a built-in (multimodal, longformer); unset: the one model.name names",
+    )
     workload_args: dict = setting({}, "keyword arguments for the workload's constructor, as JSON")
 
 
@@ -263,8 +351,9 @@ SECTIONS = {f.name: f.type for f in fields(Config)}
 REPO = Path(__file__).resolve().parents[2]
 # `--strategy zero3` is short for `--ds ds_configs/zero3.json`, the names `plan`, `parity` and `compare` print.
 # Found beside the package, so the name works from any working directory.
-SHIPPED_DS_CONFIGS = {name: REPO / "ds_configs" / f"{name}.json"
-                      for name in ("zero2", "zero3", "zero2_offload", "zero3_offload")}
+SHIPPED_DS_CONFIGS = {
+    name: REPO / "ds_configs" / f"{name}.json" for name in ("zero2", "zero3", "zero2_offload", "zero3_offload")
+}
 
 # Hugging Face TrainingArguments spellings accepted as aliases of ours.
 FLAG_ALIASES = {
@@ -297,10 +386,14 @@ KEY_ALIASES = {alias[2:].replace("-", "_"): name for name, aliases in FLAG_ALIAS
 # Names from other trainers whose nearest spelling here is the wrong setting (`--batch-size` is closest to
 # `--eval-batch-size` by letters): what they mean here, and the one thing to know about it.
 MEANT = {
-    "batch_size": ("per_device_batch_size", "the batch of one process: the global batch is "
-                   "per-device-batch-size x processes x grad-accum"),
-    "train_batch_size": ("per_device_batch_size", "the batch of one process: the global batch is "
-                         "per-device-batch-size x processes x grad-accum"),
+    "batch_size": (
+        "per_device_batch_size",
+        "the batch of one process: the global batch is per-device-batch-size x processes x grad-accum",
+    ),
+    "train_batch_size": (
+        "per_device_batch_size",
+        "the batch of one process: the global batch is per-device-batch-size x processes x grad-accum",
+    ),
     "num_train_epochs": ("max_steps", "shardtrain counts optimizer steps; the banner prints the steps per epoch"),
     "bf16": ("precision", "--precision bf16"),
     "fp16": ("precision", "--precision fp16"),
@@ -345,7 +438,8 @@ def key_of(name: str) -> str:
 
 # While validate() runs: the config checked, and (file:line, YAML key) of each value from a file it has named.
 _CHECKING: contextvars.ContextVar[tuple[Config, list[tuple[str, str]]] | None] = contextvars.ContextVar(
-    "checking", default=None)
+    "checking", default=None
+)
 
 
 def where(name: str) -> str:
@@ -424,8 +518,10 @@ def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
     if origin is Literal:
         choices = get_args(typ)
         if value not in choices:
-            raise ConfigError(f"{origin_desc}: '{value}' is not one of {', '.join(map(str, choices))}"
-                              f"{_suggest(str(value), map(str, choices))}")
+            raise ConfigError(
+                f"{origin_desc}: '{value}' is not one of {', '.join(map(str, choices))}"
+                f"{_suggest(str(value), map(str, choices))}"
+            )
         return value
     if typ is bool:
         if isinstance(value, bool):
@@ -524,8 +620,9 @@ def load_yaml(path: str | os.PathLike) -> YamlFile:
     if data is None:
         return YamlFile({}, str(p), {})
     if not isinstance(data, dict):
-        raise ConfigError(f"{p}:{node.start_mark.line + 1}: the top level must be a mapping of sections "
-                          f"({', '.join(SECTIONS)})")
+        raise ConfigError(
+            f"{p}:{node.start_mark.line + 1}: the top level must be a mapping of sections ({', '.join(SECTIONS)})"
+        )
     return YamlFile(data, str(p), lines)
 
 
@@ -538,8 +635,10 @@ def from_dict(data: dict, source: str = "config") -> Config:
     section_objs = {name: getattr(cfg, name) for name in SECTIONS}
     for section, values in data.items():
         if section not in section_objs:
-            raise ConfigError(f"{at(section)}: unknown section '{section}'{_suggest(section, SECTIONS)}"
-                              f" (sections: {', '.join(SECTIONS)})")
+            raise ConfigError(
+                f"{at(section)}: unknown section '{section}'{_suggest(section, SECTIONS)}"
+                f" (sections: {', '.join(SECTIONS)})"
+            )
         if values is None:
             continue
         if section == "workload":
@@ -569,8 +668,10 @@ def _workload_section(values, at) -> dict:
     for key, value in values.items():
         own = {"target": "workload", "args": "workload_args"}.get(key, key)
         if own not in ("workload", "workload_args"):
-            raise ConfigError(f"{at('workload', key)}: unknown key 'workload.{key}'"
-                              f"{_suggest(key, ['target', 'args'])} (keys: target, args)")
+            raise ConfigError(
+                f"{at('workload', key)}: unknown key 'workload.{key}'"
+                f"{_suggest(key, ['target', 'args'])} (keys: target, args)"
+            )
         renamed[own] = value
     return renamed
 
@@ -579,21 +680,20 @@ class _OneLineParser(argparse.ArgumentParser):
     """argparse would print the whole usage (70 lines) and exit; a ConfigError is one line, exit 2."""
 
     def error(self, message):
-        hint = ("; for a negative value write it as --flag=-1e-3" if "expected one argument" in message
-                else "")
+        hint = "; for a negative value write it as --flag=-1e-3" if "expected one argument" in message else ""
         raise ConfigError(f"{message}{hint} (shardtrain train --help lists every flag)")
 
 
 def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
-    parser = _OneLineParser(prog=prog, description="Train with DDP, FSDP or DeepSpeed ZeRO.",
-                            allow_abbrev=False)
+    parser = _OneLineParser(prog=prog, description="Train with DDP, FSDP or DeepSpeed ZeRO.", allow_abbrev=False)
     parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
-    for name, (section, f, typ) in FIELDS.items():
+    for name, (_section, _f, typ) in FIELDS.items():
         names = [flag_of(name)] + FLAG_ALIASES.get(name, [])
         if typ in (bool, Optional[bool]):
             # `--activation-checkpointing` alone means true; `--activation-checkpointing false` also works.
-            parser.add_argument(*names, dest=name, nargs="?", const="true", default=None,
-                                metavar="{true,false}", help=help_of(name))
+            parser.add_argument(
+                *names, dest=name, nargs="?", const="true", default=None, metavar="{true,false}", help=help_of(name)
+            )
         else:
             parser.add_argument(*names, dest=name, default=None, metavar=_choices(typ), help=help_of(name))
     return parser
@@ -650,15 +750,16 @@ def parse_cli(argv: list[str]) -> Config:
     if unknown:
         flag = unknown[0]
         as_typed = argv[dashed.index(flag)] if flag in dashed else flag
-        hint = _suggest_flag(flag.split('=')[0])
+        hint = _suggest_flag(flag.split("=")[0])
         from shardtrain.config.sagemaker_env import hyperparameter_hint, in_sagemaker
+
         if in_sagemaker(os.environ):  # the user wrote a hyperparameter, not a flag: name theirs
             raise ConfigError(f"unknown hyperparameter '{as_typed.lstrip('-')}'{hyperparameter_hint(hint)}")
         raise ConfigError(f"unknown argument '{as_typed}'{hint}")
     data = load_yaml(args.config) if args.config else {}
     add_import_paths(args.config)  # a tasks.py beside the config imports on every rank
     cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")
-    for name, (section, f, typ) in FIELDS.items():
+    for name, (section, _f, typ) in FIELDS.items():
         value = getattr(args, name)
         if value is not None:
             setattr(getattr(cfg, section), name, _coerce(name, value, typ, flag_of(name)))
@@ -669,8 +770,10 @@ def parse_cli(argv: list[str]) -> Config:
     if cfg.parallel.ds:
         explicit = args.strategy is not None or "strategy" in (data.get("parallel") or {})
         if explicit and cfg.parallel.strategy not in ("deepspeed",):
-            raise ConfigError(f"--ds {cfg.parallel.ds} selects DeepSpeed, but --strategy is "
-                              f"'{cfg.parallel.strategy}': drop one of them")
+            raise ConfigError(
+                f"--ds {cfg.parallel.ds} selects DeepSpeed, but --strategy is "
+                f"'{cfg.parallel.strategy}': drop one of them"
+            )
         cfg.parallel.strategy = "deepspeed"
     validate(cfg)
     return cfg
@@ -687,8 +790,10 @@ def logs_model_artifact(log: LogConfig) -> bool:
 
 
 # Built-in workloads by name. Strings, so that naming one imports nothing until it is chosen.
-BUILTIN_WORKLOADS = {"multimodal": "shardtrain.workloads.multimodal:MultimodalWorkload",
-                     "longformer": "shardtrain.workloads.longformer:LongformerWorkload"}
+BUILTIN_WORKLOADS = {
+    "multimodal": "shardtrain.workloads.multimodal:MultimodalWorkload",
+    "longformer": "shardtrain.workloads.longformer:LongformerWorkload",
+}
 
 
 def workload_target(cfg: Config) -> str:
@@ -707,6 +812,7 @@ def add_import_paths(config_path: str | None) -> None:
     """The config file's folder (a tasks.py beside the YAML) and the working directory, where --workload's
     module is imported from, on every rank."""
     import sys
+
     for folder in ([str(Path(config_path).resolve().parent)] if config_path else []) + [os.getcwd()]:
         if folder not in sys.path:
             sys.path.insert(0, folder)
@@ -715,10 +821,18 @@ def add_import_paths(config_path: str | None) -> None:
 def add_workload_flags(parser) -> None:
     """--workload and --workload-args, spelled as `train` spells them, for the commands that are not `train`
     (plan, check-data, export, report): read into a Config by command_config()."""
-    parser.add_argument(flag_of("workload"), dest="workload", default=None,
-                        help="my_pkg.tasks:MyTask, or a built-in: " + ", ".join(BUILTIN_WORKLOADS))
-    parser.add_argument(flag_of("workload_args"), dest="workload_args", default=None,
-                        help="the workload's keyword arguments as JSON (YAML workload.args)")
+    parser.add_argument(
+        flag_of("workload"),
+        dest="workload",
+        default=None,
+        help="my_pkg.tasks:MyTask, or a built-in: " + ", ".join(BUILTIN_WORKLOADS),
+    )
+    parser.add_argument(
+        flag_of("workload_args"),
+        dest="workload_args",
+        default=None,
+        help="the workload's keyword arguments as JSON (YAML workload.args)",
+    )
 
 
 def command_config(config_path: str | None, workload: str | None = None, workload_args: str | None = None) -> Config:
@@ -727,8 +841,9 @@ def command_config(config_path: str | None, workload: str | None = None, workloa
     what it uses."""
     if config_path is not None and not Path(config_path).is_file():
         raise ConfigError(f"--config: file not found: {config_path}")
-    cfg = from_dict(load_yaml(config_path) if config_path else {},
-                    source=f"--config {config_path}" if config_path else "config")
+    cfg = from_dict(
+        load_yaml(config_path) if config_path else {}, source=f"--config {config_path}" if config_path else "config"
+    )
     add_import_paths(config_path)
     for name, value in (("workload", workload), ("workload_args", workload_args)):
         if value is not None:
@@ -754,8 +869,7 @@ def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] 
             applied[name] = value
     # parse_cli runs on every rank; RANK is unset in a plain process, which is rank 0 too.
     if applied and env.get("RANK", "0") == "0":
-        print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()),
-              flush=True)
+        print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()), flush=True)
     return applied
 
 
@@ -765,11 +879,15 @@ def resolve_shipped_ds_config(p: ParallelConfig) -> None:
     if shipped is None:
         return
     if p.ds and Path(p.ds).resolve() != shipped:
-        raise ConfigError(f"--strategy {p.strategy} means {shipped}, but {where('ds')} is {p.ds}: drop one of them "
-                          f"(--ds FILE alone selects DeepSpeed with FILE)")
+        raise ConfigError(
+            f"--strategy {p.strategy} means {shipped}, but {where('ds')} is {p.ds}: drop one of them "
+            f"(--ds FILE alone selects DeepSpeed with FILE)"
+        )
     if not shipped.is_file():
-        raise ConfigError(f"--strategy {p.strategy}: {shipped} is missing from this installation; "
-                          f"pass your own DeepSpeed JSON with --ds FILE")
+        raise ConfigError(
+            f"--strategy {p.strategy}: {shipped} is missing from this installation; "
+            f"pass your own DeepSpeed JSON with --ds FILE"
+        )
     p.strategy, p.ds = "deepspeed", str(shipped)
 
 
@@ -783,16 +901,28 @@ def validate(cfg: Config) -> None:
 def _validate(cfg: Config) -> None:
     t, m, d, p, c = cfg.train, cfg.model, cfg.data, cfg.parallel, cfg.checkpoint
     if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
-        m.name = cfg.workload.workload  # `--workload longformer`: the built-in reads the model section as model.name did
+        m.name = (
+            cfg.workload.workload
+        )  # `--workload longformer`: the built-in reads the model section as model.name did
     resolve_shipped_ds_config(p)  # from_dict + validate (plan) never passes through parse_cli
-    positive = {"max_steps": t.max_steps, "per_device_batch_size": t.per_device_batch_size,
-                "grad_accum": t.grad_accum, "max_length": d.max_length, "image_size": d.image_size,
-                "max_bad_steps": t.max_bad_steps, "log_every": t.log_every,
-                "keep_last": c.keep_last, "attention_window": m.attention_window, "dist_timeout": p.dist_timeout}
+    positive = {
+        "max_steps": t.max_steps,
+        "per_device_batch_size": t.per_device_batch_size,
+        "grad_accum": t.grad_accum,
+        "max_length": d.max_length,
+        "image_size": d.image_size,
+        "max_bad_steps": t.max_bad_steps,
+        "log_every": t.log_every,
+        "keep_last": c.keep_last,
+        "attention_window": m.attention_window,
+        "dist_timeout": p.dist_timeout,
+    }
     if d.streaming and (d.dataset_name or d.train_file or d.train_dir or d.dataset_format):
         other = next(f for f in ("dataset_name", "train_file", "train_dir", "dataset_format") if getattr(d, f))
-        raise ConfigError(f"{where('streaming')}: streams the jsonl --data-dir layout's train.jsonl; "
-                          f"{where(other)} is read into memory (drop one of them)")
+        raise ConfigError(
+            f"{where('streaming')}: streams the jsonl --data-dir layout's train.jsonl; "
+            f"{where(other)} is read into memory (drop one of them)"
+        )
     if m.num_labels is None and not (d.dataset_name or d.train_file or d.train_dir):
         # The jsonl --data-dir layout's integer labels do not say how many classes there are; other sources'
         # labels do (shardtrain/data/sources.py sets it from them).
@@ -806,35 +936,52 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{where(name)} must be positive, got {value}")
     if not t.lr > 0:
         raise ConfigError(f"{where('lr')} must be positive, got {t.lr}")
-    for name in ("weight_decay", "warmup_steps", "max_grad_norm", "eval_every", "save_every",
-                 "freeze_layers", "num_workers", "dropout"):
+    for name in (
+        "weight_decay",
+        "warmup_steps",
+        "max_grad_norm",
+        "eval_every",
+        "save_every",
+        "freeze_layers",
+        "num_workers",
+        "dropout",
+    ):
         value = getattr(getattr(cfg, FIELDS[name][0]), name)
         if value < 0:
             raise ConfigError(f"{where(name)} must be >= 0, got {value}")
     if m.unfreeze_at_step is not None:
         if m.freeze_layers == 0:
-            raise ConfigError(f"{where('unfreeze_at_step')} is set but {where('freeze_layers')} is 0: nothing to unfreeze")
+            raise ConfigError(
+                f"{where('unfreeze_at_step')} is set but {where('freeze_layers')} is 0: nothing to unfreeze"
+            )
         if not 0 < m.unfreeze_at_step <= t.max_steps:
-            raise ConfigError(f"{where('unfreeze_at_step')}={m.unfreeze_at_step} is outside 1..max_steps "
-                              f"({t.max_steps}): the frozen layers would never train")
+            raise ConfigError(
+                f"{where('unfreeze_at_step')}={m.unfreeze_at_step} is outside 1..max_steps "
+                f"({t.max_steps}): the frozen layers would never train"
+            )
     try:
         t.inject_nan_at_steps = sorted({int(v) for v in t.inject_nan_at_steps})
     except (TypeError, ValueError):
-        raise ConfigError(f"{where('inject_nan_at_steps')} must be step numbers, e.g. 3,4; "
-                          f"got {t.inject_nan_at_steps!r}") from None
+        raise ConfigError(
+            f"{where('inject_nan_at_steps')} must be step numbers, e.g. 3,4; got {t.inject_nan_at_steps!r}"
+        ) from None
     if m.name == "longformer" and d.max_length > 16384:
         raise ConfigError(f"{where('max_length')}={d.max_length} is beyond what Longformer positions support")
     if p.strategy == "deepspeed" and not p.ds:
-        raise ConfigError(f"--strategy deepspeed needs {where('ds')}, e.g. --ds ds_configs/zero2.json "
-                          f"(or --strategy zero2 for that shipped file)")
+        raise ConfigError(
+            f"--strategy deepspeed needs {where('ds')}, e.g. --ds ds_configs/zero2.json "
+            f"(or --strategy zero2 for that shipped file)"
+        )
     if p.ds and not Path(p.ds).is_file():
         raise ConfigError(f"{where('ds')}: file not found: {p.ds}")
     if p.strategy == "auto" and not is_builtin_workload(cfg):
         # The planner measures activations on the built-in architectures; a user's model it only counts.
-        raise ConfigError(f"{where('strategy')}=auto chooses from predicted activation memory, which shardtrain "
-                          f"measures for the built-in workloads only, not {workload_target(cfg)}; choose "
-                          f"--strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
-                          f"model-state memory)")
+        raise ConfigError(
+            f"{where('strategy')}=auto chooses from predicted activation memory, which shardtrain "
+            f"measures for the built-in workloads only, not {workload_target(cfg)}; choose "
+            f"--strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
+            f"model-state memory)"
+        )
     if p.nproc != "auto":
         try:
             if int(p.nproc) < 1:
@@ -844,25 +991,35 @@ def _validate(cfg: Config) -> None:
     if t.memory_every < 0:
         raise ConfigError(f"{where('memory_every')} must be >= 0, got {t.memory_every}")
     if cfg.checkpoint.engine_files and p.strategy in ("ddp", "fsdp"):
-        raise ConfigError(f"{where('engine_files')} asks for DeepSpeed's own checkpoint files; --strategy "
-                          f"{p.strategy} writes only the portable form (model_optim/): drop it, or run a ZeRO strategy")
+        raise ConfigError(
+            f"{where('engine_files')} asks for DeepSpeed's own checkpoint files; --strategy "
+            f"{p.strategy} writes only the portable form (model_optim/): drop it, or run a ZeRO strategy"
+        )
     if t.compile != "none" and p.strategy == "deepspeed":
-        raise ConfigError(f"{where('compile')}={t.compile} is wired up for --strategy ddp and fsdp only, "
-                          f"not DeepSpeed; drop --compile or use ddp/fsdp")
+        raise ConfigError(
+            f"{where('compile')}={t.compile} is wired up for --strategy ddp and fsdp only, "
+            f"not DeepSpeed; drop --compile or use ddp/fsdp"
+        )
     if m.attention != "sdpa" and m.name == "longformer":
-        raise ConfigError(f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
-                          f"the setting applies to the multimodal model's RoBERTa only")
+        raise ConfigError(
+            f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
+            f"the setting applies to the multimodal model's RoBERTa only"
+        )
     if t.inject_oom_above is not None and t.inject_oom_above < 0:
         raise ConfigError(f"{where('inject_oom_above')} must be >= 0, got {t.inject_oom_above}")
     for spec in t.inject_oom:
         if not re.fullmatch(r"(forward|alloc|backward|recompute|step)@[1-9][0-9]*:[0-9]+", str(spec)):
-            raise ConfigError(f"{where('inject_oom')}: {spec!r} is not POINT@STEP:RANK with POINT one of forward, "
-                              f"alloc, backward, recompute, step (e.g. forward@2:1)")
+            raise ConfigError(
+                f"{where('inject_oom')}: {spec!r} is not POINT@STEP:RANK with POINT one of forward, "
+                f"alloc, backward, recompute, step (e.g. forward@2:1)"
+            )
     if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
         raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
-        raise ConfigError(f"{where('preprocessing_num_workers')} must be a positive number of processes, "
-                          f"got {d.preprocessing_num_workers}")
+        raise ConfigError(
+            f"{where('preprocessing_num_workers')} must be a positive number of processes, "
+            f"got {d.preprocessing_num_workers}"
+        )
     if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
         raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
     if d.image_cache is not None and m.name != "multimodal":
@@ -886,8 +1043,10 @@ def check_dataset_format(cfg: Config) -> None:
         d.validation_split_percentage = 10  # MVSA has no validation split, and the reports evaluate on it
     fmt = f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')})"
     if cfg.model.name != "multimodal":
-        raise ConfigError(f"{fmt}: the layouts pair each text with an image; train them with the multimodal "
-                          f"model, not {cfg.model.name}")
+        raise ConfigError(
+            f"{fmt}: the layouts pair each text with an image; train them with the multimodal "
+            f"model, not {cfg.model.name}"
+        )
     if d.eval_data_dir is not None:
         raise ConfigError(f"{fmt}: the layout's own files give its validation split; drop {where('eval_data_dir')}")
 
@@ -901,11 +1060,14 @@ def check_output_dir(output_dir: str) -> None:
     while not probe.exists() and probe.parent != probe:
         probe = probe.parent
     if not probe.is_dir():
-        raise ConfigError(f"{where('output_dir')} {output_dir}: {probe} is a file, not a folder; "
-                          f"choose another --output-dir")
+        raise ConfigError(
+            f"{where('output_dir')} {output_dir}: {probe} is a file, not a folder; choose another --output-dir"
+        )
     try:
         with tempfile.TemporaryFile(dir=probe):
             pass
     except OSError as e:
-        raise ConfigError(f"{where('output_dir')} {output_dir}: cannot write in {probe} ({e.strerror}); "
-                          f"choose a writable --output-dir") from None
+        raise ConfigError(
+            f"{where('output_dir')} {output_dir}: cannot write in {probe} ({e.strerror}); "
+            f"choose a writable --output-dir"
+        ) from None

@@ -12,6 +12,7 @@ accumulation is the user's own choice of a new global batch (shardtrain/loop/res
 Each change (step, world size and hosts before and after, the geometry it got) goes into the checkpoint's
 trainer state, so the final summary.json lists every one, and onto the first metrics.jsonl record after it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -25,17 +26,21 @@ KEYS = ("per_device_batch_size", "grad_accum")
 @dataclass
 class Membership:
     global_batch_size: int  # what every world size aims at
-    configured: dict        # micro-batch and accumulation as the flags gave them (before this module or auto)
-    hosts: list[str]        # this run's ranks' hosts, by rank
+    configured: dict  # micro-batch and accumulation as the flags gave them (before this module or auto)
+    hosts: list[str]  # this run's ranks' hosts, by rank
     changes: list[dict] = field(default_factory=list)  # every membership change of the run, oldest first
     change: dict | None = None  # this start's change, when it is one
-    line: str | None = None     # this start's change, said
+    line: str | None = None  # this start's change, said
     inexact: str | None = None  # the global batch could not be kept exactly, said
 
     def state(self) -> dict:
         """What the checkpoint's trainer state keeps (`elastic`)."""
-        return {"global_batch_size": self.global_batch_size, "configured": self.configured, "hosts": self.hosts,
-                "changes": self.changes}
+        return {
+            "global_batch_size": self.global_batch_size,
+            "configured": self.configured,
+            "hosts": self.hosts,
+            "changes": self.changes,
+        }
 
 
 def membership(state: dict, cfg: Config, world: int, hosts: list[str]) -> Membership:
@@ -53,26 +58,38 @@ def membership(state: dict, cfg: Config, world: int, hosts: list[str]) -> Member
     saved_configured = saved.get("configured") or {k: saved_cfg.get(k, configured[k]) for k in KEYS}
     ours.changes = list(saved.get("changes") or [])
     if configured == saved_configured:
-        ours.global_batch_size = int(saved.get("global_batch_size") or
-                                     saved_configured["per_device_batch_size"] * saved_configured["grad_accum"]
-                                     * saved_world)
+        ours.global_batch_size = int(
+            saved.get("global_batch_size")
+            or saved_configured["per_device_batch_size"] * saved_configured["grad_accum"] * saved_world
+        )
     # else: the flags changed the geometry, and with it the global batch (resume_changes names the change)
     target = ours.global_batch_size
     per_rank = max(1, round(target / world))
     t.per_device_batch_size, t.grad_accum = geometry_for(per_rank, t.per_device_batch_size)
     actual = t.per_device_batch_size * t.grad_accum * world
     if actual != target:
-        ours.inexact = (f"the global batch {target} cannot be kept at world size {world}: it is {actual} "
-                        f"(micro-batch {t.per_device_batch_size} x accum {t.grad_accum} x {world} ranks) "
-                        f"until a world size that divides {target}")
+        ours.inexact = (
+            f"the global batch {target} cannot be kept at world size {world}: it is {actual} "
+            f"(micro-batch {t.per_device_batch_size} x accum {t.grad_accum} x {world} ranks) "
+            f"until a world size that divides {target}"
+        )
     if saved_world != world:
         step = int(state["step"])
-        ours.change = {"step": step, "world_size_before": saved_world, "world_size_after": world,
-                       "hosts_before": saved.get("hosts"), "hosts_after": hosts,
-                       "micro_batch_size": t.per_device_batch_size, "grad_accum": t.grad_accum,
-                       "global_batch_size": actual, "global_batch_kept": actual == target}
+        ours.change = {
+            "step": step,
+            "world_size_before": saved_world,
+            "world_size_after": world,
+            "hosts_before": saved.get("hosts"),
+            "hosts_after": hosts,
+            "micro_batch_size": t.per_device_batch_size,
+            "grad_accum": t.grad_accum,
+            "global_batch_size": actual,
+            "global_batch_kept": actual == target,
+        }
         ours.changes.append(ours.change)
-        ours.line = (f"world size {saved_world} -> {world} at step {step} (hosts: {', '.join(sorted(set(hosts)))}): "
-                     f"global batch {actual}{' kept' if actual == target else ''} as micro-batch "
-                     f"{t.per_device_batch_size} x accum {t.grad_accum} x {world} ranks")
+        ours.line = (
+            f"world size {saved_world} -> {world} at step {step} (hosts: {', '.join(sorted(set(hosts)))}): "
+            f"global batch {actual}{' kept' if actual == target else ''} as micro-batch "
+            f"{t.per_device_batch_size} x accum {t.grad_accum} x {world} ranks"
+        )
     return ours

@@ -44,6 +44,7 @@ Fault injection for tests:
   `recompute` (a pre-hook inside that block that fires only while the backward recomputes it: needs
   --activation-checkpointing), `step` (a pre-hook on the torch optimizer's step).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -82,7 +83,8 @@ def geometry_for(samples_per_rank: int, max_micro: int) -> tuple[int, int]:
 
 def is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or (
-        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e))
+        isinstance(e, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(e)
+    )
 
 
 def plan(collectives: list[bool]) -> tuple[list[bool], list[bool]]:
@@ -116,7 +118,7 @@ class OOMRecovery:
         self.cfg, self.strategy, self.stream, self.dist, self.console = cfg, strategy, stream, dist_info, console
         self.enabled = cfg.train.oom_recovery
         self.events: list[dict] = []
-        self.hit = False        # this rank ran out of memory in this step
+        self.hit = False  # this rank ran out of memory in this step
         self.abandoned = False  # every rank knows some rank did (at a meeting point): leave the micro-step loop
         self.step = 0
         self._position: dict = {}
@@ -132,17 +134,23 @@ class OOMRecovery:
         self.step, self.hit, self.abandoned, self._current = step, False, False, 0
         if self.enabled:
             self._position = self.stream.state_dict()  # a few ints: where this step's first sample is
-            self._rng = (torch.get_rng_state(), torch.cuda.get_rng_state(self.dist.device)
-                         if self.dist.device.type == "cuda" else None)
+            self._rng = (
+                torch.get_rng_state(),
+                torch.cuda.get_rng_state(self.dist.device) if self.dist.device.type == "cuda" else None,
+            )
         accum = self.cfg.train.grad_accum
         if accum not in self._plans:
             multi = self.dist.world_size > 1 and self.enabled
-            collectives = [multi and kind != "gap" and self.strategy.collectives_in(kind, m == accum - 1)
-                           for m in range(accum) for kind in PHASES]
+            collectives = [
+                multi and kind != "gap" and self.strategy.collectives_in(kind, m == accum - 1)
+                for m in range(accum)
+                for kind in PHASES
+            ]
             self._plans[accum] = plan(collectives)
 
     def enter(self, kind: str, micro: int) -> None:
-        """At the start of a micro-step's forward or backward; raises _Skip (caught by guard) when this rank skips it."""
+        """At the start of a micro-step's forward or backward; raises _Skip (caught by guard) when this rank skips
+        it."""
         i = micro * len(PHASES) + PHASES.index(kind)
         self._current = i
         if self._plans[self.cfg.train.grad_accum][0][i] and self._meet():
@@ -184,10 +192,14 @@ class OOMRecovery:
         except Exception as e:  # noqa: BLE001
             if not is_out_of_memory(e):
                 raise
-            self._stop(e, "step", "an optimizer step that fails part-way may have updated some weights already, "
-                                  "and what it allocates (Adam's state at step 1) does not shrink with the "
-                                  "micro-batch; use a sharded strategy or optimizer offload (`shardtrain plan` "
-                                  "compares them)")
+            self._stop(
+                e,
+                "step",
+                "an optimizer step that fails part-way may have updated some weights already, "
+                "and what it allocates (Adam's state at step 1) does not shrink with the "
+                "micro-batch; use a sharded strategy or optimizer offload (`shardtrain plan` "
+                "compares them)",
+            )
 
     def _meet(self) -> bool:
         """Every rank: the OOM flag, all-reduced. True (and the step abandoned) when any rank ran out."""
@@ -203,8 +215,12 @@ class OOMRecovery:
         if not self.enabled:
             self._stop(e, kind, f"{where('oom_recovery')} is off")
         if not self._plans[self.cfg.train.grad_accum][1][self._current]:
-            self._stop(e, kind, f"the other ranks wait for this one in {self.strategy.name}'s collectives inside the "
-                                f"{WHAT[kind]}, so the step cannot be redone")
+            self._stop(
+                e,
+                kind,
+                f"the other ranks wait for this one in {self.strategy.name}'s collectives inside the "
+                f"{WHAT[kind]}, so the step cannot be redone",
+            )
         self.hit = True
 
     def _stop(self, e: BaseException, kind: str, why: str) -> None:
@@ -215,7 +231,10 @@ class OOMRecovery:
             f"{t.per_device_batch_size} x accum {t.grad_accum} ({type(e).__name__}: {first}); {why}. Every rank "
             f"stops now; the last committed checkpoint is as it was: --resume auto with a smaller "
             f"--per-device-batch-size (and a larger --grad-accum for the same global batch) or "
-            f"--activation-checkpointing", self.dist.rank, self.dist.world_size)
+            f"--activation-checkpointing",
+            self.dist.rank,
+            self.dist.world_size,
+        )
 
     # ---- after the step's all-reduce ----------------------------------------------------------------------
     def recover(self, ranks_hit: float, step: int) -> bool:
@@ -227,10 +246,12 @@ class OOMRecovery:
         micro, accum = t.per_device_batch_size, t.grad_accum
         new = smaller_micro_batch(micro)
         if new is None:
-            raise MemoryError(f"step {step}: out of memory on {int(ranks_hit)} rank(s) at micro-batch 1; "
-                              f"--oom-recovery cannot go lower: use a sharded strategy or offload "
-                              f"(`shardtrain plan` compares them), activation checkpointing, or a shorter "
-                              f"{where('max_length')}")
+            raise MemoryError(
+                f"step {step}: out of memory on {int(ranks_hit)} rank(s) at micro-batch 1; "
+                f"--oom-recovery cannot go lower: use a sharded strategy or offload "
+                f"(`shardtrain plan` compares them), activation checkpointing, or a shorter "
+                f"{where('max_length')}"
+            )
         new_accum = accum * micro // new
         self.strategy.discard_gradients()
         self.strategy.set_batch_geometry(new, new_accum)
@@ -240,9 +261,11 @@ class OOMRecovery:
         if self._rng[1] is not None:
             torch.cuda.set_rng_state(self._rng[1], self.dist.device)
         self.events.append({"step": step, "ranks": int(ranks_hit), "from": [micro, accum], "to": [new, new_accum]})
-        self.console.info(f"step {step}: out of memory on {int(ranks_hit)} rank(s) at micro-batch {micro} x accum "
-                          f"{accum}; redoing the step at micro-batch {new} x accum {new_accum} (global batch "
-                          f"{new * new_accum * self.dist.world_size} unchanged)")
+        self.console.info(
+            f"step {step}: out of memory on {int(ranks_hit)} rank(s) at micro-batch {micro} x accum "
+            f"{accum}; redoing the step at micro-batch {new} x accum {new_accum} (global batch "
+            f"{new * new_accum * self.dist.world_size} unchanged)"
+        )
         return True
 
     def summary(self) -> dict:
@@ -279,11 +302,15 @@ class Injection:
 
     def _armed(self, point: str) -> bool:
         above = self.train.inject_oom_above
-        return (point, self.recovery.step) in self.points and (above is None or self.train.per_device_batch_size > above)
+        return (point, self.recovery.step) in self.points and (
+            above is None or self.train.per_device_batch_size > above
+        )
 
     def _raise(self, point: str):
-        raise torch.OutOfMemoryError(f"injected by {where('inject_oom')} at {point}@{self.recovery.step}:"
-                                     f"{self.dist.rank}, micro-batch {self.train.per_device_batch_size}")
+        raise torch.OutOfMemoryError(
+            f"injected by {where('inject_oom')} at {point}@{self.recovery.step}:"
+            f"{self.dist.rank}, micro-batch {self.train.per_device_batch_size}"
+        )
 
     @staticmethod
     def _in_backward() -> bool:
@@ -295,7 +322,7 @@ class Injection:
         if self._armed("forward"):
             self._raise("forward")
         if self._armed("alloc"):
-            torch.empty(2 ** 50, dtype=torch.uint8, device=self.dist.device)  # 1 PiB: no machine has it
+            torch.empty(2**50, dtype=torch.uint8, device=self.dist.device)  # 1 PiB: no machine has it
 
     def _after_block(self, module, args, output):
         if self._in_backward() or not self._armed("backward"):
@@ -315,7 +342,12 @@ class Injection:
 
     def at_backward_end(self) -> None:
         above = self.train.inject_oom_above
-        if (above is not None and not self.train.inject_oom and self.dist.is_rank0
-                and self.train.per_device_batch_size > above):
-            raise torch.OutOfMemoryError(f"injected by {where('inject_oom_above')}={above} at micro-batch "
-                                         f"{self.train.per_device_batch_size}")
+        if (
+            above is not None
+            and not self.train.inject_oom
+            and self.dist.is_rank0
+            and self.train.per_device_batch_size > above
+        ):
+            raise torch.OutOfMemoryError(
+                f"injected by {where('inject_oom_above')}={above} at micro-batch {self.train.per_device_batch_size}"
+            )

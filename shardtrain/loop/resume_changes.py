@@ -4,6 +4,7 @@ Extending a run (a larger --max-steps) is a choice to make visible, not to forbi
 schedule is a function of max_steps, warmup and the peak rate, so a resume with other values follows another
 schedule from its first step on. The batch geometry sets how many samples a step takes.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +19,7 @@ GEOMETRY = ("per_device_batch_size", "grad_accum")
 
 @dataclass
 class ResumeChanges:
-    changes: list[str]      # one phrase per changed setting, with its effect
+    changes: list[str]  # one phrase per changed setting, with its effect
     schedule_changed: bool  # the strategy must then take the learning rate from the new schedule
 
     def line(self, step: int) -> str:
@@ -28,30 +29,40 @@ class ResumeChanges:
 def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeChanges:
     saved = (saved_state.get("config") or {}).get("train") or {}
     t, step = cfg.train, saved_state["step"]
-    changes = [f"{flag_of(k)} {saved[k]} -> {getattr(t, k)}" for k in SCHEDULE
-               if k in saved and saved[k] != getattr(t, k)]
+    changes = [
+        f"{flag_of(k)} {saved[k]} -> {getattr(t, k)}" for k in SCHEDULE if k in saved and saved[k] != getattr(t, k)
+    ]
     schedule_changed = bool(changes)
     if schedule_changed:
         old = dataclasses.replace(t, **{k: saved[k] for k in SCHEDULE if k in saved})
-        changes.append(f"the learning rate follows the new schedule: {t.lr * lr_lambda(t)(step):.2e} at step "
-                       f"{step + 1}, where the saved run's would be {old.lr * lr_lambda(old)(step):.2e}")
+        changes.append(
+            f"the learning rate follows the new schedule: {t.lr * lr_lambda(t)(step):.2e} at step "
+            f"{step + 1}, where the saved run's would be {old.lr * lr_lambda(old)(step):.2e}"
+        )
 
     saved_world = int(saved_state.get("world_size", world_size))
     # The flags the saved run was given: an elastic resume ran with another geometry to keep its global batch.
     elastic = saved_state.get("elastic") or {}
     flags = elastic.get("configured") or saved
-    geometry = [f"{flag_of(k)} {flags[k]} -> {getattr(t, k)}" for k in GEOMETRY
-                if k in flags and flags[k] != getattr(t, k)]
+    geometry = [
+        f"{flag_of(k)} {flags[k]} -> {getattr(t, k)}" for k in GEOMETRY if k in flags and flags[k] != getattr(t, k)
+    ]
     # A world size change alone keeps the global batch (shardtrain/loop/elastic.py says so); with changed flags
     # the flags set the new one.
     if geometry and saved_world != world_size:
         geometry.append(f"world size {saved_world} -> {world_size}")
     if geometry:
-        before = elastic.get("global_batch_size") or (flags.get("per_device_batch_size", t.per_device_batch_size) *
-                                                      flags.get("grad_accum", t.grad_accum) * saved_world)
+        before = elastic.get("global_batch_size") or (
+            flags.get("per_device_batch_size", t.per_device_batch_size)
+            * flags.get("grad_accum", t.grad_accum)
+            * saved_world
+        )
         after = t.per_device_batch_size * t.grad_accum * world_size
-        effect = (f"global batch {before} -> {after} samples per step" if before != after
-                  else f"global batch unchanged at {after}")
+        effect = (
+            f"global batch {before} -> {after} samples per step"
+            if before != after
+            else f"global batch unchanged at {after}"
+        )
         if saved_world != world_size:
             effect += " (the data position carries over exactly: the epoch's samples seen by all ranks)"
         changes.append(f"{', '.join(geometry)}: {effect}")
@@ -71,6 +82,8 @@ def data_changes(saved_state: dict, data_source: dict | None) -> list[str]:
             rows_now = ((data_source or {}).get("rows") or {}).get(split)
             counts = f", {rows} -> {rows_now} rows" if rows is not None and rows_now is not None else ""
             where = (data_source or {}).get(split) or (data_source or {}).get("source")
-            changes.append(f"the {split} data changed (content sha256 {before[split][:12]} -> {now[split][:12]}"
-                           f"{counts}; now {where})")
+            changes.append(
+                f"the {split} data changed (content sha256 {before[split][:12]} -> {now[split][:12]}"
+                f"{counts}; now {where})"
+            )
     return changes

@@ -8,6 +8,7 @@ A background save goes through three points, every rank at the same step:
     wait     a new save, the end of the run or a preemption waits for the write still in flight and commits it
 An error leaves it uncommitted: the thread dies with the process, and the step folder has no COMMITTED.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,16 +32,18 @@ class Saves:
         """A checkpoint of this step: committed before returning, or (--async-save) started."""
         self.wait()  # one in flight: the previous background write is committed first
         t0 = now()
-        pending = checkpoint.start_save(self.strategy, trainer_state, self.output_dir, self.keep_last,
-                                        background=self.background)
+        pending = checkpoint.start_save(
+            self.strategy, trainer_state, self.output_dir, self.keep_last, background=self.background
+        )
         if not self.background:
             path = checkpoint.finish_save(self.strategy, pending)
             self._record(now() - t0, now() - t0)
             self.console.info(f"step {step}: saved {path} in {self.blocking_seconds[-1]:.2f}s")
             return
         self.pending, self._started, self._blocked = pending, t0, now() - t0
-        self.console.info(f"step {step}: saving {pending.path} in the background "
-                          f"(training waited {self._blocked:.2f}s for the copy)")
+        self.console.info(
+            f"step {step}: saving {pending.path} in the background (training waited {self._blocked:.2f}s for the copy)"
+        )
 
     def writing(self) -> bool:
         """This rank's background write is still running (for the loop's agreement)."""
@@ -68,8 +71,10 @@ class Saves:
 
     def _committed(self, pending: checkpoint.PendingSave) -> None:
         self._record(self._blocked, (pending.write.finished or now()) - self._started)
-        self.console.info(f"step {pending.step}: committed {pending.path} (written in "
-                          f"{self.write_seconds[-1]:.2f}s, training waited {self.blocking_seconds[-1]:.2f}s)")
+        self.console.info(
+            f"step {pending.step}: committed {pending.path} (written in "
+            f"{self.write_seconds[-1]:.2f}s, training waited {self.blocking_seconds[-1]:.2f}s)"
+        )
 
     def _record(self, blocked: float, written: float) -> None:
         self.blocking_seconds.append(round(blocked, 3))

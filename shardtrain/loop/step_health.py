@@ -5,6 +5,7 @@ the strategy's own): the summed loss, the squared gradient norm (each rank's sha
 without a collective or sync of their own), whether any rank was signalled to stop, which ranks saw a
 non-finite loss, whether any rank ran out of memory, and how many ranks are still writing a checkpoint.
 """
+
 from __future__ import annotations
 
 import math
@@ -20,11 +21,11 @@ from shardtrain.runtime.distributed import DistInfo, all_reduce_sum
 @dataclass
 class Agreement:
     loss_mean: float
-    stop: bool           # a preemption signal reached some rank
-    bad_ranks: list      # ranks whose own loss was non-finite
-    oom_ranks: int       # how many ranks hit an out-of-memory error
+    stop: bool  # a preemption signal reached some rank
+    bad_ranks: list  # ranks whose own loss was non-finite
+    oom_ranks: int  # how many ranks hit an out-of-memory error
     grad_norm: Optional[float] = None  # global, from the strategy's shares; None: the strategy has its own
-    writing: int = 0     # ranks whose background checkpoint write (--async-save) is still running
+    writing: int = 0  # ranks whose background checkpoint write (--async-save) is still running
     write_failed: bool = False  # some rank's finished background write failed
 
     @property
@@ -32,24 +33,40 @@ class Agreement:
         return math.isfinite(self.loss_mean)
 
 
-def agree(loss_sum: torch.Tensor, micro_steps: int, stop: bool, oom: bool, info: DistInfo,
-          grad_norm_share: Optional[torch.Tensor] = None, writing: bool = False,
-          write_failed: bool = False) -> Agreement:
+def agree(
+    loss_sum: torch.Tensor,
+    micro_steps: int,
+    stop: bool,
+    oom: bool,
+    info: DistInfo,
+    grad_norm_share: Optional[torch.Tensor] = None,
+    writing: bool = False,
+    write_failed: bool = False,
+) -> Agreement:
     """`writing` / `write_failed`: this rank's background checkpoint write is still running / ended in an error.
     When no rank is writing any more, every rank learns it here at once, so the save commits with no collective
     of its own (shardtrain/loop/saves.py)."""
     world, device = info.world_size, info.device
     own_bad = torch.zeros(world, dtype=torch.float64, device=device)
     own_bad[info.rank] = (~torch.isfinite(loss_sum)).double()
-    flags = torch.tensor([float(stop), float(oom), float(writing), float(write_failed)], dtype=torch.float64,
-                         device=device)
-    share = torch.zeros(1, dtype=torch.float64, device=device) if grad_norm_share is None else \
-        grad_norm_share.to(device, torch.float64).reshape(1)
+    flags = torch.tensor(
+        [float(stop), float(oom), float(writing), float(write_failed)], dtype=torch.float64, device=device
+    )
+    share = (
+        torch.zeros(1, dtype=torch.float64, device=device)
+        if grad_norm_share is None
+        else grad_norm_share.to(device, torch.float64).reshape(1)
+    )
     totals = all_reduce_sum(torch.cat([loss_sum.double().reshape(1), flags, share, own_bad]), device).tolist()
-    return Agreement(loss_mean=totals[0] / (micro_steps * world), stop=totals[1] > 0,
-                     bad_ranks=[r for r, v in enumerate(totals[6:]) if v > 0], oom_ranks=int(totals[2]),
-                     grad_norm=None if grad_norm_share is None else math.sqrt(totals[5]),  # nan/inf pass through
-                     writing=int(totals[3]), write_failed=totals[4] > 0)
+    return Agreement(
+        loss_mean=totals[0] / (micro_steps * world),
+        stop=totals[1] > 0,
+        bad_ranks=[r for r, v in enumerate(totals[6:]) if v > 0],
+        oom_ranks=int(totals[2]),
+        grad_norm=None if grad_norm_share is None else math.sqrt(totals[5]),  # nan/inf pass through
+        writing=int(totals[3]),
+        write_failed=totals[4] > 0,
+    )
 
 
 class BadStepPolicy:
@@ -58,8 +75,15 @@ class BadStepPolicy:
     A non-finite loss or gradient norm is bad in any precision; an fp16 overflow with a finite loss is the
     loss scaler's normal business and is counted apart."""
 
-    def __init__(self, nan_policy: str, max_bad_steps: int, console, is_rank0: bool, first_step: int | None = None,
-                 loss_method: str = "Workload.loss"):
+    def __init__(
+        self,
+        nan_policy: str,
+        max_bad_steps: int,
+        console,
+        is_rank0: bool,
+        first_step: int | None = None,
+        loss_method: str = "Workload.loss",
+    ):
         """`first_step`: the step a fresh run starts at (None when resumed): no update precedes it, so a
         non-finite loss there comes from `loss_method` or its inputs, not from training, and no policy helps."""
         self.nan_policy, self.max_bad_steps = nan_policy, max_bad_steps
@@ -69,10 +93,12 @@ class BadStepPolicy:
 
     def update(self, step: int, applied: bool, overflow: bool, agreed: Agreement, grad_norm: float) -> None:
         if step == self.first_step and agreed.bad_ranks:
-            raise ConfigError(f"step {step}: {self.loss_method} returned a non-finite loss ({agreed.loss_mean}) on rank "
-                              f"{', '.join(map(str, agreed.bad_ranks))} before any update, so no learning rate or "
-                              f"--nan-policy is the cause: check {self.loss_method} and the outputs of the first batch "
-                              f"(--nan-policy handles losses that turn non-finite later)")
+            raise ConfigError(
+                f"step {step}: {self.loss_method} returned a non-finite loss ({agreed.loss_mean}) on rank "
+                f"{', '.join(map(str, agreed.bad_ranks))} before any update, so no learning rate or "
+                f"--nan-policy is the cause: check {self.loss_method} and the outputs of the first batch "
+                f"(--nan-policy handles losses that turn non-finite later)"
+            )
         if applied:
             self.in_a_row = 0
             return
@@ -85,15 +111,21 @@ class BadStepPolicy:
         self.nonfinite += 1
         self.in_a_row += 1
         if self.is_rank0:
-            what = (f"loss on rank {', '.join(map(str, agreed.bad_ranks))}" if agreed.bad_ranks else "grad norm")
-            self.console.warn(f"step {step}: non-finite {what} (loss {agreed.loss_mean}, grad norm {grad_norm}); "
-                              f"update skipped on every rank ({self.in_a_row} in a row, {self.nonfinite} in all)")
+            what = f"loss on rank {', '.join(map(str, agreed.bad_ranks))}" if agreed.bad_ranks else "grad norm"
+            self.console.warn(
+                f"step {step}: non-finite {what} (loss {agreed.loss_mean}, grad norm {grad_norm}); "
+                f"update skipped on every rank ({self.in_a_row} in a row, {self.nonfinite} in all)"
+            )
         if self.nan_policy == "abort":
-            raise FloatingPointError(f"non-finite loss/grad norm at step {step} with --nan-policy abort; "
-                                     f"--nan-policy skip skips such steps (up to --max-bad-steps in a row)")
+            raise FloatingPointError(
+                f"non-finite loss/grad norm at step {step} with --nan-policy abort; "
+                f"--nan-policy skip skips such steps (up to --max-bad-steps in a row)"
+            )
         if self.in_a_row >= self.max_bad_steps:
-            raise FloatingPointError(f"{self.in_a_row} consecutive non-finite steps up to step {step} reached "
-                                     f"--max-bad-steps {self.max_bad_steps}: lower --lr or check the data")
+            raise FloatingPointError(
+                f"{self.in_a_row} consecutive non-finite steps up to step {step} reached "
+                f"--max-bad-steps {self.max_bad_steps}: lower --lr or check the data"
+            )
 
     def counts(self) -> dict:
         return {"skipped_steps": self.skipped, "nonfinite_steps": self.nonfinite, "overflow_steps": self.overflow}

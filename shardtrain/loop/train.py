@@ -1,10 +1,11 @@
 """The training loop. One file, top to bottom; the memory strategy hides behind `strategy`.
 
-    torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy fsdp
-    torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy ddp
-    torchrun --nproc_per_node=4 shardtrain/main.py --config configs/longformer_4096.yaml --strategy ddp
-    python -m shardtrain train --config configs/multimodal_tiny.yaml --device cpu --nproc 2
+torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy fsdp
+torchrun --nproc_per_node=3 shardtrain/main.py --config configs/multimodal_sentiment.yaml --strategy ddp
+torchrun --nproc_per_node=4 shardtrain/main.py --config configs/longformer_4096.yaml --strategy ddp
+python -m shardtrain train --config configs/multimodal_tiny.yaml --device cpu --nproc 2
 """
+
 from __future__ import annotations
 
 import time
@@ -62,9 +63,11 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     state = checkpoint.read_trainer_state(resume_dir) if resume_dir is not None else {}
     resumed_here = resume_dir is not None and resume_dir.parent.resolve() == checkpoint.checkpoints_root(out).resolve()
     if resumed_here and state["step"] >= cfg.train.max_steps:
-        console.info(f"nothing to train: {resume_dir} is at step {state['step']} and --max-steps is "
-                     f"{cfg.train.max_steps}; summary.json and the checkpoints are left as they were "
-                     f"(a larger --max-steps trains on)")
+        console.info(
+            f"nothing to train: {resume_dir} is at step {state['step']} and --max-steps is "
+            f"{cfg.train.max_steps}; summary.json and the checkpoints are left as they were "
+            f"(a larger --max-steps trains on)"
+        )
         export_final_model_if_missing(resume_dir, cfg, dist_info.is_rank0, console)
         return {"final_step": state["step"], "nothing_to_train": True}
 
@@ -88,8 +91,16 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     if state:
         check_resumed_labels(state.get("config") or {}, cfg)  # the checkpoint's class ids mean the data's classes
         changed.changes += data_changes(state, getattr(train_ds, "source", None))  # said in changed.line below
-    loaders = build_loaders(cfg, None, train_ds, eval_ds, dist_info.rank, dist_info.world_size,
-                            dist_info.device.type, collate=CheckedCollate(workload))
+    loaders = build_loaders(
+        cfg,
+        None,
+        train_ds,
+        eval_ds,
+        dist_info.rank,
+        dist_info.world_size,
+        dist_info.device.type,
+        collate=CheckedCollate(workload),
+    )
     startup["data"] = time.time()
 
     # ---- model, optimizer, schedule (built by the strategy: it decides where weights materialise)
@@ -99,8 +110,7 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     vocab_size = len(workload.tokenizer) if predictable and not cfg.model.pretrained else None
 
     model_factory = make_model_factory(workload, cfg.train.seed, dist_info.device, startup)
-    frozen = (set(workload.freezable_parameter_names(cfg.model.freeze_layers))
-              if cfg.model.freeze_layers else set())
+    frozen = set(workload.freezable_parameter_names(cfg.model.freeze_layers)) if cfg.model.freeze_layers else set()
     with construction_memory(dist_info) as built:  # peak host RSS while the strategy materialises the model
         strategy.setup(model_factory, frozen)
     startup["strategy_setup"] = time.time()
@@ -131,36 +141,56 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
 
     t, world = cfg.train, dist_info.world_size
     global_batch = t.per_device_batch_size * t.grad_accum * world
-    run_info = {**strategy.describe(), "world_size": world, "precision": t.precision, "cuda_math": math_on,
-                "micro_batch_size": t.per_device_batch_size, "grad_accum": t.grad_accum,
-                "global_batch_size": global_batch, "train_examples": loaders.train_size,
-                "eval_examples": loaders.eval_size, "steps_per_epoch": loaders.steps_per_epoch,
-                "image_cache": cfg.data.image_cache,
-                "activation_checkpointing": t.activation_checkpointing,
-                **parameter_counts(strategy, frozen | strategy.user_frozen),
-                "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
-                # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
-                **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
-                "unlabelled_dropped": {"train": getattr(train_ds, "unlabelled", 0),
-                                       "validation": getattr(eval_ds, "unlabelled", 0)},
-                "data_source": getattr(train_ds, "source", None) or {"source": "workload"
-                                                                      if not predictable else "data_dir"},
-                "label_names": cfg.data.label_names,
-                "max_steps": t.max_steps, "resumed_with_changes": changed.changes if changed else [],
-                "ranks": rank_table, "strategy_settings": strategy.describe(),
-                "memory_prediction": (memory_prediction(cfg, world, vocab_size) if predictable else
-                                      {"note": f"not predicted: activations are measured for the built-in models, not {task} "
-                                               f"(shardtrain plan --workload counts its model states)"})
-                if dist_info.is_rank0 else {}}
+    run_info = {
+        **strategy.describe(),
+        "world_size": world,
+        "precision": t.precision,
+        "cuda_math": math_on,
+        "micro_batch_size": t.per_device_batch_size,
+        "grad_accum": t.grad_accum,
+        "global_batch_size": global_batch,
+        "train_examples": loaders.train_size,
+        "eval_examples": loaders.eval_size,
+        "steps_per_epoch": loaders.steps_per_epoch,
+        "image_cache": cfg.data.image_cache,
+        "activation_checkpointing": t.activation_checkpointing,
+        **parameter_counts(strategy, frozen | strategy.user_frozen),
+        "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
+        # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
+        **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
+        "unlabelled_dropped": {
+            "train": getattr(train_ds, "unlabelled", 0),
+            "validation": getattr(eval_ds, "unlabelled", 0),
+        },
+        "data_source": getattr(train_ds, "source", None) or {"source": "workload" if not predictable else "data_dir"},
+        "label_names": cfg.data.label_names,
+        "max_steps": t.max_steps,
+        "resumed_with_changes": changed.changes if changed else [],
+        "ranks": rank_table,
+        "strategy_settings": strategy.describe(),
+        "memory_prediction": (
+            memory_prediction(cfg, world, vocab_size)
+            if predictable
+            else {
+                "note": f"not predicted: activations are measured for the built-in models, not {task} "
+                f"(shardtrain plan --workload counts its model states)"
+            }
+        )
+        if dist_info.is_rank0
+        else {},
+    }
     for line in getattr(train_ds, "data_report_lines", None) or []:
         console.info(line)
     for split, ds in (("train", train_ds), ("validation", eval_ds)):
         if skipped(ds):
-            console.info(f"--skip-bad-samples: skipped {len(skipped(ds))} bad {split} records, "
-                         f"e.g. {skipped(ds)[0]} (shardtrain check-data lists them all)")
+            console.info(
+                f"--skip-bad-samples: skipped {len(skipped(ds))} bad {split} records, "
+                f"e.g. {skipped(ds)[0]} (shardtrain check-data lists them all)"
+            )
     # Prints the banner, opens the W&B run (continuing the checkpoint's one), starts the progress display.
-    tracker = Tracker(cfg, dist_info, console, out, step, run_info, state, model_factory, members.state(),
-                      members.change)
+    tracker = Tracker(
+        cfg, dist_info, console, out, step, run_info, state, model_factory, members.state(), members.change
+    )
     startup["banner"] = time.time()  # the memory prediction (run_info), the banner, W&B
 
     # ---- the training stream (dropout): seeded, or the checkpoint's restored, after everything that builds or
@@ -174,8 +204,14 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     mem = MemoryMonitor(strategy, dist_info, every=t.memory_every)
     oom = OOMRecovery(cfg, strategy, loaders.train, dist_info, console)
     # A fresh run's first step follows no update: a non-finite loss there is the workload's, not training's.
-    health = BadStepPolicy(t.nan_policy, t.max_bad_steps, console, dist_info.is_rank0,
-                           first_step=1 if step == 0 else None, loss_method=f"{task}.loss")
+    health = BadStepPolicy(
+        t.nan_policy,
+        t.max_bad_steps,
+        console,
+        dist_info.is_rank0,
+        first_step=1 if step == 0 else None,
+        loss_method=f"{task}.loss",
+    )
     eval_result: dict = {}
     preempted = False
     batch = None
@@ -217,8 +253,16 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
         # rank's share; the strategy clips with it), and whether any rank saw a non-finite loss, ran out of
         # memory or was signalled to stop. Every rank then decides alike.
         # It also tells whether every rank's background checkpoint write (--async-save) is on disk: then it commits.
-        agreed = agree(loss_sum, t.grad_accum, stop.raised, oom.hit, dist_info, strategy.grad_norm_share(),
-                       writing=saves.writing(), write_failed=saves.write_failed())
+        agreed = agree(
+            loss_sum,
+            t.grad_accum,
+            stop.raised,
+            oom.hit,
+            dist_info,
+            strategy.grad_norm_share(),
+            writing=saves.writing(),
+            write_failed=saves.write_failed(),
+        )
         saves.agreed(agreed.writing, agreed.write_failed)
         if oom.recover(agreed.oom_ranks, step + 1):
             continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
@@ -231,12 +275,19 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
 
         seconds = now() - t0
         throughput.add(global_batch, seconds)
-        record = {"step": step, "loss": agreed.loss_mean, "lr": strategy.optimizer.param_groups[0]["lr"],
-                  "grad_norm": grad_norm, "samples_per_sec": global_batch / seconds,
-                  "step_seconds": seconds, **health.counts(), "epoch": loaders.train.epoch,
-                  # Wall clock at the same point of every step: lets tools (benchmarks/overhead.py) time the
-                  # whole loop period, logging and metrics writes included, which step_seconds leaves out.
-                  "wall_time": time.time()}
+        record = {
+            "step": step,
+            "loss": agreed.loss_mean,
+            "lr": strategy.optimizer.param_groups[0]["lr"],
+            "grad_norm": grad_norm,
+            "samples_per_sec": global_batch / seconds,
+            "step_seconds": seconds,
+            **health.counts(),
+            "epoch": loaders.train.epoch,
+            # Wall clock at the same point of every step: lets tools (benchmarks/overhead.py) time the
+            # whole loop period, logging and metrics writes included, which step_seconds leaves out.
+            "wall_time": time.time(),
+        }
         if mem_table is not None:
             record["mem"] = mem_table
         tracker.step(record, batch)  # metrics.jsonl, progress bar / log line, W&B
@@ -265,16 +316,29 @@ def train(cfg: Config, workload: Workload | None = None) -> dict:
     if not preempted:
         eval_result = evaluate(workload, strategy, loaders, dist_info, batch)
         tracker.evaluated(step, eval_result, final=True)
-    summary = {**run_info, "train_loss": tracker.metrics.losses() if dist_info.is_rank0 else [],
-               "eval": eval_result, "samples_per_sec": throughput.samples_per_sec,
-               "wall_seconds": now() - t_start, "final_step": step, **health.counts(), "preempted": preempted,
-               "stopped_by": stop.reason if preempted else None, "checkpoint_save_seconds": saves.blocking_seconds,
-               "checkpoint_write_seconds": saves.write_seconds,
-               "versions": library_versions(), "config": cfg.to_dict(),
-               "memory": {**mem.summary(), "construction": built.per_rank,
-                          "predicted": measured_shape_prediction(cfg, world, vocab_size, mem.last)
-                          if predictable else {}},
-               "oom_recovery": oom.summary(), "membership": members.changes, "startup": startup}
+    summary = {
+        **run_info,
+        "train_loss": tracker.metrics.losses() if dist_info.is_rank0 else [],
+        "eval": eval_result,
+        "samples_per_sec": throughput.samples_per_sec,
+        "wall_seconds": now() - t_start,
+        "final_step": step,
+        **health.counts(),
+        "preempted": preempted,
+        "stopped_by": stop.reason if preempted else None,
+        "checkpoint_save_seconds": saves.blocking_seconds,
+        "checkpoint_write_seconds": saves.write_seconds,
+        "versions": library_versions(),
+        "config": cfg.to_dict(),
+        "memory": {
+            **mem.summary(),
+            "construction": built.per_rank,
+            "predicted": measured_shape_prediction(cfg, world, vocab_size, mem.last) if predictable else {},
+        },
+        "oom_recovery": oom.summary(),
+        "membership": members.changes,
+        "startup": startup,
+    }
     if mem.last:
         console.info(format_table(mem.last, mem.last_step, summary["memory"]["predicted"]))
     final_model = None
@@ -289,6 +353,7 @@ def make_model_factory(workload: Workload, seed: int, device: torch.device, star
     from `seed` (identical initial weights on every rank and strategy, however often a strategy builds) and
     runs aside, so no build, before the run or during it (DeepSpeed's rebuild at unfreeze_at_step, the FLOP
     count's meta copy), moves the training stream."""
+
     def factory(on_meta: bool = False, load_weights: bool = True):
         workload.loads_weights = load_weights and not on_meta
         t_build = time.time()
@@ -302,6 +367,7 @@ def make_model_factory(workload: Workload, seed: int, device: torch.device, star
             workload.loads_weights = True
             if not on_meta:
                 startup.setdefault("model_build_seconds", time.time() - t_build)
+
     return factory
 
 

@@ -17,6 +17,7 @@ Record layout (metrics.jsonl `mem`, summary.json `memory.per_rank`): {rank: {key
   batch                                        that micro-batch's [size, tokens] (padding is per batch)
   {phase}/allocated, {phase}/peak, {phase}/reserved   CUDA only; phase in PHASES, peak since the step began
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,7 +32,7 @@ from shardtrain.data.batches import top_tensor
 CATEGORIES = ("params", "grads", "optimizer", "buffers", "comm")
 MODEL_STATE = ("params", "grads", "optimizer")
 PHASES = ("before_forward", "after_forward", "after_backward", "after_step")
-MIB = 1024 ** 2
+MIB = 1024**2
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -141,7 +142,7 @@ class MemoryMonitor:
         self.cuda = dist_info.device.type == "cuda"
         self.measuring = False
         self.local: dict = {}
-        self.last: dict = {}       # {rank: {...}} of the latest measured step, on rank 0
+        self.last: dict = {}  # {rank: {...}} of the latest measured step, on rank 0
         self.last_step = 0
 
     def wants(self, step: int) -> bool:
@@ -217,13 +218,20 @@ def format_table(per_rank: dict, step: int, predicted: dict | None = None) -> st
         if f"{cols[0]}_gib" not in pred:
             lines.append(f"{'plan ' + rank:>6} {pred.get('note', 'no prediction')}")
             continue
-        lines.append(f"{'plan ' + rank:>6} " + "".join(f"{pred[f'{c}_gib'] * 1024:13.2f}" if f"{c}_gib" in pred else f"{'-':>13}"
-                                             for c in cols) + f"  (at {pred['batch']})")
+        lines.append(
+            f"{'plan ' + rank:>6} "
+            + "".join(f"{pred[f'{c}_gib'] * 1024:13.2f}" if f"{c}_gib" in pred else f"{'-':>13}" for c in cols)
+            + f"  (at {pred['batch']})"
+        )
     cuda = [p for p in PHASES if f"{p}/peak" in next(iter(per_rank.values()), {})]
     if cuda:
-        lines.append("  CUDA peak since step start (MiB): " + " | ".join(
-            f"rank {r}: " + ", ".join(f"{p} {per_rank[r][f'{p}/peak'] / MIB:.0f}" for p in cuda)
-            for r in sorted(per_rank, key=int)))
+        lines.append(
+            "  CUDA peak since step start (MiB): "
+            + " | ".join(
+                f"rank {r}: " + ", ".join(f"{p} {per_rank[r][f'{p}/peak'] / MIB:.0f}" for p in cuda)
+                for r in sorted(per_rank, key=int)
+            )
+        )
     return "\n".join(lines)
 
 

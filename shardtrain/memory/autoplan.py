@@ -5,6 +5,7 @@ The memory is the GPU's (its total, from the driver) or `--memory-budget-gb`, wh
 CPU so that the choice can be tested there. Rank 0 plans (the activation measurement builds small models)
 and every rank adopts its choice, so all ranks build the same strategy.
 """
+
 from __future__ import annotations
 
 import torch
@@ -19,8 +20,10 @@ def capacity_bytes(cfg: Config, dist_info: DistInfo) -> float:
         return cfg.parallel.memory_budget_gb * GIB
     if dist_info.device.type == "cuda":
         return float(torch.cuda.get_device_properties(dist_info.device).total_memory)
-    raise ConfigError(f"--strategy auto on {dist_info.device.type} needs {where('memory_budget_gb')}: "
-                      f"there is no device memory to plan for")
+    raise ConfigError(
+        f"--strategy auto on {dist_info.device.type} needs {where('memory_budget_gb')}: "
+        f"there is no device memory to plan for"
+    )
 
 
 def choose(cfg: Config, dist_info: DistInfo) -> dict:
@@ -30,19 +33,32 @@ def choose(cfg: Config, dist_info: DistInfo) -> dict:
     p = plan(cfg, dist_info.world_size, capacity, bf16_ok=bf16_ok, cuda=dist_info.device.type == "cuda")
     rec = p["recommendation"]
     if rec is None:
-        raise ConfigError(f"--strategy auto: nothing fits in {capacity / GIB:.1f} GiB per rank even at micro-batch 1 "
-                          f"(shardtrain plan shows every option); use more ranks or a larger {where('memory_budget_gb')}")
+        raise ConfigError(
+            f"--strategy auto: nothing fits in {capacity / GIB:.1f} GiB per rank even at micro-batch 1 "
+            f"(shardtrain plan shows every option); use more ranks or a larger {where('memory_budget_gb')}"
+        )
     strategy, path, _, _ = VARIANTS[rec["variant"]]
-    rejected = sorted({r["variant"] for r in p["rows"] if not r["fits"]
-                       and r["micro_batch_size"] == rec["micro_batch_size"]} - {rec["variant"]})
-    why = (f"fastest of the options that fit {capacity / GIB:.2f} GiB per rank: predicted "
-           f"{rec['total_bytes'] / GIB:.2f} GiB (model states "
-           f"{(rec['gpu_bytes']['params'] + rec['gpu_bytes']['grads'] + rec['gpu_bytes']['optimizer']) / GIB:.2f}, "
-           f"activations {rec['gpu_bytes']['activations'] / GIB:.2f})"
-           + (f"; too big: {', '.join(rejected)}" if rejected else "") + (f"; {p['note']}" if p["note"] else ""))
-    return {"variant": rec["variant"], "strategy": strategy, "path": str(REPO / path) if path else None,
-            "activation_checkpointing": rec["activation_checkpointing"], "micro": rec["micro_batch_size"],
-            "accum": rec["grad_accum"], "why": why}
+    rejected = sorted(
+        {r["variant"] for r in p["rows"] if not r["fits"] and r["micro_batch_size"] == rec["micro_batch_size"]}
+        - {rec["variant"]}
+    )
+    why = (
+        f"fastest of the options that fit {capacity / GIB:.2f} GiB per rank: predicted "
+        f"{rec['total_bytes'] / GIB:.2f} GiB (model states "
+        f"{(rec['gpu_bytes']['params'] + rec['gpu_bytes']['grads'] + rec['gpu_bytes']['optimizer']) / GIB:.2f}, "
+        f"activations {rec['gpu_bytes']['activations'] / GIB:.2f})"
+        + (f"; too big: {', '.join(rejected)}" if rejected else "")
+        + (f"; {p['note']}" if p["note"] else "")
+    )
+    return {
+        "variant": rec["variant"],
+        "strategy": strategy,
+        "path": str(REPO / path) if path else None,
+        "activation_checkpointing": rec["activation_checkpointing"],
+        "micro": rec["micro_batch_size"],
+        "accum": rec["grad_accum"],
+        "why": why,
+    }
 
 
 def resolve_auto_strategy(cfg: Config, dist_info: DistInfo) -> str | None:
@@ -67,6 +83,8 @@ def resolve_auto_strategy(cfg: Config, dist_info: DistInfo) -> str | None:
         p.fsdp_policy = choice["path"]
     t.activation_checkpointing = choice["activation_checkpointing"]
     t.per_device_batch_size, t.grad_accum = choice["micro"], choice["accum"]
-    return (f"--strategy auto: {choice['variant']}, activation checkpointing "
-            f"{'on' if choice['activation_checkpointing'] else 'off'}, micro-batch {choice['micro']} x accum "
-            f"{choice['accum']}: {choice['why']}")
+    return (
+        f"--strategy auto: {choice['variant']}, activation checkpointing "
+        f"{'on' if choice['activation_checkpointing'] else 'off'}, micro-batch {choice['micro']} x accum "
+        f"{choice['accum']}: {choice['why']}"
+    )

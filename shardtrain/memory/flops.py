@@ -3,6 +3,7 @@
 MFU = (FLOPs per sample x samples/s per GPU) / peak FLOPs of that GPU at the training dtype.
 On CPU there is no meaningful peak, so no MFU is reported there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,9 +48,12 @@ def counted_train_flops(model_factory, batch: dict, trainable_params: int) -> tu
         one = {k: v[:1] for k, v in batch.items()}
         model = model_factory(on_meta=True).eval()  # one sample: train-mode BatchNorm refuses a 1x1 map
         from shardtrain.workloads.base import model_inputs
+
         one = model_inputs(model, one)
-        inputs = {k: torch.empty_like(v, device="meta") if v.is_floating_point()
-                  else torch.zeros_like(v, device="meta") for k, v in one.items()}
+        inputs = {
+            k: torch.empty_like(v, device="meta") if v.is_floating_point() else torch.zeros_like(v, device="meta")
+            for k, v in one.items()
+        }
         if "attention_mask" in inputs:
             # No mask, the same FLOPs: HF's mask helpers read the mask's values (is it all ones?), which a
             # meta tensor does not have, and the count would fall back to the rough estimate below.

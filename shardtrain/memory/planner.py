@@ -16,8 +16,8 @@ printed beside ours: baseline (2+2+K)Ψ, stage 2 2Ψ+(2+K)Ψ/N, stage 3 (4+K)Ψ/
 estimator uses 2Ψ+18Ψ/N.
 
 Activations come from a measurement: the real architecture with 1 and 2 encoder layers, forward + loss on CPU
-under saved-tensor hooks (shardtrain.memory.accounting.SavedActivations), batch 2 at three sequence lengths and batch 4 at
-the shortest. What is saved is a part per sample plus a part per forward that no batch size changes: under
+under saved-tensor hooks (shardtrain.memory.accounting.SavedActivations), batch 2 at three sequence lengths and
+batch 4 at the shortest. What is saved is a part per sample plus a part per forward that no batch size changes: under
 autocast the low-precision copy of every weight a matmul or convolution used (autocast casts each weight once
 per forward and backward needs it: 2 bytes per such parameter, ~10 MiB of the tiny multimodal model's ~12 at
 bf16 micro-batch 8), and per-channel BatchNorm statistics. Batch 2 against batch 4 separates the two (the
@@ -35,17 +35,16 @@ the same (an upper bound by those copies).
 The model is counted with the vocabulary the run's tokenizer will have (shardtrain.data.tokenizer.
 planned_vocab_size); the banner passes the run's own tokenizer length.
 """
+
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-GIB = 1024 ** 3
+GIB = 1024**3
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -57,12 +56,23 @@ class GPU:
 
 
 GPUS = {
-    "a100-40gb": GPU("A100 40GB", 40.0, True), "a100-80gb": GPU("A100 80GB", 80.0, True),
-    "v100-16gb": GPU("V100 16GB", 16.0, False), "v100-32gb": GPU("V100 32GB", 32.0, False),
-    "h100-80gb": GPU("H100 80GB", 80.0, True), "h200-141gb": GPU("H200 141GB", 141.0, True),
+    "a100-40gb": GPU("A100 40GB", 40.0, True),
+    "a100-80gb": GPU("A100 80GB", 80.0, True),
+    "v100-16gb": GPU("V100 16GB", 16.0, False),
+    "v100-32gb": GPU("V100 32GB", 32.0, False),
+    "h100-80gb": GPU("H100 80GB", 80.0, True),
+    "h200-141gb": GPU("H200 141GB", 141.0, True),
 }
-GPU_ALIASES = {"a100": "a100-40gb", "a100-40": "a100-40gb", "a100-80": "a100-80gb", "v100": "v100-16gb",
-               "v100-16": "v100-16gb", "v100-32": "v100-32gb", "h100": "h100-80gb", "h200": "h200-141gb"}
+GPU_ALIASES = {
+    "a100": "a100-40gb",
+    "a100-40": "a100-40gb",
+    "a100-80": "a100-80gb",
+    "v100": "v100-16gb",
+    "v100-16": "v100-16gb",
+    "v100-32": "v100-32gb",
+    "h100": "h100-80gb",
+    "h200": "h200-141gb",
+}
 # Resident outside the allocator's view: the CUDA context and kernels (~0.3-0.5 GiB on A100/H100).
 CUDA_CONTEXT = 0.5 * GIB
 # Below this much free memory a run fits on paper but fragments into an OOM.
@@ -88,10 +98,10 @@ RECOMPUTE_COST = 1.33  # one more forward per step: ~1/3 of forward + backward
 @dataclass
 class ModelCount:
     params: int
-    largest_unit: int     # parameters of the biggest wrapped block / layer (gathered whole at a time)
-    small_params: int     # parameters in tensors below ZeRO-3's persistence threshold (kept whole)
+    largest_unit: int  # parameters of the biggest wrapped block / layer (gathered whole at a time)
+    small_params: int  # parameters in tensors below ZeRO-3's persistence threshold (kept whole)
     buffer_bytes: int
-    layers: int           # repeated text encoder layers
+    layers: int  # repeated text encoder layers
     # Parameters frozen for the whole run (freeze_layers without unfreeze_at_step, and whatever the model is built
     # frozen with): no gradient and no optimizer state under any strategy. freeze_layers' with unfreeze_at_step
     # get both before the end, so they count in full.
@@ -144,20 +154,25 @@ def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | Non
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, blocks)]
     params = [p.numel() for p in model.parameters()]
     text_cfg = text_config_for(cfg.model, cfg.data, vocab_size)
-    frozen = set(model.freezable_parameter_names(cfg.model.freeze_layers)) \
-        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None else set()
-    return ModelCount(params=sum(params), largest_unit=max(units, default=max(params)),
-                      small_params=sum(n for n in params if n < persistence_threshold),
-                      buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-                      layers=text_cfg.num_hidden_layers,
-                      frozen=_frozen_count(model, frozen))
+    frozen = (
+        set(model.freezable_parameter_names(cfg.model.freeze_layers))
+        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None
+        else set()
+    )
+    return ModelCount(
+        params=sum(params),
+        largest_unit=max(units, default=max(params)),
+        small_params=sum(n for n in params if n < persistence_threshold),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        layers=text_cfg.num_hidden_layers,
+        frozen=_frozen_count(model, frozen),
+    )
 
 
 def _frozen_count(model, freeze_layers_names: set[str]) -> int:
     """Parameters frozen for the whole run: those of freeze_layers (when nothing unfreezes them) and those
     the model is built frozen with (requires_grad False), which no strategy trains (strategies/base.py)."""
-    return sum(p.numel() for name, p in model.named_parameters()
-               if name in freeze_layers_names or not p.requires_grad)
+    return sum(p.numel() for name, p in model.named_parameters() if name in freeze_layers_names or not p.requires_grad)
 
 
 # ---- activations, measured at small shapes -------------------------------------------------------------------
@@ -167,8 +182,9 @@ def _with_layers(cfg, n: int):
     return c
 
 
-def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int = 2,
-                 gathered_16bit: bool = False) -> int:
+def _saved_bytes(
+    cfg, seq_len: int, recompute: bool, precision: str, batch: int = 2, gathered_16bit: bool = False
+) -> int:
     """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
     train mode rejects one value per channel, which a small image pooled to 1x1 would give).
     `gathered_16bit`: FSDP's 16-bit all-gathers (strategies/fsdp.py mixed_precision_policy): the weights arrive
@@ -182,8 +198,7 @@ def _saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int 
         return _measure_saved_bytes(cfg, seq_len, recompute, precision, batch, gathered_16bit)
 
 
-def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int,
-                         gathered_16bit: bool) -> int:
+def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int, gathered_16bit: bool) -> int:
     import torch
     import torch.nn.functional as F
 
@@ -202,16 +217,17 @@ def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, bat
                 m.register_forward_pre_hook(lambda mod, args: tuple(a.float() for a in args))
                 m.register_forward_hook(lambda mod, args, out: out.to(low))
             else:
-                for name, p in m.named_parameters(recurse=False):
+                for _name, p in m.named_parameters(recurse=False):
                     p.data = p.data.to(low)
     vocab = model.text_cfg.vocab_size
-    inputs = {"input_ids": torch.randint(3, vocab, (batch, seq_len)),
-              "attention_mask": torch.ones(batch, seq_len, dtype=torch.long)}
+    inputs = {
+        "input_ids": torch.randint(3, vocab, (batch, seq_len)),
+        "attention_mask": torch.ones(batch, seq_len, dtype=torch.long),
+    }
     if "pixel_values" in model.batch_keys:
         size = cfg.data.image_size
         inputs["pixel_values"] = torch.randn(batch, 3, size, size)
-    amp = (torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32"
-           else torch.autocast("cpu", enabled=False))
+    amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32" else torch.autocast("cpu", enabled=False)
     # Forward + loss only: what is saved for backward is known once the forward is done, and no backward runs
     # (the hooks hold the saved tensors, not the graph, so dropping the outputs releases them).
     with SavedActivations(backward=False) as saved, amp:
@@ -228,8 +244,12 @@ def _fit_quadratic(xs: list[int], ys: list[float]):
     (x0, x1, x2), (y0, y1, y2) = xs, ys
 
     def f(x):
-        return (y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2)) + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
-                + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1)))
+        return (
+            y0 * (x - x1) * (x - x2) / ((x0 - x1) * (x0 - x2))
+            + y1 * (x - x0) * (x - x2) / ((x1 - x0) * (x1 - x2))
+            + y2 * (x - x0) * (x - x1) / ((x2 - x0) * (x2 - x1))
+        )
+
     return f
 
 
@@ -253,8 +273,9 @@ def sample_lengths(cfg, seq_len: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=32)
-def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: tuple[int, ...],
-                      gathered_16bit: bool = False):
+def _activation_model(
+    cfg_json: str, recompute: bool, precision: str, lengths: tuple[int, ...], gathered_16bit: bool = False
+):
     """(per-sample bytes outside the layers, per-sample bytes per layer) as functions of the length, and the
     per-forward bytes (weight copies, BatchNorm statistics) outside the layers and per layer."""
     from shardtrain.config.settings import from_dict
@@ -264,8 +285,9 @@ def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: t
     for n in (1, 2):
         c = _with_layers(cfg, n)
         at2 = [_saved_bytes(c, length, recompute, precision, gathered_16bit=gathered_16bit) for length in lengths]
-        per_forward[n] = max(0, 2 * at2[0] - _saved_bytes(c, lengths[0], recompute, precision, batch=4,
-                                                          gathered_16bit=gathered_16bit))
+        per_forward[n] = max(
+            0, 2 * at2[0] - _saved_bytes(c, lengths[0], recompute, precision, batch=4, gathered_16bit=gathered_16bit)
+        )
         per_sample[n] = [(b - per_forward[n]) / 2 for b in at2]
     per_layer = [b - a for a, b in zip(per_sample[1], per_sample[2])]
     fixed = [a - p for a, p in zip(per_sample[1], per_layer)]
@@ -274,8 +296,16 @@ def _activation_model(cfg_json: str, recompute: bool, precision: str, lengths: t
     return fit(list(lengths), fixed), fit(list(lengths), per_layer), per_forward[1] - layer_forward, layer_forward
 
 
-def activation_bytes(cfg, batch: int, seq_len: int, recompute: bool, precision: str, layers: int,
-                     planned_length: int | None = None, gathered_16bit: bool = False) -> dict:
+def activation_bytes(
+    cfg,
+    batch: int,
+    seq_len: int,
+    recompute: bool,
+    precision: str,
+    layers: int,
+    planned_length: int | None = None,
+    gathered_16bit: bool = False,
+) -> dict:
     """Predicted bytes saved for backward per micro-batch, and one layer's worth (the recompute working set).
     `planned_length`: the length the measurement is planned for (default seq_len); the end of a run evaluates
     the banner's fit (planned for max_length) at the length a batch really had."""
@@ -285,20 +315,23 @@ def activation_bytes(cfg, batch: int, seq_len: int, recompute: bool, precision: 
     d = cfg.to_dict()
     cfg_json = json.dumps({k: v for k, v in d.items() if k in ("model", "data")}, sort_keys=True)
     lengths = tuple(sample_lengths(cfg, planned_length or seq_len))
-    fixed, per_layer, fixed_forward, layer_forward = _activation_model(cfg_json, recompute, precision, lengths,
-                                                                       gathered_16bit)
+    fixed, per_layer, fixed_forward, layer_forward = _activation_model(
+        cfg_json, recompute, precision, lengths, gathered_16bit
+    )
     _, per_layer_full, _, layer_forward_full = _activation_model(cfg_json, False, precision, lengths, gathered_16bit)
     total = batch * (fixed(seq_len) + layers * per_layer(seq_len)) + fixed_forward + layers * layer_forward
-    return {"saved": max(0.0, total),
-            "one_layer": max(0.0, batch * per_layer_full(seq_len) + layer_forward_full)}
+    return {"saved": max(0.0, total), "one_layer": max(0.0, batch * per_layer_full(seq_len) + layer_forward_full)}
 
 
 # ---- model states per variant --------------------------------------------------------------------------------
 def _ds_settings(path: str) -> dict:
     data = json.loads((REPO / path).read_text())
     z = data.get("zero_optimization", {})
-    return {"bucket": int(z.get("reduce_bucket_size", 5e8)), "prefetch": int(z.get("stage3_prefetch_bucket_size", 5e7)),
-            "persist": int(z.get("stage3_param_persistence_threshold", 1e5))}
+    return {
+        "bucket": int(z.get("reduce_bucket_size", 5e8)),
+        "prefetch": int(z.get("stage3_prefetch_bucket_size", 5e7)),
+        "persist": int(z.get("stage3_param_persistence_threshold", 1e5)),
+    }
 
 
 def gathers_16bit(variant: str, precision: str, policy_path: str | None = None) -> bool:
@@ -309,6 +342,7 @@ def gathers_16bit(variant: str, precision: str, policy_path: str | None = None) 
     if policy_path is None:
         return True
     from shardtrain.strategies.fsdp_policy import load_policy
+
     return load_policy(policy_path).mixed_precision
 
 
@@ -317,8 +351,8 @@ def model_states(variant: str, m: ModelCount, n: int, precision: str, gathered_1
     backward (what shardtrain.memory.accounting measures) plus the transient peak in `overhead`."""
     psi = m.params
     psi_t = m.params - m.frozen  # what gets gradients and optimizer state (strategies: frozen parameters get none)
-    lp = 2 if precision != "fp32" else 4       # bytes per 16-bit-or-fp32 weight where the backend keeps them so
-    native_fp16 = precision == "fp16"          # only DeepSpeed fp16 keeps 16-bit weights (others: autocast)
+    lp = 2 if precision != "fp32" else 4  # bytes per 16-bit-or-fp32 weight where the backend keeps them so
+    native_fp16 = precision == "fp16"  # only DeepSpeed fp16 keeps 16-bit weights (others: autocast)
     gpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "comm": 0.0, "overhead": 0.0}
     host = 0.0
     gathered = gathers_16bit(variant, precision) if gathered_16bit is None else gathered_16bit
@@ -377,8 +411,13 @@ def paper_formula(variant: str, psi: int, n: int) -> dict:
     """ZeRO paper model-state bytes (fp16 weights and grads, K=12) and DeepSpeed's estimator where it exists."""
     k = 12
     base = variant.split("_")[0]
-    paper = {"ddp": (2 + 2 + k) * psi, "zero2": 2 * psi + (2 + k) * psi / n, "fsdp_sgo": 2 * psi + (2 + k) * psi / n,
-             "zero3": (4 + k) * psi / n, "fsdp": (4 + k) * psi / n}.get(base if base != "fsdp" else variant.split("_offload")[0])
+    paper = {
+        "ddp": (2 + 2 + k) * psi,
+        "zero2": 2 * psi + (2 + k) * psi / n,
+        "fsdp_sgo": 2 * psi + (2 + k) * psi / n,
+        "zero3": (4 + k) * psi / n,
+        "fsdp": (4 + k) * psi / n,
+    }.get(base if base != "fsdp" else variant.split("_offload")[0])
     out = {"zero_paper": paper}
     if variant == "zero2":
         out["deepspeed_estimator"] = 2 * psi + 18 * psi / n
@@ -409,21 +448,38 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
         for variant, (_, _, cost, comm) in VARIANTS.items():
             states = model_states(variant, m, gpus, precision)
             for ac in (False, True):
-                act = activation_bytes(cfg, micro, cfg.data.max_length, ac, precision, m.layers,
-                                       gathered_16bit=gathers_16bit(variant, precision))
+                act = activation_bytes(
+                    cfg,
+                    micro,
+                    cfg.data.max_length,
+                    ac,
+                    precision,
+                    m.layers,
+                    gathered_16bit=gathers_16bit(variant, precision),
+                )
                 g = dict(states["gpu"])
                 g["activations"] = act["saved"]
                 g["overhead"] += context + act["one_layer"] * (1 if ac else 0.5)  # backward's working set
                 total = sum(g.values())
-                rows.append({"variant": variant, "activation_checkpointing": ac, "micro_batch_size": micro,
-                             "grad_accum": global_batch // (micro * gpus), "gpu_bytes": g, "total_bytes": total,
-                             "host_bytes_per_gpu": states["host"], "host_bytes_total": states["host"] * gpus,
-                             "save_host_bytes_per_gpu": save_host_bytes(variant, m, gpus, cfg.checkpoint.async_save),
-                             "headroom_bytes": capacity_bytes - total,
-                             "fits": total <= capacity_bytes * (1 - HEADROOM),
-                             "relative_cost": round(cost * (RECOMPUTE_COST if ac else 1.0), 3),
-                             "communication": comm, "recompute": "one extra forward per step" if ac else "none",
-                             **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None}})
+                rows.append(
+                    {
+                        "variant": variant,
+                        "activation_checkpointing": ac,
+                        "micro_batch_size": micro,
+                        "grad_accum": global_batch // (micro * gpus),
+                        "gpu_bytes": g,
+                        "total_bytes": total,
+                        "host_bytes_per_gpu": states["host"],
+                        "host_bytes_total": states["host"] * gpus,
+                        "save_host_bytes_per_gpu": save_host_bytes(variant, m, gpus, cfg.checkpoint.async_save),
+                        "headroom_bytes": capacity_bytes - total,
+                        "fits": total <= capacity_bytes * (1 - HEADROOM),
+                        "relative_cost": round(cost * (RECOMPUTE_COST if ac else 1.0), 3),
+                        "communication": comm,
+                        "recompute": "one extra forward per step" if ac else "none",
+                        **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None},
+                    }
+                )
         return rows
 
     micro = t.per_device_batch_size
@@ -439,10 +495,20 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
         note = f"nothing fits at micro-batch {t.per_device_batch_size}; keeps global batch {global_batch}"
     if fitting:
         recommendation = min(fitting, key=lambda r: (r["relative_cost"], r["total_bytes"]))
-    return {"model_params": m.params, "vocab_size": vocab, "vocab_source": vocab_source, "gpus": gpus,
-            "capacity_bytes": capacity_bytes, "precision": precision,
-            "seq_len": cfg.data.max_length, "micro_batch_size": t.per_device_batch_size,
-            "global_batch_size": global_batch, "rows": rows, "recommendation": recommendation, "note": note}
+    return {
+        "model_params": m.params,
+        "vocab_size": vocab,
+        "vocab_source": vocab_source,
+        "gpus": gpus,
+        "capacity_bytes": capacity_bytes,
+        "precision": precision,
+        "seq_len": cfg.data.max_length,
+        "micro_batch_size": t.per_device_batch_size,
+        "global_batch_size": global_batch,
+        "rows": rows,
+        "recommendation": recommendation,
+        "note": note,
+    }
 
 
 def variant_of(cfg) -> str:
@@ -467,19 +533,34 @@ def predict_run(cfg, world_size: int, vocab_size: int | None = None, batch_shape
     repeats it at `batch_shape`, the [micro-batch, tokens] a rank's memory was measured at, with the same fit."""
     m = count_model(cfg, vocab_size=vocab_size)
     variant = variant_of(cfg)
-    gathered = gathers_16bit(variant, cfg.train.precision,
-                             cfg.parallel.fsdp_policy if cfg.parallel.strategy == "fsdp" else None)
+    gathered = gathers_16bit(
+        variant, cfg.train.precision, cfg.parallel.fsdp_policy if cfg.parallel.strategy == "fsdp" else None
+    )
     s = model_states(variant, m, world_size, cfg.train.precision, gathered)
     batch, seq_len = batch_shape or (cfg.train.per_device_batch_size, cfg.data.max_length)
-    act = activation_bytes(cfg, batch, seq_len, cfg.train.activation_checkpointing, cfg.train.precision, m.layers,
-                           gathered_16bit=gathered,
-                           planned_length=cfg.data.max_length)
+    act = activation_bytes(
+        cfg,
+        batch,
+        seq_len,
+        cfg.train.activation_checkpointing,
+        cfg.train.precision,
+        m.layers,
+        gathered_16bit=gathered,
+        planned_length=cfg.data.max_length,
+    )
     g = s["gpu"]
-    return {"variant": variant, "parameters": m.params, "batch": f"{batch} x {seq_len} tokens",
-            "params_gib": g["params"] / GIB, "grads_gib": g["grads"] / GIB,
-            "optimizer_gib": g["optimizer"] / GIB, "activations_gib": act["saved"] / GIB,
-            "model_state_gib": (g["params"] + g["grads"] + g["optimizer"]) / GIB, "host_gib": s["host"] / GIB,
-            "save_host_gib": save_host_bytes(variant, m, world_size, cfg.checkpoint.async_save) / GIB}
+    return {
+        "variant": variant,
+        "parameters": m.params,
+        "batch": f"{batch} x {seq_len} tokens",
+        "params_gib": g["params"] / GIB,
+        "grads_gib": g["grads"] / GIB,
+        "optimizer_gib": g["optimizer"] / GIB,
+        "activations_gib": act["saved"] / GIB,
+        "model_state_gib": (g["params"] + g["grads"] + g["optimizer"]) / GIB,
+        "host_gib": s["host"] / GIB,
+        "save_host_gib": save_host_bytes(variant, m, world_size, cfg.checkpoint.async_save) / GIB,
+    }
 
 
 def memory_prediction(cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None) -> dict:
@@ -519,33 +600,47 @@ def _plan_table(p: dict, with_activations: bool) -> list[str]:
     columns += [("AC", "<", lambda r: "on" if r["activation_checkpointing"] else "off")] if act else []
     columns += [("params", ">", gpu("params")), ("grads", ">", gpu("grads")), ("optim", ">", gpu("optimizer"))]
     columns += [("activ", ">", gpu("activations"))] if act else []
-    columns += [("comm", ">", gpu("comm")), ("overh", ">", gpu("overhead")),
-                ("total" if act else "states", ">", lambda r: _gib(r[total])),
-                ("host/GPU", ">", lambda r: _gib(r["host_bytes_per_gpu"])),
-                ("save/GPU", ">", lambda r: _gib(r["save_host_bytes_per_gpu"])),
-                ("fits", "<", lambda r: "yes" if r[fits] else "NO"),
-                ("headroom", ">", lambda r: _gib(r["headroom_bytes"])),
-                ("cost", ">", lambda r: str(r["relative_cost"])),
-                ("paper", ">", lambda r: _gib(r["zero_paper"]) if "zero_paper" in r else "-")]
-    return format_table([name for name, _, _ in columns], [[cell(r) for _, _, cell in columns] for r in p["rows"]],
-                        "".join(align for _, align, _ in columns))
+    columns += [
+        ("comm", ">", gpu("comm")),
+        ("overh", ">", gpu("overhead")),
+        ("total" if act else "states", ">", lambda r: _gib(r[total])),
+        ("host/GPU", ">", lambda r: _gib(r["host_bytes_per_gpu"])),
+        ("save/GPU", ">", lambda r: _gib(r["save_host_bytes_per_gpu"])),
+        ("fits", "<", lambda r: "yes" if r[fits] else "NO"),
+        ("headroom", ">", lambda r: _gib(r["headroom_bytes"])),
+        ("cost", ">", lambda r: str(r["relative_cost"])),
+        ("paper", ">", lambda r: _gib(r["zero_paper"]) if "zero_paper" in r else "-"),
+    ]
+    return format_table(
+        [name for name, _, _ in columns],
+        [[cell(r) for _, _, cell in columns] for r in p["rows"]],
+        "".join(align for _, align, _ in columns),
+    )
 
 
 def format_plan(p: dict, gpu_name: str) -> str:
     vocab = f"vocabulary {p['vocab_size']:,}: {p['vocab_source']}" if p.get("vocab_size") else ""
-    lines = [f"plan: {p['model_params']:,} parameters{f' ({vocab})' if vocab else ''} on {p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), "
-             f"{p['precision']}, micro-batch {p['micro_batch_size']}, seq {p['seq_len']}, global batch "
-             f"{p['global_batch_size']}  (GiB per GPU)", *_plan_table(p, with_activations=True)]
+    lines = [
+        f"plan: {p['model_params']:,} parameters{f' ({vocab})' if vocab else ''} on {p['gpus']} x {gpu_name} "
+        f"({p['capacity_bytes'] / GIB:.0f} GiB), "
+        f"{p['precision']}, micro-batch {p['micro_batch_size']}, seq {p['seq_len']}, global batch "
+        f"{p['global_batch_size']}  (GiB per GPU)",
+        *_plan_table(p, with_activations=True),
+    ]
     rec = p["recommendation"]
     if rec:
-        lines.append(f"recommendation: {rec['variant']} with activation checkpointing "
-                     f"{'on' if rec['activation_checkpointing'] else 'off'}, micro-batch {rec['micro_batch_size']} x "
-                     f"accum {rec['grad_accum']} ({_gib(rec['total_bytes'])} GiB of {p['capacity_bytes'] / GIB:.0f})"
-                     + (f" -- {p['note']}" if p["note"] else ""))
+        lines.append(
+            f"recommendation: {rec['variant']} with activation checkpointing "
+            f"{'on' if rec['activation_checkpointing'] else 'off'}, micro-batch {rec['micro_batch_size']} x "
+            f"accum {rec['grad_accum']} ({_gib(rec['total_bytes'])} GiB of {p['capacity_bytes'] / GIB:.0f})"
+            + (f" -- {p['note']}" if p["note"] else "")
+        )
     else:
         lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
-    lines.append("cost: relative step time (heuristic ranking: communication, offload, recompute); paper: ZeRO "
-                 "paper model states (fp16 weights, K=12); save/GPU: host RAM a checkpoint save adds per GPU")
+    lines.append(
+        "cost: relative step time (heuristic ranking: communication, offload, recompute); paper: ZeRO "
+        "paper model states (fp16 weights, K=12); save/GPU: host RAM a checkpoint save adds per GPU"
+    )
     return "\n".join(lines)
 
 
@@ -567,17 +662,26 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's code; one line names the method
-        raise ConfigError(f"plan: {name}.build_model() failed on the meta device, where plan builds it to count "
-                          f"it without allocating: {type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+        raise ConfigError(
+            f"plan: {name}.build_model() failed on the meta device, where plan builds it to count "
+            f"it without allocating: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        ) from None
     blocks = resolve_block_classes(model, workload.block_classes(), f"{name}.block_classes()")
     units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if blocks and isinstance(m, blocks)]
     params = [p.numel() for p in model.parameters()]
-    frozen = set(workload.freezable_parameter_names(cfg.model.freeze_layers)) \
-        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None else set()
-    return ModelCount(params=sum(params), largest_unit=max(units, default=max(params, default=0)),
-                      small_params=sum(n for n in params if n < persistence_threshold),
-                      buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()), layers=0,
-                      frozen=_frozen_count(model, frozen)), name
+    frozen = (
+        set(workload.freezable_parameter_names(cfg.model.freeze_layers))
+        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None
+        else set()
+    )
+    return ModelCount(
+        params=sum(params),
+        largest_unit=max(units, default=max(params, default=0)),
+        small_params=sum(n for n in params if n < persistence_threshold),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        layers=0,
+        frozen=_frozen_count(model, frozen),
+    ), name
 
 
 def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool = True) -> dict:
@@ -592,24 +696,42 @@ def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, c
         g = {**states["gpu"], "activations": None}
         g["overhead"] += CUDA_CONTEXT if cuda else 0.0
         total = sum(v for v in g.values() if v is not None)
-        rows.append({"variant": variant, "gpu_bytes": g, "model_state_bytes": total,
-                     "host_bytes_per_gpu": states["host"], "headroom_bytes": capacity_bytes - total,
-                     "save_host_bytes_per_gpu": save_host_bytes(variant, m, gpus, cfg.checkpoint.async_save),
-                     "fits_before_activations": total <= capacity_bytes * (1 - HEADROOM),
-                     "relative_cost": cost, "communication": comm,
-                     **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None}})
-    return {"workload": name, "model_params": m.params, "frozen_params": m.frozen,
-            "largest_unit_params": m.largest_unit, "gpus": gpus, "capacity_bytes": capacity_bytes,
-            "precision": precision, "rows": rows, "recommendation": None,
-            "activations": f"not predicted for {name}: shardtrain measures activations on the built-in "
-                           f"architectures; the headroom column is what {name}'s activations may use"}
+        rows.append(
+            {
+                "variant": variant,
+                "gpu_bytes": g,
+                "model_state_bytes": total,
+                "host_bytes_per_gpu": states["host"],
+                "headroom_bytes": capacity_bytes - total,
+                "save_host_bytes_per_gpu": save_host_bytes(variant, m, gpus, cfg.checkpoint.async_save),
+                "fits_before_activations": total <= capacity_bytes * (1 - HEADROOM),
+                "relative_cost": cost,
+                "communication": comm,
+                **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None},
+            }
+        )
+    return {
+        "workload": name,
+        "model_params": m.params,
+        "frozen_params": m.frozen,
+        "largest_unit_params": m.largest_unit,
+        "gpus": gpus,
+        "capacity_bytes": capacity_bytes,
+        "precision": precision,
+        "rows": rows,
+        "recommendation": None,
+        "activations": f"not predicted for {name}: shardtrain measures activations on the built-in "
+        f"architectures; the headroom column is what {name}'s activations may use",
+    }
 
 
 def format_workload_plan(p: dict, gpu_name: str) -> str:
     frozen = f", {p['frozen_params']:,} of them frozen" if p.get("frozen_params") else ""
-    lines = [f"plan: {p['workload']}, {p['model_params']:,} parameters{frozen} (largest block "
-             f"{p['largest_unit_params']:,}) on "
-             f"{p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), {p['precision']}  (GiB per GPU)",
-             *_plan_table(p, with_activations=False)]
+    lines = [
+        f"plan: {p['workload']}, {p['model_params']:,} parameters{frozen} (largest block "
+        f"{p['largest_unit_params']:,}) on "
+        f"{p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), {p['precision']}  (GiB per GPU)",
+        *_plan_table(p, with_activations=False),
+    ]
     lines.append(f"activations: {p['activations']}; no recommendation without them (fits: model states only)")
     return "\n".join(lines)

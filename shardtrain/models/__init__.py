@@ -4,6 +4,7 @@ and their inverse for exports (`build_model(mcfg, dcfg, vocab_size)`).
 Every model is an nn.Module with forward(input_ids, attention_mask, pixel_values=None) -> logits,
 block_classes(), freezable_parameter_names(n), export_config() and batch_keys (docs/ARCHITECTURE.md).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,11 +14,19 @@ from torch import nn
 from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig
 from shardtrain.models.archs import KNOWN_TEXT_ARCHS, text_config_for
 
-__all__ = ["build_model", "uses_batchnorm", "build_model_from_export", "batchnorm_modules", "text_config_for", "KNOWN_TEXT_ARCHS"]
+__all__ = [
+    "build_model",
+    "uses_batchnorm",
+    "build_model_from_export",
+    "batchnorm_modules",
+    "text_config_for",
+    "KNOWN_TEXT_ARCHS",
+]
 
 
-def build_model(mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None = None,
-                load_weights: bool = True) -> nn.Module:
+def build_model(
+    mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None = None, load_weights: bool = True
+) -> nn.Module:
     """`load_weights=False` gives the same architecture (hub config included) with nothing loaded:
     what ranks that receive their weights from rank 0 build, usually on the meta device."""
     text_cfg = text_config_for(mcfg, dcfg, vocab_size)
@@ -25,8 +34,10 @@ def build_model(mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None = No
         mcfg = dataclasses.replace(mcfg, pretrained=False, image_weights=None)
     if mcfg.name == "longformer":
         from shardtrain.models.longformer import LongformerClassifier
+
         return LongformerClassifier(mcfg, text_cfg)
     from shardtrain.models.multimodal import MultimodalClassifier
+
     return MultimodalClassifier(mcfg, text_cfg)
 
 

@@ -1,4 +1,5 @@
 """Longformer for long-document classification: HF's classifier, wrapped to the ShardtrainModel contract."""
+
 from __future__ import annotations
 
 import torch
@@ -28,8 +29,7 @@ class LongformerClassifier(nn.Module):
         # HF pads the inputs to a multiple of the attention window itself.
         global_mask = torch.zeros_like(input_ids)
         global_mask[:, 0] = 1
-        return self.hf(input_ids=input_ids, attention_mask=attention_mask,
-                       global_attention_mask=global_mask).logits
+        return self.hf(input_ids=input_ids, attention_mask=attention_mask, global_attention_mask=global_mask).logits
 
     def block_classes(self) -> tuple[type[nn.Module], ...]:
         return present_classes(self, (LongformerLayer,))
@@ -43,11 +43,21 @@ class LongformerClassifier(nn.Module):
 
     def export_config(self) -> dict:
         m = self.mcfg
-        return {"name": "longformer", "text_model": m.text_model, "text_config": self.text_cfg.to_dict(),
-                "dropout": m.dropout, "num_labels": m.num_labels}
+        return {
+            "name": "longformer",
+            "text_model": m.text_model,
+            "text_config": self.text_cfg.to_dict(),
+            "dropout": m.dropout,
+            "num_labels": m.num_labels,
+        }
 
 
 def rebuild(d: dict) -> LongformerClassifier:
-    mcfg = ModelConfig(name="longformer", text_model=d["text_model"], pretrained=False, dropout=d["dropout"],
-                       num_labels=d["num_labels"])
+    mcfg = ModelConfig(
+        name="longformer",
+        text_model=d["text_model"],
+        pretrained=False,
+        dropout=d["dropout"],
+        num_labels=d["num_labels"],
+    )
     return LongformerClassifier(mcfg, config_from_dict(d["text_config"]))

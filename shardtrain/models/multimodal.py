@@ -1,4 +1,5 @@
 """RoBERTa text encoder + torchvision image encoder + a small fusion head."""
+
 from __future__ import annotations
 
 import math
@@ -25,7 +26,9 @@ IMAGE_ARCHS = {
 }
 HEAD_PREFIXES = ("fc.", "classifier.")  # the ImageNet classifier we replace, so its weights may be missing
 # torchvision's DenseNet checkpoints use old names ("norm.1"); torchvision remaps them the same way.
-_LEGACY_DENSENET = re.compile(r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$")
+_LEGACY_DENSENET = re.compile(
+    r"^(.*denselayer\d+\.(?:norm|relu|conv))\.((?:[12])\.(?:weight|bias|running_mean|running_var))$"
+)
 
 
 def _load_weights_file(path: str) -> dict:
@@ -34,6 +37,7 @@ def _load_weights_file(path: str) -> dict:
         raise ConfigError(f"{where('image_weights')}: file not found: {path}")
     if p.suffix == ".safetensors":
         from safetensors.torch import load_file
+
         sd = load_file(str(p))
     else:
         sd = torch.load(p, map_location="cpu", weights_only=True)
@@ -62,20 +66,26 @@ def build_image_encoder(mcfg: ModelConfig) -> tuple[nn.Module, int]:
                 sd = torchvision.models.get_model_weights(mcfg.image_model)[w].get_state_dict(progress=False)
             except KeyError:
                 names = [e.name for e in torchvision.models.get_model_weights(mcfg.image_model)]
-                raise ConfigError(f"{where('image_weights')}: '{w}' is neither a file nor a {mcfg.image_model} "
-                                  f"weights name ({', '.join(names)})") from None
+                raise ConfigError(
+                    f"{where('image_weights')}: '{w}' is neither a file nor a {mcfg.image_model} "
+                    f"weights name ({', '.join(names)})"
+                ) from None
             sd = {_LEGACY_DENSENET.sub(r"\1\2", k): v for k, v in sd.items()}
         sd = {k: v for k, v in sd.items() if not k.startswith(HEAD_PREFIXES)}
         try:
             missing, unexpected = net.load_state_dict(sd, strict=False)
         except RuntimeError as e:  # shape mismatches: weights of another architecture / image_config
-            raise ConfigError(f"{where('image_weights')}: {w} does not fit {mcfg.image_model} "
-                              f"{mcfg.image_config or ''}: {' '.join(str(e).split())[:400]}") from None
+            raise ConfigError(
+                f"{where('image_weights')}: {w} does not fit {mcfg.image_model} "
+                f"{mcfg.image_config or ''}: {' '.join(str(e).split())[:400]}"
+            ) from None
         missing = [k for k in missing if not k.startswith(HEAD_PREFIXES)]
         if missing or unexpected:
-            raise ConfigError(f"{where('image_weights')}: {w} does not fit {mcfg.image_model}: "
-                              f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                              f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+            raise ConfigError(
+                f"{where('image_weights')}: {w} does not fit {mcfg.image_model}: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
 
     head = "fc" if isinstance(net, ResNet) else "classifier"
     dim = getattr(net, head).in_features
@@ -88,8 +98,9 @@ class FusionHead(nn.Module):
         super().__init__()
         self.kind = kind
         if kind == "concat":
-            self.mlp = nn.Sequential(nn.Linear(text_dim + img_dim, hidden), nn.GELU(), nn.Dropout(dropout),
-                                     nn.Linear(hidden, num_labels))
+            self.mlp = nn.Sequential(
+                nn.Linear(text_dim + img_dim, hidden), nn.GELU(), nn.Dropout(dropout), nn.Linear(hidden, num_labels)
+            )
         else:  # gated: a per-feature learned mix, so either modality can dominate per example
             self.text_proj = nn.Linear(text_dim, hidden)
             self.image_proj = nn.Linear(img_dim, hidden)
@@ -111,14 +122,16 @@ class MultimodalClassifier(nn.Module):
         super().__init__()
         self.mcfg, self.text_cfg = mcfg, text_cfg
         if mcfg.pretrained:
-            self.text = load_pretrained(RobertaModel, mcfg.text_model, text_cfg, add_pooling_layer=False,
-                                        attn_implementation=mcfg.attention)
+            self.text = load_pretrained(
+                RobertaModel, mcfg.text_model, text_cfg, add_pooling_layer=False, attn_implementation=mcfg.attention
+            )
         else:
             text_cfg._attn_implementation = mcfg.attention
             self.text = RobertaModel(text_cfg, add_pooling_layer=False)
         self.image, img_dim = build_image_encoder(mcfg)
-        self.head = FusionHead(mcfg.fusion, text_cfg.hidden_size, img_dim, mcfg.fusion_hidden,
-                               mcfg.num_labels, mcfg.dropout)
+        self.head = FusionHead(
+            mcfg.fusion, text_cfg.hidden_size, img_dim, mcfg.fusion_hidden, mcfg.num_labels, mcfg.dropout
+        )
 
     def forward(self, input_ids, attention_mask, pixel_values=None):
         if pixel_values is None:
@@ -157,9 +170,17 @@ class MultimodalClassifier(nn.Module):
 
     def export_config(self) -> dict:
         m = self.mcfg
-        return {"name": "multimodal", "text_model": m.text_model, "text_config": self.text_cfg.to_dict(),
-                "image_model": m.image_model, "image_config": _plain(m.image_config), "fusion": m.fusion,
-                "fusion_hidden": m.fusion_hidden, "dropout": m.dropout, "num_labels": m.num_labels}
+        return {
+            "name": "multimodal",
+            "text_model": m.text_model,
+            "text_config": self.text_cfg.to_dict(),
+            "image_model": m.image_model,
+            "image_config": _plain(m.image_config),
+            "fusion": m.fusion,
+            "fusion_hidden": m.fusion_hidden,
+            "dropout": m.dropout,
+            "num_labels": m.num_labels,
+        }
 
 
 def _plain(d: dict) -> dict:
@@ -178,7 +199,15 @@ def present_classes(model: nn.Module, candidates: tuple[type, ...]) -> tuple[typ
 
 
 def rebuild(d: dict) -> MultimodalClassifier:
-    mcfg = ModelConfig(name="multimodal", text_model=d["text_model"], pretrained=False,
-                       image_model=d["image_model"], image_config=dict(d["image_config"]), fusion=d["fusion"],
-                       fusion_hidden=d["fusion_hidden"], dropout=d["dropout"], num_labels=d["num_labels"])
+    mcfg = ModelConfig(
+        name="multimodal",
+        text_model=d["text_model"],
+        pretrained=False,
+        image_model=d["image_model"],
+        image_config=dict(d["image_config"]),
+        fusion=d["fusion"],
+        fusion_hidden=d["fusion_hidden"],
+        dropout=d["dropout"],
+        num_labels=d["num_labels"],
+    )
     return MultimodalClassifier(mcfg, config_from_dict(d["text_config"]))

@@ -3,6 +3,7 @@
 Built once on rank 0 from the run-info dict train.py assembles (the same dict goes into
 summary.json under `run`), so the log and the summary never disagree.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,43 +28,66 @@ def _strategy_lines(info: dict) -> list[str]:
 
 def format_banner(info: dict) -> str:
     ranks = info.get("ranks", [])
-    lines = ["=" * 78, f"shardtrain run: {info['strategy']} on {info['world_size']} process{'es' if info['world_size'] != 1 else ''}"]
+    lines = [
+        "=" * 78,
+        f"shardtrain run: {info['strategy']} on {info['world_size']} process{'es' if info['world_size'] != 1 else ''}",
+    ]
     lines.append("  rank  host                      local  device       name")
     for r in ranks:
-        lines.append(f"  {r['rank']:>4}  {r['host'][:24]:<24}  {r['local_rank']:>5}  {r['device']:<11}  "
-                     f"{r.get('device_name', '')}")
+        lines.append(
+            f"  {r['rank']:>4}  {r['host'][:24]:<24}  {r['local_rank']:>5}  {r['device']:<11}  "
+            f"{r.get('device_name', '')}"
+        )
     lines += _strategy_lines(info)
-    lines.append(f"  precision   {info['precision']} | activation checkpointing "
-                 f"{'on' if info['activation_checkpointing'] else 'off'}"
-                 f" ({info.get('strategy_settings', {}).get('recompute_blocks', 0)} blocks)")
+    lines.append(
+        f"  precision   {info['precision']} | activation checkpointing "
+        f"{'on' if info['activation_checkpointing'] else 'off'}"
+        f" ({info.get('strategy_settings', {}).get('recompute_blocks', 0)} blocks)"
+    )
     math = info.get("cuda_math")
     if math:
         on = [name for key, name in (("tf32", "TF32 matmuls"), ("cudnn_benchmark", "cudnn.benchmark")) if math.get(key)]
-        lines.append(f"  cuda math   {', '.join(on) + ' on' if on else 'TF32 and cudnn.benchmark off'}"
-                     f"{' (--deterministic: deterministic cuDNN)' if math.get('deterministic') else ' (--deterministic true turns them off)'}")
-    lines.append(f"  params      {info['params_total']:,} total | {info['params_trainable']:,} trainable | "
-                 f"{info['params_frozen']:,} frozen")
-    lines.append(f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
-                 f"{info['world_size']} = global {info['global_batch_size']}")
+        switch = (
+            " (--deterministic: deterministic cuDNN)"
+            if math.get("deterministic")
+            else " (--deterministic true turns them off)"
+        )
+        lines.append(f"  cuda math   {', '.join(on) + ' on' if on else 'TF32 and cudnn.benchmark off'}{switch}")
+    lines.append(
+        f"  params      {info['params_total']:,} total | {info['params_trainable']:,} trainable | "
+        f"{info['params_frozen']:,} frozen"
+    )
+    lines.append(
+        f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
+        f"{info['world_size']} = global {info['global_batch_size']}"
+    )
     # None: a --streaming training split, whose length is unknown until read.
     train = "streamed" if info["train_examples"] is None else f"{info['train_examples']:,}"
     per_epoch = "?" if info["steps_per_epoch"] is None else f"{info['steps_per_epoch']:,}"
-    lines.append(f"  data        {train} train | {info['eval_examples']:,} eval | "
-                 f"{per_epoch} steps/epoch | {info.get('max_steps', '?')} steps" +
-                 (f" | images from cache {info['image_cache']}" if info.get("image_cache") else ""))
+    lines.append(
+        f"  data        {train} train | {info['eval_examples']:,} eval | "
+        f"{per_epoch} steps/epoch | {info.get('max_steps', '?')} steps"
+        + (f" | images from cache {info['image_cache']}" if info.get("image_cache") else "")
+    )
     dropped = info.get("unlabelled_dropped") or {}
     if any(dropped.values()):
-        lines.append(f"  unlabelled  label -1 dropped: {dropped.get('train', 0):,} train | "
-                     f"{dropped.get('validation', 0):,} eval rows")
+        lines.append(
+            f"  unlabelled  label -1 dropped: {dropped.get('train', 0):,} train | "
+            f"{dropped.get('validation', 0):,} eval rows"
+        )
     names = info.get("label_names") or []
     if names:
-        lines.append(f"  labels      {len(names)}: " + ", ".join(f"{i}={n}" for i, n in enumerate(names[:8])) +
-                     (", ..." if len(names) > 8 else ""))
+        lines.append(
+            f"  labels      {len(names)}: "
+            + ", ".join(f"{i}={n}" for i, n in enumerate(names[:8]))
+            + (", ..." if len(names) > 8 else "")
+        )
     mem = info.get("memory_prediction") or {}
     if "note" in mem and len(mem) == 1:
         lines.append(f"  memory      {mem['note']}")
     else:
-        lines.append("  memory      predicted per rank (shardtrain plan): " +
-                     ", ".join(_size(k, v) for k, v in mem.items()))
+        lines.append(
+            "  memory      predicted per rank (shardtrain plan): " + ", ".join(_size(k, v) for k, v in mem.items())
+        )
     lines.append("=" * 78)
     return "\n".join(lines)

@@ -5,6 +5,7 @@ Read from what each run wrote: summary.json (its resolved config and run block),
 before its summary, the config in its latest committed checkpoint. A setting a run did not record is not
 compared for that run.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ TRAJECTORY = ("seed", "batch")
 class Setting:
     label: str
     group: str
-    path: str                 # "config.<section>.<field>" or "run.<key>" (summary.json's run block)
+    path: str  # "config.<section>.<field>" or "run.<key>" (summary.json's run block)
     only_for: str | None = None  # compared only between runs of this model.name
 
     @property
@@ -39,21 +40,31 @@ def _m(label, field, only_for=None):
 
 
 SETTINGS = (
-    _m("model", "name"), _m("text model", "text_model"), _m("pretrained weights", "pretrained"),
-    _m("text model config", "text_config"), _m("image model", "image_model", "multimodal"),
-    _m("image weights", "image_weights", "multimodal"), _m("image model config", "image_config", "multimodal"),
-    _m("fusion", "fusion", "multimodal"), _m("fusion width", "fusion_hidden", "multimodal"),
-    _m("labels", "num_labels"), _m("attention window", "attention_window", "longformer"), _m("dropout", "dropout"),
-    _m("frozen layers", "freeze_layers"), _m("unfreeze step", "unfreeze_at_step"),
+    _m("model", "name"),
+    _m("text model", "text_model"),
+    _m("pretrained weights", "pretrained"),
+    _m("text model config", "text_config"),
+    _m("image model", "image_model", "multimodal"),
+    _m("image weights", "image_weights", "multimodal"),
+    _m("image model config", "image_config", "multimodal"),
+    _m("fusion", "fusion", "multimodal"),
+    _m("fusion width", "fusion_hidden", "multimodal"),
+    _m("labels", "num_labels"),
+    _m("attention window", "attention_window", "longformer"),
+    _m("dropout", "dropout"),
+    _m("frozen layers", "freeze_layers"),
+    _m("unfreeze step", "unfreeze_at_step"),
     # What each run read (data_source's content hash), not the data_dir default a --train-file run never used.
     Setting("data", "data", "run.data_read"),
     Setting("tokenizer", "data", "config.data.tokenizer"),
     Setting("sequence length", "data", "config.data.max_length"),
     Setting("image size", "data", "config.data.image_size", "multimodal"),
-    Setting("train examples", "data", "run.train_examples"), Setting("eval examples", "data", "run.eval_examples"),
+    Setting("train examples", "data", "run.train_examples"),
+    Setting("eval examples", "data", "run.eval_examples"),
     Setting("seed", "seed", "config.train.seed"),
     Setting("batch geometry (micro x accum x world)", "batch", "run.batch"),
-    Setting("precision", "training", "run.precision"), Setting("max_steps", "training", "config.train.max_steps"),
+    Setting("precision", "training", "run.precision"),
+    Setting("max_steps", "training", "config.train.max_steps"),
     Setting("learning rate", "training", "config.train.lr"),
     Setting("lr schedule", "training", "config.train.lr_scheduler"),
     Setting("warmup", "training", "config.train.warmup_steps"),
@@ -108,7 +119,9 @@ def data_read(cfg: dict, info: dict) -> str | None:
             return f"{key} {data[key]}" + (f" ({', '.join(map(str, extra))})" if extra else "")
     if source.get("source") == "workload" or "data_dir" not in data:
         return None  # a workload's own data: its args say what it read (compared as the workload's settings)
-    return f"data_dir {data['data_dir']}" + (f" (validation {data['eval_data_dir']})" if data.get("eval_data_dir") else "")
+    return f"data_dir {data['data_dir']}" + (
+        f" (validation {data['eval_data_dir']})" if data.get("eval_data_dir") else ""
+    )
 
 
 def _with_batch(info: dict) -> dict:

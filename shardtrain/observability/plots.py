@@ -1,5 +1,6 @@
 """The report's figures (matplotlib, Agg: no display on cluster nodes). Each function takes one or more
 RunLogs so that a single run and a comparison share the same figures."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,8 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from shardtrain.observability.runlog import MEMORY_PARTS, MIB  # noqa: E402
 
-COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "comm": "#8172b3",
-          "activations": "#c44e52"}
+COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "comm": "#8172b3", "activations": "#c44e52"}
 
 
 def _save(fig, path: Path, rect=(0, 0, 1, 1)) -> Path:
@@ -28,10 +28,20 @@ def curves(runs, path: Path) -> Path:
     for run in runs:
         ax_loss.plot([r["step"] for r in run.steps], [r["loss"] for r in run.steps], label=run.label)
         if run.evals:
-            line, = ax_eval.plot([e["step"] for e in run.evals], [e["accuracy"] for e in run.evals],
-                                 marker="o", label=f"{run.label} accuracy")
-            ax_eval.plot([e["step"] for e in run.evals], [e["macro_f1"] for e in run.evals], marker="s",
-                         linestyle="--", color=line.get_color(), label=f"{run.label} macro-F1")
+            (line,) = ax_eval.plot(
+                [e["step"] for e in run.evals],
+                [e["accuracy"] for e in run.evals],
+                marker="o",
+                label=f"{run.label} accuracy",
+            )
+            ax_eval.plot(
+                [e["step"] for e in run.evals],
+                [e["macro_f1"] for e in run.evals],
+                marker="s",
+                linestyle="--",
+                color=line.get_color(),
+                label=f"{run.label} macro-F1",
+            )
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
     ax_eval.set(title="evaluation", xlabel="step", ylabel="score", ylim=(0, 1.05))
     ax_eval.set_xlim(ax_loss.get_xlim())  # one step axis for both panels, even with a single eval point
@@ -56,13 +66,18 @@ def throughput(runs, path: Path) -> Path:
 
 def memory(runs, path: Path) -> Path:
     """One panel per run, side by side: a stacked bar per rank (params / grads / optimizer / comm / activations)."""
-    fig, axes = plt.subplots(1, len(runs), figsize=(max(6, 3.2 * len(runs)), 4), squeeze=False,
-                             sharey=True)
+    fig, axes = plt.subplots(1, len(runs), figsize=(max(6, 3.2 * len(runs)), 4), squeeze=False, sharey=True)
     for ax, run in zip(axes[0], runs):
         ax.set_title(f"{run.label} ({run.strategy})", fontsize=9)
         if not run.memory:
-            ax.text(0.5, 0.5, "no memory records\n(run without the memory monitor)", ha="center", va="center",
-                    transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                "no memory records\n(run without the memory monitor)",
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
             ax.set_xticks([])
             continue
         ranks = sorted(run.memory, key=int)

@@ -3,6 +3,7 @@
 Slurm and nohup logs are not terminals; a bar there writes carriage returns and escape codes
 into the file, so the bar is only used when stdout is a TTY.
 """
+
 from __future__ import annotations
 
 import resource
@@ -37,8 +38,10 @@ class Progress:
         self.bar = None
         if tty:
             from tqdm import tqdm
-            self.bar = tqdm(total=total, initial=initial, file=self.stream, dynamic_ncols=True,
-                            desc="train", unit="step")
+
+            self.bar = tqdm(
+                total=total, initial=initial, file=self.stream, dynamic_ncols=True, desc="train", unit="step"
+            )
 
     def write(self, msg: str) -> None:
         if self.bar is not None:
@@ -50,17 +53,21 @@ class Progress:
         step = record["step"]
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self.bar.set_postfix_str(f"loss {record['loss']:.4f} lr {record['lr']:.2e} "
-                                     f"{record['samples_per_sec']:.1f} samples/s peak {peak_gb:.2f} GB",
-                                     refresh=True)
+            self.bar.set_postfix_str(
+                f"loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                f"{record['samples_per_sec']:.1f} samples/s peak {peak_gb:.2f} GB",
+                refresh=True,
+            )
             return
         if step % self.log_every and step != self.total:
             return
         done = step - self.initial
         eta = (time.perf_counter() - self.t0) / done * (self.total - step) if done > 0 else 0.0
-        self.write(f"step {step}/{self.total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                   f"grad norm {record['grad_norm']:.3f} | {record['samples_per_sec']:.1f} samples/s | "
-                   f"peak mem {peak_gb:.2f} GB | ETA {format_eta(eta)}")
+        self.write(
+            f"step {step}/{self.total} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"grad norm {record['grad_norm']:.3f} | {record['samples_per_sec']:.1f} samples/s | "
+            f"peak mem {peak_gb:.2f} GB | ETA {format_eta(eta)}"
+        )
 
     def close(self) -> None:
         if self.bar is not None:

@@ -3,9 +3,9 @@
 Both read only what a run wrote (metrics.jsonl, eval.jsonl, summary.json), so they work on runs from
 another machine and on runs that were killed part-way.
 """
+
 from __future__ import annotations
 
-import argparse
 import html
 import json
 from pathlib import Path
@@ -26,16 +26,30 @@ def table_rows(runs: list[RunLog]) -> list[list[str]]:
     for run in runs:
         info = run.summary.get("run") or run.summary
         ev = run.eval_result
-        rows.append([run.label, run.strategy, str(info.get("world_size", "-")),
-                     _fmt(run.memory_per_rank_mib(), ".1f"), _fmt(run.samples_per_sec, ".1f"),
-                     _fmt(run.final_loss, ".4f"), _fmt(ev.get("accuracy"), ".4f"), _fmt(ev.get("macro_f1"), ".4f")])
+        rows.append(
+            [
+                run.label,
+                run.strategy,
+                str(info.get("world_size", "-")),
+                _fmt(run.memory_per_rank_mib(), ".1f"),
+                _fmt(run.samples_per_sec, ".1f"),
+                _fmt(run.final_loss, ".4f"),
+                _fmt(ev.get("accuracy"), ".4f"),
+                _fmt(ev.get("macro_f1"), ".4f"),
+            ]
+        )
     return rows
 
 
 def text_table(rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
-    line = lambda cells: "  ".join(c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
-                                   for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells):
+        return "  ".join(
+            c.ljust(w) if i < 2 else c.rjust(w)  # noqa: E731
+            for i, (c, w) in enumerate(zip(cells, widths))
+        )
+
     return "\n".join([line(COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
 
 
@@ -44,7 +58,8 @@ def difference_warnings(runs: list[RunLog]) -> list[str]:
     diffs, unknown = differences(runs)
     return [d.line() for d in diffs] + [
         f"{label}: no summary.json or checkpoint records its settings: cannot check it against the others"
-        for label in unknown]
+        for label in unknown
+    ]
 
 
 def verdict(runs: list[RunLog]) -> list[str]:
@@ -53,8 +68,10 @@ def verdict(runs: list[RunLog]) -> list[str]:
     diffs, _ = differences(runs)
     apart = in_groups(diffs, WORKLOAD)
     if apart:
-        return [f"no fastest or leanest run: these runs are not comparable, they differ in "
-                f"{', '.join(d.setting.label for d in apart)} (compare runs of one model and data)"]
+        return [
+            f"no fastest or leanest run: these runs are not comparable, they differ in "
+            f"{', '.join(d.setting.label for d in apart)} (compare runs of one model and data)"
+        ]
     lines = []
     timed = [r for r in runs if r.samples_per_sec]
     if timed:
@@ -68,8 +85,10 @@ def verdict(runs: list[RunLog]) -> list[str]:
     if len(losses) > 1 and diffs:
         lines.append(f"final losses not compared: the runs differ in {', '.join(d.setting.label for d in diffs)}")
     elif len(losses) > 1:
-        lines.append(f"final losses differ by at most {max(losses) - min(losses):.2e} "
-                     f"(use `shardtrain parity` for a step-by-step check)")
+        lines.append(
+            f"final losses differ by at most {max(losses) - min(losses):.2e} "
+            f"(use `shardtrain parity` for a step-by-step check)"
+        )
     return lines
 
 
@@ -85,8 +104,10 @@ def _value_html(key: str, value) -> str:
     if isinstance(value, dict):
         if not value:
             return "-"
-        rows = "".join(f"<tr><th>{html.escape(_key_label(str(k), v))}</th><td>{_value_html(str(k), v)}</td></tr>"
-                       for k, v in value.items())
+        rows = "".join(
+            f"<tr><th>{html.escape(_key_label(str(k), v))}</th><td>{_value_html(str(k), v)}</td></tr>"
+            for k, v in value.items()
+        )
         return f"<table class='sub'>{rows}</table>"
     if isinstance(value, (list, tuple)):
         return ", ".join(_value_html(key, v) for v in value) if value else "-"
@@ -96,7 +117,7 @@ def _value_html(key: str, value) -> str:
 def _key_label(key: str, value) -> str:
     """A key whose unit its value now shows (`params_gib` shown as "9.7 MiB") loses the unit in its name: a label
     `params_gib` beside a value in MiB reads as a contradiction."""
-    return key[:-len("_gib")] if key.endswith("_gib") and isinstance(value, float) else key
+    return key[: -len("_gib")] if key.endswith("_gib") and isinstance(value, float) else key
 
 
 def _scalar_text(key: str, value) -> str:
@@ -116,26 +137,32 @@ def _scalar_text(key: str, value) -> str:
 
 
 def _settings_table(settings: dict) -> str:
-    rows = "".join(f"<tr><th>{html.escape(_key_label(k, v))}</th><td>{_value_html(k, v)}</td></tr>"
-                   for k, v in settings.items())
+    rows = "".join(
+        f"<tr><th>{html.escape(_key_label(k, v))}</th><td>{_value_html(k, v)}</td></tr>" for k, v in settings.items()
+    )
     return f"<table><tr><th>setting</th><th>value</th></tr>{rows}</table>"
 
 
-STYLE = ("<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}"
-         "td,th{border:1px solid #bbb;padding:4px 8px;text-align:right}th{background:#eee}"
-         "table.sub{margin:0}table.sub th,table.sub td{border:none;padding:1px 6px;text-align:left;background:none}"
-         "img{max-width:100%;border:1px solid #ddd;margin:6px 0}</style>")
+STYLE = (
+    "<style>body{font-family:sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse}"
+    "td,th{border:1px solid #bbb;padding:4px 8px;text-align:right}th{background:#eee}"
+    "table.sub{margin:0}table.sub th,table.sub td{border:none;padding:1px 6px;text-align:left;background:none}"
+    "img{max-width:100%;border:1px solid #ddd;margin:6px 0}</style>"
+)
 
 
 def _figures(runs: list[RunLog], out: Path) -> list[Path]:
     from shardtrain.observability import plots
-    return [plots.curves(runs, out / "curves.png"), plots.throughput(runs, out / "throughput.png"),
-            plots.memory(runs, out / "memory.png")]
+
+    return [
+        plots.curves(runs, out / "curves.png"),
+        plots.throughput(runs, out / "throughput.png"),
+        plots.memory(runs, out / "memory.png"),
+    ]
 
 
 def _memory_rows(run: RunLog) -> list[list[str]]:
-    return [[r, *(f"{run.memory[r].get(k, 0) / MIB:.2f}" for k in MEMORY_PARTS)]
-            for r in sorted(run.memory, key=int)]
+    return [[r, *(f"{run.memory[r].get(k, 0) / MIB:.2f}" for k in MEMORY_PARTS)] for r in sorted(run.memory, key=int)]
 
 
 def run_workload(run: RunLog) -> tuple[str | None, dict]:
@@ -158,13 +185,16 @@ def check_workload(run: RunLog, workload: str | None, workload_args: dict | None
         return  # a run killed before its summary: nothing recorded to check against
     given = BUILTIN_WORKLOADS.get(workload, workload) if workload is not None else target
     if given != target or (workload_args is not None and workload_args != args):
-        raise ConfigError(f"report: {run.path} trained {target} with args {json.dumps(args, default=str)}, not "
-                          f"{given}{'' if workload_args is None else ' with ' + json.dumps(workload_args)}: "
-                          f"the report reads the run; drop --workload or give another run")
+        raise ConfigError(
+            f"report: {run.path} trained {target} with args {json.dumps(args, default=str)}, not "
+            f"{given}{'' if workload_args is None else ' with ' + json.dumps(workload_args)}: "
+            f"the report reads the run; drop --workload or give another run"
+        )
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None, workload: str | None = None,
-                 workload_args: dict | None = None) -> Path:
+def write_report(
+    run_dir: str | Path, out: str | Path | None = None, workload: str | None = None, workload_args: dict | None = None
+) -> Path:
     run = load_run(run_dir)
     check_workload(run, workload, workload_args)
     out = Path(out) if out else run.path
@@ -175,22 +205,33 @@ def write_report(run_dir: str | Path, out: str | Path | None = None, workload: s
     settings = {k: v for k, v in info.items() if k not in ("ranks", "strategy_settings")}
     parts = [f"<h1>shardtrain run: {html.escape(run.label)}</h1>", _html_table(COLUMNS, table_rows([run]))]
     if info.get("ranks"):
-        parts += ["<h2>ranks</h2>", _html_table(["rank", "host", "local rank", "device", "name"],
-                  [[r["rank"], r["host"], r["local_rank"], r["device"], r.get("device_name", "")]
-                   for r in info["ranks"]])]
+        parts += [
+            "<h2>ranks</h2>",
+            _html_table(
+                ["rank", "host", "local rank", "device", "name"],
+                [[r["rank"], r["host"], r["local_rank"], r["device"], r.get("device_name", "")] for r in info["ranks"]],
+            ),
+        ]
     target, args = run_workload(run)
     if target:
         # The workload's own metrics (perplexity, F1, ...), whatever metrics() returned, beside what it was.
-        parts += ["<h2>workload</h2>", _settings_table({"target": target, "args": args,
-                                                        "validation metrics": run.eval_result})]
+        parts += [
+            "<h2>workload</h2>",
+            _settings_table({"target": target, "args": args, "validation metrics": run.eval_result}),
+        ]
     parts += ["<h2>run</h2>", _settings_table(settings)]
     parts.append("<h2>memory per rank (MiB)</h2>")
-    parts.append(_html_table(["rank", *MEMORY_PARTS], _memory_rows(run)) if run.memory
-                 else "<p>no memory records in this run</p>")
+    parts.append(
+        _html_table(["rank", *MEMORY_PARTS], _memory_rows(run))
+        if run.memory
+        else "<p>no memory records in this run</p>"
+    )
     parts += ["<h2>plots</h2>", *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures)]
     path = out / "report.html"
-    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>shardtrain report</title>{STYLE}"
-                    f"</head><body>{''.join(parts)}</body></html>\n")
+    path.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>shardtrain report</title>{STYLE}"
+        f"</head><body>{''.join(parts)}</body></html>\n"
+    )
     return path
 
 
@@ -202,11 +243,16 @@ def write_compare(run_dirs: list[str], out: str | Path) -> tuple[Path, str]:
     warned, verdict_lines = difference_warnings(runs), verdict(runs)
     text = "\n".join([text_table(rows), "", *(f"warning: {w}" for w in warned), *verdict_lines])
     figures = _figures(runs, out)
-    parts = ["<h1>shardtrain: strategy comparison</h1>", _html_table(COLUMNS, rows),
-             *(["<ul>" + "".join(f"<li>warning: {html.escape(w)}</li>" for w in warned) + "</ul>"] if warned else []),
-             "<ul>" + "".join(f"<li>{html.escape(v)}</li>" for v in verdict_lines) + "</ul>",
-             *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures)]
+    parts = [
+        "<h1>shardtrain: strategy comparison</h1>",
+        _html_table(COLUMNS, rows),
+        *(["<ul>" + "".join(f"<li>warning: {html.escape(w)}</li>" for w in warned) + "</ul>"] if warned else []),
+        "<ul>" + "".join(f"<li>{html.escape(v)}</li>" for v in verdict_lines) + "</ul>",
+        *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures),
+    ]
     path = out / "compare.html"
-    path.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>shardtrain compare</title>{STYLE}"
-                    f"</head><body>{''.join(parts)}</body></html>\n")
+    path.write_text(
+        f"<!doctype html><html><head><meta charset='utf-8'><title>shardtrain compare</title>{STYLE}"
+        f"</head><body>{''.join(parts)}</body></html>\n"
+    )
     return path, text

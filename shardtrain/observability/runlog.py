@@ -1,4 +1,5 @@
 """Read a finished (or interrupted) run directory back: the one place report and compare parse outputs."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from shardtrain.config.settings import ConfigError
 
-MIB = 2 ** 20
+MIB = 2**20
 # What a rank must hold at once, in every strategy's figure alike. `comm` is the gradient buckets a backend
 # allocates beside the gradients (ZeRO's reduce buckets: reduce_bucket_size elements); DDP's buckets are the
 # gradients themselves (gradient_as_bucket_view), so they are already in `grads` and its comm is 0.

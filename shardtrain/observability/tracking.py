@@ -4,6 +4,7 @@ the W&B run and the end-of-run report.
 Only rank 0 writes; other ranks print warnings and errors, prefixed with their rank. The loop talks to
 one `Tracker`: `step()` once per optimizer step, `evaluated()` after an eval, `finish()` at the end.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,6 +21,7 @@ class Console:
         self.verbose = verbose
         self.progress = None  # while a progress bar is up, lines go above it instead of through it
         from shardtrain.runtime.chatter import quiet_libraries
+
         quiet_libraries(verbose)
 
     def info(self, msg: str) -> None:
@@ -49,8 +51,11 @@ class MetricsLog:
         # Steps after the checkpoint we resume from were never committed: they will be redone.
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         self.path.write_text("".join(line + "\n" for line in kept))
 
     def write(self, record: dict) -> None:
@@ -104,11 +109,16 @@ def library_versions() -> dict:
 
     import torch
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__,
-                "cuda": torch.version.cuda, "shardtrain": _own_version()}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "shardtrain": _own_version(),
+    }
     for name in ("deepspeed", "transformers", "datasets", "tokenizers", "torchvision", "wandb"):
         try:
             from importlib.metadata import version
+
             versions[name] = version(name)
         except Exception:  # noqa: BLE001 - an absent optional library is simply not listed
             pass
@@ -118,6 +128,7 @@ def library_versions() -> dict:
 def _own_version() -> str:
     try:
         from importlib.metadata import version
+
         return version("shardtrain")
     except Exception:  # noqa: BLE001
         return "dev"
@@ -130,9 +141,19 @@ def now() -> float:
 class Tracker:
     """Everything the loop reports, behind three calls. Rank 0 does the work; other ranks only count."""
 
-    def __init__(self, cfg, dist_info, console: Console, output_dir: Path, resume_step: int, run_info: dict,
-                 resume_state: dict | None = None, model_factory=None, elastic: dict | None = None,
-                 membership_change: dict | None = None):
+    def __init__(
+        self,
+        cfg,
+        dist_info,
+        console: Console,
+        output_dir: Path,
+        resume_step: int,
+        run_info: dict,
+        resume_state: dict | None = None,
+        model_factory=None,
+        elastic: dict | None = None,
+        membership_change: dict | None = None,
+    ):
         """`elastic`: the batch and membership state the checkpoint carries (shardtrain/loop/elastic.py);
         `membership_change`: this start's change of world size, which the first metrics.jsonl record carries."""
         from shardtrain.observability.banner import format_banner
@@ -151,11 +172,20 @@ class Tracker:
         console.info(format_banner(run_info))
         wandb_config = {"config": cfg.to_dict(), "run": run_info, "versions": library_versions()}
         log = cfg.log
-        self.wandb = WandbRun(log.report_to == "wandb" and self.rank0, console.warn, output_dir,
-                              (resume_state or {}).get("wandb_run_id"), wandb_config, project=log.wandb_project,
-                              entity=log.wandb_entity, name=log.wandb_run_name, quiet=not log.verbose,
-                              system_metrics=(log.wandb_system_metrics if log.wandb_system_metrics is not None
-                                              else dist_info.device.type == "cuda"))
+        self.wandb = WandbRun(
+            log.report_to == "wandb" and self.rank0,
+            console.warn,
+            output_dir,
+            (resume_state or {}).get("wandb_run_id"),
+            wandb_config,
+            project=log.wandb_project,
+            entity=log.wandb_entity,
+            name=log.wandb_run_name,
+            quiet=not log.verbose,
+            system_metrics=(
+                log.wandb_system_metrics if log.wandb_system_metrics is not None else dist_info.device.type == "cuda"
+            ),
+        )
         self.progress = None
         if self.rank0:
             self.progress = Progress(cfg.train.max_steps, resume_step, cfg.train.log_every)
@@ -164,8 +194,11 @@ class Tracker:
     def checkpoint_state(self) -> dict:
         """Merged into the checkpoint's trainer_state: a resumed job continues the same W&B run, and its final
         summary lists every membership change; a resume compares its data with the data_source this one read."""
-        return {"wandb_run_id": self.wandb.run_id, **({"elastic": self.elastic} if self.elastic else {}),
-                "data_source": self.run_info.get("data_source")}
+        return {
+            "wandb_run_id": self.wandb.run_id,
+            **({"elastic": self.elastic} if self.elastic else {}),
+            "data_source": self.run_info.get("data_source"),
+        }
 
     def step(self, record: dict, batch) -> None:
         """Once per optimizer step, after the step's one host sync: only host arithmetic and rank-0 I/O."""
@@ -196,14 +229,19 @@ class Tracker:
             return  # a workload with no validation set
         where = "eval" if final else f"step {step} eval"
         if {"accuracy", "macro_f1", "n_examples"} <= set(result):  # the default metrics
-            self.console.info(f"{where} | accuracy {result['accuracy']:.4f} | macro-F1 {result['macro_f1']:.4f} | "
-                              f"{result['n_examples']} examples")
+            self.console.info(
+                f"{where} | accuracy {result['accuracy']:.4f} | macro-F1 {result['macro_f1']:.4f} | "
+                f"{result['n_examples']} examples"
+            )
         else:  # a workload's own metrics(), as it names them
-            self.console.info(f"{where} | " + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                                         for k, v in result.items()))
+            self.console.info(
+                f"{where} | "
+                + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
+            )
         self.evals.write({"step": step, "final": final, **result})
-        self.wandb.log(step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float))
-                              and k != "n_examples"})
+        self.wandb.log(
+            step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float)) and k != "n_examples"}
+        )
 
     def finish(self, summary: dict, final_model: Path | None = None) -> None:
         """Close the bar, write summary.json (with `run`), close W&B (logging `final_model` as an artifact when
@@ -218,17 +256,23 @@ class Tracker:
         write_summary(self.out, summary)
         if final_model is not None and logs_model_artifact(self.cfg.log):
             self.wandb.log_model(final_model)
-        self.wandb.finish({"final_loss": (summary.get("train_loss") or [None])[-1],
-                           **{f"eval/{k}": v for k, v in (summary.get("eval") or {}).items()},
-                           "samples_per_sec": summary.get("samples_per_sec")})
+        self.wandb.finish(
+            {
+                "final_loss": (summary.get("train_loss") or [None])[-1],
+                **{f"eval/{k}": v for k, v in (summary.get("eval") or {}).items()},
+                "samples_per_sec": summary.get("samples_per_sec"),
+            }
+        )
         if self.cfg.log.report:
             try:
                 from shardtrain.observability.report import write_report
+
                 path = write_report(self.out)
                 self.console.info(f"report: {path}")
             except Exception as e:  # noqa: BLE001 - the run is done and saved; a plot must not fail it
-                self.console.warn(f"report not written ({type(e).__name__}: {e}); "
-                                  f"retry with: shardtrain report {self.out}")
+                self.console.warn(
+                    f"report not written ({type(e).__name__}: {e}); retry with: shardtrain report {self.out}"
+                )
 
     def _mfu(self, record: dict, batch: dict) -> float | None:
         if self.dist.device.type != "cuda" or self.model_factory is None:
@@ -237,18 +281,23 @@ class Tracker:
 
         if self.flops_per_sample is None:  # counted once, on the first step's batch shapes
             import torch
+
             precision = self.cfg.train.precision
             if precision == "fp32" and (self.run_info.get("cuda_math") or {}).get("tf32"):
                 precision = "tf32"  # its matmuls run on the tensor cores: the plain fp32 peak would flatter MFU
-            self.peak_flops = (flops.peak_flops(torch.cuda.get_device_name(self.dist.device), precision)
-                               or flops.peak_flops(torch.cuda.get_device_name(self.dist.device), "fp32"))
+            self.peak_flops = flops.peak_flops(
+                torch.cuda.get_device_name(self.dist.device), precision
+            ) or flops.peak_flops(torch.cuda.get_device_name(self.dist.device), "fp32")
             from shardtrain.runtime.training_rng import aside
+
             with aside(device=self.dist.device):  # a model built mid-run: off the training stream
-                self.flops_per_sample = flops.train_flops_per_sample(self.model_factory, batch,
-                                                                     self.run_info["params_trainable"])
+                self.flops_per_sample = flops.train_flops_per_sample(
+                    self.model_factory, batch, self.run_info["params_trainable"]
+                )
         return flops.mfu(self.flops_per_sample, record["samples_per_sec"], self.dist.world_size, self.peak_flops)
 
     @staticmethod
     def _wandb_values(record: dict) -> dict:
         from shardtrain.observability.wandb_run import wandb_values
+
         return wandb_values(record)

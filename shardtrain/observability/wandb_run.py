@@ -4,6 +4,7 @@ The run id travels in the checkpoint's trainer_state, so a resumed or requeued j
 same run (resume="allow"). W&B is an observer: its absence or any failure inside it is one warning
 and training goes on.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +23,19 @@ def new_run_id() -> str:
 
 
 class WandbRun:
-    def __init__(self, enabled: bool, warn, output_dir, run_id: str | None, config: dict,
-                 project: str | None = None, entity: str | None = None, name: str | None = None,
-                 quiet: bool = True, system_metrics: bool = False):
+    def __init__(
+        self,
+        enabled: bool,
+        warn,
+        output_dir,
+        run_id: str | None,
+        config: dict,
+        project: str | None = None,
+        entity: str | None = None,
+        name: str | None = None,
+        quiet: bool = True,
+        system_metrics: bool = False,
+    ):
         self.warn = warn
         self.quiet = quiet
         self.run = None
@@ -47,9 +58,16 @@ class WandbRun:
             # thread in rank 0 that competes with data loading for CPU, so it runs where its GPU panels are
             # worth that (CUDA runs) unless --wandb-system-metrics says otherwise.
             settings = wandb.Settings(console="off", quiet=quiet, silent=quiet, x_disable_stats=not system_metrics)
-            self.run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "shardtrain",
-                                  entity=entity, name=name, id=self.run_id, resume="allow", dir=run_dir,
-                                  config=config, settings=settings)
+            self.run = wandb.init(
+                project=project or os.environ.get("WANDB_PROJECT") or "shardtrain",
+                entity=entity,
+                name=name,
+                id=self.run_id,
+                resume="allow",
+                dir=run_dir,
+                config=config,
+                settings=settings,
+            )
             self.run.define_metric(STEP_METRIC)
             for group in METRIC_GROUPS:
                 self.run.define_metric(group, step_metric=STEP_METRIC)
@@ -74,6 +92,7 @@ class WandbRun:
             return
         try:
             import wandb
+
             artifact = wandb.Artifact(f"model-{self.run_id}", type="model")
             # add_dir prints "Adding directory to artifact ... Done." to stderr whatever the run's settings say.
             with contextlib.redirect_stderr(io.StringIO()) if self.quiet else contextlib.nullcontext():
@@ -106,9 +125,16 @@ class WandbRun:
 
 def wandb_values(record: dict) -> dict:
     """metrics.jsonl record -> W&B names grouped for dashboards."""
-    names = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-             "skipped_steps": "train/skipped_steps", "samples_per_sec": "perf/samples_per_sec",
-             "tokens_per_sec": "perf/tokens_per_sec", "mfu": "perf/mfu", "step_seconds": "perf/step_seconds"}
+    names = {
+        "loss": "train/loss",
+        "lr": "train/lr",
+        "grad_norm": "train/grad_norm",
+        "skipped_steps": "train/skipped_steps",
+        "samples_per_sec": "perf/samples_per_sec",
+        "tokens_per_sec": "perf/tokens_per_sec",
+        "mfu": "perf/mfu",
+        "step_seconds": "perf/step_seconds",
+    }
     values = {names[k]: v for k, v in record.items() if k in names and v is not None}
     # The memory monitor's {rank: {key: bytes}} on measured steps -> mem/rank{r}/{key} in MiB.
     for rank, rec in (record.get("mem") or {}).items():

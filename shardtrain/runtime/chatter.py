@@ -3,6 +3,7 @@
 Users read rank-0 progress and our own warnings; INFO lines from every library on every rank
 bury both. Each rule below silences one measured source of noise and nothing else.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,9 @@ def _routine_load_report(msg: str) -> bool:
     loaded (MISSING elsewhere, MISMATCH, CONVERSION, after which transformers raises pointing at "the above
     report") keep it on screen."""
     rows = _LOAD_ROW.findall(_ANSI.sub("", msg))
-    return bool(rows) and all(status == "UNEXPECTED" or (status == "MISSING" and key.startswith("classifier."))
-                              for key, status in rows)
+    return bool(rows) and all(
+        status == "UNEXPECTED" or (status == "MISSING" and key.startswith("classifier.")) for key, status in rows
+    )
 
 
 # DeepSpeed prints (not logs) this line each time it loads its shared-memory comm op.
@@ -91,8 +93,17 @@ def quiet_libraries(verbose: bool) -> None:
     # DeepSpeed's LoggerFactory resets its logger's level at import time; a filter is not reset.
     # A logger's filter sees only records logged to it, not its children's: transformers logs the load report
     # to transformers.modeling_utils.
-    for name in ("DeepSpeed", "deepspeed", "torch.utils.cpp_extension", "torch.distributed", "torch.utils._pytree",
-                 "transformers", "transformers.modeling_utils", "datasets", "accelerate"):
+    for name in (
+        "DeepSpeed",
+        "deepspeed",
+        "torch.utils.cpp_extension",
+        "torch.distributed",
+        "torch.utils._pytree",
+        "transformers",
+        "transformers.modeling_utils",
+        "datasets",
+        "accelerate",
+    ):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())

@@ -7,6 +7,7 @@ turns into /dev/null at the file-descriptor level, so every holder of the descri
 DeepSpeed's prints, C++ code) writes into nothing from then on. metrics.jsonl, W&B and checkpoints are files
 of their own and carry on unaffected.
 """
+
 from __future__ import annotations
 
 import os

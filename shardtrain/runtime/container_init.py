@@ -15,6 +15,7 @@ of the loop. As an init must, it reaps every orphan. It exits with CMD's status 
 once CMD has exited; after a stop signal, only once every process left has exited too, because this
 process exiting would kill the rest of the container at once, mid-save.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,9 @@ def _status_code(status: int) -> int:
 def run(cmd: list[str]) -> int:
     waited = {*STOP, signal.SIGCHLD}
     signal.pthread_sigmask(signal.SIG_BLOCK, waited)
-    child = subprocess.Popen(cmd, process_group=0,
-                             preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, waited))
+    child = subprocess.Popen(
+        cmd, process_group=0, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
+    )
     code, stopping = None, False
     while True:
         info = signal.sigwaitinfo(waited)

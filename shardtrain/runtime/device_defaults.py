@@ -1,5 +1,6 @@
 """Per-process settings that depend on the device a run trains on: CUDA's fast fp32 math (TF32, cuDNN
 autotuning) unless --deterministic, DeepSpeed's accelerator, and each rank's share of the CPUs."""
+
 from __future__ import annotations
 
 import os
@@ -33,8 +34,10 @@ def deepspeed_accelerator(device_type: str, env=os.environ) -> str | None:
         return None
     if device_type == "cuda" and env.get("DS_ACCELERATOR") == "cpu":
         env["DS_ACCELERATOR"] = "cuda"
-        return ("DS_ACCELERATOR=cpu is set in the environment but this run trains on CUDA: DeepSpeed uses its cuda "
-                "accelerator instead; unset DS_ACCELERATOR (or use --device cpu for a CPU run)")
+        return (
+            "DS_ACCELERATOR=cpu is set in the environment but this run trains on CUDA: DeepSpeed uses its cuda "
+            "accelerator instead; unset DS_ACCELERATOR (or use --device cpu for a CPU run)"
+        )
     return None
 
 

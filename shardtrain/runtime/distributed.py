@@ -1,5 +1,6 @@
 """Process group from whatever launched us (torchrun, the deepspeed launcher, srun, SageMaker, or a plain
 `python`), one device per rank, rank-0 helpers, and a teardown that cannot abort at exit."""
+
 from __future__ import annotations
 
 import datetime
@@ -30,8 +31,9 @@ class DistInfo:
 
 def _first_slurm_host(nodelist: str) -> str:
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                             text=True, check=True, timeout=30).stdout.split()
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.split()
         return out[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         # Without scontrol, a plain "host1,host2" or single-host list still works.
@@ -57,8 +59,10 @@ def adopt_launcher_env() -> None:
         return
     if int(env.get("WORLD_SIZE", "1")) > 1 and "RANK" not in env:
         # Rank 0 of WORLD_SIZE would wait for peers that never start: a hang, not an error, otherwise.
-        raise ConfigError(f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: start one process per GPU "
-                          f"with torchrun --nproc_per_node=N (it sets both), or unset WORLD_SIZE")
+        raise ConfigError(
+            f"WORLD_SIZE={env['WORLD_SIZE']} is set but RANK is not: start one process per GPU "
+            f"with torchrun --nproc_per_node=N (it sets both), or unset WORLD_SIZE"
+        )
     env.setdefault("RANK", "0")
     env.setdefault("WORLD_SIZE", "1")
     env.setdefault("LOCAL_RANK", "0")
@@ -101,15 +105,21 @@ def init_distributed(device_request: str, timeout_s: float | None = None) -> Dis
     _pg_timeout_s = timeout.total_seconds()
     if not dist.is_initialized():
         try:
-            dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout,
-                                    device_id=device if device_type == "cuda" else None,
-                                    store=attempt_store(rank, world, timeout))
+            dist.init_process_group(
+                backend=backend,
+                rank=rank,
+                world_size=world,
+                timeout=timeout,
+                device_id=device if device_type == "cuda" else None,
+                store=attempt_store(rank, world, timeout),
+            )
         except (RuntimeError, ValueError) as e:
             addr = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             if "address already in use" in msg.lower() or "EADDRINUSE" in msg:
-                raise ConfigError(f"master port {addr} is in use: set MASTER_PORT (or torchrun --master-port) "
-                                  f"to a free port") from None
+                raise ConfigError(
+                    f"master port {addr} is in use: set MASTER_PORT (or torchrun --master-port) to a free port"
+                ) from None
             raise ConfigError(f"cannot start the {backend} process group at {addr}: {msg}") from None
     return DistInfo(rank=rank, local_rank=local_rank, world_size=world, device=device, backend=backend)
 
@@ -123,8 +133,10 @@ def local_cuda_index(local_rank: int) -> int:
     if n == 1:
         return 0
     if local_rank >= n:
-        raise ConfigError(f"local rank {local_rank} has no GPU: {n} visible on {socket.gethostname()}; "
-                          f"start at most {n} processes per node (--nproc_per_node={n})")
+        raise ConfigError(
+            f"local rank {local_rank} has no GPU: {n} visible on {socket.gethostname()}; "
+            f"start at most {n} processes per node (--nproc_per_node={n})"
+        )
     return local_rank
 
 
@@ -151,9 +163,11 @@ def check_gloo_address(world: int) -> None:
     except OSError:
         return  # gloo fails with its own error naming the host
     if addr.startswith("127."):
-        raise ConfigError(f"{host}: this host's name resolves to {addr} (loopback), which gloo would give the other "
-                          f"nodes as this rank's address; set GLOO_SOCKET_IFNAME to the network interface the nodes "
-                          f"share (e.g. GLOO_SOCKET_IFNAME=eth0), or make {host} resolve to that interface's address")
+        raise ConfigError(
+            f"{host}: this host's name resolves to {addr} (loopback), which gloo would give the other "
+            f"nodes as this rank's address; set GLOO_SOCKET_IFNAME to the network interface the nodes "
+            f"share (e.g. GLOO_SOCKET_IFNAME=eth0), or make {host} resolve to that interface's address"
+        )
 
 
 _pg_timeout_s: float | None = None  # the process group's collective timeout, for lost_peer_line()
@@ -168,14 +182,18 @@ def lost_peer_line(e: BaseException) -> str | None:
     cause = f"({type(e).__name__}: {first[:300]})"
     if "timed out" in first.lower() or "timeout" in first.lower():
         seconds = f" = {_pg_timeout_s:g} s" if _pg_timeout_s else ""
-        return (f"a collective waited {where('dist_timeout')}{seconds} for the other ranks and gave up: a node or "
-                f"the link to it went silent; the job stops here, resume with --resume auto {cause}")
+        return (
+            f"a collective waited {where('dist_timeout')}{seconds} for the other ranks and gave up: a node or "
+            f"the link to it went silent; the job stops here, resume with --resume auto {cause}"
+        )
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if addr and port and not _answers(addr, int(port)):
-        return (f"lost the job's c10d store at {addr}:{port} (MASTER_ADDR:MASTER_PORT): the host or process that "
-                f"held it is gone, and c10d has no failover, so the job ends; start every node again with --resume "
-                f"auto to go on from the last checkpoint (an etcd rendezvous, --rdzv-backend=etcd-v2, outlives any "
-                f"one host: docs/multi-node.md) {cause}")
+        return (
+            f"lost the job's c10d store at {addr}:{port} (MASTER_ADDR:MASTER_PORT): the host or process that "
+            f"held it is gone, and c10d has no failover, so the job ends; start every node again with --resume "
+            f"auto to go on from the last checkpoint (an etcd rendezvous, --rdzv-backend=etcd-v2, outlives any "
+            f"one host: docs/multi-node.md) {cause}"
+        )
     return None
 
 
@@ -287,11 +305,16 @@ def broadcast_object(obj, src: int = 0):
 def gather_rank_info(info: DistInfo) -> list[dict]:
     """Every rank's (host, local rank, device), gathered on all ranks: the banner and the idle-GPU
     guard read the same table."""
-    own = {"rank": info.rank, "host": socket.gethostname(), "local_rank": info.local_rank, "node": node_index(),
-           "device": str(info.device),
-           "device_name": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
-           "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-           "device_uuid": str(torch.cuda.get_device_properties(info.device).uuid) if info.device.type == "cuda" else ""}
+    own = {
+        "rank": info.rank,
+        "host": socket.gethostname(),
+        "local_rank": info.local_rank,
+        "node": node_index(),
+        "device": str(info.device),
+        "device_name": torch.cuda.get_device_name(info.device) if info.device.type == "cuda" else "cpu",
+        "visible_gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "device_uuid": str(torch.cuda.get_device_properties(info.device).uuid) if info.device.type == "cuda" else "",
+    }
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return [own]
     table = [None] * dist.get_world_size()

@@ -15,9 +15,11 @@ SHARDTRAIN_FAULT_HOLD=PATH: while that file exists every step waits after its ba
 ends the wait and removes the file (an elastic test holds a run at one world size until the agent restarts it
 for a node that joins).
 With SHARDTRAIN_FAULT_ONCE_DIR set, each fault fires once per job: it leaves a marker file there before killing,
-so one `torchrun --max-restarts N` launch can crash at several points in turn and prove that every restart resumes by itself (an extra restart, e.g. a slow rendezvous, does not shift the schedule).
+so one `torchrun --max-restarts N` launch can crash at several points in turn and prove that every restart resumes
+by itself (an extra restart, e.g. a slow rendezvous, does not shift the schedule).
 Unset (always, outside tests) it costs one set lookup per call.
 """
+
 from __future__ import annotations
 
 import errno

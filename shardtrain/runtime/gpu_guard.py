@@ -5,6 +5,7 @@ that gives every process LOCAL_RANK=0 stacks all ranks on GPU 0. Both look like 
 After start-up every rank holds the same table of (host, local rank, device) - distributed.gather_rank_info()
 - so every rank reaches the same verdict and an error stops them all at the same point, without a hang.
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -45,21 +46,25 @@ def check_rank_table(table: list[dict]) -> Verdict:
         if shared and verdict.error is None:
             key, ranks = next(iter(shared.items()))
             device = next(r["device"] for r in on_gpu if _gpu_key(r) == key)
-            verdict.error = (f"ranks {', '.join(map(str, sorted(ranks)))} on {host} all use {device}: each process "
-                             f"needs its own LOCAL_RANK; launch with torchrun --nproc_per_node=N (or srun with one "
-                             f"task per GPU) instead of setting RANK/WORLD_SIZE by hand")
+            verdict.error = (
+                f"ranks {', '.join(map(str, sorted(ranks)))} on {host} all use {device}: each process "
+                f"needs its own LOCAL_RANK; launch with torchrun --nproc_per_node=N (or srun with one "
+                f"task per GPU) instead of setting RANK/WORLD_SIZE by hand"
+            )
 
         visible = max(r.get("visible_gpus", 0) for r in rows)
         used = len(users)
         if visible and not on_gpu:
             verdict.warnings.append(
-                f"{host}: {visible} GPU(s) visible but training runs on CPU; drop --device cpu to use them")
+                f"{host}: {visible} GPU(s) visible but training runs on CPU; drop --device cpu to use them"
+            )
         elif visible > used:
             verdict.warnings.append(
                 f"{host}: only {used} of {visible} visible GPUs are used (world size {world}); "
                 f"{visible - used} sit idle. Start one process per GPU: `shardtrain train --nproc auto ...`, "
                 f"`torchrun --nproc_per_node={visible} shardtrain/main.py ...`, or on SageMaker "
-                f"{TORCHRUN_HINT}")
+                f"{TORCHRUN_HINT}"
+            )
     return verdict
 
 

@@ -7,6 +7,7 @@ answered -> carry on; unreachable with every name cached -> offline by itself (H
 the launched workers); unreachable otherwise -> one line naming the model and its flag.
 HF_HUB_OFFLINE and HF_ENDPOINT are the user's: offline means no probe, only the cache is looked at.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,7 @@ def hub_names(cfg: Config, fields: tuple[str, ...] = ("text_model", "tokenizer")
     is blamed on --text-model). Local folders and what is never loaded (random init) are left out."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    wanted = {"text_model": cfg.model.text_model if cfg.model.pretrained else None,
-              "tokenizer": cfg.data.tokenizer}
+    wanted = {"text_model": cfg.model.text_model if cfg.model.pretrained else None, "tokenizer": cfg.data.tokenizer}
     names: dict[str, str] = {}
     for field in fields:
         name = wanted[field]
@@ -81,9 +81,11 @@ def check_hub_names(cfg: Config, fields: tuple[str, ...] = ("text_model", "token
     if constants.HF_HUB_OFFLINE:
         if missing:
             name = missing[0]
-            raise ConfigError(f"{where(names[name])} {name}: not in the local Hugging Face cache "
-                              f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 forbids downloading it; download it "
-                              f"once with network (HF_HUB_OFFLINE=0) or give a local folder{_no_download(cfg, names[name])}")
+            raise ConfigError(
+                f"{where(names[name])} {name}: not in the local Hugging Face cache "
+                f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 forbids downloading it; download it "
+                f"once with network (HF_HUB_OFFLINE=0) or give a local folder{_no_download(cfg, names[name])}"
+            )
         return None
     first = next(iter(names))
     why = probe(f"{constants.ENDPOINT}/{first}/resolve/main/config.json")  # the first file a load asks for
@@ -91,15 +93,19 @@ def check_hub_names(cfg: Config, fields: tuple[str, ...] = ("text_model", "token
         return None
     if missing:
         name = missing[0]
-        raise ConfigError(f"{where(names[name])} {name}: the Hugging Face hub {constants.ENDPOINT} is unreachable "
-                          f"({why}) and {name} is not in the local cache ({constants.HF_HUB_CACHE}); download it "
-                          f"where there is network, or give a local folder{_no_download(cfg, names[name])}")
+        raise ConfigError(
+            f"{where(names[name])} {name}: the Hugging Face hub {constants.ENDPOINT} is unreachable "
+            f"({why}) and {name} is not in the local cache ({constants.HF_HUB_CACHE}); download it "
+            f"where there is network, or give a local folder{_no_download(cfg, names[name])}"
+        )
     # Every name is cached: go offline, in this process (huggingface_hub read the variable at import) and in
     # the workers launched from it.
     os.environ["HF_HUB_OFFLINE"] = "1"
     constants.HF_HUB_OFFLINE = True
-    return (f"the Hugging Face hub {constants.ENDPOINT} is unreachable ({why}); {', '.join(names)} "
-            f"{'is' if len(names) == 1 else 'are'} in the local cache: running offline (HF_HUB_OFFLINE=1)")
+    return (
+        f"the Hugging Face hub {constants.ENDPOINT} is unreachable ({why}); {', '.join(names)} "
+        f"{'is' if len(names) == 1 else 'are'} in the local cache: running offline (HF_HUB_OFFLINE=1)"
+    )
 
 
 def _no_download(cfg: Config, field: str) -> str:
@@ -107,8 +113,11 @@ def _no_download(cfg: Config, field: str) -> str:
     initialised (and, with no --tokenizer, a tokenizer trained on the data), or the shipped tiny config."""
     if field not in ("text_model", "tokenizer") or getattr(cfg.model, "name", None) is None:
         return ""
-    how = "--pretrained false (the same architecture, randomly initialised" + (
-        ", with a tokenizer trained on your data" if field == "text_model" else "") + ")"
+    how = (
+        "--pretrained false (the same architecture, randomly initialised"
+        + (", with a tokenizer trained on your data" if field == "text_model" else "")
+        + ")"
+    )
     if field == "tokenizer":
         how = "drop --tokenizer with --pretrained false (a tokenizer trained on your data)"
     tiny = Path(__file__).resolve().parents[2] / "configs" / f"{cfg.model.name}_tiny.yaml"

@@ -12,6 +12,7 @@ Committed checkpoints are untouched: a step directory counts only once COMMITTED
 
 Cost: one store lookup every POLL_SECONDS per rank, off the training thread (the store client releases the GIL).
 """
+
 from __future__ import annotations
 
 import os
@@ -36,6 +37,7 @@ def _store():
         return None
     # The store the default process group was made with: torchrun's (maybe per-attempt prefixed) or env://'s.
     from torch.distributed.distributed_c10d import _get_default_store
+
     return _get_default_store()
 
 

@@ -1,5 +1,6 @@
 """A plain `python -m shardtrain train` on a machine with several GPUs would use only GPU 0.
 Instead it re-launches itself under torch's elastic launcher with one process per GPU."""
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,10 @@ def launch_local(nproc: int, program: list[str], shown: str, extra_env: dict | N
     `train --nproc` and `predict --nproc` start them; `shown` is how the line printed names the program."""
     cmd = [sys.executable, "-m", "shardtrain.runtime.launch", "--standalone", f"--nproc_per_node={nproc}", *program]
     if os.environ.get("RANK", "0") == "0":
-        print(f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} {shown}",
-              flush=True)
+        print(
+            f"shardtrain: starting {nproc} processes: torchrun --standalone --nproc_per_node={nproc} {shown}",
+            flush=True,
+        )
     from shardtrain.runtime.device_defaults import threads_per_rank
 
     # Each rank its share of the CPUs this process was given (CPU Adam under *_offload runs on them), not
@@ -124,8 +127,7 @@ def quiet_torchrun(args: list[str]) -> int:
         code = e.get_first_failure()[1].exitcode
         return code if code > 0 else 128 - code
     except SignalException as e:
-        print(f"shardtrain: the launcher got {e.sigval.name} before its workers started, and stopped",
-              file=sys.stderr)
+        print(f"shardtrain: the launcher got {e.sigval.name} before its workers started, and stopped", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0
 

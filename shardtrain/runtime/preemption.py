@@ -4,6 +4,7 @@ The signal side is StopFlag below: SIGUSR1/SIGTERM (preemption) and a first Ctrl
 finishes its step, saves and exits (0 on a preemption signal, 130 on Ctrl-C).
 How the signal reaches the training processes under each launcher: docs/checkpoints.md, "Preemption".
 """
+
 from __future__ import annotations
 
 import os
@@ -32,8 +33,10 @@ def requeue_if_slurm(log=print) -> bool:
         log(f"[shardtrain] warning: could not requeue Slurm job {job}: {e}")
         return False
     if proc.returncode != 0:
-        log(f"[shardtrain] warning: `scontrol requeue {job}` failed ({proc.returncode}): "
-            f"{(proc.stderr or proc.stdout).strip()[:300]}; resubmit the job to resume")
+        log(
+            f"[shardtrain] warning: `scontrol requeue {job}` failed ({proc.returncode}): "
+            f"{(proc.stderr or proc.stdout).strip()[:300]}; resubmit the job to resume"
+        )
         return False
     log(f"requeued Slurm job {job}; it resumes from the checkpoint (--resume auto)")
     return True

@@ -5,6 +5,7 @@ checkpoints that the other hosts never see: their --resume auto finds nothing, a
 start-up rank 0 writes a marker holding a fresh nonce, every rank reads it back, and a rank that cannot is named
 (with its host) in one ConfigError on every rank, before any model or data work. The marker is removed again.
 """
+
 from __future__ import annotations
 
 import secrets
@@ -61,7 +62,9 @@ def require_shared_output_dir(out: Path, rank: int, hosts: list[str]) -> None:
     blind = sorted({hosts[r] for r, ok in enumerate(seen) if not ok})
     if blind:
         ranks = [r for r, ok in enumerate(seen) if not ok]
-        raise ConfigError(f"{where('output_dir')} {out} is not shared: {', '.join(blind)} (rank"
-                          f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) cannot see the file rank "
-                          f"0 wrote there on {hosts[0]}; every host must see the same folder (a shared filesystem "
-                          f"such as NFS or Lustre mounted at the same path)")
+        raise ConfigError(
+            f"{where('output_dir')} {out} is not shared: {', '.join(blind)} (rank"
+            f"{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}) cannot see the file rank "
+            f"0 wrote there on {hosts[0]}; every host must see the same folder (a shared filesystem "
+            f"such as NFS or Lustre mounted at the same path)"
+        )

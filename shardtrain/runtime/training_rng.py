@@ -7,6 +7,7 @@ first step, and only the steps draw from them. Anything else that needs randomne
 initial weights, the banner's memory prediction, the FLOP count's meta copy) runs inside `aside()`: the
 stream is saved on entry and put back on exit, whatever ran, seeded or drew inside.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,7 @@
 """The memory strategies behind one Strategy interface (DDP, FSDP2, DeepSpeed ZeRO-2/3), with their configs,
 optimizer groups and activation checkpointing; make_strategy below is the only place that knows them all.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -9,7 +10,7 @@ from shardtrain.config.settings import Config
 
 if TYPE_CHECKING:
     from shardtrain.runtime.distributed import DistInfo
-    from shardtrain.strategies.base import Strategy, StepResult
+    from shardtrain.strategies.base import StepResult, Strategy
 
 
 def make_strategy(cfg: Config, dist_info: DistInfo, workload=None) -> Strategy:
@@ -17,12 +18,15 @@ def make_strategy(cfg: Config, dist_info: DistInfo, workload=None) -> Strategy:
     kind = cfg.parallel.strategy
     if kind == "ddp":
         from shardtrain.strategies.ddp import DDPStrategy
+
         return DDPStrategy(cfg, dist_info, workload)
     if kind == "fsdp":
         from shardtrain.strategies.fsdp import FSDPStrategy
+
         return FSDPStrategy(cfg, dist_info, workload)
     if kind == "deepspeed":
         from shardtrain.strategies.zero import ZeroStrategy
+
         return ZeroStrategy(cfg, dist_info, workload)
     raise AssertionError(f"strategy {kind!r} should have been resolved before make_strategy")
 
@@ -33,15 +37,16 @@ def check_strategy_config(cfg: Config) -> None:
     kind = cfg.parallel.strategy
     if kind == "fsdp":
         from shardtrain.strategies.fsdp_policy import load_policy
+
         load_policy(cfg.parallel.fsdp_policy)
     elif kind == "deepspeed":
         import os
 
         from shardtrain.runtime.launch import resolve_nproc, under_launcher
         from shardtrain.strategies.ds_config import resolve_ds_config
+
         env = os.environ
-        world = (int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1) if under_launcher()
-                 else resolve_nproc(cfg))
+        world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1) if under_launcher() else resolve_nproc(cfg)
         resolve_ds_config(cfg, world)
 
 
@@ -50,6 +55,7 @@ def __getattr__(name: str):
     # can check the strategy's file (check_strategy_config) without paying for torch.
     if name in ("Strategy", "StepResult"):
         from shardtrain.strategies import base
+
         return getattr(base, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

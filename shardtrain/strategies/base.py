@@ -7,6 +7,7 @@ The loop calls, per optimizer step:
 and `save` / `load` for checkpoints (`save_async` with --async-save). Everything backend-specific lives behind
 these methods.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,9 +32,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass
 class StepResult:
-    grad_norm: float         # global, before clipping (inf/nan when the gradients were not finite)
+    grad_norm: float  # global, before clipping (inf/nan when the gradients were not finite)
     applied: bool
-    overflow: bool = False   # fp16: the loss scaler found inf/nan and skipped the update
+    overflow: bool = False  # fp16: the loss scaler found inf/nan and skipped the update
 
 
 class Strategy(ABC):
@@ -215,12 +216,14 @@ class Strategy(ABC):
 
         def names() -> dict[int, str]:  # only when reporting: the parameter's name
             return {id(p): n for n, p in self.named_parameters()}
+
         return ShardReadGuard(names, self.is_shard, what, self.name)
 
     def block_classes(self, model: nn.Module) -> tuple[type, ...]:
         """The workload's repeated blocks, as classes that occur in `model` (else one line listing its classes)."""
-        return resolve_block_classes(model, self.workload.block_classes(),
-                                     f"{type(self.workload).__name__}.block_classes()")
+        return resolve_block_classes(
+            model, self.workload.block_classes(), f"{type(self.workload).__name__}.block_classes()"
+        )
 
     def sync_buffers(self) -> None:
         """BatchNorm running stats drift apart per rank where the backend does not broadcast them
@@ -256,8 +259,10 @@ class Strategy(ABC):
 def extra_state(scheduler, optimizer, scaler=None) -> dict:
     """Non-tensor training state, as JSON: the schedule position, each group's current learning rate
     (set again on load: a LambdaLR only recomputes it at its next step) and the loss scaler."""
-    state = {"scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
-             "lrs": [float(g["lr"]) for g in optimizer.param_groups]}
+    state = {
+        "scheduler": {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"},
+        "lrs": [float(g["lr"]) for g in optimizer.param_groups],
+    }
     if scaler:
         state["scaler"] = scaler.state_dict()
     return state
@@ -270,8 +275,11 @@ def load_extra_state(extra: dict, scheduler, optimizer, scaler=None) -> None:
         sd = scheduler.state_dict()
         # Another group layout (DeepSpeed leaves frozen parameters' groups out until they unfreeze): only the
         # schedule's position carries over; its per-group lists stay this optimizer's.
-        sd.update(extra["scheduler"] if same_groups else
-                  {k: v for k, v in extra["scheduler"].items() if k in ("last_epoch", "_step_count")})
+        sd.update(
+            extra["scheduler"]
+            if same_groups
+            else {k: v for k, v in extra["scheduler"].items() if k in ("last_epoch", "_step_count")}
+        )
         scheduler.load_state_dict(sd)
         if not same_groups:  # each group's rate at that position, as LambdaLR computes it
             for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
@@ -296,8 +304,9 @@ def check_precision_supported(precision: str, device: torch.device) -> None:
         return
     if not torch.cuda.is_bf16_supported(including_emulation=False):
         name = torch.cuda.get_device_name(device)
-        raise ConfigError(f"{where('precision')}=bf16: {name} has no bf16 support "
-                          f"(compute capability < 8.0); use --precision fp16")
+        raise ConfigError(
+            f"{where('precision')}=bf16: {name} has no bf16 support (compute capability < 8.0); use --precision fp16"
+        )
 
 
 def squared_norm(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -324,6 +333,5 @@ def clip_and_norm(params, max_norm: float) -> torch.Tensor:
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros(())
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"),
-                                          foreach=True)
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -1,4 +1,5 @@
 """DistributedDataParallel: every rank holds the whole model, optimizer and gradients."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,9 +23,15 @@ class DDPStrategy(NativeStrategy):
 
     def _wrap(self):
         root = workload_root(self.inner, self.workload)  # DDP's forward (its reducer) sees the workload's forward
-        self.ddp = root if self.dist.world_size == 1 else DistributedDataParallel(
-            root, device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
-            gradient_as_bucket_view=True)
+        self.ddp = (
+            root
+            if self.dist.world_size == 1
+            else DistributedDataParallel(
+                root,
+                device_ids=[self.dist.local_rank] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+            )
+        )
         # Compiled after wrapping: dynamo then splits the graph at DDP's bucket boundaries, so the
         # all-reduces still overlap the backward.
         return self._compile(self.ddp)
@@ -54,6 +61,7 @@ class DDPStrategy(NativeStrategy):
             # that forward or skipped it does not; the next forward's buffer broadcast follows the same state.
             # A new reducer, as at the start of the run, puts every rank in the same state. Only on recovery.
             import gc
+
             self.model = self.ddp = None
             gc.collect()  # the old buckets first: this runs right after an out-of-memory error
             self.model = self._wrap()

@@ -3,6 +3,7 @@
 An explicit value that contradicts the shardtrain config is an error naming both, raised before
 `deepspeed.initialize`. DeepSpeed's own identity: train_batch_size = micro * accum * dp_world.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def _fill(ds: dict, key: str, ours, flag: str, path: str) -> None:
     if theirs == "auto":
         ds[key] = ours
     elif theirs != ours:
-        raise ConfigError(f"{path}: \"{key}\": {theirs} contradicts {flag}={ours}; set it to \"auto\" or make them agree")
+        raise ConfigError(f'{path}: "{key}": {theirs} contradicts {flag}={ours}; set it to "auto" or make them agree')
 
 
 def resolve_ds_config(cfg: Config, world_size: int, has_batchnorm: bool = False) -> dict:
@@ -44,8 +45,10 @@ def resolve_ds_config(cfg: Config, world_size: int, has_batchnorm: bool = False)
     t = cfg.train
     for section in ("optimizer", "scheduler"):
         if section in ds:
-            raise ConfigError(f"{path}: remove the \"{section}\" section: shardtrain builds AdamW and its schedule "
-                              f"from --lr, --weight-decay, --warmup-steps and --lr-scheduler for every strategy")
+            raise ConfigError(
+                f'{path}: remove the "{section}" section: shardtrain builds AdamW and its schedule '
+                f"from --lr, --weight-decay, --warmup-steps and --lr-scheduler for every strategy"
+            )
     _fill(ds, "train_micro_batch_size_per_gpu", t.per_device_batch_size, "--per-device-batch-size", path)
     _fill(ds, "gradient_accumulation_steps", t.grad_accum, "--grad-accum", path)
     global_batch = t.per_device_batch_size * t.grad_accum * world_size
@@ -53,41 +56,50 @@ def resolve_ds_config(cfg: Config, world_size: int, has_batchnorm: bool = False)
     if theirs == "auto":
         ds["train_batch_size"] = global_batch
     elif theirs != global_batch:
-        raise ConfigError(f"{path}: \"train_batch_size\": {theirs} != per-device batch {t.per_device_batch_size} "
-                          f"x grad accum {t.grad_accum} x world size {world_size} = {global_batch}")
+        raise ConfigError(
+            f'{path}: "train_batch_size": {theirs} != per-device batch {t.per_device_batch_size} '
+            f"x grad accum {t.grad_accum} x world size {world_size} = {global_batch}"
+        )
     _fill(ds, "gradient_clipping", t.max_grad_norm, "--max-grad-norm", path)
 
     zero = ds.setdefault("zero_optimization", {})
     stage = zero.get("stage", 0)
     if stage not in STAGES:
-        raise ConfigError(f"{path}: zero_optimization.stage={stage!r} is not one of 1, 2, 3"
-                          + ("; for no sharding use --strategy ddp" if stage == 0 else ""))
+        raise ConfigError(
+            f"{path}: zero_optimization.stage={stage!r} is not one of 1, 2, 3"
+            + ("; for no sharding use --strategy ddp" if stage == 0 else "")
+        )
     offload_param = (zero.get("offload_param") or {}).get("device", "none")
     offload_opt = (zero.get("offload_optimizer") or {}).get("device", "none")
     for name, value in (("offload_param", offload_param), ("offload_optimizer", offload_opt)):
         if value not in ("none", "cpu", "nvme"):
             raise ConfigError(f"{path}: zero_optimization.{name}.device={value!r} is not one of none, cpu, nvme")
     if offload_param != "none" and stage != 3:
-        raise ConfigError(f"{path}: zero_optimization.offload_param needs stage 3 (this file says stage {stage}); "
-                          f"use ds_configs/zero3_offload.json or drop offload_param")
+        raise ConfigError(
+            f"{path}: zero_optimization.offload_param needs stage 3 (this file says stage {stage}); "
+            f"use ds_configs/zero3_offload.json or drop offload_param"
+        )
 
     _resolve_precision(ds, cfg.train.precision, path, has_batchnorm)
     # Our client AdamW works on CPU partitions too; without this DeepSpeed insists on building its own.
     ds.setdefault("zero_allow_untested_optimizer", True)
     ds.setdefault("zero_force_ds_cpu_optimizer", False)
-    ds.setdefault("steps_per_print", 10 ** 9)
+    ds.setdefault("steps_per_print", 10**9)
     ds.setdefault("wall_clock_breakdown", False)
     return ds
 
 
 def _resolve_precision(ds: dict, precision: str, path: str, has_batchnorm: bool) -> None:
-    explicit = {k for k in ("bf16", "fp16", "torch_autocast")
-                if (ds.get(k) or {}).get("enabled", "auto") not in ("auto", False)}
+    explicit = {
+        k for k in ("bf16", "fp16", "torch_autocast") if (ds.get(k) or {}).get("enabled", "auto") not in ("auto", False)
+    }
     wanted = {"fp32": set(), "bf16": {"bf16", "torch_autocast"}, "fp16": {"fp16", "torch_autocast"}}[precision]
     conflict = explicit - wanted
     if conflict:
-        raise ConfigError(f"{path}: \"{sorted(conflict)[0]}\" is enabled but --precision is {precision}; "
-                          f"set \"enabled\": \"auto\" there or change --precision")
+        raise ConfigError(
+            f'{path}: "{sorted(conflict)[0]}" is enabled but --precision is {precision}; '
+            f'set "enabled": "auto" there or change --precision'
+        )
     for key in ("bf16", "fp16", "torch_autocast"):
         if (ds.get(key) or {}).get("enabled") == "auto":
             ds[key]["enabled"] = False
@@ -97,8 +109,10 @@ def _resolve_precision(ds: dict, precision: str, path: str, has_batchnorm: bool)
         ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     elif precision == "fp16" and "torch_autocast" not in explicit:
         if has_batchnorm:
-            raise ConfigError(f"--precision fp16 with {path}: DeepSpeed's fp16 mode casts BatchNorm to fp16, which "
-                              f"this CNN cannot train in; use --precision bf16 (A100/H100) or --strategy fsdp")
+            raise ConfigError(
+                f"--precision fp16 with {path}: DeepSpeed's fp16 mode casts BatchNorm to fp16, which "
+                f"this CNN cannot train in; use --precision bf16 (A100/H100) or --strategy fsdp"
+            )
         fp16 = ds.setdefault("fp16", {})
         fp16["enabled"] = True
         fp16.setdefault("loss_scale", 0)  # 0 = dynamic loss scaling
@@ -107,6 +121,8 @@ def _resolve_precision(ds: dict, precision: str, path: str, has_batchnorm: bool)
 
 def describe_ds(ds: dict) -> dict:
     zero = ds.get("zero_optimization", {})
-    return {"stage": zero.get("stage"),
-            "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none"),
-            "offload_param": (zero.get("offload_param") or {}).get("device", "none")}
+    return {
+        "stage": zero.get("stage"),
+        "offload_optimizer": (zero.get("offload_optimizer") or {}).get("device", "none"),
+        "offload_param": (zero.get("offload_param") or {}).get("device", "none"),
+    }

@@ -4,6 +4,7 @@ The wrap policy is data (`fsdp_policies/*.yaml`). Rank 0 alone materialises the 
 build it on the meta device, and the weights reach them shard by shard from rank 0, so host RAM holds one
 full copy per job rather than one per rank.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -30,13 +31,16 @@ def _classes_by_name(model: nn.Module, names: list[str], what: str, policy: FSDP
     for name in names:
         if name not in present and name not in known:
             close = difflib.get_close_matches(name, list(present), n=1)
-            raise ConfigError(f"{where('fsdp_policy')} {policy.path}: {what} names unknown class '{name}'"
-                              + (f"; did you mean '{close[0]}'?" if close else ""))
+            raise ConfigError(
+                f"{where('fsdp_policy')} {policy.path}: {what} names unknown class '{name}'"
+                + (f"; did you mean '{close[0]}'?" if close else "")
+            )
     return tuple(present[n] for n in names if n in present)
 
 
-def _units(model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...],
-           blocks_from: str = "Workload.block_classes()") -> list[nn.Module]:
+def _units(
+    model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...], blocks_from: str = "Workload.block_classes()"
+) -> list[nn.Module]:
     """Modules to shard as their own units, innermost first (fully_shard must go bottom-up). The policy's
     wrap_classes where the model has some of them (the shipped policies name the built-ins' blocks), else the
     workload's block classes; a size-only policy (no wrap_classes) stays size-only."""
@@ -56,12 +60,16 @@ def _units(model: nn.Module, policy: FSDPPolicy, blocks: tuple[type, ...],
     if not units:
         model_classes = sorted({type(m).__name__ for m in model.modules()})
         if policy.wrap_classes and not blocks:
-            raise ConfigError(f"FSDP found no blocks to shard: {blocks_from} is empty and the model has no Hugging Face "
-                              f"_no_split_modules; return its repeated block classes (the model has "
-                              f"{', '.join(model_classes)}), or use --fsdp-policy fsdp_policies/size_based.yaml")
+            raise ConfigError(
+                f"FSDP found no blocks to shard: {blocks_from} is empty and the model has no Hugging Face "
+                f"_no_split_modules; return its repeated block classes (the model has "
+                f"{', '.join(model_classes)}), or use --fsdp-policy fsdp_policies/size_based.yaml"
+            )
         looked = policy.wrap_classes or [f"modules with >= {policy.min_params} parameters"]
-        raise ConfigError(f"{where('fsdp_policy')} {policy.path} wraps nothing in this model: looked for "
-                          f"{', '.join(map(str, looked))}; the model has {', '.join(model_classes)}")
+        raise ConfigError(
+            f"{where('fsdp_policy')} {policy.path} wraps nothing in this model: looked for "
+            f"{', '.join(map(str, looked))}; the model has {', '.join(model_classes)}"
+        )
     return units
 
 
@@ -79,8 +87,12 @@ def wire_dtypes(policy: FSDPPolicy, precision: str) -> dict:
     if precision == "fp32":
         return {"mixed_precision_params": False, "param_dtype": "fp32", "reduce_dtype": "fp32"}
     if not policy.mixed_precision:
-        return {"mixed_precision_params": False, "param_dtype": "fp32", "reduce_dtype": "fp32",
-                "why_fp32_params": "the policy's mixed_precision is false"}
+        return {
+            "mixed_precision_params": False,
+            "param_dtype": "fp32",
+            "reduce_dtype": "fp32",
+            "why_fp32_params": "the policy's mixed_precision is false",
+        }
     return {"mixed_precision_params": True, "param_dtype": precision, "reduce_dtype": "fp32"}
 
 
@@ -123,8 +135,9 @@ class FSDPStrategy(NativeStrategy):
         self._freeze(model, frozen_names)  # before sharding: a unit may hold frozen and trainable parameters
 
         # The policy's classes where the model has some of them; else the workload's blocks.
-        ac_classes = (_classes_by_name(model, self.policy.activation_checkpointing, "activation_checkpointing",
-                                       self.policy) or self.block_classes(model))
+        ac_classes = _classes_by_name(
+            model, self.policy.activation_checkpointing, "activation_checkpointing", self.policy
+        ) or self.block_classes(model)
         self.recompute_count = self._apply_recompute(model, ac_classes)
 
         mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
@@ -133,8 +146,7 @@ class FSDPStrategy(NativeStrategy):
             common["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         low = DTYPES[self.precision]
         mp = mixed_precision_policy(self.policy, self.precision)
-        units = _units(model, self.policy, self.block_classes(model),
-                       f"{type(self.workload).__name__}.block_classes()")
+        units = _units(model, self.policy, self.block_classes(model), f"{type(self.workload).__name__}.block_classes()")
         if mp:
             # BatchNorm must see fp32 weights; its own unit keeps them so and hands back low precision.
             bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)
@@ -154,8 +166,7 @@ class FSDPStrategy(NativeStrategy):
         self.unit_count = len(units)
 
         materialise(model, self.device, self.policy.cpu_offload)
-        set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True,
-                                                                     broadcast_from_rank0=True))
+        set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         # Non-persistent buffers (e.g. position ids) are not in the state dict; send every buffer.
         for name, buf in model.named_buffers():
             if rank0:
@@ -170,6 +181,12 @@ class FSDPStrategy(NativeStrategy):
         return super().micro_step(is_last)
 
     def describe(self):
-        return {"strategy": "fsdp", "offload": self.policy.cpu_offload, "policy": self.policy.path,
-                "sharding": self.policy.sharding, "units": self.unit_count,
-                **wire_dtypes(self.policy, self.precision), "recompute_blocks": self.recompute_count}
+        return {
+            "strategy": "fsdp",
+            "offload": self.policy.cpu_offload,
+            "policy": self.policy.path,
+            "sharding": self.policy.sharding,
+            "units": self.unit_count,
+            **wire_dtypes(self.policy, self.precision),
+            "recompute_blocks": self.recompute_count,
+        }

@@ -1,6 +1,7 @@
 """The FSDP policy file (fsdp_policies/*.yaml): read and checked without torch, so that the parent process of
 `train --nproc N` checks it before any process starts without paying for torch (strategies/fsdp.py applies it).
 """
+
 from __future__ import annotations
 
 import difflib
@@ -64,13 +65,17 @@ def load_policy(path: str) -> FSDPPolicy:
     for key in data:
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
-            raise ConfigError(f"{where('fsdp_policy')} {p}: unknown key '{key}'"
-                              + (f"; did you mean '{close[0]}'?" if close else f" (keys: {', '.join(sorted(known))})"))
+            raise ConfigError(
+                f"{where('fsdp_policy')} {p}: unknown key '{key}'"
+                + (f"; did you mean '{close[0]}'?" if close else f" (keys: {', '.join(sorted(known))})")
+            )
     policy = FSDPPolicy(**data, path=str(p))
     for key in ("wrap_classes", "activation_checkpointing"):
         if not isinstance(getattr(policy, key), list):
             raise ConfigError(f"{where('fsdp_policy')} {p}: '{key}' must be a list of class names")
     if not policy.wrap_classes and not policy.min_params:
-        raise ConfigError(f"{where('fsdp_policy')} {p}: names neither wrap_classes nor min_params: "
-                          f"the whole model would be one giant unit")
+        raise ConfigError(
+            f"{where('fsdp_policy')} {p}: names neither wrap_classes nor min_params: "
+            f"the whole model would be one giant unit"
+        )
     return policy

@@ -1,4 +1,5 @@
 """What DDP and FSDP share: PyTorch's own optimizer step, loss scaling and DCP checkpoints."""
+
 from __future__ import annotations
 
 import math
@@ -6,9 +7,18 @@ from pathlib import Path
 
 import torch
 
-from shardtrain.strategies.base import (Strategy, StepResult, checkpoint_group, clip_and_norm, clip_to, extra_state,
-                                        load_extra_state, local_grads, squared_norm)
 from shardtrain.checkpointing.dcp_state import load_dcp, save_dcp, save_dcp_async
+from shardtrain.strategies.base import (
+    StepResult,
+    Strategy,
+    checkpoint_group,
+    clip_and_norm,
+    clip_to,
+    extra_state,
+    load_extra_state,
+    local_grads,
+    squared_norm,
+)
 
 
 class NativeStrategy(Strategy):
@@ -20,8 +30,7 @@ class NativeStrategy(Strategy):
         return torch.amp.GradScaler(self.device.type)
 
     def _finish_setup(self, frozen_names):
-        self.optimizer, self.scheduler = self._optimizer_and_scheduler(self.unwrapped.named_parameters(),
-                                                                       frozen_names)
+        self.optimizer, self.scheduler = self._optimizer_and_scheduler(self.unwrapped.named_parameters(), frozen_names)
         self.scaler = self._make_scaler() if self.precision == "fp16" else None
         if self.cfg.checkpoint.async_save:
             self._save_group = checkpoint_group()
@@ -65,18 +74,27 @@ class NativeStrategy(Strategy):
 
     def save(self, ckpt_dir: Path):
         self.sync_buffers()
-        save_dcp(ckpt_dir, self.unwrapped, self.optimizer, extra_state(self.scheduler, self.optimizer, self.scaler),
-                 self.dist.is_rank0)
+        save_dcp(
+            ckpt_dir,
+            self.unwrapped,
+            self.optimizer,
+            extra_state(self.scheduler, self.optimizer, self.scaler),
+            self.dist.is_rank0,
+        )
 
     def save_async(self, ckpt_dir: Path):
         self.sync_buffers()  # before the snapshot, as in save
-        return save_dcp_async(ckpt_dir, self.unwrapped, self.optimizer,
-                              extra_state(self.scheduler, self.optimizer, self.scaler), self.dist.is_rank0,
-                              self._save_group)
+        return save_dcp_async(
+            ckpt_dir,
+            self.unwrapped,
+            self.optimizer,
+            extra_state(self.scheduler, self.optimizer, self.scaler),
+            self.dist.is_rank0,
+            self._save_group,
+        )
 
     def load(self, ckpt_dir: Path, saved: dict | None = None, load_optimizer: bool = True):
         # Every checkpoint has the portable model_optim/ (DeepSpeed writes it too), so one path serves
         # DDP, FSDP and foreign checkpoints at any world size.
         extra = load_dcp(ckpt_dir, self.unwrapped, self.optimizer, load_optimizer, warn=self._warn)
         load_extra_state(extra if load_optimizer else {}, self.scheduler, self.optimizer, self.scaler)
-

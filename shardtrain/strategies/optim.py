@@ -6,6 +6,7 @@ schedule's groups alike everywhere. DeepSpeed allocates partitions only for para
 its engine is built: ZeRO leaves the frozen groups out until the unfreeze and then builds a new engine with them
 (strategies/zero.py), so every strategy ends up with these same groups.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,16 +24,22 @@ def _no_decay(name: str, param: torch.Tensor) -> bool:
     return param.ndim <= 1 or any(marker in name for marker in NO_DECAY_MARKERS)
 
 
-def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float,
-                 frozen_names: set[str]) -> list[dict]:
+def param_groups(
+    named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float, frozen_names: set[str]
+) -> list[dict]:
     buckets: dict[tuple[bool, bool], list] = {}
     for name, p in named_params:
         buckets.setdefault((name in frozen_names, _no_decay(name, p)), []).append(p)
     groups = []
     for (frozen, no_decay), params in sorted(buckets.items()):
-        groups.append({"params": params, "weight_decay": 0.0 if no_decay else weight_decay,
-                       "frozen": frozen, "group_name": ("frozen_" if frozen else "") +
-                       ("no_decay" if no_decay else "decay")})
+        groups.append(
+            {
+                "params": params,
+                "weight_decay": 0.0 if no_decay else weight_decay,
+                "frozen": frozen,
+                "group_name": ("frozen_" if frozen else "") + ("no_decay" if no_decay else "decay"),
+            }
+        )
     return groups
 
 
@@ -52,12 +59,15 @@ def lr_lambda(tcfg: TrainConfig) -> Callable[[int], float]:
     return factor
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, tcfg: TrainConfig,
-                    unfreeze_at_step: int | None) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, tcfg: TrainConfig, unfreeze_at_step: int | None
+) -> torch.optim.lr_scheduler.LambdaLR:
     base = lr_lambda(tcfg)
+
     # A pure function of the step: the schedule needs no state of its own to resume exactly.
     def frozen(step: int) -> float:
         return base(step) if unfreeze_at_step is not None and step >= unfreeze_at_step else 0.0
+
     lambdas = [frozen if g.get("frozen") else base for g in optimizer.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
@@ -65,5 +75,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, tcfg: TrainConfig,
 def adamw(groups: list[dict], lr: float, device: torch.device, fused: bool = True) -> torch.optim.AdamW:
     # fused kernels exist on CUDA only; foreach is the fast path on CPU (and on CUDA with fused=False).
     fused = fused and device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=fused or None,
-                             foreach=None if fused else True)
+    return torch.optim.AdamW(
+        groups, lr=lr, betas=(0.9, 0.999), eps=1e-8, fused=fused or None, foreach=None if fused else True
+    )

@@ -3,6 +3,7 @@
 Wrapping `forward` in place (instead of torch's CheckpointWrapper module) keeps parameter names stable,
 so checkpoints, freezing and FSDP policies see the same names with checkpointing on or off.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -18,8 +19,9 @@ def _batchnorm_stats_frozen(module: nn.Module):
     """Recomputing a BatchNorm block in train mode would update its running stats a second time
     per step. Momentum 0 leaves them exactly as they are; the batch counter is restored after."""
     norms = [m for m in module.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-    saved = [(m, m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None)
-             for m in norms]
+    saved = [
+        (m, m.momentum, m.num_batches_tracked.clone() if m.num_batches_tracked is not None else None) for m in norms
+    ]
     for m in norms:
         m.momentum = 0.0
     try:
@@ -35,8 +37,9 @@ def _checkpointed_forward(module: nn.Module, forward):
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
     def contexts():
-        return contextlib.nullcontext(), (_batchnorm_stats_frozen(module) if has_batchnorm
-                                          else contextlib.nullcontext())
+        return contextlib.nullcontext(), (
+            _batchnorm_stats_frozen(module) if has_batchnorm else contextlib.nullcontext()
+        )
 
     @functools.wraps(forward)
     def run(*args, **kwargs):

@@ -15,6 +15,7 @@ load unchanged). Nothing has a prefix to strip. The model object itself is no su
 be its own child): `WorkloadRoot.model` holds it, and the workload's forward receives it, so its own forward,
 its own hooks and its `training` flag are what a plain call sees.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable

@@ -8,6 +8,7 @@ returned an invalid gradient ... got [0]"). Around the workload code that runs o
 (loss, metric_sums), a torch function mode looks at every tensor handed to a torch function and turns the
 first such shard into one line naming the method and the parameter.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -21,8 +22,9 @@ from shardtrain.config.settings import ConfigError
 
 
 class ShardReadGuard(TorchFunctionMode):
-    def __init__(self, names: Callable[[], dict[int, str]], is_shard: Callable[[torch.Tensor], bool], what: str,
-                 strategy: str):
+    def __init__(
+        self, names: Callable[[], dict[int, str]], is_shard: Callable[[torch.Tensor], bool], what: str, strategy: str
+    ):
         super().__init__()
         self.names, self.is_shard, self.what, self.strategy = names, is_shard, what, strategy
 
@@ -31,7 +33,9 @@ class ShardReadGuard(TorchFunctionMode):
         for leaf in tree_leaves((args, kwargs)):
             if isinstance(leaf, nn.Parameter) and self.is_shard(leaf):
                 name = self.names().get(id(leaf), "a parameter")
-                raise ConfigError(f"{self.what} reads {name} outside the model's forward, where {self.strategy} holds "
-                                  f"only this rank's shard of it: read parameters inside forward and return what "
-                                  f"the loss needs among its outputs")
+                raise ConfigError(
+                    f"{self.what} reads {name} outside the model's forward, where {self.strategy} holds "
+                    f"only this rank's shard of it: read parameters inside forward and return what "
+                    f"the loss needs among its outputs"
+                )
         return func(*args, **kwargs)

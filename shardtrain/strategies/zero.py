@@ -4,6 +4,7 @@
 The engine owns accumulation: it scales the loss by 1/accum, counts micro-steps in `engine.step()` and
 reduces gradients only at the boundary, so there is no no_sync here.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,7 @@ from torch import nn
 from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable, save_portable_async
 from shardtrain.checkpointing.unpickle_guard import check_torch_file
 from shardtrain.config.settings import ConfigError, where
-from shardtrain.strategies.base import Strategy, StepResult, checkpoint_group, extra_state, load_extra_state
+from shardtrain.strategies.base import StepResult, Strategy, checkpoint_group, extra_state, load_extra_state
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
 from shardtrain.strategies.root import workload_root
 
@@ -26,6 +27,7 @@ class ZeroStrategy(Strategy):
     def __init__(self, cfg, dist_info, workload=None, has_batchnorm: bool = False):
         super().__init__(cfg, dist_info, workload)
         from shardtrain.runtime.device_defaults import deepspeed_accelerator
+
         line = deepspeed_accelerator(self.device.type)  # before deepspeed is first imported: it reads it once
         if line:
             self._warn(line)
@@ -39,18 +41,22 @@ class ZeroStrategy(Strategy):
         if cfg.checkpoint.async_save and (self.ds_config.get("fp16") or {}).get("enabled"):
             # save_async writes the portable form alone, which has no place for DeepSpeed's dynamic loss scale:
             # a resume would start again from the initial scale and skip steps finding it (not exact).
-            raise ConfigError(f"{where('async_save')} with DeepSpeed fp16: the background save keeps no loss-scaler "
-                              f"state, so a resume would not be exact; use --precision bf16 or fp32, or save "
-                              f"synchronously")
+            raise ConfigError(
+                f"{where('async_save')} with DeepSpeed fp16: the background save keeps no loss-scaler "
+                f"state, so a resume would not be exact; use --precision bf16 or fp32, or save "
+                f"synchronously"
+            )
 
     def is_shard(self, p):
         # ZeRO-3 releases each gathered parameter after use (shape [0]); small ones persist whole.
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
         return getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE
 
     def autocast(self):
         # The engine applies torch.autocast itself from the "torch_autocast" section.
         import contextlib
+
         return contextlib.nullcontext()
 
     def setup(self, build_model, frozen_names):
@@ -78,6 +84,7 @@ class ZeroStrategy(Strategy):
             # zero.Init patches torch.Tensor.__new__; torch._dynamo, imported lazily inside it, rejects
             # the patched signature. Import it first.
             import torch._dynamo  # noqa: F401
+
             # Rank 0 alone materialises the weights, pretrained ones included, in host memory; every rank
             # then builds a partitioned copy under zero.Init (no rank ever holds the full model on the
             # device) and rank 0 fills it in, one module gathered at a time.
@@ -86,8 +93,11 @@ class ZeroStrategy(Strategy):
             # the pretrained tensors into size-0 partitions (from_pretrained's "ignore_mismatched_sizes",
             # load_state_dict's size mismatch for --image-weights), and HF's initialisation would index them.
             from transformers.initialization import no_init_weights
-            with no_init_weights(), deepspeed.zero.Init(config_dict_or_path=self.ds_config,
-                                                        remote_device=self._param_device()):
+
+            with (
+                no_init_weights(),
+                deepspeed.zero.Init(config_dict_or_path=self.ds_config, remote_device=self._param_device()),
+            ):
                 model = build_model(on_meta=False, load_weights=False)
             if hasattr(model, "tie_weights"):
                 # no_init_weights() also skips Hugging Face's weight tying (transformers 5): GPT-2's lm_head would
@@ -109,7 +119,11 @@ class ZeroStrategy(Strategy):
         optimizer, scheduler = self._optimizer_and_scheduler(trainable, self._freezable)
         self._client_groups = [list(g["params"]) for g in optimizer.param_groups]  # DeepSpeed flattens them
         engine, optimizer, _, scheduler = deepspeed.initialize(  # the engine's forward runs the workload's
-            model=workload_root(model, self.workload), optimizer=optimizer, lr_scheduler=scheduler, config=self.ds_config)
+            model=workload_root(model, self.workload),
+            optimizer=optimizer,
+            lr_scheduler=scheduler,
+            config=self.ds_config,
+        )
         self.engine, self.model, self.optimizer, self.scheduler = engine, engine, optimizer, scheduler
         self._inner = model
         self._frozen_now = set(frozen_now)
@@ -157,8 +171,9 @@ class ZeroStrategy(Strategy):
         if carry_state:
             model_sd, optim_state = self._portable_state()
             extra = extra_state(self.scheduler, self.optimizer)
-            counters = {k: getattr(self.engine, k)
-                        for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")}
+            counters = {
+                k: getattr(self.engine, k) for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+            }
             scaler = getattr(self.engine.optimizer, "loss_scaler", None) if self.precision == "fp16" else None
         rng = torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
         self._frozen_norms = []  # modules of the old model
@@ -166,6 +181,7 @@ class ZeroStrategy(Strategy):
             # ZeRO-3's forward hooks push modules on a module-level stack and leave the root there (0.19.8): it
             # would keep the old model, its engine and every partition alive (found with gc.get_referrers).
             from deepspeed.runtime.zero import parameter_offload
+
             old = {id(m) for m in (*self._inner.modules(), self.engine.module)}  # the engine's module: the root
             parameter_offload.FWD_MODULE_STACK[:] = [m for m in parameter_offload.FWD_MODULE_STACK if id(m) not in old]
         self.engine.destroy()
@@ -208,16 +224,20 @@ class ZeroStrategy(Strategy):
         if self.cfg.checkpoint.engine_files:
             self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
         model_sd, optim_state = self._partition_state(snapshot=True)
-        return save_portable_async(ckpt_dir, model_sd, optim_state, self._extra(), self.dist.is_rank0,
-                                   self._save_group)
+        return save_portable_async(ckpt_dir, model_sd, optim_state, self._extra(), self.dist.is_rank0, self._save_group)
 
     def _extra(self) -> dict:
         """strategy_state.json: the schedule and learning rates, the engine's step counters and (fp16) its loss
         scaler, which the engine files kept before the portable form was all a resume reads."""
-        extra = {**extra_state(self.scheduler, self.optimizer), "ds_config": self.ds_config,
-                 "frozen": len(self._frozen_now), "engine_files": bool(self.cfg.checkpoint.engine_files),
-                 "engine_counters": {k: int(getattr(self.engine, k))
-                                     for k in ("global_steps", "global_samples", "skipped_steps")}}
+        extra = {
+            **extra_state(self.scheduler, self.optimizer),
+            "ds_config": self.ds_config,
+            "frozen": len(self._frozen_now),
+            "engine_files": bool(self.cfg.checkpoint.engine_files),
+            "engine_counters": {
+                k: int(getattr(self.engine, k)) for k in ("global_steps", "global_samples", "skipped_steps")
+            },
+        }
         scaler = getattr(self.engine.optimizer, "loss_scaler", None) if self.precision == "fp16" else None
         if scaler is not None:
             extra["loss_scaler"] = {k: v for k, v in vars(scaler).items() if isinstance(v, (bool, int, float))}
@@ -249,8 +269,10 @@ class ZeroStrategy(Strategy):
                 model_sd[name] = own(p.data.float())
                 continue
             if group_of.get(name) in with_state:
-                optim_state[name] = {"step": torch.tensor(float(steps[group_of[name]])),
-                                     **{k: FlatRange(shape, own(local(k)), start) for k in ("exp_avg", "exp_avg_sq")}}
+                optim_state[name] = {
+                    "step": torch.tensor(float(steps[group_of[name]])),
+                    **{k: FlatRange(shape, own(local(k)), start) for k in ("exp_avg", "exp_avg_sq")},
+                }
         for name, buf in self._persistent_buffers().items():
             model_sd[name] = buf.detach().cpu().clone()
         return model_sd, optim_state
@@ -270,6 +292,7 @@ class ZeroStrategy(Strategy):
                     return p.ds_tensor.data.narrow(0, 0, valid)
                 part, _ = opt._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
                 return part.narrow(0, 0, valid)
+
             return tuple(p.ds_shape), start, local
         mapping = getattr(p, "_hp_mapping", None)
         if mapping is None:  # ZeRO-2: none of this parameter lies in this rank's flat partition
@@ -311,8 +334,10 @@ class ZeroStrategy(Strategy):
             model_sd[name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
             moments = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
             if all(v is not None for v in moments.values()):
-                optim_state[name] = {"step": torch.tensor(float(steps[self._group_of[name]])),
-                                     **{k: v.detach().float().cpu().clone() for k, v in moments.items()}}
+                optim_state[name] = {
+                    "step": torch.tensor(float(steps[self._group_of[name]])),
+                    **{k: v.detach().float().cpu().clone() for k, v in moments.items()},
+                }
         for mod_name, mod in self._inner.named_modules():
             for b_name, buf in mod.named_buffers(recurse=False):
                 if buf is not None and b_name not in mod._non_persistent_buffers_set:
@@ -341,8 +366,11 @@ class ZeroStrategy(Strategy):
         opt = self.optimizer
         inner = opt.optimizer.state
         if hasattr(opt, "fp32_partitioned_groups_flat"):
-            return [(opt.sub_group_to_group_id[i], inner[t]) for i, t in enumerate(opt.fp32_partitioned_groups_flat)
-                    if t in inner]
+            return [
+                (opt.sub_group_to_group_id[i], inner[t])
+                for i, t in enumerate(opt.fp32_partitioned_groups_flat)
+                if t in inner
+            ]
         return [(i, inner[t]) for i, t in enumerate(opt.single_partition_of_fp32_groups) if t in inner]
 
     def _group_steps(self) -> dict[int, float]:
@@ -364,28 +392,37 @@ class ZeroStrategy(Strategy):
         if self._needs_engine_files(ckpt_dir, extra, writer, saved.get("world_size")):
             return self._load_engine_files(ckpt_dir, load_optimizer)
         if writer != self.name or saved.get("world_size") != self.dist.world_size:
-            self._warn(f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
-                       f"({self.dist.world_size} ranks): each rank reads its own partition of it")
+            self._warn(
+                f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
+                f"({self.dist.world_size} ranks): each rank reads its own partition of it"
+            )
         return self._load_portable(ckpt_dir, load_optimizer)
 
     def _needs_engine_files(self, ckpt_dir: Path, extra: dict, writer, world_size) -> bool:
         """The portable form is what a resume reads, from any writer; the one exception is an fp16 checkpoint
         written before strategy_state.json kept DeepSpeed's loss scaler: its engine files, when they fit this
         engine (same stage, world size and freezing), are the only place the dynamic loss scale is."""
-        return (self.precision == "fp16" and "loss_scaler" not in extra and (ckpt_dir / TAG).is_dir()
-                and writer == self.name and world_size == self.dist.world_size
-                and extra.get("frozen", 0) == len(self._frozen_now))
+        return (
+            self.precision == "fp16"
+            and "loss_scaler" not in extra
+            and (ckpt_dir / TAG).is_dir()
+            and writer == self.name
+            and world_size == self.dist.world_size
+            and extra.get("frozen", 0) == len(self._frozen_now)
+        )
 
     def _load_engine_files(self, ckpt_dir: Path, load_optimizer: bool) -> None:
         for f in sorted((ckpt_dir / TAG).glob("*.pt")):
             check_torch_file(f)  # DeepSpeed itself reads them with torch.load(weights_only=False)
         try:
-            self.engine.load_checkpoint(str(ckpt_dir), tag=TAG, load_optimizer_states=load_optimizer,
-                                        load_lr_scheduler_states=load_optimizer)
+            self.engine.load_checkpoint(
+                str(ckpt_dir), tag=TAG, load_optimizer_states=load_optimizer, load_lr_scheduler_states=load_optimizer
+            )
         except (RuntimeError, OSError, KeyError, ValueError) as e:
             msg = " ".join(str(e).split())[:300]
-            raise ConfigError(f"--resume {ckpt_dir}: DeepSpeed cannot load {TAG}/ (corrupt, or another "
-                              f"model?): {msg}") from None
+            raise ConfigError(
+                f"--resume {ckpt_dir}: DeepSpeed cannot load {TAG}/ (corrupt, or another model?): {msg}"
+            ) from None
 
     def _load_portable(self, ckpt_dir: Path, load_optimizer: bool) -> None:
         """Each rank reads only its own partitions (fp32 weights, Adam moments) straight into the engine's
@@ -404,13 +441,16 @@ class ZeroStrategy(Strategy):
         keys = ("exp_avg", "exp_avg_sq", "step")
         # A frozen parameter has no optimizer state, in the checkpoint (saved while frozen, by any strategy)
         # or here (its saved moments, if any, wait in the checkpoint until a resume past the unfreeze).
-        with_moments = [n for n, p in params.items()
-                        if p.requires_grad and all(f"optim.state.{n}.{k}" in shapes for k in keys)]
+        with_moments = [
+            n for n, p in params.items() if p.requires_grad and all(f"optim.state.{n}.{k}" in shapes for k in keys)
+        ]
         trainable = [n for n, p in params.items() if p.requires_grad]
         if load_optimizer:
             if len(with_moments) < len(trainable):
-                self._warn(f"optimizer state for {len(trainable) - len(with_moments)} of {len(trainable)} trainable "
-                           f"parameters is not in {ckpt_dir}: they start with fresh Adam moments")
+                self._warn(
+                    f"optimizer state for {len(trainable) - len(with_moments)} of {len(trainable)} trainable "
+                    f"parameters is not in {ckpt_dir}: they start with fresh Adam moments"
+                )
             self._init_optimizer_state()  # the moments' buffers exist only after a first step
         model, moments = {}, {}
         for name, p in params.items():
@@ -420,15 +460,19 @@ class ZeroStrategy(Strategy):
             else:
                 model[name] = p.data  # ZeRO-2 frozen: whole on every rank
             if load_optimizer and name in with_moments:
-                moments[name] = {"step": torch.empty(()),
-                                 **{k: FlatRange(shape, local(k), start) for k in ("exp_avg", "exp_avg_sq")}}
+                moments[name] = {
+                    "step": torch.empty(()),
+                    **{k: FlatRange(shape, local(k), start) for k in ("exp_avg", "exp_avg_sq")},
+                }
         model.update({n: torch.empty_like(b, device="cpu") for n, b in buffers.items()})
         state = {"model": model, **({"optim": {"state": moments}} if load_optimizer else {})}
         try:
             dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR), planner=LoadPlanner())
         except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"--resume {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): "
-                              f"{' '.join(str(e).split())[:300]}") from None
+            raise ConfigError(
+                f"--resume {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): "
+                f"{' '.join(str(e).split())[:300]}"
+            ) from None
         self._weights_from_masters(params)
         for name, buf in buffers.items():
             buf.copy_(model[name])
@@ -470,8 +514,11 @@ class ZeroStrategy(Strategy):
         for i, state in self._flat_states():
             if "step" in state:
                 step = steps.get(i, 0.0)
-                state["step"] = (torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
-                                 if torch.is_tensor(state["step"]) else int(step))
+                state["step"] = (
+                    torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
+                    if torch.is_tensor(state["step"])
+                    else int(step)
+                )
 
     def _persistent_buffers(self) -> dict[str, torch.Tensor]:
         buffers = {}
@@ -536,8 +583,13 @@ class ZeroStrategy(Strategy):
         self._relink_optimizer_state()
 
     def describe(self):
-        return {"strategy": self.name, "offload": self.offload, **self.info,
-                "recompute_blocks": self.recompute_count, "ds_config": self.ds_config}
+        return {
+            "strategy": self.name,
+            "offload": self.offload,
+            **self.info,
+            "recompute_blocks": self.recompute_count,
+            "ds_config": self.ds_config,
+        }
 
     def memory_tensors(self):
         opt = self.engine.optimizer
@@ -589,7 +641,7 @@ class ZeroStrategy(Strategy):
             opt.reset_cpu_buffers()
         for name in ("averaged_gradients", "all_grad_tensors"):
             grads = getattr(opt, name, None)
-            for k in (list(grads) if isinstance(grads, dict) else range(len(grads or []))):
+            for k in list(grads) if isinstance(grads, dict) else range(len(grads or [])):
                 grads[k] = None
         release = getattr(opt, "_release_preflattened_grad_buffers", None)
         if release is not None:
@@ -597,6 +649,7 @@ class ZeroStrategy(Strategy):
         if getattr(opt, "grad_partitions_flat_buffer", None) is not None:
             opt.grad_partitions_flat_buffer.zero_()
         opt.micro_step_id = INITIAL_MICRO_STEP_ID if self.stage < 3 else 0
+
 
 def _tensors(obj):
     """Tensors inside DeepSpeed's nested lists/dicts of gradient partitions."""
@@ -618,9 +671,15 @@ def _release_storage(engine, model: nn.Module) -> None:
     inner = getattr(opt, "optimizer", None)
     if inner is not None:
         inner.state.clear()
-    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat", "bit16_groups_flat",
-                 "fp16_partitioned_groups_flat", "averaged_gradients", "grads_in_partition",
-                 "grad_partitions_flat_buffer"):
+    for name in (
+        "single_partition_of_fp32_groups",
+        "fp32_partitioned_groups_flat",
+        "bit16_groups_flat",
+        "fp16_partitioned_groups_flat",
+        "averaged_gradients",
+        "grads_in_partition",
+        "grad_partitions_flat_buffer",
+    ):
         for t in _tensors(getattr(opt, name, None)):
             t.grad = None
             t.data = torch.empty(0, dtype=t.dtype, device=t.device)
@@ -640,9 +699,9 @@ def _z3_set_full(param, value: torch.Tensor, key: str | None) -> None:
     part, group_idx = opt._get_fp32_opt_state_partition(param, release_swap_buffers=False, optim_state_key=key)
     flat = value.flatten().to(part.device, part.dtype)
     start = part.numel() * opt._get_param_partition_rank(param)
-    mine = flat[start:start + part.numel()]
+    mine = flat[start : start + part.numel()]
     part.data.zero_()
-    part.data[:mine.numel()].copy_(mine)
+    part.data[: mine.numel()].copy_(mine)
     if opt._swappable_optimizer_subgroup(group_idx):
         opt._optimizer_states_and_gradient_swap_out(group_idx)
 

@@ -15,6 +15,7 @@ The rule for parameters (docs/your-own-model.md): read parameters only inside th
 it, FSDP and ZeRO-3 hold just this rank's shard (ZeRO-3's has shape [0]), so a loss or metric that reads
 `model.weight` gets a fragment.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -29,6 +30,7 @@ from torch import nn
 
 from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, where, workload_target
 from shardtrain.data.batches import batch_problem, collate_samples
+
 
 class Workload:
     """Subclass it; `build_model` and `datasets` are required, every other method has a default."""
@@ -82,18 +84,24 @@ class Workload:
 
     def freezable_parameter_names(self, n: int) -> list[str]:
         """The parameters `freeze_layers: n` freezes (usually the embeddings and the lowest n blocks)."""
-        raise ConfigError(f"{where('freeze_layers')}={n}: {type(self).__name__} does not define "
-                          f"freezable_parameter_names(n), so shardtrain does not know which layers are the lower ones")
+        raise ConfigError(
+            f"{where('freeze_layers')}={n}: {type(self).__name__} does not define "
+            f"freezable_parameter_names(n), so shardtrain does not know which layers are the lower ones"
+        )
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """model.safetensors, and workload.json: the workload's target and args, which rebuild the model."""
         import json
 
         from safetensors.torch import save_file
+
         out_dir = Path(out_dir)
-        save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"))
-        (out_dir / "workload.json").write_text(json.dumps({"target": target_of(type(self)), "args": self.args},
-                                                          indent=1, default=str))
+        save_file(
+            {k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors")
+        )
+        (out_dir / "workload.json").write_text(
+            json.dumps({"target": target_of(type(self)), "args": self.args}, indent=1, default=str)
+        )
 
 
 # ---- helpers the defaults (and user code) use ----------------------------------------------------------
@@ -106,12 +114,16 @@ def labels_of(batch, method: str) -> torch.Tensor:
     if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):
         return batch["labels"]
     if isinstance(batch, Mapping) and "labels" in batch:
-        raise ConfigError(f"{method}: the default needs batch['labels'] as a tensor of class ids, and it is a "
-                          f"{type(batch['labels']).__name__}: return torch.tensor(...) from collate, or override "
-                          f"{method}")
+        raise ConfigError(
+            f"{method}: the default needs batch['labels'] as a tensor of class ids, and it is a "
+            f"{type(batch['labels']).__name__}: return torch.tensor(...) from collate, or override "
+            f"{method}"
+        )
     what = f"a {type(batch).__name__}" + ("" if isinstance(batch, Mapping) else ", not a dict,")
-    raise ConfigError(f"{method}: the default reads batch['labels'], and the batch is {what} without 'labels': "
-                      f"override {method}(outputs, batch)")
+    raise ConfigError(
+        f"{method}: the default reads batch['labels'], and the batch is {what} without 'labels': "
+        f"override {method}(outputs, batch)"
+    )
 
 
 def classification_metrics(confusion: torch.Tensor) -> dict:
@@ -152,9 +164,11 @@ def model_inputs(model: nn.Module, batch: dict, workload_name: str = "Workload")
     otherwise meet as a TypeError deep inside the strategy's wrapper."""
     inner = innermost(model)
     if not isinstance(batch, Mapping):
-        raise ConfigError(f"{workload_name}.collate gives a {type(batch).__name__}, and the default "
-                          f"{workload_name}.forward passes a dict's keys to {type(inner).__name__}.forward by name: "
-                          f"override {workload_name}.forward(model, batch)")
+        raise ConfigError(
+            f"{workload_name}.collate gives a {type(batch).__name__}, and the default "
+            f"{workload_name}.forward passes a dict's keys to {type(inner).__name__}.forward by name: "
+            f"override {workload_name}.forward(model, batch)"
+        )
     named, _ = _named_inputs(inner)
     names = [p.name for p in named]
     inputs = {k: v for k, v in batch.items() if k in names}
@@ -163,9 +177,11 @@ def model_inputs(model: nn.Module, batch: dict, workload_name: str = "Workload")
         required = [p.name for p in named if p.default is p.empty and p.name not in batch]
         if required or not inputs:
             need = f"needs {', '.join(required)}" if required else f"takes {', '.join(names) or 'no named argument'}"
-            raise ConfigError(f"{workload_name}.collate gives keys {', '.join(sorted(batch))}, but "
-                              f"{type(inner).__name__}.forward {need}: make collate return those keys, or override "
-                              f"{workload_name}.forward(model, batch) for positional inputs")
+            raise ConfigError(
+                f"{workload_name}.collate gives keys {', '.join(sorted(batch))}, but "
+                f"{type(inner).__name__}.forward {need}: make collate return those keys, or override "
+                f"{workload_name}.forward(model, batch) for positional inputs"
+            )
         _CHECKED.add(key)
     return inputs
 
@@ -173,13 +189,20 @@ def model_inputs(model: nn.Module, batch: dict, workload_name: str = "Workload")
 def check_loss(loss, workload_name: str) -> torch.Tensor:
     """The loop backpropagates this: a tensor with one element, of a floating type, attached to the graph."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        what = (f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}" if isinstance(loss, torch.Tensor)
-                else type(loss).__name__)
-        raise ConfigError(f"{workload_name}.loss must return a scalar floating-point tensor, got {what} "
-                          f"(reduce it, e.g. with .mean())")
+        what = (
+            f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
+            if isinstance(loss, torch.Tensor)
+            else type(loss).__name__
+        )
+        raise ConfigError(
+            f"{workload_name}.loss must return a scalar floating-point tensor, got {what} "
+            f"(reduce it, e.g. with .mean())"
+        )
     if loss.requires_grad is False and torch.is_grad_enabled():
-        raise ConfigError(f"{workload_name}.loss returned a tensor that does not depend on the model's parameters "
-                          f"(no grad_fn): compute it from the outputs of Workload.forward")
+        raise ConfigError(
+            f"{workload_name}.loss returned a tensor that does not depend on the model's parameters "
+            f"(no grad_fn): compute it from the outputs of Workload.forward"
+        )
     return loss.reshape(())
 
 
@@ -198,8 +221,10 @@ class CheckedCollate:
             raise
         except Exception as e:  # noqa: BLE001 - the user's samples; one line says which method to look at
             first = type(samples[0]).__name__ if samples else "nothing"
-            raise ConfigError(f"{name}.collate cannot batch the samples of {name}.datasets() ({first} items): "
-                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}") from None
+            raise ConfigError(
+                f"{name}.collate cannot batch the samples of {name}.datasets() ({first} items): "
+                f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+            ) from None
         problem = batch_problem(batch)
         if problem:
             raise ConfigError(f"{name}.collate {problem}")
@@ -219,11 +244,16 @@ def resolve_block_classes(model: nn.Module, spec, what: str = "Workload.block_cl
     found = []
     for item in spec:
         name = item if isinstance(item, str) else getattr(item, "__name__", str(item))
-        cls = present.get(name) if isinstance(item, str) else next(
-            (c for c in present.values() if issubclass(c, item)), None)
+        cls = (
+            present.get(name)
+            if isinstance(item, str)
+            else next((c for c in present.values() if issubclass(c, item)), None)
+        )
         if cls is None:
-            raise ConfigError(f"{what} names {name}, which does not occur in the model; "
-                              f"its module classes are: {', '.join(sorted(present))}")
+            raise ConfigError(
+                f"{what} names {name}, which does not occur in the model; "
+                f"its module classes are: {', '.join(sorted(present))}"
+            )
         if cls not in found:
             found.append(item if isinstance(item, type) else cls)
     return tuple(found)
@@ -248,21 +278,28 @@ def workload_class(cfg: Config) -> type[Workload]:
     target = workload_target(cfg)
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr or "/" in module_name or module_name.endswith(".py"):
-        raise ConfigError(f"{where('workload')}: '{target}' is not a workload; write a dotted module path and a class, "
-                          f"e.g. my_pkg.tasks:MyTask, or a built-in: {', '.join(BUILTIN_WORKLOADS)}")
+        raise ConfigError(
+            f"{where('workload')}: '{target}' is not a workload; write a dotted module path and a class, "
+            f"e.g. my_pkg.tasks:MyTask, or a built-in: {', '.join(BUILTIN_WORKLOADS)}"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
-        raise ConfigError(f"{where('workload')}: cannot import {module_name} ({e}); the config file's folder and "
-                          f"the working directory are on the import path") from None
+        raise ConfigError(
+            f"{where('workload')}: cannot import {module_name} ({e}); the config file's folder and "
+            f"the working directory are on the import path"
+        ) from None
     cls = module
     for part in attr.split("."):
         cls = getattr(cls, part, None)
     if not (isinstance(cls, type) and issubclass(cls, Workload)):
-        found = [n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Workload)
-                 and v is not Workload]
-        raise ConfigError(f"{where('workload')}: {module_name} has no Workload subclass named {attr}"
-                          + (f" (it has {', '.join(found)})" if found else ""))
+        found = [
+            n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Workload) and v is not Workload
+        ]
+        raise ConfigError(
+            f"{where('workload')}: {module_name} has no Workload subclass named {attr}"
+            + (f" (it has {', '.join(found)})" if found else "")
+        )
     return cls
 
 
@@ -271,4 +308,6 @@ def load_workload(cfg: Config) -> Workload:
     try:
         return cls(cfg, **cfg.workload.workload_args)
     except TypeError as e:
-        raise ConfigError(f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}") from None
+        raise ConfigError(
+            f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}"
+        ) from None

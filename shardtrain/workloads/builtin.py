@@ -1,5 +1,6 @@
 """What the two built-in workloads share: the data a config names (jsonl records or any source of
 shardtrain/data/sources.py), a tokenizer, the model section of the config."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -36,29 +37,36 @@ class JsonlWorkload(Workload):
         # Trained on rank 0 into the output dir (or loaded from the hub) the first time it is needed.
         if self._tokenizer is None:
             from shardtrain.data import build_tokenizer
-            self._tokenizer = build_tokenizer(self.cfg, Path(self.cfg.checkpoint.output_dir), _rank0(), _barrier,
-                                              self._train_texts)
+
+            self._tokenizer = build_tokenizer(
+                self.cfg, Path(self.cfg.checkpoint.output_dir), _rank0(), _barrier, self._train_texts
+            )
         return self._tokenizer
 
     def datasets(self):
         from shardtrain.data.sources import source_of
+
         d = self.cfg.data
         # Records are validated before the tokenizer is trained.
         if d.dataset_format:
             from shardtrain.data.split_dataset import write_label_file
             from shardtrain.data.splits import layout_datasets
+
             train, validation = layout_datasets(self.cfg)
             if _rank0():
                 write_label_file(self.cfg, d.label_names)
         elif source_of(self.cfg) != "data_dir":
             from shardtrain.data.sources import column_values
             from shardtrain.data.split_dataset import source_datasets
+
             train, validation = source_datasets(self.cfg, _rank0())
             self._train_texts = lambda: column_values(train.table, "text")
         else:
             from shardtrain.data.splits import build_split
+
             if d.streaming:
                 from shardtrain.data.streaming import jsonl_train_stream
+
                 train = jsonl_train_stream(self.cfg)
             else:
                 train = build_split(self.cfg, "train")
@@ -72,19 +80,24 @@ class JsonlWorkload(Workload):
             if hasattr(ds, "tokenize"):
                 done = ds.tokenize(self.tokenizer, d.max_length, d.preprocessing_num_workers, _rank0(), _barrier)
                 if _rank0():
-                    how = (f"loaded from the datasets cache {done.cache_file.parent}" if done.from_cache else
-                           f"tokenised and cached in {done.cache_file.parent}")
+                    how = (
+                        f"loaded from the datasets cache {done.cache_file.parent}"
+                        if done.from_cache
+                        else f"tokenised and cached in {done.cache_file.parent}"
+                    )
                     print(f"{split}: {len(ds):,} token sequences {how} in {done.seconds:.2f}s", flush=True)
         return train, validation
 
     def collate(self, samples):
         if self._collator is None:
             from shardtrain.data.splits import make_collator
+
             self._collator = make_collator(self.cfg, self.tokenizer)
         return self._collator(samples)
 
     def build_model(self) -> nn.Module:
         from shardtrain.models import build_model
+
         vocab_size = None if self.cfg.model.pretrained else len(self.tokenizer)
         # On the meta device (ranks that receive their weights from rank 0) nothing is loaded from the hub.
         on_meta = torch.get_default_device().type == "meta"
@@ -101,6 +114,9 @@ def jsonl_source(train, validation) -> dict:
 
     splits = {"train": train, "validation": validation}
     tables = {s: getattr(ds, "table", None) for s, ds in splits.items()}
-    return {"source": "data_dir", **{s: str(ds.path) for s, ds in splits.items() if hasattr(ds, "path")},
-            "rows": {s: len(t) for s, t in tables.items() if t is not None},
-            "content_sha256": {s: content_sha256(t) for s, t in tables.items() if t is not None}}
+    return {
+        "source": "data_dir",
+        **{s: str(ds.path) for s, ds in splits.items() if hasattr(ds, "path")},
+        "rows": {s: len(t) for s, t in tables.items() if t is not None},
+        "content_sha256": {s: content_sha256(t) for s, t in tables.items() if t is not None},
+    }

@@ -4,6 +4,7 @@ The workload's datasets() is called, a few samples of each split are read and ba
 batch keys are matched against the model's forward (the model is built on the meta device: nothing allocated,
 no weights loaded). Every problem found is one line naming the workload method to look at.
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -37,8 +38,10 @@ def check_workload_data(cfg: Config, samples: int = 4) -> tuple[list[str], list[
             continue
         where = f"{name}.datasets() {split}"
         if not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
-            problems.append(f"{where}: a {type(ds).__name__} is not map-style (no __len__ / __getitem__); shardtrain "
-                            f"shards datasets by index across ranks")
+            problems.append(
+                f"{where}: a {type(ds).__name__} is not map-style (no __len__ / __getitem__); shardtrain "
+                f"shards datasets by index across ranks"
+            )
             continue
         n = len(ds)
         if n == 0:
@@ -75,8 +78,10 @@ def _check_against_model(workload: Workload, name: str, batches: list[dict]) -> 
             with torch.device("meta"):
                 model = workload.build_model()
         except Exception as e:  # noqa: BLE001
-            return [f"{name}.build_model() failed on the meta device (check-data builds it there to read its "
-                    f"forward's arguments): {_one_line(e)}"]
+            return [
+                f"{name}.build_model() failed on the meta device (check-data builds it there to read its "
+                f"forward's arguments): {_one_line(e)}"
+            ]
         finally:
             workload.loads_weights = True
         for batch in batches:
@@ -87,10 +92,14 @@ def _check_against_model(workload: Workload, name: str, batches: list[dict]) -> 
                 break
     if type(workload).loss is Workload.loss:
         if any(not (isinstance(b, Mapping) and "labels" in b) for b in batches):
-            problems.append(f"{name}.collate gives no 'labels' key, which the default Workload.loss reads; return "
-                            f"labels from collate or override {name}.loss")
+            problems.append(
+                f"{name}.collate gives no 'labels' key, which the default Workload.loss reads; return "
+                f"labels from collate or override {name}.loss"
+            )
         elif any(not isinstance(b["labels"], torch.Tensor) for b in batches):
             odd = next(type(b["labels"]).__name__ for b in batches if not isinstance(b["labels"], torch.Tensor))
-            problems.append(f"{name}.collate gives 'labels' as a {odd}, and the default Workload.loss needs a tensor "
-                            f"of class ids; return torch.tensor(...) from collate or override {name}.loss")
+            problems.append(
+                f"{name}.collate gives 'labels' as a {odd}, and the default Workload.loss needs a tensor "
+                f"of class ids; return torch.tensor(...) from collate or override {name}.loss"
+            )
     return problems

@@ -1,4 +1,5 @@
 """`workload: longformer`: HF's LongformerForSequenceClassification on long-document jsonl records."""
+
 from __future__ import annotations
 
 from transformers.models.longformer.modeling_longformer import LongformerLayer

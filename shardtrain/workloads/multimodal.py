@@ -1,4 +1,5 @@
 """`workload: multimodal`: RoBERTa text encoder + torchvision CNN + fusion head, on text+image jsonl records."""
+
 from __future__ import annotations
 
 from torchvision.models.densenet import _DenseBlock

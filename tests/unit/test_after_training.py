@@ -2,6 +2,7 @@
 the content hash that compare, parity --runs and a resume judge the data by, and the smaller traps (where a
 relative data path is read from, check-data's per-file count, plan's launch line and flag errors). The trained
 round trips: tests/dist/test_after_training.py."""
+
 from __future__ import annotations
 
 import csv
@@ -9,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from launch import REPO
 
 from shardtrain import cli
@@ -33,8 +33,11 @@ def write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
 
 def run_config(tmp_path):
     """A run's config as predict has it: its columns and the class names training found."""
-    train = write_csv(tmp_path / "train.csv", ["id", "document", "category"],
-                      [[f"d{i}", f"text number {i}", ["arts", "law", "sports"][i % 3]] for i in range(9)])
+    train = write_csv(
+        tmp_path / "train.csv",
+        ["id", "document", "category"],
+        [[f"d{i}", f"text number {i}", ["arts", "law", "sports"][i % 3]] for i in range(9)],
+    )
     cfg = config(train_file=str(train), text_column_names=["document"], label_column_name="category")
     load_splits(cfg)
     assert cfg.data.label_names == ["arts", "law", "sports"]
@@ -49,28 +52,42 @@ def test_a_file_without_labels_is_every_row_in_order_with_its_ids(tmp_path):
     assert list(read.table["text"]) == [f"new text {i}" for i in range(7)]
     assert list(read.table["label"]) == [-1] * 7 and read.labelled == 0
     # Some labels, some empty cells (the issue's `no label`), an empty text: nothing is left out.
-    mixed = write_csv(tmp_path / "mixed.csv", ["key", "document", "category"],
-                      [["a", "one", "law"], ["b", "two", ""], ["c", "", "sports"], ["d", "four", "arts"]])
+    mixed = write_csv(
+        tmp_path / "mixed.csv",
+        ["key", "document", "category"],
+        [["a", "one", "law"], ["b", "two", ""], ["c", "", "sports"], ["d", "four", "arts"]],
+    )
     read = prediction_rows(cfg, str(mixed), "key")
     assert list(read.table["label"]) == [1, -1, 2, 0] and read.labelled == 3 and read.ids == ["a", "b", "c", "d"]
     assert prediction_rows(cfg, str(mixed), None).ids is None  # no `id` column: no ids
-    with pytest.raises(ConfigError, match=r"--id-column doc: no column 'doc' in .*mixed.csv \(columns: key, "
-                                          r"document, category\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--id-column doc: no column 'doc' in .*mixed.csv \(columns: key, "
+        r"document, category\)",
+    ):
         prediction_rows(cfg, str(mixed), "doc")
     unseen = write_csv(tmp_path / "unseen.csv", ["document", "category"], [["x", "law"], ["y", "cooking"]])
-    with pytest.raises(ConfigError, match=r"unseen.csv row 1 .*label 'cooking' is not a class .*arts, law, sports.*"
-                                          r"drop the column 'category'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unseen.csv row 1 .*label 'cooking' is not a class .*arts, law, sports.*"
+        r"drop the column 'category'",
+    ):
         prediction_rows(cfg, str(unseen), None)
     other = write_csv(tmp_path / "other.csv", ["id", "body"], [["a", "x"]])
-    with pytest.raises(ConfigError, match=r"predict --file .*other.csv: no column 'document' \(the run read its text "
-                                          r"from document; the file's columns: id, body\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"predict --file .*other.csv: no column 'document' \(the run read its text "
+        r"from document; the file's columns: id, body\)",
+    ):
         prediction_rows(cfg, str(other), None)
 
 
 def test_predict_file_flags_are_one_line(capsys, tmp_path):
-    for argv, says in ((["RUN", "--file", "f.csv", "--data-dir", "d"], "drop --data-dir"),
-                       (["RUN", "--file", "f.csv", "--split", "train"], "drop --split"),
-                       (["RUN", "--file", "f.csv", "--train-file", "t.csv"], "drop --train-file")):
+    for argv, says in (
+        (["RUN", "--file", "f.csv", "--data-dir", "d"], "drop --data-dir"),
+        (["RUN", "--file", "f.csv", "--split", "train"], "drop --split"),
+        (["RUN", "--file", "f.csv", "--train-file", "t.csv"], "drop --train-file"),
+    ):
         assert cli.main(["predict", *argv, "--output", str(tmp_path / "p.jsonl")]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "predicts every row of that file" in err and says in err, err
@@ -107,45 +124,92 @@ def test_the_content_hash_is_the_rows_not_their_path_or_format(tmp_path):
 def test_a_resume_on_other_data_is_said_in_the_changed_settings_line():
     from shardtrain.loop.resume_changes import data_changes
 
-    saved = {"step": 40, "data_source": {"source": "train_file", "rows": {"train": 270, "validation": 30},
-                                         "content_sha256": {"train": "a" * 64, "validation": "b" * 64}}}
-    now = {"source": "train_file", "train": "small.csv, the other 90%", "rows": {"train": 54, "validation": 6},
-           "content_sha256": {"train": "c" * 64, "validation": "b" * 64}}
-    assert data_changes(saved, now) == ["the train data changed (content sha256 aaaaaaaaaaaa -> cccccccccccc, "
-                                        "270 -> 54 rows; now small.csv, the other 90%)"]
+    saved = {
+        "step": 40,
+        "data_source": {
+            "source": "train_file",
+            "rows": {"train": 270, "validation": 30},
+            "content_sha256": {"train": "a" * 64, "validation": "b" * 64},
+        },
+    }
+    now = {
+        "source": "train_file",
+        "train": "small.csv, the other 90%",
+        "rows": {"train": 54, "validation": 6},
+        "content_sha256": {"train": "c" * 64, "validation": "b" * 64},
+    }
+    assert data_changes(saved, now) == [
+        "the train data changed (content sha256 aaaaaaaaaaaa -> cccccccccccc, "
+        "270 -> 54 rows; now small.csv, the other 90%)"
+    ]
     assert data_changes(saved, saved["data_source"]) == []
     assert data_changes({"step": 1}, now) == []  # a checkpoint from before the hash: nothing to compare
 
 
 def test_a_relative_data_file_names_the_base_it_was_read_from(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"file not found: data/train.csv \(relative paths are read from the "
-                                          r"working directory, " + str(tmp_path)):
+    with pytest.raises(
+        ConfigError,
+        match=r"file not found: data/train.csv \(relative paths are read from the "
+        r"working directory, " + str(tmp_path),
+    ):
         load_splits(config(train_file="data/train.csv"))
 
 
 def test_check_data_counts_the_problems_in_the_file_they_are_in(tmp_path, capsys):
     train = write_csv(tmp_path / "train.csv", ["text", "label"], [["a", "x"], ["b", "y"]])
     val = write_csv(tmp_path / "val.csv", ["text", "label"], [["", "x"], ["c", ""]])  # every problem here
-    assert cli.main(["check-data", "--config", str(REPO / "configs/longformer_tiny.yaml"), "--train-file", str(train),
-                     "--validation-file", str(val)]) == 1
+    assert (
+        cli.main(
+            [
+                "check-data",
+                "--config",
+                str(REPO / "configs/longformer_tiny.yaml"),
+                "--train-file",
+                str(train),
+                "--validation-file",
+                str(val),
+            ]
+        )
+        == 1
+    )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == f"3 problem(s): 3 in {val}", last  # two rows, and then no usable row in it
 
 
 def test_plan_prints_the_launch_flags_and_takes_data_flags(tmp_path, capsys):
     train = write_csv(tmp_path / "train.csv", ["document", "label"], [["some words here", "x"]] * 4)
-    assert cli.main(["plan", "--config", "configs/longformer_tiny.yaml", "--gpus", "2", "--gpu", "a100",
-                     "--train-file", str(train), "--text-column-names", "document"]) == 0
+    assert (
+        cli.main(
+            [
+                "plan",
+                "--config",
+                "configs/longformer_tiny.yaml",
+                "--gpus",
+                "2",
+                "--gpu",
+                "a100",
+                "--train-file",
+                str(train),
+                "--text-column-names",
+                "document",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.strip().splitlines()
     rec = next(line for line in out if line.startswith("recommendation: "))
     launch = out[-1]
-    assert launch.startswith("launch: shardtrain train --nproc 2 --config configs/longformer_tiny.yaml --train-file "
-                             f"{train} --text-column-names document --strategy "), out
+    assert launch.startswith(
+        "launch: shardtrain train --nproc 2 --config configs/longformer_tiny.yaml --train-file "
+        f"{train} --text-column-names document --strategy "
+    ), out
     micro, accum = rec.split("micro-batch ")[1].split(" (")[0].split(" x accum ")
-    assert launch.endswith(f"--per-device-batch-size {micro} --grad-accum {accum}") or \
-        launch.endswith(f"--per-device-batch-size {micro} --grad-accum {accum} --activation-checkpointing"), (rec, launch)
-    assert cli.main(["plan", "--config", "configs/longformer_tiny.yaml", "--gpus", "2", "--gpu", "a100",
-                     "--lr", "3"]) == 2
+    assert launch.endswith(f"--per-device-batch-size {micro} --grad-accum {accum}") or launch.endswith(
+        f"--per-device-batch-size {micro} --grad-accum {accum} --activation-checkpointing"
+    ), (rec, launch)
+    assert (
+        cli.main(["plan", "--config", "configs/longformer_tiny.yaml", "--gpus", "2", "--gpu", "a100", "--lr", "3"]) == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "plan: unrecognized arguments: --lr 3" in err, err

@@ -2,6 +2,7 @@
 only once it is on disk, with the trainer state of the step it snapshotted; one save in flight; a failed write
 leaves the previous checkpoint as `latest`; pruning spares the checkpoint `latest` names. The real multi-process
 runs (DCP async_save, kill -9 while writing) are in tests/dist/test_async_checkpoints.py."""
+
 from __future__ import annotations
 
 import errno
@@ -106,8 +107,11 @@ def test_a_failed_background_write_keeps_the_previous_checkpoint_as_latest(tmp_p
     saves.save(4, state(4))
     s.release(1, OSError(errno.ENOSPC, "No space left on device"))
     assert saves.write_failed()
-    with pytest.raises(ConfigError, match=r"step-000004 failed \(No space left on device\); the previous "
-                                          r"checkpoint .*step-000002 is intact"):
+    with pytest.raises(
+        ConfigError,
+        match=r"step-000004 failed \(No space left on device\); the previous "
+        r"checkpoint .*step-000002 is intact",
+    ):
         saves.agreed(writing_ranks=0, any_failed=True)
     assert committed(root) == ["step-000002"] and latest(root) == "step-000002"
     assert not (root / "step-000004").exists()
@@ -160,7 +164,10 @@ def test_deepspeed_fp16_is_refused_in_one_line_before_any_model(tmp_path):
 
     dist_info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
     fp16 = parse_cli(["--ds", "ds_configs/zero2.json", "--precision", "fp16", "--async-save", "--device", "cpu"])
-    with pytest.raises(ConfigError, match=r"^--async-save \(checkpoint\.async_save\) with DeepSpeed fp16: .* use --precision bf16 or fp32"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--async-save \(checkpoint\.async_save\) with DeepSpeed fp16: .* use --precision bf16 or fp32",
+    ):
         ZeroStrategy(fp16, dist_info, workload=object())
     bf16 = parse_cli(["--ds", "ds_configs/zero2.json", "--precision", "bf16", "--async-save", "--device", "cpu"])
     assert ZeroStrategy(bf16, dist_info, workload=object()).name == "zero2"

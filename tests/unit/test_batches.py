@@ -1,6 +1,7 @@
 """Batches of any nesting (issue 25, item 4): every tensor in dicts, lists, tuples, namedtuples, dataclasses and
 BatchEncodings moves to the device; the default collate batches the multimodal report's `(text_input_dict, image,
 label)` tuples (and dataclasses); the one root module every strategy wraps has exactly the model's names."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,15 +36,22 @@ class Frozen:
 
 def devices(obj) -> set[str]:
     from shardtrain.data.batches import leaves
+
     return {leaf.device.type for _, leaf in leaves(obj) if isinstance(leaf, torch.Tensor)}
 
 
 def test_every_tensor_of_a_nested_batch_moves_and_every_container_keeps_its_type():
     enc = BatchEncoding({"input_ids": torch.ones(2, 4, dtype=torch.long), "attention_mask": torch.ones(2, 4)})
-    batch = {"text": enc, "pair": Pair(torch.zeros(2), [torch.zeros(3), (torch.zeros(1), "tag")]),
-             "sample": Sample(torch.zeros(2, 3), 7), "frozen": Frozen(torch.zeros(1)),
-             "ordered": OrderedDict(a=torch.zeros(1)), "texts": ["a b", "c"], "none": None,
-             "labels": torch.tensor([0, 1])}
+    batch = {
+        "text": enc,
+        "pair": Pair(torch.zeros(2), [torch.zeros(3), (torch.zeros(1), "tag")]),
+        "sample": Sample(torch.zeros(2, 3), 7),
+        "frozen": Frozen(torch.zeros(1)),
+        "ordered": OrderedDict(a=torch.zeros(1)),
+        "texts": ["a b", "c"],
+        "none": None,
+        "labels": torch.tensor([0, 1]),
+    }
     out = batch_to_device(batch, META)
     assert devices(out) == {"meta"} and devices(batch) == {"cpu"}  # a moved copy; the loader's batch untouched
     assert isinstance(out["text"], BatchEncoding) and out["text"].input_ids.device.type == "meta"
@@ -65,8 +73,14 @@ def test_uint8_images_are_normalised_at_the_top_of_a_dict_batch_only():
 
 def report_samples(n=3):
     """The multimodal report's Dataset items: (text_input_dict, image, label)."""
-    return [({"input_ids": torch.arange(5) + i, "attention_mask": torch.ones(5, dtype=torch.long)},
-             torch.rand(3, 4, 4), i % 2) for i in range(n)]
+    return [
+        (
+            {"input_ids": torch.arange(5) + i, "attention_mask": torch.ones(5, dtype=torch.long)},
+            torch.rand(3, 4, 4),
+            i % 2,
+        )
+        for i in range(n)
+    ]
 
 
 def test_the_default_collate_batches_the_reports_tuples():
@@ -108,8 +122,11 @@ def test_the_defaults_that_read_a_dict_name_the_method_to_override_for_a_list_ba
     batch = CheckedCollate(w)(report_samples())
     with pytest.raises(ConfigError, match=r"Workload.forward passes a dict's keys .* override Workload.forward"):
         w.forward(nn.Linear(2, 2), batch)
-    with pytest.raises(ConfigError, match=r"Workload.loss: the default reads batch\['labels'\], and the batch is a "
-                                          r"list, not a dict,"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Workload.loss: the default reads batch\['labels'\], and the batch is a "
+        r"list, not a dict,",
+    ):
         w.loss(torch.zeros(3, 2, requires_grad=True), batch)
 
 
@@ -123,9 +140,13 @@ class Fusion(nn.Module):
 
 
 def report_model() -> nn.ModuleDict:
-    return nn.ModuleDict({"text": nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4)),
-                          "img": nn.Sequential(nn.Conv2d(3, 2, 3), nn.BatchNorm2d(2), nn.AdaptiveAvgPool2d(1),
-                                               nn.Flatten()), "fusion": Fusion()})
+    return nn.ModuleDict(
+        {
+            "text": nn.Sequential(nn.Embedding(10, 4), nn.LayerNorm(4)),
+            "img": nn.Sequential(nn.Conv2d(3, 2, 3), nn.BatchNorm2d(2), nn.AdaptiveAvgPool2d(1), nn.Flatten()),
+            "fusion": Fusion(),
+        }
+    )
 
 
 class Report(Workload):

@@ -1,4 +1,5 @@
 """Checkpoint loading refuses code-carrying pickles and says clearly what is wrong with a checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,7 @@ def fake_checkpoint(root, marker):
     (step / "model_optim").mkdir(parents=True)
     with open(step / "model_optim" / ".metadata", "wb") as f:
         pickle.dump({"state_dict_metadata": Evil(marker)}, f)
-    (step / "trainer_state.json").write_text(json.dumps({"step": 2, "format_version": 1,
-                                                         "config": Config().to_dict()}))
+    (step / "trainer_state.json").write_text(json.dumps({"step": 2, "format_version": 1, "config": Config().to_dict()}))
     (step / "COMMITTED").write_text("ok\n")
     return step
 
@@ -62,8 +62,13 @@ def test_export_cli_refuses_malicious_checkpoint_with_one_line(tmp_path):
     marker = tmp_path / "pwned"
     step = fake_checkpoint(tmp_path, marker)
     env = {**os.environ, "PYTHONPATH": str(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))}
-    proc = subprocess.run([sys.executable, "-m", "shardtrain", "export", str(step), str(tmp_path / "out")],
-                          capture_output=True, text=True, env=env, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardtrain", "export", str(step), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=240,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("shardtrain: error:")]
     assert len(lines) == 1 and "refusing to load" in lines[0] and ".metadata" in lines[0]
@@ -83,16 +88,24 @@ def test_checkpoint_error_messages(tmp_path):
     (step / "trainer_state.json").write_text(json.dumps({"step": 4, "format_version": 99}))
     with pytest.raises(ConfigError, match="format 99 is newer"):
         checkpoint.read_trainer_state(step)
-    with pytest.raises(ConfigError, match=r"another model: missing \(1\): head.b; unexpected \(1\): head.c; "
-                                          r"shape checkpoint vs model \(1\): head.w \[4, 2\] vs \[3, 2\]"):
-        check_model_fits(step, {"head.w": (3, 2), "head.b": (3,)},
-                         {"model.head.w": (4, 2), "model.head.c": (3,), "optim.state.head.w.exp_avg": (4, 2)})
+    with pytest.raises(
+        ConfigError,
+        match=r"another model: missing \(1\): head.b; unexpected \(1\): head.c; "
+        r"shape checkpoint vs model \(1\): head.w \[4, 2\] vs \[3, 2\]",
+    ):
+        check_model_fits(
+            step,
+            {"head.w": (3, 2), "head.b": (3,)},
+            {"model.head.w": (4, 2), "model.head.c": (3,), "optim.state.head.w.exp_avg": (4, 2)},
+        )
 
 
 def test_slurm_requeue_id():
     assert slurm_job_to_requeue({"SLURM_JOB_ID": "812"}) == "812"
-    assert slurm_job_to_requeue({"SLURM_JOB_ID": "813", "SLURM_ARRAY_JOB_ID": "800",
-                                 "SLURM_ARRAY_TASK_ID": "13"}) == "800_13"
+    assert (
+        slurm_job_to_requeue({"SLURM_JOB_ID": "813", "SLURM_ARRAY_JOB_ID": "800", "SLURM_ARRAY_TASK_ID": "13"})
+        == "800_13"
+    )
     assert slurm_job_to_requeue({}) is None
 
 

@@ -1,5 +1,6 @@
 """The checkpoint settings of issue 28: DeepSpeed's engine files only when asked, and the planner's host memory of
 a save per rank (shown in the banner)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,8 +12,11 @@ from shardtrain.memory.planner import ModelCount, save_host_bytes
 def test_engine_files_default_off_and_refused_where_there_are_none():
     assert parse_cli(["--ds", "ds_configs/zero3.json"]).checkpoint.engine_files is False
     assert parse_cli(["--ds", "ds_configs/zero3.json", "--engine-files"]).checkpoint.engine_files is True
-    with pytest.raises(ConfigError, match=r"^--engine-files \(checkpoint\.engine_files\) asks for DeepSpeed's own "
-                                          r"checkpoint files; --strategy fsdp writes only the portable form"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--engine-files \(checkpoint\.engine_files\) asks for DeepSpeed's own "
+        r"checkpoint files; --strategy fsdp writes only the portable form",
+    ):
         parse_cli(["--strategy", "fsdp", "--engine-files"])
 
 

@@ -1,5 +1,6 @@
 """Gradient clipping from the loop's one all-reduce: the norm's shares ride on step_health.agree, and clip_to
 scales as torch.nn.utils.clip_grad_norm_ does, without a collective or a host sync of its own."""
+
 import math
 
 import pytest

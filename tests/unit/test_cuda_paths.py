@@ -2,6 +2,7 @@
 torch's FakeTensorMode makes tensors that say device cuda:0 without a GPU (so a collective's input device can be
 checked), and torch.cuda.is_available / device_count, the process group and the NCCL backend name are mocked.
 """
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,14 @@ import os
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from launch import REPO, free_port, test_env
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from launch import REPO, free_port, test_env
 from shardtrain.config.settings import ConfigError
 
 CUDA0 = torch.device("cuda", 0)
@@ -62,8 +62,11 @@ def test_offload_materialises_parameters_on_cpu_and_buffers_on_the_compute_devic
     materialise(model, compute, cpu_offload=True)
     assert {str(p.device) for p in model.parameters()} == {"cpu"}
     assert {n: str(b.device) for n, b in model.named_buffers()} == {
-        "position_ids": "meta", "norm.running_mean": "meta", "norm.running_var": "meta",
-        "norm.num_batches_tracked": "meta"}
+        "position_ids": "meta",
+        "norm.running_mean": "meta",
+        "norm.running_var": "meta",
+        "norm.num_batches_tracked": "meta",
+    }
     with torch.device("meta"):
         model = WithBuffers()
     materialise(model, compute, cpu_offload=False)  # no offload: everything on the compute device
@@ -140,11 +143,17 @@ dist.destroy_process_group()
 
 @pytest.fixture(scope="module")
 def fsdp_runs():
-    proc = subprocess.run([sys.executable, "-c", FSDP_SCRIPT, str(free_port())], cwd=REPO, env=test_env(),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, "-c", FSDP_SCRIPT, str(free_port())],
+        cwd=REPO,
+        env=test_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_fsdp_setup_places_offloaded_buffers_through_materialise(fsdp_runs):
@@ -180,8 +189,13 @@ def test_gloo_collectives_keep_cpu_tensors(monkeypatch):
 
 # ---- 3. one visible GPU per process ---------------------------------------------------------------------------
 def _launcher_env(monkeypatch, rank: int, world: int):
-    for k, v in {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29500"}.items():
+    for k, v in {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(k, v)
 
 
@@ -262,11 +276,20 @@ def test_the_gpu_suite_does_not_pass_a_cpu_accelerator_to_gpu_cases(capsys):
 # ---- 6. TF32 and cudnn.benchmark on CUDA, one switch off, shown in the banner -------------------------------------
 @pytest.fixture
 def restore_math():
-    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-             torch.backends.cudnn.deterministic, torch.get_float32_matmul_precision())
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.get_float32_matmul_precision(),
+    )
     yield
-    (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark,
-     torch.backends.cudnn.deterministic) = saved[:4]
+    (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+    ) = saved[:4]
     torch.set_float32_matmul_precision(saved[4])
 
 
@@ -286,21 +309,38 @@ def test_cuda_runs_default_to_tf32_and_cudnn_autotuning_and_deterministic_turns_
     assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.benchmark
     assert torch.backends.cudnn.deterministic and torch.get_float32_matmul_precision() == "highest"
 
-    info = {"strategy": "ddp", "world_size": 1, "precision": "fp32", "activation_checkpointing": False,
-            "params_total": 1, "params_trainable": 1, "params_frozen": 0, "micro_batch_size": 1, "grad_accum": 1,
-            "global_batch_size": 1, "train_examples": 1, "eval_examples": 1, "steps_per_epoch": 1}
-    assert "cuda math   TF32 matmuls, cudnn.benchmark on (--deterministic true turns them off)" in \
-        format_banner({**info, "cuda_math": on})
-    assert "cuda math   TF32 and cudnn.benchmark off (--deterministic: deterministic cuDNN)" in \
-        format_banner({**info, "cuda_math": off})
+    info = {
+        "strategy": "ddp",
+        "world_size": 1,
+        "precision": "fp32",
+        "activation_checkpointing": False,
+        "params_total": 1,
+        "params_trainable": 1,
+        "params_frozen": 0,
+        "micro_batch_size": 1,
+        "grad_accum": 1,
+        "global_batch_size": 1,
+        "train_examples": 1,
+        "eval_examples": 1,
+        "steps_per_epoch": 1,
+    }
+    assert "cuda math   TF32 matmuls, cudnn.benchmark on (--deterministic true turns them off)" in format_banner(
+        {**info, "cuda_math": on}
+    )
+    assert "cuda math   TF32 and cudnn.benchmark off (--deterministic: deterministic cuDNN)" in format_banner(
+        {**info, "cuda_math": off}
+    )
     assert "cuda math" not in format_banner({**info, "cuda_math": {}})
 
 
 def test_train_sets_the_cuda_math_before_building_anything():
     text = (REPO / "shardtrain" / "loop" / "train.py").read_text()
     init = text.index("dist_info = init_distributed(")
-    assert init < text.index("math_on = cuda_math(dist_info.device.type, cfg.train.deterministic)") < \
-        text.index("strategy = make_strategy(")
+    assert (
+        init
+        < text.index("math_on = cuda_math(dist_info.device.type, cfg.train.deterministic)")
+        < text.index("strategy = make_strategy(")
+    )
     assert '"cuda_math": math_on' in text  # the banner and summary.json `run`
 
 
@@ -328,10 +368,21 @@ def test_srun_train_gives_each_task_its_cpus_per_task(tmp_path):
         f.chmod(0o755)
     config = tmp_path / "c.yaml"
     config.write_text("{}\n")
-    env = {"PATH": f"{fake}:/usr/bin:/bin", "CONFIG": str(config), "SLURM_GPUS_ON_NODE": "4",
-           "SLURM_CPUS_ON_NODE": "20", "SLURM_JOB_ID": "7", "SLURM_NNODES": "1"}
-    run = subprocess.run(["bash", "-c", f"source {REPO}/slurm/srun_train.sh && shardtrain_srun"], env=env,
-                         capture_output=True, text=True, timeout=30)
+    env = {
+        "PATH": f"{fake}:/usr/bin:/bin",
+        "CONFIG": str(config),
+        "SLURM_GPUS_ON_NODE": "4",
+        "SLURM_CPUS_ON_NODE": "20",
+        "SLURM_JOB_ID": "7",
+        "SLURM_NNODES": "1",
+    }
+    run = subprocess.run(
+        ["bash", "-c", f"source {REPO}/slurm/srun_train.sh && shardtrain_srun"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     (line,) = [x for x in run.stdout.splitlines() if x.startswith("OMP=")]
     assert line.startswith("OMP=5 ") and "--cpus-per-task=5" in line
@@ -446,8 +497,14 @@ def test_the_gpu_suite_shell_keeps_its_hard_stop_above_budget_plus_the_longest_c
     fake.chmod(0o755)
     env = {"PATH": "/usr/bin:/bin", "PY": str(fake)}
     for args, stop in (([], 300 + 240 + 30), (["--budget-s", "100", "--case-timeout-s=50"], 180)):
-        run = subprocess.run(["bash", str(REPO / "benchmarks" / "gpu_suite.sh"), "--out", "o.json", "--work", "w",
-                              *args], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path)
+        run = subprocess.run(
+            ["bash", str(REPO / "benchmarks" / "gpu_suite.sh"), "--out", "o.json", "--work", "w", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            cwd=tmp_path,
+        )
         assert run.returncode == 0, run.stderr
         assert f"hard stop {stop} s" in run.stdout, run.stdout
         (line,) = [x for x in run.stdout.splitlines() if x.startswith("PY ")]

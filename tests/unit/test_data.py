@@ -1,4 +1,5 @@
 """shardtrain.data: formats, tokenizer, collate, resumable stream, eval sharding, bad-data errors."""
+
 import json
 from pathlib import Path
 
@@ -33,8 +34,7 @@ def mm_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ld_dir(tmp_path_factory):
-    return make_data("longdoc", tmp_path_factory.mktemp("ld") / "data", n_train=24, n_val=7,
-                     min_words=30, max_words=80)
+    return make_data("longdoc", tmp_path_factory.mktemp("ld") / "data", n_train=24, n_val=7, min_words=30, max_words=80)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +55,7 @@ def same(a, b):
 
 
 # ---- make-data -----------------------------------------------------------------------------------------
+
 
 def test_make_data_formats(mm_dir, ld_dir):
     mm = [json.loads(line) for line in (mm_dir / "train.jsonl").read_text().splitlines()]
@@ -79,6 +80,7 @@ def test_make_data_is_deterministic(tmp_path):
 
 # ---- tokenizer -----------------------------------------------------------------------------------------
 
+
 def test_tokenizer_trains_saves_and_reloads(mm_dir, tmp_path):
     from transformers import AutoTokenizer
 
@@ -102,6 +104,7 @@ def test_tokenizer_bad_name_names_the_flag(mm_dir, tmp_path):
 
 
 # ---- datasets + collate --------------------------------------------------------------------------------
+
 
 def test_multimodal_batches(mm_dir, mm_tok):
     loaders = mm_setup(mm_dir, mm_tok)
@@ -131,6 +134,7 @@ def test_max_samples_caps(mm_dir, mm_tok):
 
 # ---- resumable train stream ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("k", [3, 10, 12])  # 10 batches/epoch: mid-epoch, exactly at and past the boundary
 def test_resume_gives_the_next_batch(mm_dir, mm_tok, k):
     ref = mm_setup(mm_dir, mm_tok).train
@@ -158,6 +162,7 @@ def test_epochs_are_reshuffled_and_ranks_disjoint(mm_dir, mm_tok):
 # The stream over sample ids alone (a list of ints, collated to a tensor): which samples each rank sees.
 def id_streams(n, world, micro=2, seed=3):
     from shardtrain.data.loaders import TrainStream
+
     return [TrainStream(list(range(n)), torch.tensor, micro, r, world, seed, {}) for r in range(world)]
 
 
@@ -167,6 +172,7 @@ def take(streams, batches):
 
 def test_an_epoch_starts_as_distributed_sampler_splits_it():
     from torch.utils.data import DistributedSampler
+
     for world in (1, 2, 3):
         for epoch in (0, 1):
             for r, s in enumerate(id_streams(41, world)):
@@ -197,7 +203,7 @@ def test_resume_at_another_world_size_sees_every_sample_once(new_world, old_form
     assert len(seen) == len(set(seen))  # nothing twice
     before[0].order.set_epoch(0)
     perm = list(before[0].order)
-    assert sorted(seen) == sorted(perm[:len(seen)])  # nothing skipped: the permutation up to a tail
+    assert sorted(seen) == sorted(perm[: len(seen)])  # nothing skipped: the permutation up to a tail
     assert 41 - len(seen) < new_world + new_world * (2 - 1)
     # The next epoch is a plain one at the new world size.
     assert all(s.state_dict()["global_samples_in_epoch"] == 0 and s.epoch == 1 for s in after)
@@ -249,6 +255,7 @@ def test_workers_give_the_same_stream(mm_dir, mm_tok):
 
 # ---- eval sharding -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("eval_batch_size", [1, 2, 4])
 def test_eval_shards_cover_every_example_once(mm_dir, mm_tok, eval_batch_size):
     seen, counts = [], []
@@ -268,6 +275,7 @@ def test_eval_shards_cover_every_example_once(mm_dir, mm_tok, eval_batch_size):
 
 # ---- bad data ------------------------------------------------------------------------------------------
 
+
 def write_split(folder: Path, name: str, lines: list[str]):
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text("\n".join(lines) + "\n")
@@ -282,23 +290,33 @@ def bad_dir(tmp_path, mm_dir):
     (d / "img" / "ok.png").write_bytes(good)
     (d / "img" / "corrupt.png").write_bytes(good[:40])  # header intact, pixel data truncated
     ok = {"text": "great film", "image": "img/ok.png", "label": 0}
-    lines = [json.dumps(ok)] * 3 + [
-        '{"text": "broken", ',                                          # 4: JSON
-        json.dumps({"text": "no label", "image": "img/ok.png"}),         # 5: missing field
-        json.dumps({**ok, "label": 5}),                                  # 6: label out of range
-        json.dumps({**ok, "label": "1"}),                                # 7: label not an int
-        json.dumps({**ok, "text": "  "}),                                # 8: empty text
-        json.dumps({**ok, "image": "img/missing.png"}),                  # 9: image missing
-        json.dumps({**ok, "image": "img/corrupt.png"}),                  # 10: corrupt image
-    ] + [json.dumps(ok)] * 2
+    lines = (
+        [json.dumps(ok)] * 3
+        + [
+            '{"text": "broken", ',  # 4: JSON
+            json.dumps({"text": "no label", "image": "img/ok.png"}),  # 5: missing field
+            json.dumps({**ok, "label": 5}),  # 6: label out of range
+            json.dumps({**ok, "label": "1"}),  # 7: label not an int
+            json.dumps({**ok, "text": "  "}),  # 8: empty text
+            json.dumps({**ok, "image": "img/missing.png"}),  # 9: image missing
+            json.dumps({**ok, "image": "img/corrupt.png"}),  # 10: corrupt image
+        ]
+        + [json.dumps(ok)] * 2
+    )
     write_split(d, "train.jsonl", lines)
     write_split(d, "validation.jsonl", [json.dumps(ok)] * 2)
     return d
 
 
-EXPECTED = {4: "invalid JSON", 5: "missing field 'label'", 6: r"label 5 is outside 0\.\.2 \(model.num_labels=3\)",
-            7: "label \"1\" is not an integer", 8: "empty text", 9: "image not found: img/missing.png",
-            10: "cannot decode image img/corrupt.png"}
+EXPECTED = {
+    4: "invalid JSON",
+    5: "missing field 'label'",
+    6: r"label 5 is outside 0\.\.2 \(model.num_labels=3\)",
+    7: 'label "1" is not an integer',
+    8: "empty text",
+    9: "image not found: img/missing.png",
+    10: "cannot decode image img/corrupt.png",
+}
 
 
 @pytest.mark.parametrize("line", sorted(EXPECTED))
@@ -306,7 +324,7 @@ def test_each_bad_record_raises_with_file_and_line(bad_dir, mm_tok, line):
     lines = (bad_dir / "train.jsonl").read_text().splitlines()
     good = lines[0]
     # Keep only the one bad line (at its own line number), so each case is checked on its own.
-    write_split(bad_dir, "train.jsonl", [l if i + 1 == line else good for i, l in enumerate(lines)])
+    write_split(bad_dir, "train.jsonl", [text if i + 1 == line else good for i, text in enumerate(lines)])
     cfg = make_cfg(bad_dir)
     path = f"{bad_dir / 'train.jsonl'}:{line}: "
     with pytest.raises(ConfigError, match=path.replace(".", r"\.") + EXPECTED[line]):
@@ -319,8 +337,9 @@ def test_each_bad_record_raises_with_file_and_line(bad_dir, mm_tok, line):
 def test_skip_bad_samples_counts_them(bad_dir, mm_tok):
     train_ds, eval_ds = build_datasets(make_cfg(bad_dir, skip_bad_samples=True), mm_tok)
     assert len(train_ds) == 5 and len(train_ds.skipped) == 7 and eval_ds.skipped == []
-    assert [m.split(f"{bad_dir / 'train.jsonl'}:")[1].split(":")[0] for m in train_ds.skipped] == \
-        [str(n) for n in sorted(EXPECTED)]
+    assert [m.split(f"{bad_dir / 'train.jsonl'}:")[1].split(":")[0] for m in train_ds.skipped] == [
+        str(n) for n in sorted(EXPECTED)
+    ]
     for i in range(len(train_ds)):
         assert train_ds[i]["image"].shape == (3, 32, 32)
 

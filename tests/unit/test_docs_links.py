@@ -1,5 +1,6 @@
 """The README is a front door of at most 250 lines, and the pages it leads to are all reachable: every relative
 link in README.md and docs/*.md names a file of the repository, and every `#anchor` a heading of its page."""
+
 from __future__ import annotations
 
 import ast
@@ -80,14 +81,33 @@ EXTRA_CODE_FILES = (".ci/run",)  # a shell script without a suffix
 # A word is path-looking when it has a slash and either starts with one of the repository's top-level folders or
 # ends in one of these suffixes. Written out rather than listed from the disk, so that a local, untracked `runs/`
 # or venv beside the checkout does not turn the words `runs/x` into paths.
-TOP_FOLDERS = {"shardtrain", "tests", "benchmarks", "examples", "slurm", "docs", "configs", "ds_configs",
-               "fsdp_policies", ".ci"}
+TOP_FOLDERS = {
+    "shardtrain",
+    "tests",
+    "benchmarks",
+    "examples",
+    "slurm",
+    "docs",
+    "configs",
+    "ds_configs",
+    "fsdp_policies",
+    ".ci",
+}
 PATH_SUFFIXES = {".py", ".sh", ".sbatch", ".md", ".yaml", ".yml", ".json", ".toml", ".txt", ".cfg"}
 # Words that look like paths and are no paths of the repository, each for its reason:
 NOT_REPO_PREFIXES = (
     # files of the installed libraries, as they lie in site-packages (`deepspeed/comm/torch.py`)
-    "torch/", "deepspeed/", "transformers/", "datasets/", "peft/", "sagemaker/", "accelerate/", "lightning/",
-    "torchao/", "safetensors/", "huggingface_hub/",
+    "torch/",
+    "deepspeed/",
+    "transformers/",
+    "datasets/",
+    "peft/",
+    "sagemaker/",
+    "accelerate/",
+    "lightning/",
+    "torchao/",
+    "safetensors/",
+    "huggingface_hub/",
 )
 NOT_REPO_PATHS = {
     "benchmarks/results/gpu_suite.json",  # written by benchmarks/gpu_suite.py on a GPU machine; absent until then
@@ -107,15 +127,25 @@ def comment_texts(path: Path) -> list[tuple[int, str]]:
     file; of every `#` comment (a whole line, or after code and a space; not the `#!` line) in a shell file."""
     src = path.read_text()
     if path.suffix != ".py":
-        return [(n, m.group(1)) for n, line in enumerate(src.splitlines(), 1)
-                for m in [re.search(r"(?:^|\s)(#(?!!).*)", line)] if m]
-    out = [(tok.start[0], tok.string) for tok in tokenize.generate_tokens(io.StringIO(src).readline)
-           if tok.type == tokenize.COMMENT]
+        return [
+            (n, m.group(1))
+            for n, line in enumerate(src.splitlines(), 1)
+            for m in [re.search(r"(?:^|\s)(#(?!!).*)", line)]
+            if m
+        ]
+    out = [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(src).readline)
+        if tok.type == tokenize.COMMENT
+    ]
     for node in ast.walk(ast.parse(src)):
         if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
             first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
-                    and isinstance(first.value.value, str):
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
                 out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
     return out
 
@@ -142,30 +172,50 @@ def exists_in_repo(word: str) -> bool:
 
 
 def code_files() -> list[Path]:
-    files = [p for folder in CODE_FOLDERS for p in (REPO / folder).rglob("*")
-             if p.suffix in CODE_SUFFIXES and "__pycache__" not in p.parts]
+    files = [
+        p
+        for folder in CODE_FOLDERS
+        for p in (REPO / folder).rglob("*")
+        if p.suffix in CODE_SUFFIXES and "__pycache__" not in p.parts
+    ]
     return sorted(files) + [REPO / f for f in EXTRA_CODE_FILES if (REPO / f).exists()]
 
 
 def test_the_rule_finds_repository_paths_and_nothing_else():
     """One word of each kind the comments hold: the paths it must check, and the look-alikes it must skip."""
-    text = ("see shardtrain/oom.py, `strategies/dcp_state.py:83`. and tests/nowhere/ --out=benchmarks/x.json; "
-            "torch/distributed and deepspeed/comm/torch.py, https://example.com/a/b.py, s3://bucket/k.json, "
-            "/opt/ml/input/config/hyperparameters.json, $OUT/metrics.json, ${WT}/a.py, ~/.cache/shardtrain/venv, "
-            "/tmp/x/y.py, data/<ID>.txt, OUT_DIR/results.json, ZeRO-2/3, I/O, configs/x.yaml:12, fsdp_policies/*.yaml "
-            "(tests/launch.py:torchrun)")
-    assert repo_paths(text) == ["shardtrain/oom.py", "strategies/dcp_state.py", "tests/nowhere/", "benchmarks/x.json",
-                                "fsdp_policies/*.yaml", "tests/launch.py"]
-    assert [w for w in repo_paths(text) if not exists_in_repo(w)] == ["shardtrain/oom.py", "strategies/dcp_state.py",
-                                                                       "tests/nowhere/", "benchmarks/x.json"]
+    text = (
+        "see shardtrain/oom.py, `strategies/dcp_state.py:83`. and tests/nowhere/ --out=benchmarks/x.json; "
+        "torch/distributed and deepspeed/comm/torch.py, https://example.com/a/b.py, s3://bucket/k.json, "
+        "/opt/ml/input/config/hyperparameters.json, $OUT/metrics.json, ${WT}/a.py, ~/.cache/shardtrain/venv, "
+        "/tmp/x/y.py, data/<ID>.txt, OUT_DIR/results.json, ZeRO-2/3, I/O, configs/x.yaml:12, fsdp_policies/*.yaml "
+        "(tests/launch.py:torchrun)"
+    )
+    assert repo_paths(text) == [
+        "shardtrain/oom.py",
+        "strategies/dcp_state.py",
+        "tests/nowhere/",
+        "benchmarks/x.json",
+        "fsdp_policies/*.yaml",
+        "tests/launch.py",
+    ]
+    assert [w for w in repo_paths(text) if not exists_in_repo(w)] == [
+        "shardtrain/oom.py",
+        "strategies/dcp_state.py",
+        "tests/nowhere/",
+        "benchmarks/x.json",
+    ]
     assert exists_in_repo("loop/oom.py") and exists_in_repo("shardtrain/loop/oom.py")
 
 
 def test_comments_and_docstrings_name_only_paths_that_exist():
     # Parsing every file costs seconds; reading it costs milliseconds. A file whose text, code included, names no
     # missing path cannot have one in a comment, so only the few others are parsed.
-    suspects = [path for path in code_files()
-                if any(not exists_in_repo(word) for word in repo_paths(path.read_text()))]
-    broken = [f"{path.relative_to(REPO)}:{n}: {word}" for path in suspects for n, text in comment_texts(path)
-              for word in repo_paths(text) if not exists_in_repo(word)]
+    suspects = [path for path in code_files() if any(not exists_in_repo(word) for word in repo_paths(path.read_text()))]
+    broken = [
+        f"{path.relative_to(REPO)}:{n}: {word}"
+        for path in suspects
+        for n, text in comment_texts(path)
+        for word in repo_paths(text)
+        if not exists_in_repo(word)
+    ]
     assert not broken, "comments and docstrings name paths that do not exist:\n" + "\n".join(broken)

@@ -1,4 +1,5 @@
 """`shardtrain doctor`: its checks on crafted environments, and the command's lines, JSON and exit codes."""
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,12 @@ def test_world_size_without_rank_blocks():
 
 def test_launcher_env_checks():
     assert doctor.check_launcher({}, 0) == []
-    assert doctor.check_launcher({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h",
-                                  "MASTER_PORT": "1"}, 2) == []
+    assert (
+        doctor.check_launcher(
+            {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, 2
+        )
+        == []
+    )
     msgs = levels(doctor.check_launcher({"RANK": "5", "WORLD_SIZE": "2"}, 0))
     assert ("error", "RANK=5 is outside 0..WORLD_SIZE-1 (1)") in msgs
     assert any(lv == "error" and "MASTER_ADDR and MASTER_PORT unset" in m for lv, m in msgs)
@@ -37,8 +42,12 @@ def test_launcher_env_checks():
 def test_sagemaker_checks(tmp_path):
     train = tmp_path / "train"
     train.mkdir()
-    env = {"SM_CHANNEL_TRAIN": str(train), "SM_CHANNEL_VALIDATION": str(tmp_path / "missing"),
-           "SM_NUM_GPUS": "4", "SM_HOSTS": '["algo-1","algo-2"]'}
+    env = {
+        "SM_CHANNEL_TRAIN": str(train),
+        "SM_CHANNEL_VALIDATION": str(tmp_path / "missing"),
+        "SM_NUM_GPUS": "4",
+        "SM_HOSTS": '["algo-1","algo-2"]',
+    }
     msgs = levels(doctor.check_sagemaker(env, n_gpus=4))
     assert ("error", f"SM_CHANNEL_VALIDATION={tmp_path / 'missing'} is not a folder") in msgs
     assert any("has no train.jsonl" in m for _, m in msgs)
@@ -78,18 +87,26 @@ def test_ops_without_compiler():
 
 def test_import_is_light():
     code = "import sys, shardtrain.commands.doctor; print('deepspeed' in sys.modules, 'torch' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
-                         env=launch_env(), check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=launch_env(), check=True
+    ).stdout.split()
     assert out == ["False", "False"]
 
 
 def test_doctor_command_crafted_env(tmp_path):
-    env = launch_env(WORLD_SIZE="4", SM_NUM_GPUS="4", SM_HOSTS='["algo-1"]', SM_CURRENT_HOST="algo-1",
-                   SM_MODEL_DIR=str(tmp_path), SM_CHANNEL_TRAIN=str(tmp_path), NCCL_DEBUG="INFO")
+    env = launch_env(
+        WORLD_SIZE="4",
+        SM_NUM_GPUS="4",
+        SM_HOSTS='["algo-1"]',
+        SM_CURRENT_HOST="algo-1",
+        SM_MODEL_DIR=str(tmp_path),
+        SM_CHANNEL_TRAIN=str(tmp_path),
+        NCCL_DEBUG="INFO",
+    )
     env.pop("OMP_NUM_THREADS")
     run = cli(["doctor", "--json"], env=env, check=False)
     assert run.returncode == 1, run.tail()
-    report = json.loads(run.output[run.output.index("{"):])
+    report = json.loads(run.output[run.output.index("{") :])
     assert report["ok"] is False
     assert report["env"]["sagemaker"]["SM_CHANNEL_TRAIN"] == str(tmp_path)
     assert report["env"]["launcher"] == {"WORLD_SIZE": "4"}
@@ -114,8 +131,15 @@ def test_counts_read_as_english():
     omp, workers = doctor.check_threads({"OMP_NUM_THREADS": "2"}, cpus=1, procs_per_node=1, workers=1)
     assert omp.message == "OMP_NUM_THREADS=2 x 1 process > 1 CPU: threads fight for cores"
     assert workers.message == "1 loader worker x 1 process + the processes themselves = 2 > 1 CPU"
-    report = {"versions": {}, "gpus": [], "deepspeed_ops": {"ninja": True, "cxx": "g++", "ops": {}},
-              "env": {"omp_num_threads": None}, "cpus": 1, "processes_per_node": 1, "loader_workers": 1,
-              "problems": [{"level": "warning", "message": "m", "fix": "f"}]}
+    report = {
+        "versions": {},
+        "gpus": [],
+        "deepspeed_ops": {"ninja": True, "cxx": "g++", "ops": {}},
+        "env": {"omp_num_threads": None},
+        "cpus": 1,
+        "processes_per_node": 1,
+        "loader_workers": 1,
+        "problems": [{"level": "warning", "message": "m", "fix": "f"}],
+    }
     text = doctor.render(report)
     assert "| 1 CPU | 1 process per node | 1 loader worker" in text and text.endswith("0 errors, 1 warning")

@@ -1,5 +1,6 @@
 """Error reporting in one process: run_guarded's one line and exit codes, the checks no CPU run can reach
 (bf16 on an old GPU), the output-dir probe, and metrics.jsonl left alone until a run really writes."""
+
 import json
 
 import pytest
@@ -14,6 +15,7 @@ from shardtrain.strategies.base import check_precision_supported
 def fail_with(exc):
     def fn(argv):
         raise exc
+
     return fn
 
 
@@ -39,6 +41,7 @@ def test_debug_shows_the_traceback():
 def test_other_ranks_speak_only_if_still_alive(capsys, monkeypatch):
     """Rank 1 waits (the launcher normally stops it in that time) and then names itself."""
     import signal
+
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(cli, "QUIET_SECONDS", 0.0)
@@ -58,8 +61,11 @@ def test_lost_peer_errors_are_secondary():
 def test_bf16_on_a_gpu_without_it(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
-    with pytest.raises(ConfigError, match=r"--precision \(train.precision\)=bf16: Tesla V100-SXM2-32GB has no "
-                                          r"bf16 support .*use --precision fp16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--precision \(train.precision\)=bf16: Tesla V100-SXM2-32GB has no "
+        r"bf16 support .*use --precision fp16",
+    ):
         check_precision_supported("bf16", torch.device("cuda", 0))
     check_precision_supported("fp16", torch.device("cuda", 0))
     check_precision_supported("bf16", torch.device("cpu"))
@@ -89,5 +95,8 @@ def test_metrics_untouched_until_the_first_record(tmp_path):
     log = MetricsLog(tmp_path, rank=0, resume_step=2)
     log.write({"step": 3, "loss": 0.5})
     log.close()
-    assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
-        [1.0, 1.0, 0.5]
+    assert [json.loads(line)["loss"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        1.0,
+        1.0,
+        0.5,
+    ]

@@ -1,5 +1,6 @@
 """ZeRO partitions as DCP chunks (shardtrain/checkpointing/flat_chunks.py): a contiguous range of a row-major tensor
 is written as rectangles of the tensor's own shape, each a view of the range (no copy), and read back resharded."""
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,13 @@ def test_a_range_written_as_rectangles_reads_back_into_another_range_and_a_plain
     saved = FlatRange((5, 7), weight.flatten()[5:30].clone(), 5)
     dcp.save({"model": {"w": saved}}, checkpoint_id=str(tmp_path), planner=SavePlanner(), no_dist=True)
     chunks = dcp.FileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata["model.w"].chunks
-    assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == [((0, 5), (1, 2)), ((1, 0), (3, 7)), ((4, 0), (1, 2))]
+    assert [(tuple(c.offsets), tuple(c.sizes)) for c in chunks] == [
+        ((0, 5), (1, 2)),
+        ((1, 0), (3, 7)),
+        ((4, 0), (1, 2)),
+    ]
     into = torch.zeros(20)
-    dcp.load({"model": {"w": FlatRange((5, 7), into, 9)}}, checkpoint_id=str(tmp_path), planner=LoadPlanner(),
-             no_dist=True)
+    dcp.load(
+        {"model": {"w": FlatRange((5, 7), into, 9)}}, checkpoint_id=str(tmp_path), planner=LoadPlanner(), no_dist=True
+    )
     assert torch.equal(into, weight.flatten()[9:29])

@@ -4,6 +4,7 @@ requires_grad False, no .grad and no optimizer state, and its weight does not mo
 must work inside one sharded unit. What build_model itself returned frozen (the second Block's upper layer, frozen
 by hand as users freeze a pretrained part) stays frozen throughout, unfreeze included, though --freeze-layers names
 part of it too. One process, world size 1, in a subprocess of its own (a process group is global state)."""
+
 from __future__ import annotations
 
 import json
@@ -89,11 +90,17 @@ dist.destroy_process_group()
 
 
 def test_frozen_parameters_have_no_grad_or_optimizer_state_until_unfrozen_ddp_and_fsdp():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(free_port())], cwd=REPO, env=test_env(),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(free_port())],
+        cwd=REPO,
+        env=test_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     (line,) = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     frozen = {"0.lower.weight", "0.lower.bias"}
     user = {"1.upper.weight", "1.upper.bias"}
     for name, rec in result.items():

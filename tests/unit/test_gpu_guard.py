@@ -1,5 +1,6 @@
 """The idle-GPU guard's verdict on synthetic rank tables (the CUDA cases cannot run on this CPU machine),
 and the one-line errors around device selection."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,9 +12,15 @@ from shardtrain.runtime.gpu_guard import check_devices, check_rank_table
 
 def row(rank, host="h1", local_rank=None, device=None, visible=4, uuid=""):
     local_rank = rank if local_rank is None else local_rank
-    return {"rank": rank, "host": host, "local_rank": local_rank,
-            "device": device if device is not None else f"cuda:{local_rank}", "device_uuid": uuid,
-            "device_name": "V100", "visible_gpus": visible}
+    return {
+        "rank": rank,
+        "host": host,
+        "local_rank": local_rank,
+        "device": device if device is not None else f"cuda:{local_rank}",
+        "device_uuid": uuid,
+        "device_name": "V100",
+        "visible_gpus": visible,
+    }
 
 
 def test_four_visible_world_one_warns_with_the_launch_line():
@@ -71,6 +78,7 @@ def test_check_devices_raises_one_line_and_only_rank0_warns():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_cuda_requested_without_gpu_is_one_line():
     from shardtrain.runtime.distributed import resolve_device_type
+
     with pytest.raises(ConfigError) as e:
         resolve_device_type("cuda")
     assert "\n" not in str(e.value) and "--device cpu" in str(e.value)
@@ -79,11 +87,17 @@ def test_cuda_requested_without_gpu_is_one_line():
 
 def test_more_processes_than_gpus_is_one_line(monkeypatch):
     from shardtrain.runtime import distributed
+
     # Pretend 2 GPUs; the check fires before any CUDA or process-group call.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    for k, v in {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "3", "MASTER_ADDR": "127.0.0.1",
-                 "MASTER_PORT": "29500"}.items():
+    for k, v in {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "3",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29500",
+    }.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(ConfigError) as e:
         distributed.init_distributed("cuda")
@@ -92,6 +106,7 @@ def test_more_processes_than_gpus_is_one_line(monkeypatch):
 
 def test_world_size_without_rank_is_an_error_not_a_hang(monkeypatch):
     from shardtrain.runtime.distributed import adopt_launcher_env
+
     for k in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("WORLD_SIZE", "4")

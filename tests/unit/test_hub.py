@@ -1,5 +1,6 @@
 """The pre-launch check of hub names (shardtrain/runtime/hub.py) against endpoints on 127.0.0.1 only: a port that
 refuses, a socket that listens and never answers, and a tiny HTTP server. Never the real hub."""
+
 import http.server
 import os
 import socket
@@ -25,6 +26,7 @@ def hub_env(tmp_path, monkeypatch):
 
     def at(endpoint: str):
         monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+
     return at
 
 
@@ -44,8 +46,9 @@ def silent():
 
 
 def config(tmp_path, *flags):
-    return parse_cli(["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--output-dir", str(tmp_path / "o"),
-                      *flags])
+    return parse_cli(
+        ["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--output-dir", str(tmp_path / "o"), *flags]
+    )
 
 
 def cache(tmp_path, repo_id: str) -> None:
@@ -65,8 +68,9 @@ def test_refused_hub_names_the_model_and_its_flag(tmp_path, hub_env, refused):
         hub.check_hub_names(cfg)
     assert time.monotonic() - start < 2.0
     # The tokenizer defaults to the model's: the line names the flag the user set, --text-model.
-    assert str(e.value).startswith(f"--text-model (model.text_model) some-org/some-model: the Hugging Face hub "
-                                   f"{refused} is unreachable (")
+    assert str(e.value).startswith(
+        f"--text-model (model.text_model) some-org/some-model: the Hugging Face hub {refused} is unreachable ("
+    )
     assert "not in the local cache" in str(e.value) and "--tokenizer" not in str(e.value)
 
 
@@ -91,8 +95,9 @@ def test_cached_names_go_offline_by_themselves(tmp_path, hub_env, refused):
     cache(tmp_path, "some-org/some-model")
     cfg = config(tmp_path, "--pretrained", "true", "--text-model", "some-org/some-model")
     note = hub.check_hub_names(cfg)
-    assert note.startswith(f"the Hugging Face hub {refused} is unreachable (") and \
-        note.endswith("some-org/some-model is in the local cache: running offline (HF_HUB_OFFLINE=1)")
+    assert note.startswith(f"the Hugging Face hub {refused} is unreachable (") and note.endswith(
+        "some-org/some-model is in the local cache: running offline (HF_HUB_OFFLINE=1)"
+    )
     # This process (huggingface_hub's constant) and the workers it launches (the environment).
     assert constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
 
@@ -101,8 +106,11 @@ def test_offline_looks_at_the_cache_only(tmp_path, hub_env, monkeypatch):
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(hub, "probe", lambda *a, **k: pytest.fail("probed the hub in offline mode"))
     cfg = config(tmp_path, "--pretrained", "true", "--text-model", "some-org/some-model")
-    with pytest.raises(ConfigError, match=r"^--text-model \(model.text_model\) some-org/some-model: not in the local "
-                                          r"Hugging Face cache .* HF_HUB_OFFLINE=1 forbids downloading it"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^--text-model \(model.text_model\) some-org/some-model: not in the local "
+        r"Hugging Face cache .* HF_HUB_OFFLINE=1 forbids downloading it",
+    ):
         hub.check_hub_names(cfg)
     cache(tmp_path, "some-org/some-model")
     assert hub.check_hub_names(cfg) is None
@@ -141,6 +149,8 @@ def test_offline_error_says_how_to_train_with_nothing_downloaded(tmp_path, hub_e
     cfg = config(tmp_path, "--pretrained", "true", "--text-model", "some-org/some-model")
     with pytest.raises(ConfigError) as e:
         hub.check_hub_names(cfg)
-    assert str(e.value).endswith("; or train without downloading: --pretrained false (the same architecture, randomly "
-                                 "initialised, with a tokenizer trained on your data), or --config "
-                                 "configs/multimodal_tiny.yaml"), str(e.value)
+    assert str(e.value).endswith(
+        "; or train without downloading: --pretrained false (the same architecture, randomly "
+        "initialised, with a tokenizer trained on your data), or --config "
+        "configs/multimodal_tiny.yaml"
+    ), str(e.value)

@@ -1,4 +1,5 @@
 """Images: uint8 off the workers, normalised on the device; JPEG draft decoding; the decode-once image cache."""
+
 import json
 import os
 import shutil
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from test_data import make_cfg
 
 from shardtrain.cli import main as cli_main
 from shardtrain.config.settings import ConfigError
@@ -14,7 +16,6 @@ from shardtrain.data import batch_to_device, build_datasets, make_data
 from shardtrain.data.image_cache import build_image_cache
 from shardtrain.data.images import decode_image, load_image, normalize_pixels
 from shardtrain.data.precheck import check_splits
-from test_data import make_cfg
 
 
 def host_normalized(path, size):
@@ -39,8 +40,9 @@ def test_device_normalisation_is_bit_identical_to_the_host_one(data):
     assert torch.equal(batch["pixel_values"][0], host_normalized(image, 32))
     floats = torch.randn(1, 3, 4, 4)  # already-normalised inputs (export users, the planner) pass through
     assert torch.equal(batch_to_device({"pixel_values": floats}, torch.device("cpu"))["pixel_values"], floats)
-    assert normalize_pixels(torch.full((1, 3, 1, 1), 255, dtype=torch.uint8)).flatten().tolist() == \
-        pytest.approx([(1 - 0.485) / 0.229, (1 - 0.456) / 0.224, (1 - 0.406) / 0.225])
+    assert normalize_pixels(torch.full((1, 3, 1, 1), 255, dtype=torch.uint8)).flatten().tolist() == pytest.approx(
+        [(1 - 0.485) / 0.229, (1 - 0.456) / 0.224, (1 - 0.406) / 0.225]
+    )
 
 
 def test_large_jpeg_decodes_reduced_and_close_to_a_full_decode(tmp_path):
@@ -74,7 +76,11 @@ def test_cached_items_equal_decoded_items(data, tmp_path):
         a, b = plain[i], cached[i]
         assert a["text"] == b["text"] and a["label"] == b["label"] and torch.equal(a["image"], b["image"])
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [
-        "train-32.json", "train-32.npy", "validation-32.json", "validation-32.npy"]
+        "train-32.json",
+        "train-32.npy",
+        "validation-32.json",
+        "validation-32.npy",
+    ]
 
 
 def test_missing_or_stale_cache_is_one_line_naming_the_flag(data, tmp_path):
@@ -113,7 +119,9 @@ def test_cache_knows_bad_images_for_skip_bad_samples(data, tmp_path):
     assert train_ds.skipped[0].startswith(f"{data / 'train.jsonl'}:3: cannot decode image")
     cfg.data.skip_bad_samples = False
     train_ds, _ = build_datasets(cfg)
-    with pytest.raises(ConfigError, match=r"train.jsonl:3: cannot decode image \S+: (OSError|SyntaxError|Unidentified)") as e:
+    with pytest.raises(
+        ConfigError, match=r"train.jsonl:3: cannot decode image \S+: (OSError|SyntaxError|Unidentified)"
+    ) as e:
         train_ds[2]
     assert "ValueError" not in str(e.value)  # PIL's reason as recorded, not wrapped in the cache's exception type
     cfg.data.image_size = 64

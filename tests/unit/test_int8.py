@@ -1,6 +1,7 @@
 """export --int8 on torchao: Linear and embedding weights int8, saved as torchao documents it
 (torch.save of the quantized state_dict), loaded back with transformers + torch alone; no deprecation warnings;
 a cut-off file is one line. The CLI round trip (export --int8, predict --int8): tests/dist/test_export_files.py."""
+
 from __future__ import annotations
 
 import warnings
@@ -34,8 +35,9 @@ def test_longformer_int8_loads_into_a_plain_transformers_model(longformer, tmp_p
             warnings.simplefilter("always")
             save_int8(longformer.hf, tmp_path / "model_int8.pt")  # quantizes in place
             int8 = longformer(**batch)
-    assert not [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))], \
-        [str(w.message) for w in caught]
+    assert not [w for w in caught if issubclass(w.category, (DeprecationWarning, FutureWarning))], [
+        str(w.message) for w in caught
+    ]
     # Weights 4x smaller; what stays fp32 (LayerNorm, biases) keeps the file above a quarter.
     ratio = (tmp_path / "fp32.safetensors").stat().st_size / (tmp_path / "model_int8.pt").stat().st_size
     assert ratio > 2.5, ratio

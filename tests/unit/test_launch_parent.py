@@ -1,5 +1,6 @@
 """`shardtrain train --nproc N` starts as one parent process that runs the pre-launch checks and then torchrun.
 That parent never trains: importing torch there (~2 s, ~1 s more at exit) only delays the workers."""
+
 from __future__ import annotations
 
 import json
@@ -7,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from launch import REPO, test_env
 
 # The parent's whole path (cli -> commands.train), with the launch itself replaced by a note of what it would run.
@@ -22,16 +22,31 @@ print("RESULT", json.dumps({"code": code, "heavy": heavy}))
 """
 
 
-@pytest.mark.parametrize("strategy", [["--strategy", "ddp"], ["--strategy", "fsdp"],
-                                      ["--ds", str(REPO / "ds_configs" / "zero2.json")]],
-                         ids=["ddp", "fsdp", "zero2"])
+@pytest.mark.parametrize(
+    "strategy",
+    [["--strategy", "ddp"], ["--strategy", "fsdp"], ["--ds", str(REPO / "ds_configs" / "zero2.json")]],
+    ids=["ddp", "fsdp", "zero2"],
+)
 def test_parent_checks_and_launches_without_torch(mm_data, tmp_path, strategy):
-    args = ["--config", str(REPO / "configs" / "multimodal_tiny.yaml"), "--data-dir", str(mm_data),
-            "--output-dir", str(tmp_path / "out"), "--nproc", "2", *strategy]
-    run = subprocess.run([sys.executable, "-c", PARENT, *args], capture_output=True, text=True, cwd=REPO,
-                         env=test_env(), timeout=120)
-    lines = {line.split(" ", 1)[0]: line.split(" ", 1)[1] for line in run.stdout.splitlines()
-             if line.startswith(("LAUNCH ", "RESULT "))}
+    args = [
+        "--config",
+        str(REPO / "configs" / "multimodal_tiny.yaml"),
+        "--data-dir",
+        str(mm_data),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--nproc",
+        "2",
+        *strategy,
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", PARENT, *args], capture_output=True, text=True, cwd=REPO, env=test_env(), timeout=120
+    )
+    lines = {
+        line.split(" ", 1)[0]: line.split(" ", 1)[1]
+        for line in run.stdout.splitlines()
+        if line.startswith(("LAUNCH ", "RESULT "))
+    }
     assert "RESULT" in lines, run.stdout + run.stderr
     result = json.loads(lines["RESULT"])
     assert result["code"] == 0 and "LAUNCH" in lines, run.stdout + run.stderr
@@ -40,8 +55,19 @@ def test_parent_checks_and_launches_without_torch(mm_data, tmp_path, strategy):
 
 def test_parent_still_refuses_bad_input_before_launch(mm_data, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
-    args = ["--config", str(REPO / "configs" / "multimodal_tiny.yaml"), "--data-dir", str(mm_data),
-            "--output-dir", str(tmp_path / "out"), "--nproc", "2", "--ds", str(tmp_path / "bad.json")]
-    run = subprocess.run([sys.executable, "-c", PARENT, *args], capture_output=True, text=True, cwd=REPO,
-                         env=test_env(), timeout=120)
+    args = [
+        "--config",
+        str(REPO / "configs" / "multimodal_tiny.yaml"),
+        "--data-dir",
+        str(mm_data),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--nproc",
+        "2",
+        "--ds",
+        str(tmp_path / "bad.json"),
+    ]
+    run = subprocess.run(
+        [sys.executable, "-c", PARENT, *args], capture_output=True, text=True, cwd=REPO, env=test_env(), timeout=120
+    )
     assert "LAUNCH" not in run.stdout and "bad.json" in run.stderr, run.stdout + run.stderr

@@ -4,6 +4,7 @@ An import counts wherever it is written (top of a file or inside a function) and
 string constant (importlib lookups such as the CLI's command table): hiding an import does not hide a layer
 violation or a circle.
 """
+
 from __future__ import annotations
 
 import ast
@@ -125,7 +126,9 @@ def test_every_folder_is_in_the_layer_table_and_the_table_names_only_real_folder
     table = layer_table()
     folders = {p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert folders - set(table) == set(), f"docs/ARCHITECTURE.md has no layer for {sorted(folders - set(table))}"
-    assert set(table) - folders - {ROOT} == set(), f"the layer table names missing folders {sorted(set(table) - folders - {ROOT})}"
+    assert set(table) - folders - {ROOT} == set(), (
+        f"the layer table names missing folders {sorted(set(table) - folders - {ROOT})}"
+    )
     assert ROOT in table
 
 
@@ -168,17 +171,39 @@ def test_the_command_table_the_commands_folder_and_the_architecture_doc_agree():
 
     modules = {module for module, _ in COMMANDS.values()}
     folder = {f"shardtrain.commands.{p.stem}" for p in (PACKAGE / "commands").glob("*.py") if p.stem != "__init__"}
-    assert modules == folder, f"in the table only: {sorted(modules - folder)}; in commands/ only: {sorted(folder - modules)}"
+    assert modules == folder, (
+        f"in the table only: {sorted(modules - folder)}; in commands/ only: {sorted(folder - modules)}"
+    )
     entry = re.search(r"^  commands/(.*\n(?: {10,}.*\n)*)", (REPO / "docs" / "ARCHITECTURE.md").read_text(), re.M)
     listed = set(re.findall(r"(\w+)\.py", entry.group(1)))
     assert listed == {m.rpartition(".")[2] for m in modules}, f"docs/ARCHITECTURE.md's commands/ lists {sorted(listed)}"
 
 
 # ---- collectives: one place moves their tensors to the group's device -------------------------------------
-COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-               "broadcast", "broadcast_object_list", "all_gather_object", "gather_object", "gather", "scatter",
-               "scatter_object_list", "reduce", "barrier", "monitored_barrier", "all_to_all", "all_to_all_single",
-               "send", "recv", "isend", "irecv", "batch_isend_irecv"}
+COLLECTIVES = {
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "broadcast",
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "gather",
+    "scatter",
+    "scatter_object_list",
+    "reduce",
+    "barrier",
+    "monitored_barrier",
+    "all_to_all",
+    "all_to_all_single",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+}
 COLLECTIVE_HOMES = ("runtime", "strategies")  # shardtrain/runtime/distributed.py's helpers; the backends' own
 
 
@@ -194,7 +219,10 @@ def direct_collectives(path: Path, root: Path = REPO) -> list[str]:
                     aliases.add(a.asname or "torch.distributed")
                 elif a.name == "torch" or a.name.startswith("torch."):
                     aliases.add("torch.distributed")  # `import torch` then torch.distributed.x(...)
-        elif isinstance(node, ast.ImportFrom) and node.module in ("torch.distributed", "torch.distributed.distributed_c10d"):
+        elif isinstance(node, ast.ImportFrom) and node.module in (
+            "torch.distributed",
+            "torch.distributed.distributed_c10d",
+        ):
             names.update(a.asname or a.name for a in node.names if a.name in COLLECTIVES)
         elif isinstance(node, ast.ImportFrom) and node.module == "torch":
             aliases.update(a.asname or a.name for a in node.names if a.name == "distributed")
@@ -218,13 +246,17 @@ def test_only_runtime_and_strategies_call_collectives_directly():
     files = [p for p in sorted(PACKAGE.rglob("*.py")) if folder_of(module_name(p, PACKAGE)) not in COLLECTIVE_HOMES]
     files += sorted((REPO / "examples").rglob("*.py"))
     offenders = [hit for p in files for hit in direct_collectives(p)]
-    assert offenders == [], ("call shardtrain.runtime.distributed's helpers (all_reduce_sum, all_reduce_max, "
-                             f"broadcast_, barrier, all_gather_object, gather_object) instead: {offenders}")
+    assert offenders == [], (
+        "call shardtrain.runtime.distributed's helpers (all_reduce_sum, all_reduce_max, "
+        f"broadcast_, barrier, all_gather_object, gather_object) instead: {offenders}"
+    )
 
 
 def test_the_collective_check_finds_every_spelling(tmp_path):
     f = tmp_path / "x.py"
-    f.write_text("import torch\nimport torch.distributed as dist\nfrom torch.distributed import all_reduce as ar\n"
-                 "def f(t):\n    dist.all_reduce(t)\n    torch.distributed.barrier()\n    ar(t)\n"
-                 "    dist.get_rank()\n    dist.is_initialized()\n")
+    f.write_text(
+        "import torch\nimport torch.distributed as dist\nfrom torch.distributed import all_reduce as ar\n"
+        "def f(t):\n    dist.all_reduce(t)\n    torch.distributed.barrier()\n    ar(t)\n"
+        "    dist.get_rank()\n    dist.is_initialized()\n"
+    )
     assert direct_collectives(f, tmp_path) == ["x.py:5 all_reduce", "x.py:6 barrier", "x.py:7 ar"]

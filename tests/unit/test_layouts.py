@@ -1,11 +1,11 @@
 """--dataset-format: the research datasets read in their published layouts (shardtrain/data/layouts.py), on small
 copies built here (tests/layout_copies.py), and the text pairs the Twitter layouts give to the collator."""
+
 import shutil
 
 import pytest
+from layout_copies import DROPPED_MVSA_MULTIPLE, DROPPED_MVSA_SINGLE, DROPPED_TWITTER, jpeg, make_mvsa, make_twitter
 
-from layout_copies import (DROPPED_MVSA_MULTIPLE, DROPPED_MVSA_SINGLE, DROPPED_TWITTER, jpeg, make_mvsa,
-                           make_twitter)
 from shardtrain.cli import main as cli_main
 from shardtrain.config.settings import ConfigError, from_dict, validate
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
@@ -18,15 +18,23 @@ from shardtrain.data.tokenizer import training_texts
 @pytest.fixture(scope="module")
 def copies(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
-    return {"mvsa-single": make_mvsa(root / "single"), "mvsa-multiple": make_mvsa(root / "multiple", multiple=True),
-            "twitter2015": make_twitter(root / "t15"), "twitter2017": make_twitter(root / "t17", "twitter2017")}
+    return {
+        "mvsa-single": make_mvsa(root / "single"),
+        "mvsa-multiple": make_mvsa(root / "multiple", multiple=True),
+        "twitter2015": make_twitter(root / "t15"),
+        "twitter2017": make_twitter(root / "t17", "twitter2017"),
+    }
 
 
 def layout_cfg(fmt, data_dir, tmp_path, **data):
-    cfg = from_dict({"model": {"pretrained": False}, "train": {"per_device_batch_size": 4},
-                     "data": {"dataset_format": fmt, "data_dir": str(data_dir), "image_size": 16, "num_workers": 0,
-                              **data},
-                     "checkpoint": {"output_dir": str(tmp_path / "run")}})
+    cfg = from_dict(
+        {
+            "model": {"pretrained": False},
+            "train": {"per_device_batch_size": 4},
+            "data": {"dataset_format": fmt, "data_dir": str(data_dir), "image_size": 16, "num_workers": 0, **data},
+            "checkpoint": {"output_dir": str(tmp_path / "run")},
+        }
+    )
     validate(cfg)
     return cfg
 
@@ -37,14 +45,15 @@ def by_post(layout):
 
 # ---- the readers ---------------------------------------------------------------------------------------
 
+
 def test_mvsa_single_keeps_agreeing_posts_and_counts_the_rest(copies):
     layout = read_layout("mvsa-single", copies["mvsa-single"])
     assert dict(layout.dropped) == DROPPED_MVSA_SINGLE
     assert layout.labels == ("negative", "neutral", "positive")
     posts = by_post(layout)
     assert len(posts) == 40 - sum(DROPPED_MVSA_SINGLE.values())
-    assert posts[2].label == "positive"    # text positive, image neutral: the other's label
-    assert posts[1].label == "neutral"     # neutral, neutral
+    assert posts[2].label == "positive"  # text positive, image neutral: the other's label
+    assert posts[1].label == "neutral"  # neutral, neutral
     assert posts[10].label == "neutral" and posts[11].label == "positive" and posts[12].label == "negative"
     assert all(r.text_pair is None for r in posts.values())
     # Each reason names one example, file:line and the post.
@@ -79,8 +88,10 @@ def test_mvsa_multiple_majority_vote_and_tie(copies):
 
 
 def test_one_mvsa_read_as_the_other_is_one_line(copies):
-    wrong = r"--dataset-format mvsa-single: .*labelResultAll.txt:2 has 3 text,image label pair\(s\), mvsa-single has " \
-            r"1 \(is this mvsa-multiple\?\)"
+    wrong = (
+        r"--dataset-format mvsa-single: .*labelResultAll.txt:2 has 3 text,image label pair\(s\), mvsa-single has "
+        r"1 \(is this mvsa-multiple\?\)"
+    )
     with pytest.raises(ConfigError, match=wrong):
         read_layout("mvsa-single", copies["mvsa-multiple"])
     with pytest.raises(ConfigError, match=wrong):  # at start-up, before any process is launched
@@ -96,11 +107,12 @@ def test_twitter_splits_target_put_back_and_paired(copies, name):
     assert dict(layout.dropped) == DROPPED_TWITTER
     first = layout.splits["train"][0]
     assert first.text == "RT @ fan1 : Team 1 was neutral at the game 🏀" and first.text_pair == "Team 1"
-    assert first.label == "neutral" and first.line == 2   # label 1; line 1 is the header
-    assert layout.splits["train"][1].text.endswith("game 🏀\u2028second line")   # one row, not split in two
+    assert first.label == "neutral" and first.line == 2  # label 1; line 1 is the header
+    assert layout.splits["train"][1].text.endswith("game 🏀\u2028second line")  # one row, not split in two
     assert {r.label for r in layout.splits["validation"]} == {"negative", "neutral", "positive"}
-    assert layout.examples["missing_image"].endswith(f"train.tsv:3: image 404.jpg not found in "
-                                                     f"{copies[name].resolve() / (name + '_images')}")
+    assert layout.examples["missing_image"].endswith(
+        f"train.tsv:3: image 404.jpg not found in {copies[name].resolve() / (name + '_images')}"
+    )
     assert "train.tsv:4: the tweet has no $T$" in layout.examples["no_target_marker"]
     assert "train.tsv:5: expected index, label 0/1/2" in layout.examples["malformed_line"]
     # The TSVs' own folder (TomBERT's --data_dir) reads the same rows, images from the sibling folder.
@@ -125,6 +137,7 @@ def test_missing_files_name_the_flag_and_the_file(copies, tmp_path):
 
 # ---- start-up, config and the datasets a run trains on --------------------------------------------------
 
+
 def test_config_and_startup_checks(copies, tmp_path):
     with pytest.raises(ConfigError, match="data.dataset_format: 'mvsa' is not one of mvsa-single, mvsa-multiple"):
         from_dict({"data": {"dataset_format": "mvsa"}})
@@ -138,8 +151,11 @@ def test_config_and_startup_checks(copies, tmp_path):
     cfg = layout_cfg("mvsa-single", copies["mvsa-single"], tmp_path)
     check_splits(cfg)
     cfg.model.num_labels = 2
-    with pytest.raises(ConfigError, match=r"--dataset-format mvsa-single has 3 labels \(negative, neutral, positive\), "
-                                          r"but --num-labels \(model.num_labels\) is 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--dataset-format mvsa-single has 3 labels \(negative, neutral, positive\), "
+        r"but --num-labels \(model.num_labels\) is 2",
+    ):
         check_splits(cfg)
 
 
@@ -150,19 +166,22 @@ def test_mvsa_trains_with_a_held_out_share_and_reports_drops(copies, tmp_path):
     held = -(-kept // 10)  # datasets' train_test_split rounds the held-out share up
     assert (len(train), len(val)) == (kept - held, held)
     again_train, again_val = build_datasets(cfg)
-    assert again_val.table["text"] == val.table["text"]          # the same share for the same seed
+    assert again_val.table["text"] == val.table["text"]  # the same share for the same seed
     assert not set(train.table["text"]) & set(val.table["text"])
     report = train.data_report
     assert report["dropped"] == DROPPED_MVSA_SINGLE and report["kept"] == {"train": kept}
     assert report["validation_held_out"] == {"percent": 10, "seed": 42, "posts": held}
     lines = train.data_report_lines
-    assert len(lines) == 2 + len(DROPPED_MVSA_SINGLE) + 1          # kept, held out, one per reason, decoding
+    assert len(lines) == 2 + len(DROPPED_MVSA_SINGLE) + 1  # kept, held out, one per reason, decoding
     assert any(line.startswith("--dataset-format mvsa-single: dropped 1 (missing_image), e.g. ") for line in lines)
     item = train[0]
     assert item["image"].shape == (3, 16, 16) and "text_pair" not in item
-    names = ("negative", "neutral", "positive")                    # ids in the sorted names' order
-    assert all(f" {names[label]}" in text for text, label in zip(train.table["text"], train.table["label"])
-               if not text.startswith("post 2 "))
+    names = ("negative", "neutral", "positive")  # ids in the sorted names' order
+    assert all(
+        f" {names[label]}" in text
+        for text, label in zip(train.table["text"], train.table["label"])
+        if not text.startswith("post 2 ")
+    )
     capped, _ = build_datasets(layout_cfg("mvsa-single", copies["mvsa-single"], tmp_path, max_train_samples=5))
     assert len(capped) == 5
 
@@ -170,7 +189,7 @@ def test_mvsa_trains_with_a_held_out_share_and_reports_drops(copies, tmp_path):
 def test_twitter_batches_carry_the_target_as_a_pair(copies, tmp_path):
     cfg = layout_cfg("twitter2015", copies["twitter2015"], tmp_path)
     texts, source = training_texts(cfg)
-    assert "Team 1" in texts and source.name == "train.tsv"        # the BPE sees the targets too
+    assert "Team 1" in texts and source.name == "train.tsv"  # the BPE sees the targets too
     tok = build_tokenizer(cfg, tmp_path / "run", True, lambda: None)
     train, val = build_datasets(cfg, tok)
     assert (len(train), len(val)) == (21, 8) and "validation_held_out" not in train.data_report
@@ -181,17 +200,18 @@ def test_twitter_batches_carry_the_target_as_a_pair(copies, tmp_path):
     # The pair is one sequence with the tokenizer's own separators: <s> tweet </s></s> target </s>.
     items = [train[0], train[1]]
     pair = Collator(tok, 64, multimodal=True)(items)["input_ids"][0]
-    alone = Collator(tok, 64, multimodal=True)([{k: v for k, v in it.items() if k != "text_pair"}
-                                                for it in items])["input_ids"][0]
+    alone = Collator(tok, 64, multimodal=True)([{k: v for k, v in it.items() if k != "text_pair"} for it in items])[
+        "input_ids"
+    ][0]
     expected = tok(items[0]["text"], items[0]["text_pair"])["input_ids"]
-    assert pair[:len(expected)].tolist() == expected
+    assert pair[: len(expected)].tolist() == expected
     assert expected.count(tok.sep_token_id) == 3 and len(expected) > int((alone != tok.pad_token_id).sum())
 
 
 def test_skip_bad_samples_and_check_data_on_a_layout(copies, tmp_path, capsys):
     top = tmp_path / "IJCAI2019_data"
     shutil.copytree(copies["twitter2015"], top)
-    (top / "twitter2015_images" / "1.jpg").write_bytes(b"not a jpeg")   # train.tsv:2
+    (top / "twitter2015_images" / "1.jpg").write_bytes(b"not a jpeg")  # train.tsv:2
     jpeg(top / "twitter2015_images" / "spare.jpg", 0)
     train, _ = build_datasets(layout_cfg("twitter2015", top, tmp_path, skip_bad_samples=True))
     assert len(train) == 20 and train.skipped[0].startswith(f"{top.resolve()}/twitter2015/train.tsv:2: cannot decode")
@@ -205,6 +225,7 @@ def test_skip_bad_samples_and_check_data_on_a_layout(copies, tmp_path, capsys):
 
 
 # ---- a workload of one's own ----------------------------------------------------------------------------
+
 
 def test_a_users_workload_gets_a_layout_through_load_splits(copies, tmp_path):
     from shardtrain.data import load_splits

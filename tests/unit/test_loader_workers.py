@@ -1,5 +1,6 @@
 """DataLoader workers and stop signals: out of the trainer's process group (a Ctrl-C or a launcher's SIGTERM to
 that group must not kill them mid-step), yet ended normally at interpreter exit."""
+
 from __future__ import annotations
 
 import subprocess
@@ -27,7 +28,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_workers_leave_the_trainers_group_and_still_end_at_exit():
-    done = subprocess.run([sys.executable, "-c", SCRIPT], cwd=REPO, env=test_env(), capture_output=True, text=True,
-                          timeout=60)  # a worker that ignores multiprocessing's SIGTERM at exit hangs here
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=60
+    )  # a worker that ignores multiprocessing's SIGTERM at exit hangs here
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True", "True", "True"], done.stdout + done.stderr[-2000:]

@@ -1,5 +1,7 @@
 """What a failed collective means, said in one line (runtime/distributed.lost_peer_line, cli.run_guarded), and the
---dist-timeout setting behind the process group's timeout. The real failures across hosts: tests/dist/test_multi_node.py."""
+--dist-timeout setting behind the process group's timeout. The real failures across hosts:
+tests/dist/test_multi_node.py."""
+
 from __future__ import annotations
 
 import socket
@@ -10,14 +12,17 @@ from shardtrain import cli
 from shardtrain.config.settings import ConfigError, parse_cli
 from shardtrain.runtime import distributed
 
-GLOO_TIMEOUT = RuntimeError("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
-                            "5000ms for recv operation to complete")
+GLOO_TIMEOUT = RuntimeError(
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting "
+    "5000ms for recv operation to complete"
+)
 GLOO_CLOSED = RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [10.213.0.1]:60302")
 
 
 def fail_with(exc):
     def fn(argv):
         raise exc
+
     return fn
 
 
@@ -74,8 +79,11 @@ def test_a_hostname_on_loopback_is_refused_only_for_a_job_across_nodes(monkeypat
     monkeypatch.setattr(socket, "gethostbyname", lambda host: "127.0.1.1")
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    with pytest.raises(ConfigError, match=r"^trainhost: this host's name resolves to 127.0.1.1 \(loopback\).*"
-                                          r"GLOO_SOCKET_IFNAME"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^trainhost: this host's name resolves to 127.0.1.1 \(loopback\).*"
+        r"GLOO_SOCKET_IFNAME",
+    ):
         distributed.check_gloo_address(world=2)
     distributed.check_gloo_address(world=1)  # one host: loopback is right
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")

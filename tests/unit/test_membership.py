@@ -1,5 +1,6 @@
 """An elastic job's resume at another world size (shardtrain/loop/elastic.py): the global batch kept through
 micro-batch x accumulation, said in one line when it cannot be, and every membership change recorded."""
+
 from __future__ import annotations
 
 from shardtrain.config.settings import Config
@@ -33,11 +34,20 @@ def test_losing_and_regaining_a_node_keeps_the_global_batch():
 
     alone, cfg, saved = start(saved, world=1, step=10)
     assert geometry(cfg) == (2, 2) and alone.inexact is None
-    assert alone.change == {"step": 6, "world_size_before": 2, "world_size_after": 1,
-                            "hosts_before": ["node1", "node2"], "hosts_after": ["node1"], "micro_batch_size": 2,
-                            "grad_accum": 2, "global_batch_size": 4, "global_batch_kept": True}
-    assert alone.line == ("world size 2 -> 1 at step 6 (hosts: node1): global batch 4 kept as micro-batch 2 x "
-                          "accum 2 x 1 ranks")
+    assert alone.change == {
+        "step": 6,
+        "world_size_before": 2,
+        "world_size_after": 1,
+        "hosts_before": ["node1", "node2"],
+        "hosts_after": ["node1"],
+        "micro_batch_size": 2,
+        "grad_accum": 2,
+        "global_batch_size": 4,
+        "global_batch_kept": True,
+    }
+    assert alone.line == (
+        "world size 2 -> 1 at step 6 (hosts: node1): global batch 4 kept as micro-batch 2 x accum 2 x 1 ranks"
+    )
 
     # The worker restarted again at the same world size (another failure): still accumulating 2, no change.
     again, cfg, saved = start(saved, world=1, step=12)
@@ -58,8 +68,10 @@ def test_a_global_batch_the_world_size_does_not_divide_is_said_and_aimed_at_agai
     _, _, saved = start({}, world=2)  # global batch 4
     three, cfg, saved = start(saved, world=3)
     assert geometry(cfg) == (1, 1) and not three.change["global_batch_kept"]
-    assert three.inexact == ("the global batch 4 cannot be kept at world size 3: it is 3 (micro-batch 1 x accum 1 x "
-                             "3 ranks) until a world size that divides 4")
+    assert three.inexact == (
+        "the global batch 4 cannot be kept at world size 3: it is 3 (micro-batch 1 x accum 1 x "
+        "3 ranks) until a world size that divides 4"
+    )
     two, cfg, _ = start(saved, world=2)
     assert geometry(cfg) == (2, 1) and two.inexact is None and two.change["global_batch_size"] == 4
 
@@ -71,8 +83,10 @@ def test_changed_flags_set_a_new_global_batch_and_say_so():
     changes = resume_changes(saved, cfg, 2)  # against the flags (accum 1), not the geometry the resume ran with
     m = membership(saved, cfg, 2, ["node1", "node2"])
     assert geometry(cfg) == (2, 3) and m.global_batch_size == 12
-    assert changes.changes == ["--grad-accum 1 -> 3, world size 1 -> 2: global batch 4 -> 12 samples per step (the "
-                               "data position carries over exactly: the epoch's samples seen by all ranks)"]
+    assert changes.changes == [
+        "--grad-accum 1 -> 3, world size 1 -> 2: global batch 4 -> 12 samples per step (the "
+        "data position carries over exactly: the epoch's samples seen by all ranks)"
+    ]
 
 
 def test_a_world_size_change_alone_is_the_membership_line_not_a_changed_setting():

@@ -1,25 +1,27 @@
 """shardtrain.memory.accounting counting rules and shardtrain.memory.planner arithmetic, in one process."""
+
 from __future__ import annotations
 
 import re
 
 import pytest
 import torch
+from launch import REPO
 from torch import nn
 
 from shardtrain.config.settings import ConfigError, parse_cli
 from shardtrain.loop.oom import smaller_micro_batch
 from shardtrain.memory.accounting import SavedActivations, count_bytes
 from shardtrain.memory.planner import GIB, ModelCount, model_states, paper_formula, plan, resolve_gpu
-from launch import REPO
 
 
 def test_storages_are_counted_once_under_their_first_category():
     flat = torch.zeros(100)
     view_a, view_b = flat[:50], flat[50:]
     other = torch.zeros(10, dtype=torch.float64)
-    out = count_bytes([("params", view_a), ("grads", view_b), ("optimizer", other), ("grads", None)],
-                      torch.device("cpu"))
+    out = count_bytes(
+        [("params", view_a), ("grads", view_b), ("optimizer", other), ("grads", None)], torch.device("cpu")
+    )
     assert out["params"] == 400 and out["grads"] == 0 and out["optimizer"] == 80
     assert out["model_state"] == 480 and out["device"] == 480
 
@@ -88,8 +90,10 @@ def test_model_state_formulas():
     assert z3["gpu"]["params"] + z3["gpu"]["grads"] + z3["gpu"]["optimizer"] == 20 * psi / n + 4 * m.small_params
     off = model_states("zero3_offload", m, n, "fp32")
     assert off["gpu"]["grads"] == off["gpu"]["optimizer"] == 0 and off["host"] == 24 * psi / n
-    assert paper_formula("zero2", psi, n) == {"zero_paper": 2 * psi + 14 * psi / n,
-                                              "deepspeed_estimator": 2 * psi + 18 * psi / n}
+    assert paper_formula("zero2", psi, n) == {
+        "zero_paper": 2 * psi + 14 * psi / n,
+        "deepspeed_estimator": 2 * psi + 18 * psi / n,
+    }
     assert paper_formula("zero3", psi, n)["zero_paper"] == 16 * psi / n
     assert paper_formula("ddp", psi, n)["zero_paper"] == 16 * psi
 
@@ -101,8 +105,20 @@ def test_unknown_gpu_is_a_config_error():
 
 
 def test_nothing_fits_gives_a_smaller_micro_batch_with_the_same_global_batch(tmp_path):
-    cfg = parse_cli(["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--output-dir", str(tmp_path),
-                     "--max-length", "16", "--per-device-batch-size", "16", "--grad-accum", "1"])
+    cfg = parse_cli(
+        [
+            "--config",
+            str(REPO / "configs/multimodal_tiny.yaml"),
+            "--output-dir",
+            str(tmp_path),
+            "--max-length",
+            "16",
+            "--per-device-batch-size",
+            "16",
+            "--grad-accum",
+            "1",
+        ]
+    )
     roomy = plan(cfg, 2, 1 * GIB, cuda=False)
     assert roomy["recommendation"]["variant"] == "ddp" and roomy["recommendation"]["micro_batch_size"] == 16
     assert len(roomy["rows"]) == 16  # 8 variants x checkpointing off/on
@@ -138,7 +154,7 @@ def test_parameters_frozen_for_the_whole_run_get_no_grads_or_optimizer_state_in_
 def _table_lines(text: str) -> list[str]:
     lines = text.splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("variant"))
-    return lines[first:first + 3]  # the header and the two rows
+    return lines[first : first + 3]  # the header and the two rows
 
 
 def test_plan_tables_widen_each_column_to_its_widest_cell():
@@ -146,19 +162,38 @@ def test_plan_tables_widen_each_column_to_its_widest_cell():
     from shardtrain.memory.planner import format_plan, format_workload_plan
 
     huge = 123_456.78 * GIB
-    gpu = {"params": huge, "grads": 1.5 * GIB, "optimizer": huge, "activations": 2.25 * GIB, "comm": 0.0,
-           "overhead": 0.5 * GIB}
-    row = {"variant": "zero3_offload_with_a_long_name", "activation_checkpointing": False, "gpu_bytes": gpu,
-           "total_bytes": 3 * huge, "model_state_bytes": 2 * huge, "host_bytes_per_gpu": huge,
-           "save_host_bytes_per_gpu": 1.5 * GIB, "headroom_bytes": -3 * huge, "fits": False, "fits_before_activations": False,
-           "relative_cost": 2.926, "zero_paper": huge}
+    gpu = {
+        "params": huge,
+        "grads": 1.5 * GIB,
+        "optimizer": huge,
+        "activations": 2.25 * GIB,
+        "comm": 0.0,
+        "overhead": 0.5 * GIB,
+    }
+    row = {
+        "variant": "zero3_offload_with_a_long_name",
+        "activation_checkpointing": False,
+        "gpu_bytes": gpu,
+        "total_bytes": 3 * huge,
+        "model_state_bytes": 2 * huge,
+        "host_bytes_per_gpu": huge,
+        "save_host_bytes_per_gpu": 1.5 * GIB,
+        "headroom_bytes": -3 * huge,
+        "fits": False,
+        "fits_before_activations": False,
+        "relative_cost": 2.926,
+        "zero_paper": huge,
+    }
     short = {**row, "variant": "ddp", "activation_checkpointing": True, "relative_cost": 1.0, "fits": True}
     del short["zero_paper"]
     common = {"model_params": 10**12, "gpus": 8, "capacity_bytes": 80 * GIB, "precision": "bf16", "rows": [row, short]}
-    builtin = format_plan({**common, "seq_len": 4096, "micro_batch_size": 8, "global_batch_size": 64,
-                           "recommendation": None, "note": ""}, "A100 80GB")
-    workload = format_workload_plan({**common, "workload": "Tiny", "largest_unit_params": 10**9,
-                                     "activations": "not predicted"}, "A100 80GB")
+    builtin = format_plan(
+        {**common, "seq_len": 4096, "micro_batch_size": 8, "global_batch_size": 64, "recommendation": None, "note": ""},
+        "A100 80GB",
+    )
+    workload = format_workload_plan(
+        {**common, "workload": "Tiny", "largest_unit_params": 10**9, "activations": "not predicted"}, "A100 80GB"
+    )
     for text, n_columns in ((builtin, 15), (workload, 13)):
         table = _table_lines(text)
         # Every cell is set off from its neighbours by at least two spaces, and right-aligned figures end

@@ -1,4 +1,5 @@
 """docs/migration.md promises that every row of its three tables works: this reads the tables and checks each."""
+
 from __future__ import annotations
 
 import re
@@ -39,7 +40,11 @@ def test_the_page_has_its_three_tables():
 def test_every_row(theirs, ours, backed):
     our_flags = FLAG.findall(" ".join(CODE.findall(ours)))
     for flag in our_flags:  # every shardtrain flag a row names exists (torchrun's own excepted)
-        assert _field(flag) in FIELDS or flag == "--num-processes" or flag in ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr"), flag
+        assert (
+            _field(flag) in FIELDS
+            or flag == "--num-processes"
+            or flag in ("--nproc_per_node", "--nnodes", "--node_rank", "--master_addr")
+        ), flag
     their_flag = (FLAG.findall(" ".join(CODE.findall(theirs)[:1])) or [None])[0]
     if backed == "same":
         assert _field(our_flags[0]) in FIELDS

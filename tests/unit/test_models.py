@@ -1,4 +1,5 @@
 """Tiny, CPU-only checks of shardtrain.models (no hub, no downloads)."""
+
 import json
 
 import pytest
@@ -15,22 +16,42 @@ B, L = 2, 16
 
 
 def mm_cfg(image_model="resnet18", fusion="concat", **kw):
-    image_config = ({"layers": [1, 1, 1, 1]} if image_model.startswith("resnet")
-                    else {"growth_rate": 8, "block_config": (2, 2), "num_init_features": 16})
-    return ModelConfig(name="multimodal", text_model="roberta-base", pretrained=False, text_config=TINY_TEXT,
-                       image_model=image_model, image_config=image_config, fusion=fusion, fusion_hidden=16,
-                       dropout=0.0, num_labels=3, **kw)
+    image_config = (
+        {"layers": [1, 1, 1, 1]}
+        if image_model.startswith("resnet")
+        else {"growth_rate": 8, "block_config": (2, 2), "num_init_features": 16}
+    )
+    return ModelConfig(
+        name="multimodal",
+        text_model="roberta-base",
+        pretrained=False,
+        text_config=TINY_TEXT,
+        image_model=image_model,
+        image_config=image_config,
+        fusion=fusion,
+        fusion_hidden=16,
+        dropout=0.0,
+        num_labels=3,
+        **kw,
+    )
 
 
 def lf_cfg():
-    return ModelConfig(name="longformer", text_model="allenai/longformer-base-4096", pretrained=False,
-                       text_config=TINY_TEXT, attention_window=8, dropout=0.0, num_labels=3)
+    return ModelConfig(
+        name="longformer",
+        text_model="allenai/longformer-base-4096",
+        pretrained=False,
+        text_config=TINY_TEXT,
+        attention_window=8,
+        dropout=0.0,
+        num_labels=3,
+    )
 
 
 def batch(seq=L, images=True):
     torch.manual_seed(0)
     b = {"input_ids": torch.randint(3, VOCAB, (B, seq)), "attention_mask": torch.ones(B, seq, dtype=torch.long)}
-    b["attention_mask"][1, seq // 2:] = 0
+    b["attention_mask"][1, seq // 2 :] = 0
     if images:
         b["pixel_values"] = torch.randn(B, 3, 32, 32)
     return b
@@ -123,8 +144,9 @@ def test_local_safetensors_image_weights(tmp_path):
         build_model(mm_cfg(image_weights=str(bad)), DCFG, vocab_size=VOCAB)
 
     wrong_shape = tmp_path / "resnet50.pt"  # same names (mostly), other shapes
-    torch.save(torchvision.models.resnet.ResNet(torchvision.models.resnet.Bottleneck, [1, 1, 1, 1]).state_dict(),
-               wrong_shape)
+    torch.save(
+        torchvision.models.resnet.ResNet(torchvision.models.resnet.Bottleneck, [1, 1, 1, 1]).state_dict(), wrong_shape
+    )
     with pytest.raises(ConfigError, match="--image-weights"):
         build_model(mm_cfg(image_weights=str(wrong_shape)), DCFG, vocab_size=VOCAB)
 
@@ -158,5 +180,6 @@ def test_pretrained_from_local_folder(tmp_path):
     emb = loaded.text.embeddings.word_embeddings.weight
     assert emb.dtype == torch.float32 and emb.shape == (VOCAB + 4, 32)
     torch.testing.assert_close(emb[:VOCAB], model.text.embeddings.word_embeddings.weight)
-    torch.testing.assert_close(loaded.text.encoder.layer[1].output.dense.weight,
-                               model.text.encoder.layer[1].output.dense.weight)
+    torch.testing.assert_close(
+        loaded.text.encoder.layer[1].output.dense.weight, model.text.encoder.layer[1].output.dense.weight
+    )

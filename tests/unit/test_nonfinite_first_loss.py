@@ -1,5 +1,6 @@
 """A loss that is not finite on a fresh run's first step comes from the workload, not from
 training, and names Workload.loss; one that turns non-finite later (or after a resume) is --nan-policy's."""
+
 from __future__ import annotations
 
 import math
@@ -24,8 +25,11 @@ def nan_step(bad_ranks=(1,)):
 
 def test_a_non_finite_loss_on_a_fresh_runs_first_step_names_workload_loss():
     policy = BadStepPolicy("skip", 5, Quiet(), True, first_step=1, loss_method="Tiny.loss")
-    with pytest.raises(ConfigError, match=r"step 1: Tiny.loss returned a non-finite loss \(nan\) on rank 1 before any "
-                                          r"update, so no learning rate or --nan-policy is the cause"):
+    with pytest.raises(
+        ConfigError,
+        match=r"step 1: Tiny.loss returned a non-finite loss \(nan\) on rank 1 before any "
+        r"update, so no learning rate or --nan-policy is the cause",
+    ):
         policy.update(1, applied=False, overflow=False, agreed=nan_step(), grad_norm=math.nan)
 
 

@@ -1,5 +1,6 @@
 """Banner, console progress, library chatter, W&B failure handling, FLOPs, report/compare and parity logic:
 everything of observability that needs no process group."""
+
 from __future__ import annotations
 
 import io
@@ -21,19 +22,39 @@ from shardtrain.observability.report import write_compare, write_report
 from shardtrain.observability.wandb_run import WandbRun, wandb_values
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def run_info(**over) -> dict:
-    info = {"strategy": "zero3", "offload": True, "world_size": 2, "precision": "bf16", "micro_batch_size": 4,
-            "grad_accum": 8, "global_batch_size": 64, "train_examples": 1000, "eval_examples": 100,
-            "steps_per_epoch": 15, "activation_checkpointing": True, "params_total": 1234567,
-            "params_trainable": 1000000, "params_frozen": 234567, "max_steps": 30,
-            "ranks": [{"rank": 0, "host": "node-a", "local_rank": 0, "device": "cuda:0", "device_name": "NVIDIA A100"},
-                      {"rank": 1, "host": "node-b", "local_rank": 0, "device": "cuda:0", "device_name": "NVIDIA A100"}],
-            "strategy_settings": {"strategy": "zero3", "stage": 3, "offload_optimizer": "cpu", "recompute_blocks": 12,
-                                  "ds_config": {"zero_optimization": {"stage": 3}}},
-            "memory_prediction": {"note": "no prediction: test"}}
+    info = {
+        "strategy": "zero3",
+        "offload": True,
+        "world_size": 2,
+        "precision": "bf16",
+        "micro_batch_size": 4,
+        "grad_accum": 8,
+        "global_batch_size": 64,
+        "train_examples": 1000,
+        "eval_examples": 100,
+        "steps_per_epoch": 15,
+        "activation_checkpointing": True,
+        "params_total": 1234567,
+        "params_trainable": 1000000,
+        "params_frozen": 234567,
+        "max_steps": 30,
+        "ranks": [
+            {"rank": 0, "host": "node-a", "local_rank": 0, "device": "cuda:0", "device_name": "NVIDIA A100"},
+            {"rank": 1, "host": "node-b", "local_rank": 0, "device": "cuda:0", "device_name": "NVIDIA A100"},
+        ],
+        "strategy_settings": {
+            "strategy": "zero3",
+            "stage": 3,
+            "offload_optimizer": "cpu",
+            "recompute_blocks": 12,
+            "ds_config": {"zero_optimization": {"stage": 3}},
+        },
+        "memory_prediction": {"note": "no prediction: test"},
+    }
     info.update(over)
     return info
 
@@ -53,10 +74,14 @@ def test_memory_prediction_falls_back_to_a_note(monkeypatch):
 
     def broken(cfg, world_size, vocab_size, batch_shape):
         raise RuntimeError("cannot measure")
+
     monkeypatch.setattr(planner, "predict_run", broken)
     assert memory_prediction(Config(), 2) == {"note": "no prediction: planner failed (RuntimeError: cannot measure)"}
-    monkeypatch.setattr(planner, "predict_run", lambda cfg, n, vocab, shape: {"variant": "zero2", "params_gib": 2.5,
-                                                               "activations_gib": 0.25})
+    monkeypatch.setattr(
+        planner,
+        "predict_run",
+        lambda cfg, n, vocab, shape: {"variant": "zero2", "params_gib": 2.5, "activations_gib": 0.25},
+    )
     text = format_banner(run_info(memory_prediction=memory_prediction(Config(), 2)))
     assert "variant zero2, params 2.50 GiB, activations 256.0 MiB" in text
 
@@ -65,8 +90,9 @@ def test_plain_progress_lines_have_no_control_characters():
     out = io.StringIO()
     progress = Progress(total=4, initial=0, log_every=2, stream=out, tty=False)
     for step in range(1, 5):
-        progress.update({"step": step, "loss": 1.0 / step, "lr": 1e-3, "grad_norm": 0.5, "samples_per_sec": 10.0},
-                        peak_gb=1.5)
+        progress.update(
+            {"step": step, "loss": 1.0 / step, "lr": 1e-3, "grad_norm": 0.5, "samples_per_sec": 10.0}, peak_gb=1.5
+        )
     lines = out.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["2/4", "4/4"]
     assert "peak mem 1.50 GB" in lines[0] and "ETA" in lines[0]
@@ -84,7 +110,8 @@ def test_tty_progress_is_a_bar():
 
 
 def test_chatter_filter_drops_noise_keeps_warnings(capsys):
-    from shardtrain.runtime.chatter import _DropNoise, _LineFilter, _PRINTED_NOISE
+    from shardtrain.runtime.chatter import _PRINTED_NOISE, _DropNoise, _LineFilter
+
     f = _DropNoise()
     rec = lambda level, msg: logging.LogRecord("DeepSpeed", level, __file__, 1, msg, None, None)  # noqa: E731
     assert not f.filter(rec(logging.INFO, "Setting ds_accelerator to cpu"))
@@ -107,6 +134,7 @@ def test_wandb_missing_or_failing_is_one_warning(monkeypatch, tmp_path):
 
     def boom(**kw):
         raise RuntimeError("network is unreachable\nsecond line")
+
     fake = types.SimpleNamespace(init=boom, Settings=lambda **kw: None)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     warnings.clear()
@@ -126,6 +154,7 @@ def test_wandb_log_failure_disables_without_raising(tmp_path):
 
         def finish(self, exit_code=0):
             pass
+
     run.run = Broken()
     run.log(3, {"train/loss": 1.0})
     run.log(4, {"train/loss": 1.0})
@@ -133,12 +162,30 @@ def test_wandb_log_failure_disables_without_raising(tmp_path):
 
 
 def test_wandb_metric_names():
-    values = wandb_values({"step": 3, "loss": 1.0, "lr": 0.1, "grad_norm": 2.0, "skipped_steps": 0,
-                           "samples_per_sec": 5.0, "tokens_per_sec": 50.0, "mfu": None,
-                           "mem": {"0": {"params": MIB, "grads": 2 * MIB}, "1": {"params": MIB}}})
-    assert values == {"train/loss": 1.0, "train/lr": 0.1, "train/grad_norm": 2.0, "train/skipped_steps": 0,
-                      "perf/samples_per_sec": 5.0, "perf/tokens_per_sec": 50.0, "mem/rank0/params": 1.0,
-                      "mem/rank0/grads": 2.0, "mem/rank1/params": 1.0}
+    values = wandb_values(
+        {
+            "step": 3,
+            "loss": 1.0,
+            "lr": 0.1,
+            "grad_norm": 2.0,
+            "skipped_steps": 0,
+            "samples_per_sec": 5.0,
+            "tokens_per_sec": 50.0,
+            "mfu": None,
+            "mem": {"0": {"params": MIB, "grads": 2 * MIB}, "1": {"params": MIB}},
+        }
+    )
+    assert values == {
+        "train/loss": 1.0,
+        "train/lr": 0.1,
+        "train/grad_norm": 2.0,
+        "train/skipped_steps": 0,
+        "perf/samples_per_sec": 5.0,
+        "perf/tokens_per_sec": 50.0,
+        "mem/rank0/params": 1.0,
+        "mem/rank0/grads": 2.0,
+        "mem/rank1/params": 1.0,
+    }
 
 
 def test_peak_flops_table_and_mfu():
@@ -175,8 +222,12 @@ def test_counted_flops_include_the_cnn(tmp_path):
             with torch.device("meta"):
                 return Tiny()
         return Tiny()
-    batch = {"input_ids": torch.zeros(4, 10, dtype=torch.long), "pixel_values": torch.zeros(4, 3, 32, 32),
-             "labels": torch.zeros(4, dtype=torch.long)}
+
+    batch = {
+        "input_ids": torch.zeros(4, 10, dtype=torch.long),
+        "pixel_values": torch.zeros(4, 3, 32, 32),
+        "labels": torch.zeros(4, dtype=torch.long),
+    }
     flops = train_flops_per_sample(factory, batch, trainable_params=sum(p.numel() for p in Tiny().parameters()))
     conv_forward = 2 * 8 * 3 * 9 * 32 * 32
     assert flops >= 3 * conv_forward
@@ -195,29 +246,42 @@ def test_the_hf_text_encoder_is_counted_not_estimated():
     def factory(on_meta=False):
         with torch.device("meta" if on_meta else "cpu"):
             return build_model(cfg.model, cfg.data, 1000, load_weights=False)
+
     params = sum(p.numel() for p in factory().parameters())
     tokens = 16
-    batch = {"input_ids": torch.ones(2, tokens, dtype=torch.long), "attention_mask": torch.ones(2, tokens, dtype=torch.long),
-             "pixel_values": torch.zeros(2, 3, 32, 32)}
+    batch = {
+        "input_ids": torch.ones(2, tokens, dtype=torch.long),
+        "attention_mask": torch.ones(2, tokens, dtype=torch.long),
+        "pixel_values": torch.zeros(2, 3, 32, 32),
+    }
     counted = train_flops_per_sample(factory, batch, trainable_params=params)
     assert counted != 6.0 * params * tokens and counted > 0
 
 
 def write_fake_run(path: Path, strategy: str, losses, memory: bool = True, rate: float = 50.0) -> Path:
     path.mkdir(parents=True)
-    mem = {"0": {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 20 * MIB},
-           "1": {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 21 * MIB}}
+    mem = {
+        "0": {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 20 * MIB},
+        "1": {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 21 * MIB},
+    }
     with open(path / "metrics.jsonl", "w") as f:
         for i, loss in enumerate(losses, 1):
             rec = {"step": i, "loss": loss, "lr": 1e-3, "grad_norm": 1.0, "samples_per_sec": rate + i}
             if memory and i == 2:
                 rec["mem"] = mem
             f.write(json.dumps(rec) + "\n")
-    (path / "eval.jsonl").write_text(json.dumps({"step": len(losses), "final": True, "accuracy": 0.75,
-                                                 "macro_f1": 0.7, "n_examples": 8}) + "\n")
-    (path / "summary.json").write_text(json.dumps({
-        "run": run_info(strategy=strategy, offload=False), "eval": {"accuracy": 0.75, "macro_f1": 0.7},
-        "samples_per_sec": rate}))
+    (path / "eval.jsonl").write_text(
+        json.dumps({"step": len(losses), "final": True, "accuracy": 0.75, "macro_f1": 0.7, "n_examples": 8}) + "\n"
+    )
+    (path / "summary.json").write_text(
+        json.dumps(
+            {
+                "run": run_info(strategy=strategy, offload=False),
+                "eval": {"accuracy": 0.75, "macro_f1": 0.7},
+                "samples_per_sec": rate,
+            }
+        )
+    )
     return path
 
 

@@ -1,6 +1,7 @@
 """Where an out-of-memory error is recovered and where the ranks meet to learn of it (shardtrain/loop/oom.plan),
 per strategy as its Strategy.collectives_in says; what counts as out of memory; the --inject-oom spelling.
 The runs themselves: tests/dist/test_oom_points.py."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,7 @@ from shardtrain.loop.oom import PHASES, is_out_of_memory, plan
 
 def phases(accum: int, forward, backward) -> list[bool]:
     """Collectives per phase (forward, backward, gap per micro-step) from per-phase rules of (is_last)."""
-    return [rule(m == accum - 1) if rule else False
-            for m in range(accum) for rule in (forward, backward, None)]
+    return [rule(m == accum - 1) if rule else False for m in range(accum) for rule in (forward, backward, None)]
 
 
 def named(flags: list[bool], accum: int) -> list[str]:
@@ -55,7 +55,7 @@ def test_one_rank_recovers_everything_without_meeting():
 def test_out_of_memory_is_cudas_error_and_the_cpu_allocators():
     assert is_out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
     with pytest.raises(RuntimeError) as real:  # what torch raises for a host allocation that fails
-        torch.empty(2 ** 50, dtype=torch.uint8)
+        torch.empty(2**50, dtype=torch.uint8)
     assert not isinstance(real.value, torch.OutOfMemoryError) and is_out_of_memory(real.value)
     assert not is_out_of_memory(RuntimeError("Expected all tensors to be on the same device"))
     assert not is_out_of_memory(MemoryError("Python's own"))

@@ -1,6 +1,7 @@
 """`shardtrain predict` in one process: its flags and one-line errors, the blocks --nproc splits the
 examples into, and how the blocks become one preds.jsonl. Real predictions from real runs: tests/dist/test_matrix.py,
 tests/dist/test_examples.py and tests/dist/test_export_files.py."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import torch
 
 from shardtrain import cli
 from shardtrain.commands import predict
-from shardtrain.config.settings import ConfigError, Config
+from shardtrain.config.settings import Config, ConfigError
 from shardtrain.workloads.base import Workload
 
 
@@ -21,18 +22,21 @@ def one_line_error(capsys, argv: list[str]) -> str:
     return err
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["RUN", "--lr", "1e-3"], "--lr is a training setting"),
-    (["RUN", "--strategy", "fsdp"], "--strategy is a training setting"),
-    (["RUN", "--config", "x.yaml"], "--config is a training setting"),
-    (["RUN", "--no-such-flag"], "unknown argument '--no-such-flag'"),
-    (["RUN", "--top-k", "0"], "--top-k must be positive"),
-    (["RUN", "--batch-size", "0"], "--batch-size must be positive"),
-    (["RUN", "--nproc", "0"], "--nproc must be positive"),
-    (["RUN", "--int8", "--precision", "bf16"], "drop --precision bf16"),
-    (["RUN", "--split", "test"], "invalid choice: 'test'"),
-    ([], "the following arguments are required: source"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["RUN", "--lr", "1e-3"], "--lr is a training setting"),
+        (["RUN", "--strategy", "fsdp"], "--strategy is a training setting"),
+        (["RUN", "--config", "x.yaml"], "--config is a training setting"),
+        (["RUN", "--no-such-flag"], "unknown argument '--no-such-flag'"),
+        (["RUN", "--top-k", "0"], "--top-k must be positive"),
+        (["RUN", "--batch-size", "0"], "--batch-size must be positive"),
+        (["RUN", "--nproc", "0"], "--nproc must be positive"),
+        (["RUN", "--int8", "--precision", "bf16"], "drop --precision bf16"),
+        (["RUN", "--split", "test"], "invalid choice: 'test'"),
+        ([], "the following arguments are required: source"),
+    ],
+)
 def test_bad_flags_are_one_line_before_anything_is_read(capsys, argv, says):
     assert says in one_line_error(capsys, argv)
 
@@ -55,13 +59,34 @@ def test_sources_that_are_not_a_checkpoint_or_export(capsys, tmp_path):
 
 
 def test_data_flags_are_train_spellings():
-    args, given = predict.parse_args(["RUN", "--data-dir", "d", "--max-eval-samples", "none", "--validation-file",
-                                      "v.csv", "--text-column-names", "title,body", "--device", "cpu",
-                                      "--skip-bad-samples", "--max-seq-length", "32"])
+    args, given = predict.parse_args(
+        [
+            "RUN",
+            "--data-dir",
+            "d",
+            "--max-eval-samples",
+            "none",
+            "--validation-file",
+            "v.csv",
+            "--text-column-names",
+            "title,body",
+            "--device",
+            "cpu",
+            "--skip-bad-samples",
+            "--max-seq-length",
+            "32",
+        ]
+    )
     assert args.source == "RUN" and args.split == "validation" and args.output == "preds.jsonl"
-    assert given == {"data_dir": "d", "max_eval_samples": "none", "validation_file": "v.csv",
-                     "text_column_names": "title,body", "device": "cpu", "skip_bad_samples": "true",
-                     "max_length": "32"}
+    assert given == {
+        "data_dir": "d",
+        "max_eval_samples": "none",
+        "validation_file": "v.csv",
+        "text_column_names": "title,body",
+        "device": "cpu",
+        "skip_bad_samples": "true",
+        "max_length": "32",
+    }
 
 
 def test_other_data_replaces_the_runs_own_source(tmp_path):

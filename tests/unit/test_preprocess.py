@@ -1,18 +1,19 @@
 """Tokenisation through datasets.map (shardtrain/data/preprocess.py): the ids collate gave, and the cache."""
+
 import pytest
 import torch
-
-from shardtrain.data import build_tokenizer, make_data
-from shardtrain.data import preprocess
-from shardtrain.data.splits import build_split, make_collator
 from test_data import make_cfg, mm_dir  # noqa: F401 - mm_dir: a fixture, shared
+
+from shardtrain.data import build_tokenizer, make_data, preprocess
+from shardtrain.data.splits import build_split, make_collator
 
 
 @pytest.fixture(scope="module")
 def ld_dir(tmp_path_factory):
     # Longer documents than test_data's: truncation at max_length must cut some of them.
-    return make_data("longdoc", tmp_path_factory.mktemp("ld") / "data", n_train=24, n_val=7,
-                     min_words=30, max_words=200)
+    return make_data(
+        "longdoc", tmp_path_factory.mktemp("ld") / "data", n_train=24, n_val=7, min_words=30, max_words=200
+    )
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """`compare` and `parity --runs` on finished runs, the report's formatting, and the
 library warnings that only --verbose shows."""
+
 from __future__ import annotations
 
 import copy
@@ -16,7 +17,7 @@ from shardtrain.config.settings import Config
 from shardtrain.observability.report import write_compare, write_report
 from shardtrain.observability.runlog import load_run
 
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def config(**over) -> dict:
@@ -29,20 +30,41 @@ def config(**over) -> dict:
     return cfg
 
 
-def write_run(path: Path, cfg: dict, losses=(1.0, 0.9, 0.8), grad_norms=None, rate: float = 50.0,
-              memory: dict | None = None, run_over: dict | None = None) -> Path:
+def write_run(
+    path: Path,
+    cfg: dict,
+    losses=(1.0, 0.9, 0.8),
+    grad_norms=None,
+    rate: float = 50.0,
+    memory: dict | None = None,
+    run_over: dict | None = None,
+) -> Path:
     path.mkdir(parents=True)
     grad_norms = grad_norms or [2.0] * len(losses)
     with open(path / "metrics.jsonl", "w") as f:
         for i, (loss, gn) in enumerate(zip(losses, grad_norms), 1):
             f.write(json.dumps({"step": i, "loss": loss, "grad_norm": gn, "lr": 1e-3, "samples_per_sec": rate}) + "\n")
     t = cfg["train"]
-    run = {"strategy": "ddp", "offload": False, "world_size": 2, "precision": t["precision"],
-           "micro_batch_size": t["per_device_batch_size"], "grad_accum": t["grad_accum"],
-           "global_batch_size": 2 * t["per_device_batch_size"] * t["grad_accum"], "train_examples": 256,
-           "eval_examples": 64, "max_steps": t["max_steps"], **(run_over or {})}
-    summary = {**run, "run": run, "config": copy.deepcopy(cfg), "samples_per_sec": rate,
-               "eval": {"accuracy": 0.5, "macro_f1": 0.4}}
+    run = {
+        "strategy": "ddp",
+        "offload": False,
+        "world_size": 2,
+        "precision": t["precision"],
+        "micro_batch_size": t["per_device_batch_size"],
+        "grad_accum": t["grad_accum"],
+        "global_batch_size": 2 * t["per_device_batch_size"] * t["grad_accum"],
+        "train_examples": 256,
+        "eval_examples": 64,
+        "max_steps": t["max_steps"],
+        **(run_over or {}),
+    }
+    summary = {
+        **run,
+        "run": run,
+        "config": copy.deepcopy(cfg),
+        "samples_per_sec": rate,
+        "eval": {"accuracy": 0.5, "macro_f1": 0.4},
+    }
     if memory:
         summary["memory"] = {"step": 2, "per_rank": memory}
     (path / "summary.json").write_text(json.dumps(summary))
@@ -53,17 +75,23 @@ def write_run(path: Path, cfg: dict, losses=(1.0, 0.9, 0.8), grad_norms=None, ra
 def test_compare_warns_per_difference_and_crowns_nothing_across_models(tmp_path):
     a = write_run(tmp_path / "ddp", config(), rate=80.0)
     b = write_run(tmp_path / "z3", config(), rate=40.0)
-    lf = write_run(tmp_path / "lf", config(**{"model.name": "longformer", "data.max_length": 256,
-                                             "data.data_dir": "data/longdoc"}), rate=120.0)
+    lf = write_run(
+        tmp_path / "lf",
+        config(**{"model.name": "longformer", "data.max_length": 256, "data.data_dir": "data/longdoc"}),
+        rate=120.0,
+    )
     _, text = write_compare([str(a), str(b), str(lf)], tmp_path / "cmp")
     lines = text.splitlines()
     assert "warning: runs differ in model (--name): multimodal (ddp, z3) vs longformer (lf)" in lines
     assert "warning: runs differ in sequence length (--max-length): 128 (ddp, z3) vs 256 (lf)" in lines
-    assert ("warning: runs differ in data: data_dir data/multimodal (ddp, z3) vs data_dir "
-            "data/longdoc (lf)") in lines
+    assert ("warning: runs differ in data: data_dir data/multimodal (ddp, z3) vs data_dir data/longdoc (lf)") in lines
     assert not any(line.startswith(("fastest", "least memory", "final losses")) for line in lines), text
-    assert any(line.startswith("no fastest or leanest run: these runs are not comparable, they differ in model, "
-                               "data, sequence length") for line in lines), text
+    assert any(
+        line.startswith(
+            "no fastest or leanest run: these runs are not comparable, they differ in model, data, sequence length"
+        )
+        for line in lines
+    ), text
     assert "warning: runs differ in model" in (tmp_path / "cmp" / "compare.html").read_text()
 
 
@@ -85,9 +113,20 @@ def test_memory_figure_counts_the_zero3_comm_buffer_like_every_part(tmp_path):
     """ZeRO-3's reduce bucket (memory/accounting.py's `comm`) is held on every rank beside the model state."""
     part = {"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "activations": 2 * MIB}
     ddp = write_run(tmp_path / "ddp", config(), memory={"0": {**part, "comm": 0}, "1": {**part, "comm": 0}})
-    z3 = write_run(tmp_path / "z3", config(), memory={"0": {"params": 2 * MIB, "grads": 2 * MIB,
-                                                            "optimizer": 4 * MIB, "activations": 2 * MIB,
-                                                            "comm": 190 * MIB, "buffers": MIB}})
+    z3 = write_run(
+        tmp_path / "z3",
+        config(),
+        memory={
+            "0": {
+                "params": 2 * MIB,
+                "grads": 2 * MIB,
+                "optimizer": 4 * MIB,
+                "activations": 2 * MIB,
+                "comm": 190 * MIB,
+                "buffers": MIB,
+            }
+        },
+    )
     assert load_run(ddp).memory_per_rank_mib() == 18.0
     assert load_run(z3).memory_per_rank_mib() == 200.0
     _, text = write_compare([str(ddp), str(z3)], tmp_path / "cmp")
@@ -97,8 +136,16 @@ def test_memory_figure_counts_the_zero3_comm_buffer_like_every_part(tmp_path):
 
 
 def data_source(train: str, validation: str, **extra) -> dict:
-    return {"run_over": {"data_source": {"source": "train_file", "train": "docs.csv, the other 90%",
-                                         "content_sha256": {"train": train, "validation": validation}, **extra}}}
+    return {
+        "run_over": {
+            "data_source": {
+                "source": "train_file",
+                "train": "docs.csv, the other 90%",
+                "content_sha256": {"train": train, "validation": validation},
+                **extra,
+            }
+        }
+    }
 
 
 def test_compare_and_parity_judge_the_data_by_what_was_read_not_the_unused_data_dir(tmp_path, capsys):
@@ -106,17 +153,23 @@ def test_compare_and_parity_judge_the_data_by_what_was_read_not_the_unused_data_
     config carried; the same path with other rows is not."""
     same = data_source("a" * 64, "b" * 64)
     a = write_run(tmp_path / "ld", config(**{"data.data_dir": "data/longdoc", "data.train_file": "docs.csv"}), **same)
-    b = write_run(tmp_path / "mm", config(**{"data.data_dir": "data/multimodal", "data.train_file": "/abs/docs.csv"}),
-                  **same)
+    b = write_run(
+        tmp_path / "mm", config(**{"data.data_dir": "data/multimodal", "data.train_file": "/abs/docs.csv"}), **same
+    )
     _, text = write_compare([str(a), str(b)], tmp_path / "cmp")
     assert "warning" not in text and "fastest: ld" in text, text
     assert cli.main(["parity", "--runs", f"{a},{b}", "--out", str(tmp_path / "p")]) == 0
     assert "parity: OK" in capsys.readouterr().out
-    other = write_run(tmp_path / "other", config(**{"data.data_dir": "data/longdoc", "data.train_file": "docs.csv"}),
-                      **data_source("c" * 64, "b" * 64))
+    other = write_run(
+        tmp_path / "other",
+        config(**{"data.data_dir": "data/longdoc", "data.train_file": "docs.csv"}),
+        **data_source("c" * 64, "b" * 64),
+    )
     _, text = write_compare([str(a), str(other)], tmp_path / "cmp2")
-    assert ("warning: runs differ in data: content sha256 train aaaaaaaaaaaa, validation "
-            "bbbbbbbbbbbb (ld) vs content sha256 train cccccccccccc, validation bbbbbbbbbbbb (other)") in text, text
+    assert (
+        "warning: runs differ in data: content sha256 train aaaaaaaaaaaa, validation "
+        "bbbbbbbbbbbb (ld) vs content sha256 train cccccccccccc, validation bbbbbbbbbbbb (other)"
+    ) in text, text
     assert cli.main(["parity", "--runs", f"{a},{other}"]) == 2
     assert "not comparable step by step: runs differ in data" in capsys.readouterr().err
 
@@ -142,10 +195,14 @@ def test_parity_compares_finished_runs_without_training(tmp_path, capsys):
 
 def test_parity_refuses_runs_that_cannot_agree_in_one_line(tmp_path, capsys):
     a = write_run(tmp_path / "ddp", config())
-    cases = {"seed": (config(**{"train.seed": 7}), "runs differ in seed (--seed): 42 (ddp) vs 7 (other)"),
-             "model": (config(**{"model.name": "longformer"}), "runs differ in model (--name)"),
-             "batch": (config(**{"train.grad_accum": 2}),
-                       "runs differ in batch geometry (micro x accum x world): 32 x 1 x 2 (ddp) vs 32 x 2 x 2 (other)")}
+    cases = {
+        "seed": (config(**{"train.seed": 7}), "runs differ in seed (--seed): 42 (ddp) vs 7 (other)"),
+        "model": (config(**{"model.name": "longformer"}), "runs differ in model (--name)"),
+        "batch": (
+            config(**{"train.grad_accum": 2}),
+            "runs differ in batch geometry (micro x accum x world): 32 x 1 x 2 (ddp) vs 32 x 2 x 2 (other)",
+        ),
+    }
     for name, (cfg, message) in cases.items():
         other = write_run(tmp_path / name / "other", cfg)
         assert cli.main(["parity", "--runs", f"{a},{other}"]) == 2, name
@@ -159,10 +216,18 @@ def test_parity_refuses_runs_that_cannot_agree_in_one_line(tmp_path, capsys):
 
 # ---- report.html ----------------------------------------------------------------------------------------------
 def test_report_html_shows_formatted_values_not_python_dicts(tmp_path):
-    run = write_run(tmp_path / "r", config(), run_over={
-        "memory_prediction": {"variant": "zero2", "params_gib": 0.009512430056929588, "host_gib": 1.5},
-        "bad_samples_skipped": {"train": 0, "validation": 2}, "params_total": 5078403, "image_cache": None,
-        "ds_config": {"zero_optimization": {"stage": 3, "reduce_bucket_size": 50000000}}, "offload": False})
+    run = write_run(
+        tmp_path / "r",
+        config(),
+        run_over={
+            "memory_prediction": {"variant": "zero2", "params_gib": 0.009512430056929588, "host_gib": 1.5},
+            "bad_samples_skipped": {"train": 0, "validation": 2},
+            "params_total": 5078403,
+            "image_cache": None,
+            "ds_config": {"zero_optimization": {"stage": 3, "reduce_bucket_size": 50000000}},
+            "offload": False,
+        },
+    )
     html = write_report(run).read_text()
     assert "{'" not in html and "{&#x27;" not in html and "0.009512430056929588" not in html
     # The unit is the value's (issue 32: `params_gib 0.3 MiB` read as a contradiction), not the key's.
@@ -209,16 +274,27 @@ transformers.RobertaModel(text.config).save_pretrained(tmp + "/short")
 cfg.model.text_model = tmp + "/short"
 build_model(cfg.model, cfg.data, vocab_size=1000)
 """
-SOURCES = ("reduce_scatter_tensor", "assuming the intent is to", "is an Enum subclass", "LOAD REPORT",
-           "Loading weights")
+SOURCES = (
+    "reduce_scatter_tensor",
+    "assuming the intent is to",
+    "is an Enum subclass",
+    "LOAD REPORT",
+    "Loading weights",
+)
 
 
 def test_library_warnings_are_hidden_unless_verbose():
     from launch import free_port
 
     for mode in ("quiet", "verbose"):
-        proc = subprocess.run([sys.executable, "-c", NOISY, mode, str(free_port())], capture_output=True, text=True,
-                              cwd=REPO, env=launch_env(), timeout=240)
+        proc = subprocess.run(
+            [sys.executable, "-c", NOISY, mode, str(free_port())],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=launch_env(),
+            timeout=240,
+        )
         routine, done, problem = proc.stderr.partition("routine done")
         assert proc.returncode == 0 and done, proc.stderr[-3000:]
         shown = [s for s in SOURCES if s in proc.stdout + routine]

@@ -1,5 +1,6 @@
 """A resume whose settings differ from the checkpoint's: the one line that says so, and the learning rate of
 the first resumed step, which must come from the new schedule rather than the checkpoint."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -25,17 +26,21 @@ def test_a_longer_run_names_the_schedule_and_its_effect():
     cfg = _cfg(max_steps=26, warmup_steps=0, lr=1e-3)
     changes = resume_changes(saved_state(20, max_steps=20, warmup_steps=0, lr=1e-3), cfg, world_size=2)
     assert changes.schedule_changed
-    assert changes.line(20) == ("resuming from step 20 with changed settings: --max-steps 20 -> 26; the learning "
-                                "rate follows the new schedule: 2.31e-04 at step 21, where the saved run's would "
-                                "be 0.00e+00")
+    assert changes.line(20) == (
+        "resuming from step 20 with changed settings: --max-steps 20 -> 26; the learning "
+        "rate follows the new schedule: 2.31e-04 at step 21, where the saved run's would "
+        "be 0.00e+00"
+    )
 
 
 def test_batch_geometry_and_world_size_give_the_global_batch():
     cfg = _cfg(per_device_batch_size=8, grad_accum=2)
     changes = resume_changes(saved_state(5, world_size=4, per_device_batch_size=8, grad_accum=1), cfg, world_size=2)
     assert not changes.schedule_changed
-    assert changes.changes == ["--grad-accum 1 -> 2, world size 4 -> 2: global batch unchanged at 32 (the data "
-                               "position carries over exactly: the epoch's samples seen by all ranks)"]
+    assert changes.changes == [
+        "--grad-accum 1 -> 2, world size 4 -> 2: global batch unchanged at 32 (the data "
+        "position carries over exactly: the epoch's samples seen by all ranks)"
+    ]
 
 
 def test_first_resumed_step_uses_the_new_schedule():

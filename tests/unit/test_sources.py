@@ -1,4 +1,5 @@
 """shardtrain/data/sources.py: every source to canonical splits; labels, columns, splits and their errors."""
+
 from __future__ import annotations
 
 import csv
@@ -40,9 +41,12 @@ def parquet_dir(tmp_path) -> Path:
     d = tmp_path / "imdb"
     d.mkdir()
     train = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])})
-    datasets.Dataset.from_dict({"text": [f"review {i}" for i in range(10)], "label": [0, 1] * 4 + [-1, -1]},
-                               features=train).to_parquet(d / "train.parquet")
-    datasets.Dataset.from_dict({"text": ["good", "bad"], "label": [1, 0]}, features=train).to_parquet(d / "test.parquet")
+    datasets.Dataset.from_dict(
+        {"text": [f"review {i}" for i in range(10)], "label": [0, 1] * 4 + [-1, -1]}, features=train
+    ).to_parquet(d / "train.parquet")
+    datasets.Dataset.from_dict({"text": ["good", "bad"], "label": [1, 0]}, features=train).to_parquet(
+        d / "test.parquet"
+    )
     return d
 
 
@@ -58,19 +62,28 @@ def test_classlabel_names_become_id2label_and_validation_is_mapped_by_name(parqu
     assert set(s.train.column_names) == {"row", "text", "label"}
     # A validation file whose ClassLabel lists the names in another order: its ids differ, its names do not.
     other = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["pos", "neg"])})
-    datasets.Dataset.from_dict({"text": ["good", "bad"], "label": [0, 1]}, features=other).to_parquet(tmp_path / "v.parquet")
+    datasets.Dataset.from_dict({"text": ["good", "bad"], "label": [0, 1]}, features=other).to_parquet(
+        tmp_path / "v.parquet"
+    )
     s = load_splits(config(train_file=str(parquet_dir / "train.parquet"), validation_file=str(tmp_path / "v.parquet")))
     assert list(s.validation["label"]) == [1, 0]
 
 
 def test_string_and_bool_labels_are_encoded_in_sorted_order(tmp_path):
     rows = [["b", "zebra"], ["c", "ant"], ["d", "moth"], ["e", "ant"]]
-    s = load_splits(config(train_file=str(write_csv(tmp_path / "a.csv", ["text", "label"], rows)),
-                           validation_file=str(write_csv(tmp_path / "v.csv", ["text", "label"], [["x", "moth"]]))))
+    s = load_splits(
+        config(
+            train_file=str(write_csv(tmp_path / "a.csv", ["text", "label"], rows)),
+            validation_file=str(write_csv(tmp_path / "v.csv", ["text", "label"], [["x", "moth"]])),
+        )
+    )
     assert s.label_names == ["ant", "moth", "zebra"] and list(s.train["label"]) == [2, 0, 1, 0]
     assert list(s.validation["label"]) == [1]
-    reordered = load_splits(config(train_file=str(write_csv(tmp_path / "b.csv", ["text", "label"], rows[::-1])),
-                                   validation_split_percentage=50))
+    reordered = load_splits(
+        config(
+            train_file=str(write_csv(tmp_path / "b.csv", ["text", "label"], rows[::-1])), validation_split_percentage=50
+        )
+    )
     assert reordered.label_names == ["ant", "moth", "zebra"]  # the file's order does not matter
     hp = write_jsonl(tmp_path / "hp.jsonl", [{"text": f"t{i}", "hyperpartisan": i % 3 == 0} for i in range(6)])
     s = load_splits(config(train_file=str(hp), label_column_name="hyperpartisan", validation_split_percentage=50))
@@ -80,16 +93,22 @@ def test_string_and_bool_labels_are_encoded_in_sorted_order(tmp_path):
 def test_a_validation_label_unseen_in_training_is_an_error_listing_the_known_labels(tmp_path):
     train = write_csv(tmp_path / "t.csv", ["text", "label"], [["a", "pos"], ["b", "neg"]])
     val = write_csv(tmp_path / "v.csv", ["text", "label"], [["c", "neg"], ["d", "neutral"]])
-    with pytest.raises(ConfigError, match=r"v\.csv row 1 .*validation label 'neutral' is not a class of the "
-                                          r"training split \(its labels: neg, pos\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"v\.csv row 1 .*validation label 'neutral' is not a class of the "
+        r"training split \(its labels: neg, pos\)",
+    ):
         load_splits(config(train_file=str(train), validation_file=str(val)))
 
 
 def test_an_explicit_num_labels_that_contradicts_the_data_names_both(tmp_path, parquet_dir):
     cfg = config(dataset_name=str(parquet_dir), validation_split_name="test")
     cfg.model.num_labels = 3
-    with pytest.raises(ConfigError, match=r"--num-labels \(model.num_labels\)=3, but the data has 2 classes "
-                                          r"\(neg, pos\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--num-labels \(model.num_labels\)=3, but the data has 2 classes "
+        r"\(neg, pos\)",
+    ):
         load_splits(cfg)
     # Integer labels: ids as given, num_labels from the largest unless set; out of range is that row's error.
     f = write_jsonl(tmp_path / "ids.jsonl", [{"text": "a", "label": 0}, {"text": "b", "label": 4}])
@@ -102,8 +121,11 @@ def test_an_explicit_num_labels_that_contradicts_the_data_names_both(tmp_path, p
 
 def test_a_wrong_column_is_named_with_the_columns_that_exist(tmp_path):
     f = write_csv(tmp_path / "t.csv", ["review", "stars"], [["a", "1"]])
-    with pytest.raises(ConfigError, match=r"--text-column-names \(data.text_column_names\): no column 'text' in "
-                                          r".*t\.csv \(columns: review, stars\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--text-column-names \(data.text_column_names\): no column 'text' in "
+        r".*t\.csv \(columns: review, stars\)",
+    ):
         load_splits(config(train_file=str(f)))
     with pytest.raises(ConfigError, match=r"--label-column-name .*no column 'label' .*columns: review, stars"):
         load_splits(config(train_file=str(f), text_column_names=["review"]))
@@ -113,8 +135,15 @@ def test_a_wrong_column_is_named_with_the_columns_that_exist(tmp_path):
 
 def test_text_columns_are_joined_with_the_delimiter(tmp_path):
     f = write_csv(tmp_path / "t.csv", ["title", "body", "y"], [["Hi", "there", "a"], ["Yo", "", "b"]])
-    s = load_splits(config(train_file=str(f), validation_file=str(f), text_column_names=["title", "body"],
-                           text_column_delimiter=" | ", label_column_name="y"))
+    s = load_splits(
+        config(
+            train_file=str(f),
+            validation_file=str(f),
+            text_column_names=["title", "body"],
+            text_column_delimiter=" | ",
+            label_column_name="y",
+        )
+    )
     assert list(s.train["text"]) == ["Hi | there", "Yo"]  # an empty cell adds no delimiter
 
 
@@ -136,14 +165,18 @@ def test_percentage_split_is_deterministic_for_a_seed_and_recorded(tmp_path):
 
 
 def test_a_missing_validation_split_names_the_splits_and_the_percentage_flag(parquet_dir):
-    with pytest.raises(ConfigError, match=r"--validation-split-name .*no split 'validation' \(splits: train, test\); "
-                                          r"or hold out part of train with --validation-split-percentage"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--validation-split-name .*no split 'validation' \(splits: train, test\); "
+        r"or hold out part of train with --validation-split-percentage",
+    ):
         load_splits(config(dataset_name=str(parquet_dir)))
 
 
 def test_max_samples_apply_to_every_source(parquet_dir):
-    s = load_splits(config(dataset_name=str(parquet_dir), validation_split_name="test", max_train_samples=3,
-                           max_eval_samples=1))
+    s = load_splits(
+        config(dataset_name=str(parquet_dir), validation_split_name="test", max_train_samples=3, max_eval_samples=1)
+    )
     assert (len(s.train), len(s.validation)) == (3, 1)
 
 
@@ -158,8 +191,11 @@ def test_two_sources_or_a_lone_validation_flag_are_errors(tmp_path, parquet_dir)
 
 def test_mixed_label_types_are_named_with_their_lines(tmp_path):
     f = write_jsonl(tmp_path / "m.jsonl", [{"text": "a", "label": 1}, {"text": "b", "label": "pos"}])
-    with pytest.raises(ConfigError, match=r"column 'label' mixes label types \(int at .*m\.jsonl:1, str at "
-                                          r".*m\.jsonl:2\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"column 'label' mixes label types \(int at .*m\.jsonl:1, str at "
+        r".*m\.jsonl:2\)",
+    ):
         load_splits(config(train_file=str(f), validation_split_percentage=50))
 
 
@@ -170,20 +206,35 @@ def images_csv(tmp_path) -> Path:
     for i in range(4):
         Image.new("RGB", (12, 12), (60 * i, 0, 0)).save(d / "pics" / f"{i}.png")
     (d / "pics" / "3.png").write_bytes(b"not a png")
-    rows = [["one", "pics/0.png", "a"], ["two", "pics/1.png", "b"], ["", "pics/2.png", "a"],
-            ["four", "pics/3.png", "b"], ["five", "pics/9.png", "a"], ["six", "pics/2.png", "a"]]
+    rows = [
+        ["one", "pics/0.png", "a"],
+        ["two", "pics/1.png", "b"],
+        ["", "pics/2.png", "a"],
+        ["four", "pics/3.png", "b"],
+        ["five", "pics/9.png", "a"],
+        ["six", "pics/2.png", "a"],
+    ]
     return write_csv(d / "train.csv", ["tweet", "photo", "label"], rows)
 
 
 def test_image_paths_are_relative_to_the_data_file_and_bad_rows_are_skipped_and_counted(tmp_path, monkeypatch):
     f = images_csv(tmp_path)
     monkeypatch.chdir(tmp_path)  # not the CSV's folder
-    cfg = config("multimodal", train_file=str(f.relative_to(tmp_path)), validation_file=str(f), text_column_names=["tweet"],
-                 image_column_name="photo", skip_bad_samples=True)
+    cfg = config(
+        "multimodal",
+        train_file=str(f.relative_to(tmp_path)),
+        validation_file=str(f),
+        text_column_names=["tweet"],
+        image_column_name="photo",
+        skip_bad_samples=True,
+    )
     s = load_splits(cfg)
     assert list(s.train["image"]) == [str(f.parent / "pics" / n) for n in ("0.png", "1.png", "2.png")]
-    assert [m.split(": ", 1)[1][:20] for m in s.skipped["train"]] == ["empty text", "cannot decode image ",
-                                                                       "image not found: pic"]
+    assert [m.split(": ", 1)[1][:20] for m in s.skipped["train"]] == [
+        "empty text",
+        "cannot decode image ",
+        "image not found: pic",
+    ]
     cfg.data.skip_bad_samples = False
     with pytest.raises(ConfigError, match=r"train\.csv row 2 \(line 4 if no field spans lines\): empty text"):
         load_splits(cfg)
@@ -192,18 +243,29 @@ def test_image_paths_are_relative_to_the_data_file_and_bad_rows_are_skipped_and_
 def test_check_data_lists_every_problem_of_a_source(tmp_path):
     f = images_csv(tmp_path)
     empty = write_csv(tmp_path / "empty.csv", ["tweet", "photo", "label"], [["", "pics/0.png", "a"]])
-    cfg = config("multimodal", train_file=str(f), validation_file=str(empty), text_column_names=["tweet"],
-                 image_column_name="photo")
+    cfg = config(
+        "multimodal",
+        train_file=str(f),
+        validation_file=str(empty),
+        text_column_names=["tweet"],
+        image_column_name="photo",
+    )
     problems = check_source(cfg)
     assert len(problems) == 5, problems
     assert "row 2 (line 4 if no field spans lines): empty text" in problems[0]
-    assert "row 3 (line 5 if no field spans lines): cannot decode image pics/3.png: UnidentifiedImageError" in problems[1]
+    assert (
+        "row 3 (line 5 if no field spans lines): cannot decode image pics/3.png: UnidentifiedImageError" in problems[1]
+    )
     assert "row 4 (line 6 if no field spans lines): image not found: pics/9.png" in problems[2]
     assert "empty.csv row 0 (line 2 if no field spans lines): empty text" in problems[3]
-    assert problems[4].startswith("--validation-file (data.validation_file): no usable rows in") and "empty.csv" in problems[4]
+    assert (
+        problems[4].startswith("--validation-file (data.validation_file): no usable rows in")
+        and "empty.csv" in problems[4]
+    )
     cfg.data.label_column_name = "sentiment"
-    assert check_source(cfg) == [f"--label-column-name (data.label_column_name): no column 'sentiment' in {f} "
-                                 f"(columns: tweet, photo, label)"]
+    assert check_source(cfg) == [
+        f"--label-column-name (data.label_column_name): no column 'sentiment' in {f} (columns: tweet, photo, label)"
+    ]
     cfg.data.label_column_name = "label"
     write_csv(tmp_path / "empty.csv", ["tweet", "photo", "label"], [])  # the header only
     assert check_source(cfg) == [f"--validation-file (data.validation_file): {empty} has no rows"]
@@ -231,10 +293,13 @@ def test_save_to_disk_folders_and_embedded_images_train_from_bytes_or_the_image_
 
     for i in range(4):
         Image.new("RGB", (16, 16), (0, 60 * i, 0)).save(tmp_path / f"{i}.png")
-    features = datasets.Features({"text": datasets.Value("string"), "image": datasets.Image(),
-                                  "label": datasets.ClassLabel(names=["a", "b"])})
-    ds = datasets.Dataset.from_dict({"text": ["w", "x", "y", "z"], "image": [str(tmp_path / f"{i}.png") for i in range(4)],
-                                     "label": [0, 1, 0, 1]}, features=features)
+    features = datasets.Features(
+        {"text": datasets.Value("string"), "image": datasets.Image(), "label": datasets.ClassLabel(names=["a", "b"])}
+    )
+    ds = datasets.Dataset.from_dict(
+        {"text": ["w", "x", "y", "z"], "image": [str(tmp_path / f"{i}.png") for i in range(4)], "label": [0, 1, 0, 1]},
+        features=features,
+    )
     ds.save_to_disk(str(tmp_path / "one"))  # a Dataset (not a DatasetDict): the training split
     cfg = config("multimodal", dataset_name=str(tmp_path / "one"), validation_split_percentage=25, image_size=8)
     s = load_splits(cfg)
@@ -246,7 +311,9 @@ def test_save_to_disk_folders_and_embedded_images_train_from_bytes_or_the_image_
     cache = open_source_image_cache(cfg, "train", [image_key(v) for v in s.train["image"]])
     cached = SplitDataset(s.train, "t", 8, True, [], cache)[0]["image"]
     assert torch.equal(cached, decoded)
-    with pytest.raises(ConfigError, match=r"--image-cache .*the images of the validation split changed|no complete cache"):
+    with pytest.raises(
+        ConfigError, match=r"--image-cache .*the images of the validation split changed|no complete cache"
+    ):
         open_source_image_cache(cfg, "validation", ["other"])
 
 
@@ -258,7 +325,12 @@ def test_label_names_fix_the_order_and_reach_the_hf_config_of_an_export(tmp_path
     s = load_splits(cfg)
     assert s.label_names == ["neg", "neutral", "pos"] and list(s.train["label"]) == [2, 0, 1]
     cfg.model.text_model = "allenai/longformer-base-4096"  # in the offline table of known architectures
-    cfg.model.text_config = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64}
+    cfg.model.text_config = {
+        "hidden_size": 32,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 64,
+    }
     hf = text_config_for(cfg.model, cfg.data, 100)  # Longformer's own config: what save_pretrained writes
     assert hf.id2label == {0: "neg", 1: "neutral", 2: "pos"} and hf.label2id["pos"] == 2 and hf.num_labels == 3
     cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "pos"])
@@ -273,8 +345,11 @@ def test_resuming_on_data_with_other_classes_is_an_error(tmp_path):
     cfg.data.label_names = ["neg", "pos"]
     check_resumed_labels({"data": {"label_names": ["neg", "pos"]}}, cfg)
     check_resumed_labels({"data": {}}, cfg)  # a checkpoint from integer labels, or from before names were kept
-    with pytest.raises(ConfigError, match=r"trained on the classes \['neg', 'neutral', 'pos'\], but the data now "
-                                          r"has \['neg', 'pos'\].*--label-names neg,neutral,pos"):
+    with pytest.raises(
+        ConfigError,
+        match=r"trained on the classes \['neg', 'neutral', 'pos'\], but the data now "
+        r"has \['neg', 'pos'\].*--label-names neg,neutral,pos",
+    ):
         check_resumed_labels({"data": {"label_names": ["neg", "neutral", "pos"]}}, cfg)
 
 
@@ -290,8 +365,17 @@ def test_a_users_workload_takes_any_source_through_load_splits(tmp_path):
             return s.train, s.validation
 
     f = write_csv(tmp_path / "r.csv", ["body", "stars"], [["fine", "good"], ["meh", "bad"], ["ok", "good"]])
-    cfg = from_dict({"workload": "reviews:Reviews", "data": {"train_file": str(f), "validation_file": str(f),
-                                                             "text_column_names": "body", "label_column_name": "stars"}})
+    cfg = from_dict(
+        {
+            "workload": "reviews:Reviews",
+            "data": {
+                "train_file": str(f),
+                "validation_file": str(f),
+                "text_column_names": "body",
+                "label_column_name": "stars",
+            },
+        }
+    )
     train, validation = Reviews(cfg).datasets()
     assert train[0] == {"row": 0, "text": "fine", "label": 1} and len(validation) == 3
     assert cfg.model.num_labels == 2 and cfg.data.label_names == ["bad", "good"]

@@ -1,4 +1,5 @@
 """--streaming's loader (shardtrain/data/streaming.py): exact state round trip, per-rank passes, shuffling."""
+
 import json
 
 import datasets

@@ -1,5 +1,6 @@
 """A `wandb agent` passes each hyperparameter as `--key=value`, with the key as the sweep config spells it:
 every flag must take that form, in its dashed and its underscore spelling."""
+
 from __future__ import annotations
 
 from typing import Literal, Optional, Union, get_args, get_origin

@@ -7,6 +7,7 @@ The stream the tests hold is an arbitrary one (seed 1234, then some draws), as a
 is. CUDA's generator is kept the same way (runtime/training_rng.py forks the device in use); this machine has
 no GPU, so only the CPU generator is checked here.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -47,6 +48,7 @@ class Net(nn.Module):
 
 class UserWorkload:
     """What the loop's model factory needs of a Workload: build_model() and the loads_weights switch."""
+
     loads_weights = True
 
     def build_model(self):
@@ -54,8 +56,18 @@ class UserWorkload:
 
 
 def test_the_banners_memory_prediction_leaves_the_stream_alone():
-    cfg = parse_cli(["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--max-length", "16",
-                     "--per-device-batch-size", "4", "--dropout", "0.1"])
+    cfg = parse_cli(
+        [
+            "--config",
+            str(REPO / "configs/multimodal_tiny.yaml"),
+            "--max-length",
+            "16",
+            "--per-device-batch-size",
+            "4",
+            "--dropout",
+            "0.1",
+        ]
+    )
     before = held_stream()
     prediction = memory_prediction(cfg, 2, 1000)
     assert "activations_gib" in prediction, prediction  # it measured (built and ran models), not a note
@@ -63,21 +75,46 @@ def test_the_banners_memory_prediction_leaves_the_stream_alone():
 
 
 def test_the_banner_and_the_tracker_leave_the_stream_alone(tmp_path):
-    cfg = parse_cli(["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--output-dir", str(tmp_path),
-                     "--max-steps", "3", "--report", "false"])
+    cfg = parse_cli(
+        [
+            "--config",
+            str(REPO / "configs/multimodal_tiny.yaml"),
+            "--output-dir",
+            str(tmp_path),
+            "--max-steps",
+            "3",
+            "--report",
+            "false",
+        ]
+    )
     dist = DistInfo(rank=0, local_rank=0, world_size=1, device=CPU, backend="gloo")
     factory = make_model_factory(UserWorkload(), seed=42, device=CPU, startup={})
-    run_info = {"strategy": "ddp", "offload": False, "world_size": 1, "precision": "fp32", "micro_batch_size": 2,
-                "grad_accum": 1, "global_batch_size": 2, "train_examples": 8, "eval_examples": 0,
-                "steps_per_epoch": 4, "activation_checkpointing": False, "params_total": 10,
-                "params_trainable": 10, "params_frozen": 0, "max_steps": 3,
-                "ranks": [{"rank": 0, "host": "here", "local_rank": 0, "device": "cpu"}],
-                "strategy_settings": {"strategy": "ddp"}, "memory_prediction": {"note": "test"}}
+    run_info = {
+        "strategy": "ddp",
+        "offload": False,
+        "world_size": 1,
+        "precision": "fp32",
+        "micro_batch_size": 2,
+        "grad_accum": 1,
+        "global_batch_size": 2,
+        "train_examples": 8,
+        "eval_examples": 0,
+        "steps_per_epoch": 4,
+        "activation_checkpointing": False,
+        "params_total": 10,
+        "params_trainable": 10,
+        "params_frozen": 0,
+        "max_steps": 3,
+        "ranks": [{"rank": 0, "host": "here", "local_rank": 0, "device": "cpu"}],
+        "strategy_settings": {"strategy": "ddp"},
+        "memory_prediction": {"note": "test"},
+    }
     before = held_stream()
     tracker = Tracker(cfg, dist, Console(0), tmp_path, 0, run_info, model_factory=factory)  # prints the banner
     batch = {"input_ids": torch.ones(2, 5, dtype=torch.long), "labels": torch.zeros(2, dtype=torch.long)}
-    tracker.step({"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "samples_per_sec": 2.0,
-                  "step_seconds": 1.0}, batch)
+    tracker.step(
+        {"step": 1, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "samples_per_sec": 2.0, "step_seconds": 1.0}, batch
+    )
     # On CUDA the first step also counts FLOPs on a meta copy built by the factory: that call, here on CPU.
     assert train_flops_per_sample(factory, batch, trainable_params=10) > 0
     tracker.finish({})

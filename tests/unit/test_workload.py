@@ -1,4 +1,5 @@
 """The public Workload API: lookup, defaults, and the one-line errors for users' own models."""
+
 from __future__ import annotations
 
 import ast
@@ -12,8 +13,15 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from shardtrain.config.settings import Config, ConfigError, from_dict, parse_cli
-from shardtrain.workloads.base import (CheckedCollate, Workload, check_loss, load_workload, model_inputs,
-                                 resolve_block_classes, workload_class)
+from shardtrain.workloads.base import (
+    CheckedCollate,
+    Workload,
+    check_loss,
+    load_workload,
+    model_inputs,
+    resolve_block_classes,
+    workload_class,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -60,9 +68,14 @@ class Task(Workload):
 def _names_in_code(path: Path) -> tuple[set[str], list[str]]:
     """(imported modules, the identifiers and strings of the code), docstrings left out."""
     tree = ast.parse(path.read_text())
-    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef)) and node.body
-                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
     imports, words = set(), []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -79,13 +92,18 @@ def _names_in_code(path: Path) -> tuple[set[str], list[str]]:
     return imports, words
 
 
-@pytest.mark.parametrize("path", [REPO / "shardtrain" / "loop" / "train.py",
-                                  *sorted((REPO / "shardtrain" / "strategies").glob("*.py"))],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [REPO / "shardtrain" / "loop" / "train.py", *sorted((REPO / "shardtrain" / "strategies").glob("*.py"))],
+    ids=lambda p: p.name,
+)
 def test_loop_and_strategies_use_only_the_public_api(path):
     imports, words = _names_in_code(path)
-    private = sorted(m for m in imports if m.startswith(("shardtrain.workloads", "shardtrain.models"))
-                     and not m.startswith("shardtrain.workloads.base"))
+    private = sorted(
+        m
+        for m in imports
+        if m.startswith(("shardtrain.workloads", "shardtrain.models")) and not m.startswith("shardtrain.workloads.base")
+    )
     assert not private, f"{path.name} imports {private}: the built-ins must come through shardtrain.workloads.base"
     named = sorted({w for w in words if "multimodal" in w.lower() or "longformer" in w.lower()})
     assert not named, f"{path.name} names a built-in model: {named}"
@@ -103,13 +121,15 @@ def test_yaml_string_mapping_and_flag_spellings(tmp_path):
 
 
 def test_a_tasks_py_beside_the_config_is_importable(tmp_path, monkeypatch):
-    (tmp_path / "beside_tasks.py").write_text(textwrap.dedent("""
+    (tmp_path / "beside_tasks.py").write_text(
+        textwrap.dedent("""
         from shardtrain import Workload
         class MyTask(Workload):
             def __init__(self, cfg, width=2):
                 super().__init__(cfg, width=width)
                 self.width = width
-    """))
+    """)
+    )
     (tmp_path / "run.yaml").write_text("workload: {target: beside_tasks:MyTask, args: {width: 5}}\n")
     monkeypatch.chdir(REPO)
     monkeypatch.setattr(sys, "path", list(sys.path))
@@ -118,11 +138,14 @@ def test_a_tasks_py_beside_the_config_is_importable(tmp_path, monkeypatch):
     assert (type(task).__name__, task.width, task.cfg) == ("MyTask", 5, cfg)
 
 
-@pytest.mark.parametrize("target, message", [
-    ("no_such_module_xyz:Task", r"--workload \(workload.target\): cannot import no_such_module_xyz"),
-    ("tasks.py", r"is not a workload; write a dotted module path and a class"),
-    ("test_workload:Nope", r"test_workload has no Workload subclass named Nope \(it has Task\)"),
-])
+@pytest.mark.parametrize(
+    "target, message",
+    [
+        ("no_such_module_xyz:Task", r"--workload \(workload.target\): cannot import no_such_module_xyz"),
+        ("tasks.py", r"is not a workload; write a dotted module path and a class"),
+        ("test_workload:Nope", r"test_workload has no Workload subclass named Nope \(it has Task\)"),
+    ],
+)
 def test_bad_targets_are_one_line(target, message):
     cfg = Config()
     cfg.workload.workload = target
@@ -138,8 +161,11 @@ def test_builtins_resolve_by_model_name():
 
 # ---- pitfalls: one line each, naming the workload method ------------------------------------------------------
 def test_a_block_class_the_model_lacks_lists_the_classes_it_has():
-    with pytest.raises(ConfigError, match=r"Task.block_classes\(\) names GPT2Block, which does not occur in the "
-                                          r"model; its module classes are: Block, Linear, Net, Sequential"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Task.block_classes\(\) names GPT2Block, which does not occur in the "
+        r"model; its module classes are: Block, Linear, Net, Sequential",
+    ):
         resolve_block_classes(Net(), ("GPT2Block",), "Task.block_classes()")
     assert resolve_block_classes(Net(), ("Block",)) == (Block,)
     assert resolve_block_classes(Net(), (Block,)) == (Block,)
@@ -147,15 +173,20 @@ def test_a_block_class_the_model_lacks_lists_the_classes_it_has():
 
 def test_default_blocks_come_from_hf_no_split_modules():
     from transformers import BertConfig, BertForSequenceClassification
-    model = BertForSequenceClassification(BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
-                                                     intermediate_size=32, vocab_size=50))
+
+    model = BertForSequenceClassification(
+        BertConfig(hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32, vocab_size=50)
+    )
     assert [c.__name__ for c in resolve_block_classes(model, ())] == list(model._no_split_modules)
 
 
 def test_collate_keys_the_model_does_not_take():
     batch = {"pixels": torch.zeros(2, 4), "labels": torch.zeros(2, dtype=torch.long)}
-    with pytest.raises(ConfigError, match=r"Task.collate gives keys labels, pixels, but Net.forward needs x: make "
-                                          r"collate return those keys, or override Task.forward"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Task.collate gives keys labels, pixels, but Net.forward needs x: make "
+        r"collate return those keys, or override Task.forward",
+    ):
         model_inputs(Net(), batch, "Task")
     ddp_like = nn.Module()  # a wrapper whose forward is (*args, **kwargs) is looked through
     ddp_like.module = Net()
@@ -163,12 +194,18 @@ def test_collate_keys_the_model_does_not_take():
     assert set(model_inputs(ddp_like, {"x": torch.zeros(2, 4), "labels": torch.zeros(2)}, "Task")) == {"x"}
 
 
-@pytest.mark.parametrize("loss, message", [
-    (torch.ones(3, requires_grad=True), r"Task.loss must return a scalar floating-point tensor, got a tensor of "
-                                        r"shape \(3,\)"),
-    (0.5, r"Task.loss must return a scalar floating-point tensor, got float"),
-    (torch.tensor(1.0), r"Task.loss returned a tensor that does not depend on the model's parameters"),
-])
+@pytest.mark.parametrize(
+    "loss, message",
+    [
+        (
+            torch.ones(3, requires_grad=True),
+            r"Task.loss must return a scalar floating-point tensor, got a tensor of "
+            r"shape \(3,\)",
+        ),
+        (0.5, r"Task.loss must return a scalar floating-point tensor, got float"),
+        (torch.tensor(1.0), r"Task.loss returned a tensor that does not depend on the model's parameters"),
+    ],
+)
 def test_a_loss_that_is_not_a_scalar_tensor(loss, message):
     with pytest.raises(ConfigError, match=message):
         check_loss(loss, "Task")
@@ -180,16 +217,21 @@ def test_unbatchable_samples_name_collate_and_datasets():
             return [{"x": torch.zeros(3)}, {"x": torch.zeros(5)}], None
 
     task = Ragged(Config())
-    with pytest.raises(ConfigError, match=r"Ragged.collate cannot batch the samples of Ragged.datasets\(\) "
-                                          r"\(dict items\): RuntimeError: stack expects each tensor"):
+    with pytest.raises(
+        ConfigError,
+        match=r"Ragged.collate cannot batch the samples of Ragged.datasets\(\) "
+        r"\(dict items\): RuntimeError: stack expects each tensor",
+    ):
         CheckedCollate(task)(task.datasets()[0])
 
 
 def test_default_metrics_count_every_example_from_summed_confusions():
     task = Task(Config())
     logits = torch.tensor([[2.0, 0, 0], [0, 2.0, 0], [0, 2.0, 0], [0, 0, 2.0]])
-    halves = [task.metric_sums(logits[:2], {"labels": torch.tensor([0, 1])}),
-              task.metric_sums(logits[2:], {"labels": torch.tensor([2, 2])})]
+    halves = [
+        task.metric_sums(logits[:2], {"labels": torch.tensor([0, 1])}),
+        task.metric_sums(logits[2:], {"labels": torch.tensor([2, 2])}),
+    ]
     sums = {"confusion": halves[0]["confusion"] + halves[1]["confusion"]}
     m = task.metrics(sums)
     assert (m["accuracy"], m["n_examples"]) == (0.75, 4)
@@ -197,24 +239,44 @@ def test_default_metrics_count_every_example_from_summed_confusions():
 
 
 def test_freezing_without_freezable_parameter_names_says_what_is_missing():
-    with pytest.raises(ConfigError, match=r"--freeze-layers \(model.freeze_layers\)=2: Task does not define "
-                                          r"freezable_parameter_names"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--freeze-layers \(model.freeze_layers\)=2: Task does not define "
+        r"freezable_parameter_names",
+    ):
         Task(Config()).freezable_parameter_names(2)
 
 
 # ---- the built-ins through the API ------------------------------------------------------------------------
-@pytest.mark.parametrize("name, overrides", [
-    ("multimodal", {"image_model": "resnet18", "image_config": {"layers": [1, 1, 1, 1]}}),
-    ("multimodal", {"image_model": "resnet50", "image_config": {"layers": [1, 1, 1, 1], "block": "BasicBlock"}}),
-    ("multimodal", {"image_model": "densenet121", "image_config": {"block_config": [1, 1, 1, 1]}}),
-    ("longformer", {"text_model": "allenai/longformer-base-4096", "attention_window": 4}),
-])
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("multimodal", {"image_model": "resnet18", "image_config": {"layers": [1, 1, 1, 1]}}),
+        ("multimodal", {"image_model": "resnet50", "image_config": {"layers": [1, 1, 1, 1], "block": "BasicBlock"}}),
+        ("multimodal", {"image_model": "densenet121", "image_config": {"block_config": [1, 1, 1, 1]}}),
+        ("longformer", {"text_model": "allenai/longformer-base-4096", "attention_window": 4}),
+    ],
+)
 def test_builtin_blocks_are_the_models_own(name, overrides):
     from shardtrain.models import build_model
-    cfg = from_dict({"model": {"name": name, "pretrained": False, "num_labels": 3,
-                               "text_config": {"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
-                                               "intermediate_size": 32, **overrides.pop("text_config", {})},
-                               **overrides}})
+
+    cfg = from_dict(
+        {
+            "model": {
+                "name": name,
+                "pretrained": False,
+                "num_labels": 3,
+                "text_config": {
+                    "hidden_size": 16,
+                    "num_hidden_layers": 1,
+                    "num_attention_heads": 2,
+                    "intermediate_size": 32,
+                    **overrides.pop("text_config", {}),
+                },
+                **overrides,
+            }
+        }
+    )
     with torch.device("meta"):
         model = build_model(cfg.model, cfg.data, 100, load_weights=False)
     assert resolve_block_classes(model, load_workload(cfg).block_classes()) == model.block_classes()
@@ -222,6 +284,7 @@ def test_builtin_blocks_are_the_models_own(name, overrides):
 
 def test_shardtrain_exports_workload_and_fit():
     import shardtrain
+
     assert shardtrain.Workload is Workload
     assert callable(shardtrain.fit) and shardtrain.fit.__module__ == "shardtrain.api"
 
@@ -258,9 +321,17 @@ def test_frozen_batchnorm_uses_and_keeps_its_running_stats_until_unfrozen():
 
 def test_fsdp_with_no_blocks_to_shard_names_block_classes():
     from shardtrain.strategies.fsdp import _units, load_policy
-    with pytest.raises(ConfigError, match=r"FSDP found no blocks to shard: Bag.block_classes\(\) is empty and the model "
-                                          r"has no Hugging Face _no_split_modules; return its repeated block classes "
-                                          r"\(the model has Linear, ReLU, Sequential\)"):
-        _units(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), load_policy("fsdp_policies/default.yaml"), (),
-               "Bag.block_classes()")
+
+    with pytest.raises(
+        ConfigError,
+        match=r"FSDP found no blocks to shard: Bag.block_classes\(\) is empty and the model "
+        r"has no Hugging Face _no_split_modules; return its repeated block classes "
+        r"\(the model has Linear, ReLU, Sequential\)",
+    ):
+        _units(
+            nn.Sequential(nn.Linear(4, 4), nn.ReLU()),
+            load_policy("fsdp_policies/default.yaml"),
+            (),
+            "Bag.block_classes()",
+        )
     assert len(_units(Net(), load_policy("fsdp_policies/default.yaml"), (Block,))) == 2

@@ -1,11 +1,11 @@
 """A user's workload beyond `train`: plan, check-data and parity take --workload (export and report:
 tests/dist/test_your_own_model.py); --strategy auto refuses it in one line."""
+
 from __future__ import annotations
 
 import json
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +13,7 @@ from shardtrain import cli
 from shardtrain.commands import parity
 from shardtrain.config.settings import ConfigError, parse_cli
 
-TASKS = textwrap.dedent('''
+TASKS = textwrap.dedent("""
     import torch
     from torch import nn
     from torch.utils.data import Dataset
@@ -77,7 +77,7 @@ TASKS = textwrap.dedent('''
             for p in model.blocks.parameters():  # a pretrained part, frozen by hand
                 p.requires_grad = False
             return model
-''')
+""")
 TINY_PARAMS = 2 * (8 * 8 + 8) + 8 * 3 + 3
 
 
@@ -105,8 +105,11 @@ def test_plan_counts_a_user_model_on_the_meta_device_and_says_what_it_cannot_pre
     assert (p["workload"], p["model_params"], p["largest_unit_params"]) == ("Tiny", TINY_PARAMS, 8 * 8 + 8)
     rows = {r["variant"]: r["gpu_bytes"] for r in p["rows"]}
     # Model states as every strategy holds them: fp32 weights, grads and Adam's two moments, sharded or not.
-    assert (rows["ddp"]["params"], rows["ddp"]["grads"], rows["ddp"]["optimizer"]) == (4 * TINY_PARAMS, 4 * TINY_PARAMS,
-                                                                                        8 * TINY_PARAMS)
+    assert (rows["ddp"]["params"], rows["ddp"]["grads"], rows["ddp"]["optimizer"]) == (
+        4 * TINY_PARAMS,
+        4 * TINY_PARAMS,
+        8 * TINY_PARAMS,
+    )
     assert rows["fsdp"]["params"] == 4 * TINY_PARAMS / 2 and rows["zero3"]["optimizer"] == 12 * TINY_PARAMS / 2
     assert all(r["activations"] is None for r in rows.values()) and p["recommendation"] is None
     assert "not predicted for Tiny" in p["activations"]
@@ -116,8 +119,9 @@ def test_plan_counts_a_user_model_on_the_meta_device_and_says_what_it_cannot_pre
 
 def test_plan_counts_what_build_model_froze_as_frozen(tasks, capsys):
     """No gradient and no optimizer state for the parameters the user's build_model froze."""
-    code, out, err = run_cli(capsys, "plan", "--workload", "user_tasks:FrozenBlocks", "--gpus", "2", "--gpu", "a100",
-                             "--json")
+    code, out, err = run_cli(
+        capsys, "plan", "--workload", "user_tasks:FrozenBlocks", "--gpus", "2", "--gpu", "a100", "--json"
+    )
     assert code == 0, err
     p = json.loads(out)
     trainable = 8 * 3 + 3
@@ -125,8 +129,9 @@ def test_plan_counts_what_build_model_froze_as_frozen(tasks, capsys):
     ddp = {r["variant"]: r["gpu_bytes"] for r in p["rows"]}["ddp"]
     assert (ddp["params"], ddp["grads"], ddp["optimizer"]) == (4 * TINY_PARAMS, 4 * trainable, 8 * trainable)
     code, out, _ = run_cli(capsys, "plan", "--workload", "user_tasks:FrozenBlocks", "--gpus", "2", "--gpu", "a100")
-    assert out.startswith(f"plan: FrozenBlocks, {TINY_PARAMS:,} parameters, {TINY_PARAMS - trainable:,} of them "
-                          f"frozen"), out
+    assert out.startswith(
+        f"plan: FrozenBlocks, {TINY_PARAMS:,} parameters, {TINY_PARAMS - trainable:,} of them frozen"
+    ), out
 
 
 def test_plan_names_the_workload_method_that_fails(tasks, capsys):
@@ -145,15 +150,23 @@ def test_check_data_batches_a_few_samples_with_the_workloads_collate(tasks, caps
     assert out.rstrip().endswith("Tiny: datasets() and collate give batches its model takes; no problems found")
 
 
-@pytest.mark.parametrize("target, args, problem", [
-    ("Tiny", {"broken_at": 2}, "Tiny.datasets() train item 2: FileNotFoundError: images/2.png"),
-    ("Tiny", {"key": "pixels"}, "Tiny.collate gives keys labels, pixels, but Net.forward needs x"),
-    ("Texts", {}, "Texts.collate gives 'labels' as a list, and the default Workload.loss needs a tensor of class ids"),
-    ("Tiny", {"n": 0}, "Tiny.datasets() train is empty"),
-])
+@pytest.mark.parametrize(
+    "target, args, problem",
+    [
+        ("Tiny", {"broken_at": 2}, "Tiny.datasets() train item 2: FileNotFoundError: images/2.png"),
+        ("Tiny", {"key": "pixels"}, "Tiny.collate gives keys labels, pixels, but Net.forward needs x"),
+        (
+            "Texts",
+            {},
+            "Texts.collate gives 'labels' as a list, and the default Workload.loss needs a tensor of class ids",
+        ),
+        ("Tiny", {"n": 0}, "Tiny.datasets() train is empty"),
+    ],
+)
 def test_check_data_names_the_workload_method_of_each_problem(tasks, capsys, target, args, problem):
-    code, out, err = run_cli(capsys, "check-data", "--workload", f"user_tasks:{target}", "--workload-args",
-                             json.dumps(args))
+    code, out, err = run_cli(
+        capsys, "check-data", "--workload", f"user_tasks:{target}", "--workload-args", json.dumps(args)
+    )
     assert code == 1 and problem in out, out + err
     assert out.rstrip().endswith(f"problem(s) in {target}'s data")
 
@@ -174,8 +187,19 @@ def test_parity_passes_the_workload_to_every_run(tasks, capsys, monkeypatch):
 
     monkeypatch.setattr(parity.subprocess, "run", fake_run)
     args = json.dumps({"n": 8})
-    code = cli.main(["parity", "--workload", "user_tasks:Tiny", "--workload-args", args, "--strategies", "ddp,fsdp",
-                        "--out", str(tasks / "p")])
+    code = cli.main(
+        [
+            "parity",
+            "--workload",
+            "user_tasks:Tiny",
+            "--workload-args",
+            args,
+            "--strategies",
+            "ddp,fsdp",
+            "--out",
+            str(tasks / "p"),
+        ]
+    )
     cmd, env = launched[0]
     assert code == 3 and "--config" not in cmd, cmd
     assert cmd[cmd.index("--workload") + 1] == "user_tasks:Tiny" and cmd[cmd.index("--workload-args") + 1] == args
@@ -188,11 +212,15 @@ def test_parity_passes_the_workload_to_every_run(tasks, capsys, monkeypatch):
 
 # ---- --strategy auto -------------------------------------------------------------------------------------
 def test_strategy_auto_refuses_a_user_workload_in_one_line(tasks, capsys):
-    with pytest.raises(ConfigError, match=r"--strategy \(parallel.strategy\)=auto chooses from predicted activation "
-                                          r"memory, which shardtrain measures for the built-in workloads only, not "
-                                          r"user_tasks:Tiny; choose --strategy ddp, fsdp, zero2 or zero3"):
+    with pytest.raises(
+        ConfigError,
+        match=r"--strategy \(parallel.strategy\)=auto chooses from predicted activation "
+        r"memory, which shardtrain measures for the built-in workloads only, not "
+        r"user_tasks:Tiny; choose --strategy ddp, fsdp, zero2 or zero3",
+    ):
         parse_cli(["--workload", "user_tasks:Tiny", "--strategy", "auto", "--output-dir", str(tasks / "o")])
-    code, _, err = run_cli(capsys, "train", "--workload", "user_tasks:Tiny", "--strategy", "auto", "--output-dir",
-                           str(tasks / "o"))
+    code, _, err = run_cli(
+        capsys, "train", "--workload", "user_tasks:Tiny", "--strategy", "auto", "--output-dir", str(tasks / "o")
+    )
     assert code == 2 and err.count("\n") == 1 and "built-in workloads only" in err
     parse_cli(["--strategy", "auto", "--memory-budget-gb", "4", "--output-dir", str(tasks / "o")])  # built-ins plan
