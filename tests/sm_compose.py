@@ -6,7 +6,7 @@ this command's exit code is the first container to exit's, as with `--abort-on-c
 
 A container here is this machine's own filesystem (the "image": the venv's python first on PATH) with:
 - a PID namespace of its own, whose PID 1 is the service's entrypoint exactly as the SDK set it
-  (`/bin/bash -c "chmod +x .../sm_train.sh && .../sm_train.sh"`), and a /proc that shows it;
+  (bash -c running chmod and then the generated sm_train.sh), and a /proc that shows it;
 - a mount namespace in which /opt is an overlay (the host's /opt is never written), and the compose file's
   volumes are bind-mounted where it says (/opt/ml/input, /opt/ml/model, /opt/ml/output, the channels);
 - /opt/ml/checkpoints bound to `$SM_EMULATOR_DIR/<host>/checkpoints`: what SageMaker restores there from

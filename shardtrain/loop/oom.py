@@ -51,14 +51,13 @@ import contextlib
 import gc
 
 import torch
-import torch.distributed as dist
 
 from shardtrain.config.settings import where
 from shardtrain.runtime import job_stop
+from shardtrain.runtime.distributed import any_rank_on_host
 
 PHASES = ("forward", "backward", "gap")
 WHAT = {"forward": "forward", "backward": "backward", "gap": "end of the backward", "step": "optimizer step"}
-_GROUP = None  # the gloo group of the OOM flag, made (collectively) at the first meeting point of the process
 
 
 def largest_divisor_at_most(n: int, limit: int) -> int | None:
@@ -203,12 +202,7 @@ class OOMRecovery:
 
     def _meet(self) -> bool:
         """Every rank: the OOM flag, all-reduced. True (and the step abandoned) when any rank ran out."""
-        global _GROUP
-        if _GROUP is None:
-            _GROUP = dist.new_group(backend="gloo")
-        flag = torch.tensor([1.0 if self.hit else 0.0])
-        dist.all_reduce(flag, group=_GROUP)
-        self.abandoned = flag.item() > 0
+        self.abandoned = any_rank_on_host(self.hit)
         return self.abandoned
 
     def _ran_out(self, e: BaseException, kind: str) -> None:

@@ -251,6 +251,22 @@ def all_reduce_max(value: float, device: torch.device) -> float:
     return float(t.item())
 
 
+_HOST_FLAG_GROUP = None  # made by the first any_rank_on_host call, which every rank makes at the same point
+
+
+def any_rank_on_host(flag: bool) -> bool:
+    """True on every rank if it is true on any, over a gloo group of its own on the host: no GPU stream to wait
+    behind and no device sync, for flags asked between a step's passes (OOM recovery's meeting points)."""
+    global _HOST_FLAG_GROUP
+    if not _grouped():
+        return flag
+    if _HOST_FLAG_GROUP is None:
+        _HOST_FLAG_GROUP = new_gloo_group()
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, group=_HOST_FLAG_GROUP)
+    return t.item() > 0
+
+
 def any_rank(flag: bool, device: torch.device) -> bool:
     """True on every rank if it is true on any: ranks must agree before skipping, saving or stopping."""
     return all_reduce_max(1.0 if flag else 0.0, device) > 0

@@ -1,4 +1,4 @@
-"""Where an out-of-memory error is recovered and where the ranks meet to learn of it (shardtrain/loop/oom.plan),
+"""Where an out-of-memory error is recovered and where the ranks meet to learn of it (`plan` in shardtrain/loop/oom.py),
 per strategy as its Strategy.collectives_in says; what counts as out of memory; the --inject-oom spelling.
 The runs themselves: tests/dist/test_oom_points.py."""
 
