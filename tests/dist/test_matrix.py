@@ -223,7 +223,9 @@ def test_predict_from_each_strategy_reproduces_the_runs_final_eval(matrix, name,
     assert [x["index"] for x in lines] == list(range(16)), [x["index"] for x in lines]
     k = 2 if "--top-k" in flags else 3  # 3 classes: the default --top-k 5 gives all of them
     for x in lines:
-        assert set(x) == {"index", "label", "probs", "true_label"} and len(x["probs"]) == k, x
+        # Each line ties back to its source row (and the id column where the data has one).
+        assert {"index", "row", "label", "probs", "true_label"} <= set(x) <= {"index", "row", "id", "label", "probs",
+                                                                     "true_label"} and len(x["probs"]) == k, x
         assert x["label"] == next(iter(x["probs"])) and x["label"] in ("0", "1", "2"), x
         assert list(x["probs"].values()) == sorted(x["probs"].values(), reverse=True), x
     accuracy = sum(x["label"] == x["true_label"] for x in lines) / len(lines)
