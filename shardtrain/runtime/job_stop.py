@@ -48,6 +48,9 @@ def watch() -> None:
     if store is None or _watching:
         return
     _watching = True
+    # A connection of its own: a lookup blocked on a silent link must not hold the client the process group and
+    # the loop's error reporting use (Store.clone is torch's way to use one store from several threads).
+    store = store.clone()
     threading.Thread(target=_poll, args=(store,), name="shardtrain-stop-watch", daemon=True).start()
 
 
