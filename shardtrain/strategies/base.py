@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.checkpointing.store import AsyncWrite
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.runtime.distributed import DistInfo, broadcast_, new_gloo_group
 from shardtrain.strategies.optim import adamw, build_scheduler, param_groups
@@ -40,8 +41,10 @@ class StepResult:
 class Strategy(ABC):
     name: str = "base"
 
-    def __init__(self, cfg: Config, dist_info: DistInfo, workload=None):
+    def __init__(self, cfg: Config, dist_info: DistInfo, workload=None, geometry: BatchGeometry | None = None):
+        """`geometry`: the run's batch geometry (the Trainer's; the flags' when None)."""
         self.cfg = cfg
+        self.geometry = geometry or BatchGeometry.configured(cfg, dist_info.world_size)
         self.workload = workload if workload is not None else Workload(cfg)
         self.dist = dist_info
         self.device = dist_info.device
@@ -163,10 +166,9 @@ class Strategy(ABC):
             for v in state.values():
                 yield "optimizer", v
 
-    def set_batch_geometry(self, micro_batch_size: int, grad_accum: int) -> None:
+    def set_batch_geometry(self, geometry: BatchGeometry) -> None:
         """Micro-batch and accumulation changed mid-run (OOM recovery); the global batch is unchanged."""
-        self.cfg.train.per_device_batch_size = micro_batch_size
-        self.cfg.train.grad_accum = grad_accum
+        self.geometry = geometry
 
     def discard_gradients(self) -> None:
         """Drop the partial gradients of an abandoned optimizer step, so it can be redone from scratch."""
@@ -186,6 +188,10 @@ class Strategy(ABC):
 
     def named_parameters(self):
         return self.unwrapped.named_parameters()
+
+    def full_numel(self, p: torch.Tensor) -> int:
+        """The parameter's unsharded element count (a DTensor's numel is already its global one)."""
+        return p.numel()
 
     def train(self) -> None:
         self.model.train()

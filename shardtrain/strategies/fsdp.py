@@ -118,8 +118,8 @@ class FSDPStrategy(NativeStrategy):
         # A unit's parameters are DTensor shards again after its forward (the root's stay gathered for backward).
         return isinstance(p, DTensor)
 
-    def __init__(self, cfg, dist_info, workload=None):
-        super().__init__(cfg, dist_info, workload)
+    def __init__(self, cfg, dist_info, workload=None, geometry=None):
+        super().__init__(cfg, dist_info, workload, geometry)
         self.policy = load_policy(cfg.parallel.fsdp_policy)
         if self.policy.cpu_offload and self.device.type == "cpu":
             pass  # CPUOffloadPolicy(pin_memory=False) works on CPU (measured); pinning needs CUDA.
