@@ -24,7 +24,7 @@ TAG = "engine"
 
 
 class ZeroStrategy(Strategy):
-    def __init__(self, cfg, dist_info, workload=None, has_batchnorm: bool = False):
+    def __init__(self, cfg, dist_info, workload=None):
         super().__init__(cfg, dist_info, workload)
         from shardtrain.runtime.device_defaults import deepspeed_accelerator
 
@@ -32,7 +32,7 @@ class ZeroStrategy(Strategy):
         if line:
             self._warn(line)
         # Resolved before any model is built: a contradiction in the JSON costs nothing.
-        self.ds_config = resolve_ds_config(cfg, dist_info.world_size, has_batchnorm)
+        self.ds_config = resolve_ds_config(cfg, dist_info.world_size)
         self.info = describe_ds(self.ds_config)
         self.stage = self.info["stage"]
         self.name = f"zero{self.stage}"
