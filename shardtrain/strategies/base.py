@@ -201,6 +201,11 @@ class Strategy(ABC):
         FSDP's and DeepSpeed's own forward machinery sees it whatever submodules it calls."""
         return self.model(batch)
 
+    def full_numel(self, p: torch.Tensor) -> int:
+        """The element count of the whole (unsharded) parameter. A DTensor's numel is already global; ZeRO-3,
+        whose parameters are empty between uses, overrides this."""
+        return p.numel()
+
     # Strategies whose parameters are only shards between forwards set this and say which tensors are shards.
     shards_outside_forward = False
 

@@ -135,6 +135,11 @@ class ZeroStrategy(Strategy):
     def unwrapped(self) -> nn.Module:
         return self._inner
 
+    def full_numel(self, p):
+        # ZeRO-3: between uses a parameter's data is empty (shape [0]; this rank's partition is its ds_tensor), and
+        # ds_numel counts the whole. ZeRO-2 parameters are whole.
+        return getattr(p, "ds_numel", None) or p.numel()
+
     def backward(self, loss):
         self.engine.backward(loss)
         if not self._is_last:
@@ -283,8 +288,9 @@ class ZeroStrategy(Strategy):
         if hasattr(p, "ds_id"):
             # ZeRO-3: partitions of ceil(numel / N) elements, the last padded; rank r owns [r * size, ...).
             size = p.ds_tensor.numel()
-            start = min(p.ds_zero_partition_rank * size, p.ds_numel)
-            valid = max(0, min(size, p.ds_numel - start))
+            numel = self.full_numel(p)
+            start = min(p.ds_zero_partition_rank * size, numel)
+            valid = max(0, min(size, numel - start))
             opt = p._z3_optimizer if p.requires_grad else None
 
             def local(key):
