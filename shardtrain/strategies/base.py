@@ -196,9 +196,11 @@ class Strategy(ABC):
         self.sync_buffers()
         self.model.eval()
 
+    # removed once shardtrain/loop calls strategy.model(batch)
     def forward(self, batch):
         """`Workload.forward(model, batch)`, run as the forward of the wrapped root (strategies/root.py): DDP's,
-        FSDP's and DeepSpeed's own forward machinery sees it whatever submodules it calls."""
+        FSDP's and DeepSpeed's own forward machinery sees it whatever submodules it calls. Callers call
+        `strategy.model(batch)`, which is the same call."""
         return self.model(batch)
 
     def full_numel(self, p: torch.Tensor) -> int:
