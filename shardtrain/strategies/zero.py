@@ -17,13 +17,14 @@ from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable, save_p
 from shardtrain.checkpointing.unpickle_guard import check_torch_file
 from shardtrain.config.settings import ConfigError, where
 from shardtrain.strategies.base import StepResult, Strategy, checkpoint_group, extra_state, load_extra_state
+from shardtrain.strategies.capabilities import Freezing, MemoryIntrospection, Resizing, ShardGuard
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
 from shardtrain.strategies.root import workload_root
 
 TAG = "engine"
 
 
-class ZeroStrategy(Strategy):
+class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy):
     def __init__(self, cfg, dist_info, workload=None):
         super().__init__(cfg, dist_info, workload)
         from shardtrain.runtime.device_defaults import deepspeed_accelerator
