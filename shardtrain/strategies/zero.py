@@ -17,14 +17,15 @@ from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable, save_p
 from shardtrain.checkpointing.unpickle_guard import check_torch_file
 from shardtrain.config.settings import ConfigError, where
 from shardtrain.strategies.base import StepResult, Strategy, checkpoint_group, extra_state, load_extra_state
+from shardtrain.strategies.capabilities import Freezing, MemoryIntrospection, Resizing, ShardGuard
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
 from shardtrain.strategies.root import workload_root
 
 TAG = "engine"
 
 
-class ZeroStrategy(Strategy):
-    def __init__(self, cfg, dist_info, workload=None, has_batchnorm: bool = False):
+class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy):
+    def __init__(self, cfg, dist_info, workload=None):
         super().__init__(cfg, dist_info, workload)
         from shardtrain.runtime.device_defaults import deepspeed_accelerator
 
@@ -32,7 +33,7 @@ class ZeroStrategy(Strategy):
         if line:
             self._warn(line)
         # Resolved before any model is built: a contradiction in the JSON costs nothing.
-        self.ds_config = resolve_ds_config(cfg, dist_info.world_size, has_batchnorm)
+        self.ds_config = resolve_ds_config(cfg, dist_info.world_size)
         self.info = describe_ds(self.ds_config)
         self.stage = self.info["stage"]
         self.name = f"zero{self.stage}"
@@ -134,6 +135,11 @@ class ZeroStrategy(Strategy):
     @property
     def unwrapped(self) -> nn.Module:
         return self._inner
+
+    def full_numel(self, p):
+        # ZeRO-3: between uses a parameter's data is empty (shape [0]; this rank's partition is its ds_tensor), and
+        # ds_numel counts the whole. ZeRO-2 parameters are whole.
+        return getattr(p, "ds_numel", None) or p.numel()
 
     def backward(self, loss):
         self.engine.backward(loss)
@@ -283,8 +289,9 @@ class ZeroStrategy(Strategy):
         if hasattr(p, "ds_id"):
             # ZeRO-3: partitions of ceil(numel / N) elements, the last padded; rank r owns [r * size, ...).
             size = p.ds_tensor.numel()
-            start = min(p.ds_zero_partition_rank * size, p.ds_numel)
-            valid = max(0, min(size, p.ds_numel - start))
+            numel = self.full_numel(p)
+            start = min(p.ds_zero_partition_rank * size, numel)
+            valid = max(0, min(size, numel - start))
             opt = p._z3_optimizer if p.requires_grad else None
 
             def local(key):
