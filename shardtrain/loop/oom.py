@@ -6,7 +6,7 @@ the same losses as a run started at the smaller micro-batch.
 
 What decides it is where the OOM is raised. A micro-step is three phases: the forward (with the loss), the
 backward (with any recomputation of checkpointed activations), and the gap after it. The strategy says which
-phases can run a collective once user code is inside them (`Strategy.collectives_in`):
+phases can run a collective once user code is inside them (`Resizing.collectives_in`, strategies/capabilities.py):
 
     strategy   forward   backward                   so an OOM here is recovered
     ddp        none      the last micro-step's      forward; backward of all but the last micro-step

@@ -1,11 +1,13 @@
-"""The one interface every memory strategy implements.
+"""The core every memory strategy implements; what a strategy may offer beyond it is in capabilities.py.
 
 The loop calls, per optimizer step:
-    for each micro-batch:  with strategy.micro_step(is_last): loss = model(...); strategy.backward(loss)
+    for each micro-batch:  with strategy.micro_step(is_last): outputs = strategy.model(batch); strategy.backward(loss)
     share = strategy.grad_norm_share()      # rides on the loop's one all-reduce (step_health.agree)
     result = strategy.step(skip=..., grad_norm=...)
-and `save` / `load` for checkpoints (`save_async` with --async-save). Everything backend-specific lives behind
-these methods.
+`save` / `load` for checkpoints (`save_async` with --async-save), `train` / `eval` around evaluation and `autocast`.
+`strategy.model` is the wrapped root (root.py): its forward is `Workload.forward(model, batch)`, so DDP's, FSDP's and
+DeepSpeed's own forward machinery sees whatever submodules the workload calls. Everything backend-specific lives
+behind these methods.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class Strategy(ABC):
         self._is_last = True
         check_precision_supported(self.precision, self.device)
 
-    # ---- the interface -------------------------------------------------------------------------
+    # ---- the core: what the loop calls every step, at checkpoints and around evaluation -----------------
     @abstractmethod
     def setup(self, build_model: Callable[..., nn.Module], frozen_names: set[str]):
         """Build, wrap and move the model, then the optimizer and scheduler (after wrapping).
@@ -109,79 +111,19 @@ class Strategy(ABC):
             group["initial_lr"] = lr
             group["lr"] = lr * factor(scheduler.last_epoch)
 
-    def set_frozen(self, names: set[str], frozen: bool) -> None:
-        for name, p in self.named_parameters():
-            if name in names and name not in self.user_frozen:
-                p.requires_grad_(not frozen)
-        self.hold_frozen_norms(names if frozen else set())
+    def train(self) -> None:
+        self.model.train()
 
-    # What the user's build_model returned frozen (requires_grad False: a pretrained encoder frozen by hand, a
-    # PEFT model's base weights). It stays frozen for the whole run, under every strategy: setup keeps it so
-    # and set_frozen (--freeze-layers' unfreeze_at_step) never unfreezes it.
-    user_frozen: frozenset[str] = frozenset()
+    def eval(self) -> None:
+        self.sync_buffers()
+        self.model.eval()
 
-    def _freeze(self, model: nn.Module, frozen_names: set[str]) -> set[str]:
-        """Setup's freezing of the model build_model returned: `frozen_names` (--freeze-layers) on top of what
-        it came frozen with (recorded as user_frozen); every other parameter trains. Returns both together."""
-        self.user_frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
-        frozen = set(frozen_names) | self.user_frozen
-        for name, p in model.named_parameters():
-            p.requires_grad_(name not in frozen)
-        return frozen
+    def autocast(self) -> ContextManager:
+        if self.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
-    _frozen_norms: list = []
-
-    def hold_frozen_norms(self, frozen_names: set[str]) -> None:
-        """BatchNorm layers whose parameters are all frozen (`frozen_names` or user_frozen) normalise with their
-        running statistics and stop updating them (eval mode), as torchvision's FrozenBatchNorm2d does; an empty
-        set releases those of `frozen_names`."""
-        frozen_names = set(frozen_names) | self.user_frozen
-        norms = []
-        for prefix, m in self.unwrapped.named_modules():
-            own = [f"{prefix}.{n}" if prefix else n for n, _ in m.named_parameters(recurse=False)]
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and own and all(n in frozen_names for n in own):
-                norms.append(m)
-        self._frozen_norms = norms
-        if self.model is not None and self.model.training:
-            self.train()
-
-    def describe(self) -> dict:
-        return {"strategy": self.name, "offload": False}
-
-    def _warn(self, msg: str) -> None:
-        if self.dist.is_rank0:
-            print(f"[shardtrain] warning: {msg}", flush=True)
-
-    def memory_tensors(self):
-        """(category, tensor) for every tensor this rank holds for training; shardtrain.memory.accounting dedupes
-        storages and sums them. Categories: params, grads, optimizer, buffers, comm. DTensors count their
-        local shard. Backends that keep state outside the module and the torch optimizer override this."""
-        for p in self.unwrapped.parameters():
-            yield "params", p
-        for p in self.unwrapped.parameters():
-            yield "grads", p.grad
-        for b in self.unwrapped.buffers():
-            yield "buffers", b
-        for state in self.optimizer.state.values():
-            for v in state.values():
-                yield "optimizer", v
-
-    def set_batch_geometry(self, geometry: BatchGeometry) -> None:
-        """Micro-batch and accumulation changed mid-run (OOM recovery); the global batch is unchanged."""
-        self.geometry = geometry
-
-    def discard_gradients(self) -> None:
-        """Drop the partial gradients of an abandoned optimizer step, so it can be redone from scratch."""
-        self.optimizer.zero_grad(set_to_none=True)
-
-    def collectives_in(self, phase: str, is_last: bool) -> bool:
-        """Whether a micro-step's `phase` ("forward": the forward and the loss; "backward") can run a collective
-        once user code has started in it: then a rank that fails inside it leaves its partners waiting in that
-        collective (OOM recovery, shardtrain/loop/oom.py). `is_last`: the step's last micro-step, whose backward
-        reduces gradients. True unless a strategy knows better: FSDP gathers each unit's shards in both passes."""
-        return True
-
-    # ---- shared helpers --------------------------------------------------------------------------
+    # ---- what every strategy says of itself -------------------------------------------------------------
     @property
     def unwrapped(self) -> nn.Module:
         return self.model
@@ -190,46 +132,23 @@ class Strategy(ABC):
         return self.unwrapped.named_parameters()
 
     def full_numel(self, p: torch.Tensor) -> int:
-        """The parameter's unsharded element count (a DTensor's numel is already its global one)."""
+        """The element count of the whole (unsharded) parameter. A DTensor's numel is already global; ZeRO-3,
+        whose parameters are empty between uses, overrides this."""
         return p.numel()
-
-    def train(self) -> None:
-        self.model.train()
-        for m in self._frozen_norms:
-            m.eval()
-
-    def eval(self) -> None:
-        self.sync_buffers()
-        self.model.eval()
-
-    def forward(self, batch):
-        """`Workload.forward(model, batch)`, run as the forward of the wrapped root (strategies/root.py): DDP's,
-        FSDP's and DeepSpeed's own forward machinery sees it whatever submodules it calls."""
-        return self.model(batch)
-
-    # Strategies whose parameters are only shards between forwards set this and say which tensors are shards.
-    shards_outside_forward = False
-
-    def is_shard(self, p: torch.Tensor) -> bool:
-        return False
-
-    def shard_read_guard(self, what: str) -> ContextManager:
-        """Around workload code that runs outside forward (`what`: the method, e.g. MyTask.loss): reading a
-        parameter that is only a shard there is one line naming the method and the parameter (shard_guard.py)."""
-        if not self.shards_outside_forward:
-            return contextlib.nullcontext()
-        from shardtrain.strategies.shard_guard import ShardReadGuard
-
-        def names() -> dict[int, str]:  # only when reporting: the parameter's name
-            return {id(p): n for n, p in self.named_parameters()}
-
-        return ShardReadGuard(names, self.is_shard, what, self.name)
 
     def block_classes(self, model: nn.Module) -> tuple[type, ...]:
         """The workload's repeated blocks, as classes that occur in `model` (else one line listing its classes)."""
         return resolve_block_classes(
             model, self.workload.block_classes(), f"{type(self.workload).__name__}.block_classes()"
         )
+
+    def describe(self) -> dict:
+        return {"strategy": self.name, "offload": False}
+
+    # ---- helpers for the backends ------------------------------------------------------------------------
+    def _warn(self, msg: str) -> None:
+        if self.dist.is_rank0:
+            print(f"[shardtrain] warning: {msg}", flush=True)
 
     def sync_buffers(self) -> None:
         """BatchNorm running stats drift apart per rank where the backend does not broadcast them
@@ -239,11 +158,6 @@ class Strategy(ABC):
         for buf in self.unwrapped.buffers():
             if buf.is_floating_point() or buf.dtype in (torch.int64, torch.long):
                 broadcast_(buf.data, src=0)
-
-    def autocast(self) -> ContextManager:
-        if self.precision == "fp32":
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=DTYPES[self.precision])
 
     def _apply_recompute(self, model: nn.Module, classes: tuple[type, ...]) -> int:
         if not self.cfg.train.activation_checkpointing:

@@ -121,8 +121,6 @@ class FSDPStrategy(NativeStrategy):
     def __init__(self, cfg, dist_info, workload=None, geometry=None):
         super().__init__(cfg, dist_info, workload, geometry)
         self.policy = load_policy(cfg.parallel.fsdp_policy)
-        if self.policy.cpu_offload and self.device.type == "cpu":
-            pass  # CPUOffloadPolicy(pin_memory=False) works on CPU (measured); pinning needs CUDA.
 
     def _make_scaler(self):
         return ShardedGradScaler(self.device.type)
@@ -143,6 +141,7 @@ class FSDPStrategy(NativeStrategy):
         mesh = init_device_mesh(self.device.type, (self.dist.world_size,))
         common = {"mesh": mesh, "reshard_after_forward": self.policy.reshard_after_forward}
         if self.policy.cpu_offload:
+            # CPUOffloadPolicy(pin_memory=False) works on CPU (measured); pinning needs CUDA.
             common["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
         low = DTYPES[self.precision]
         mp = mixed_precision_policy(self.policy, self.precision)

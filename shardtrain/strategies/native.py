@@ -19,9 +19,10 @@ from shardtrain.strategies.base import (
     local_grads,
     squared_norm,
 )
+from shardtrain.strategies.capabilities import Freezing, MemoryIntrospection, Resizing, ShardGuard
 
 
-class NativeStrategy(Strategy):
+class NativeStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy):
     scaler = None
     # DDP holds the whole (all-reduced) gradient on every rank: rank 0's share is all of it. FSDP overrides.
     grads_sharded = False

@@ -17,14 +17,15 @@ from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable, save_p
 from shardtrain.checkpointing.unpickle_guard import check_torch_file
 from shardtrain.config.settings import ConfigError, where
 from shardtrain.strategies.base import StepResult, Strategy, checkpoint_group, extra_state, load_extra_state
+from shardtrain.strategies.capabilities import Freezing, MemoryIntrospection, Resizing, ShardGuard
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
 from shardtrain.strategies.root import workload_root
 
 TAG = "engine"
 
 
-class ZeroStrategy(Strategy):
-    def __init__(self, cfg, dist_info, workload=None, geometry=None, has_batchnorm: bool = False):
+class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy):
+    def __init__(self, cfg, dist_info, workload=None, geometry=None):
         super().__init__(cfg, dist_info, workload, geometry)
         from shardtrain.runtime.device_defaults import deepspeed_accelerator
 
@@ -32,7 +33,7 @@ class ZeroStrategy(Strategy):
         if line:
             self._warn(line)
         # Resolved before any model is built: a contradiction in the JSON costs nothing.
-        self.ds_config = resolve_ds_config(cfg, dist_info.world_size, has_batchnorm, self.geometry)
+        self.ds_config = resolve_ds_config(cfg, dist_info.world_size, geometry=self.geometry)
         self.info = describe_ds(self.ds_config)
         self.stage = self.info["stage"]
         self.name = f"zero{self.stage}"
@@ -46,9 +47,6 @@ class ZeroStrategy(Strategy):
                 f"state, so a resume would not be exact; use --precision bf16 or fp32, or save "
                 f"synchronously"
             )
-
-    def full_numel(self, p):
-        return getattr(p, "ds_numel", None) or p.numel()  # ZeRO-3 partitions in place: numel is this rank's
 
     def is_shard(self, p):
         # ZeRO-3 releases each gathered parameter after use (shape [0]); small ones persist whole.
@@ -113,9 +111,8 @@ class ZeroStrategy(Strategy):
             # the engine broadcasts rank 0's weights
             model = build_model(on_meta=False, load_weights=not weights_from_memory)
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-            resolve_ds_config(
-                self.cfg, self.dist.world_size, has_batchnorm=True, geometry=self.geometry
-            )  # fp16 with BatchNorm: one line
+            # fp16 with BatchNorm: one line
+            resolve_ds_config(self.cfg, self.dist.world_size, has_batchnorm=True, geometry=self.geometry)
         frozen_now = self._freeze(model, frozen_now)  # with what build_model froze itself, every engine
         self.recompute_count = self._apply_recompute(model, self.block_classes(model))
         # Frozen parameters are left out of the optimizer (a ZeRO group with nothing to train breaks the
@@ -139,6 +136,11 @@ class ZeroStrategy(Strategy):
     @property
     def unwrapped(self) -> nn.Module:
         return self._inner
+
+    def full_numel(self, p):
+        # ZeRO-3: between uses a parameter's data is empty (shape [0]; this rank's partition is its ds_tensor), and
+        # ds_numel counts the whole. ZeRO-2 parameters are whole.
+        return getattr(p, "ds_numel", None) or p.numel()
 
     def backward(self, loss):
         self.engine.backward(loss)
@@ -288,8 +290,9 @@ class ZeroStrategy(Strategy):
         if hasattr(p, "ds_id"):
             # ZeRO-3: partitions of ceil(numel / N) elements, the last padded; rank r owns [r * size, ...).
             size = p.ds_tensor.numel()
-            start = min(p.ds_zero_partition_rank * size, p.ds_numel)
-            valid = max(0, min(size, p.ds_numel - start))
+            numel = self.full_numel(p)
+            start = min(p.ds_zero_partition_rank * size, numel)
+            valid = max(0, min(size, numel - start))
             opt = p._z3_optimizer if p.requires_grad else None
 
             def local(key):

@@ -128,7 +128,7 @@ for name, policy, precision in (("offload", "fsdp_policies/offload.yaml", "fp32"
                                                   ("batchnorm_weight", s.model.get_submodule("0.norm")))]
     x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
     with s.micro_step(is_last=True):
-        loss = nn.functional.cross_entropy(s.forward({"input": x}).float(), y)  # the batch, as the loop passes it
+        loss = nn.functional.cross_entropy(s.model({"input": x}).float(), y)  # the batch, as the loop passes it
         s.backward(loss)
     s.step(grad_norm=float(s.grad_norm_share().sqrt()))
     s.eval()  # sync_buffers

@@ -69,7 +69,7 @@ for cls in (DDPStrategy, FSDPStrategy):
         before = {n: full(p) for n, p in params.items()}
         x, y = torch.randn(4, 8), torch.randint(0, 3, (4,))
         with s.micro_step(is_last=True):
-            loss = nn.functional.cross_entropy(s.forward({"input": x}), y)  # the batch, as the loop passes it
+            loss = nn.functional.cross_entropy(s.model({"input": x}), y)  # the batch, as the loop passes it
             s.backward(loss)
         grads = {n: p.grad is not None for n, p in params.items()}
         norm = float(s.grad_norm_share().sqrt())

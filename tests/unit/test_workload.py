@@ -293,8 +293,9 @@ def test_shardtrain_exports_workload_and_fit():
 def test_frozen_batchnorm_uses_and_keeps_its_running_stats_until_unfrozen():
     from shardtrain.runtime.distributed import DistInfo
     from shardtrain.strategies.base import Strategy
+    from shardtrain.strategies.capabilities import Freezing
 
-    class Plain(Strategy):  # the base class's freezing and train/eval, with no backend behind it
+    class Plain(Freezing, Strategy):  # Freezing with the core's train/eval, and no backend behind it
         def setup(self, build_model, frozen_names): ...
         def backward(self, loss): ...
         def step(self, skip=False, grad_norm=None): ...
