@@ -18,8 +18,8 @@ Every case records the planner's whole prediction (model states, activations, co
 allocator saw over one training step (step 2, after the optimizer state exists: the run's own per-step
 monitor), the FLOP count's method, and what CUDA math was on (TF32, cudnn.benchmark).
 
-Each case is a fresh child process running shardtrain.loop.train.train(cfg) (so peak memory and failures stay per
-case); --dry-run runs them all in one CPU process to stay fast. The JSON is rewritten after every case, by the
+Each case is a fresh child process running shardtrain.loop.train.Trainer(cfg).train() (so peak memory and failures
+stay per case); --dry-run runs them all in one CPU process to stay fast. The JSON is rewritten after every case, by the
 process that ran it, so a crash, a timeout or a hard stop keeps every finished case. Speed is measured as in
 overhead.py: from metrics.jsonl's per-step wall-clock stamps after the warm-up steps (compilation and cuDNN
 autotuning fall in the warm-up). MFU = counted training FLOPs per sample x samples/s / the GPU's dense peak at
@@ -281,7 +281,7 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     import torch
 
     from shardtrain.config.settings import parse_cli
-    from shardtrain.loop.train import train
+    from shardtrain.loop.train import Trainer
     from shardtrain.memory.accounting import peak_rss_bytes
     from shardtrain.memory.flops import mfu, peak_flops
 
@@ -308,7 +308,7 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.time()
-    summary = train(cfg)
+    summary = Trainer(cfg).train()
     row["wall_seconds"] = time.time() - t0
     filled, held = held is not None, None  # the ballast goes back before anything else is measured
     row.update(

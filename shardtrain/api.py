@@ -97,13 +97,13 @@ def _run(argv: list[str], instance) -> dict:
 
     import torch.distributed as dist
 
-    from shardtrain.loop.train import train
+    from shardtrain.loop.train import Trainer
     from shardtrain.runtime.distributed import barrier
 
     if instance is not None:
         instance.cfg = cfg  # the run's config, as a workload built by name gets it
     ours = not dist.is_initialized()  # a group the caller's own code started is the caller's to end
-    summary = train(cfg, instance)
+    summary = Trainer(cfg, instance).train()
     if ours and dist.is_initialized():
         # The caller's script carries on and may start another group: drop what still holds this one (gc), let
         # every rank get here (barrier), then end it.

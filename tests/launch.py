@@ -129,8 +129,8 @@ def torchrun(
     extra_launcher_args: list[str] = (),
     script: Path = MAIN,
 ) -> Run:
-    # `script`: a test driver that calls shardtrain.loop.train.train() for several configs in one process group
-    # (one launch instead of many); everything else goes through MAIN, the file users run.
+    # `script`: a test driver that calls shardtrain.loop.train.Trainer(cfg).train() for several configs in one
+    # process group (one launch instead of many); everything else goes through MAIN, the file users run.
     cmd = [
         str(BIN / "torchrun"),
         f"--nproc_per_node={nproc}",

@@ -42,7 +42,7 @@ def main(argv: list[str]) -> int:
     code = maybe_relaunch(cfg, args)
     if code is not None:
         return code
-    from shardtrain.loop.train import train
+    from shardtrain.loop.train import Trainer
 
-    summary = train(cfg)
+    summary = Trainer(cfg).train()
     return 130 if summary.get("stopped_by") == "Ctrl-C" else 0  # a shell's code for a job ended by Ctrl-C

@@ -16,6 +16,7 @@ epoch is the permutation from there, strided over the W' ranks and cut, as drop_
 on every rank. Within an epoch no sample is then seen twice or skipped, except the permutation's last few
 that every epoch leaves out: fewer than W' (drop_last) plus what does not fill a whole micro-batch per rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.data.splits import make_collator
 from shardtrain.runtime.preemption import leave_stop_signals_to_parent
@@ -58,8 +60,16 @@ class _Positions(Sampler[int]):
 class TrainStream:
     """Endless micro-batches across epochs, with a restorable position. `next_batch()` is all the loop needs."""
 
-    def __init__(self, dataset: Dataset, collate: Callable, micro_batch_size: int, rank: int, world_size: int,
-                 seed: int, loader_kwargs: dict):
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate: Callable,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        loader_kwargs: dict,
+    ):
         self.dataset, self.collate, self.loader_kwargs = dataset, collate, loader_kwargs
         self.rank, self.world_size, self.seed = rank, world_size, seed
         # The whole epoch's permutation, the same at every world size: DistributedSampler's own, taken with one
@@ -68,7 +78,7 @@ class TrainStream:
         self.order = DistributedSampler(dataset, num_replicas=1, rank=0, shuffle=True, seed=seed, drop_last=True)
         self.samples_per_rank = len(dataset) // world_size  # a whole epoch's share, same on every rank (drop_last)
         self.epoch = 0
-        self.epoch_start = 0      # the permutation's samples seen before this world size took the epoch over
+        self.epoch_start = 0  # the permutation's samples seen before this world size took the epoch over
         self.samples_in_epoch = 0  # this rank's samples since epoch_start
         self._positions = _Positions()
         self._iter: Optional[Iterator] = None
@@ -84,14 +94,22 @@ class TrainStream:
         if n == self.micro_batch_size:
             return
         if n > self.samples_per_rank:
-            raise ConfigError(f"{where('per_device_batch_size')}={n} is larger than this rank's share of the "
-                              f"training set ({len(self.dataset)} examples // world size {self.world_size} = "
-                              f"{self.samples_per_rank}): an epoch would have no batch")
+            raise ConfigError(
+                f"{where('per_device_batch_size')}={n} is larger than this rank's share of the "
+                f"training set ({len(self.dataset)} examples // world size {self.world_size} = "
+                f"{self.samples_per_rank}): an epoch would have no batch"
+            )
         self.micro_batch_size = n
         self._roll_over()  # the new size may not fit in what is left of the epoch
         self._iter = None  # drops the old loader's iterator (and its workers) before new ones start
-        self._loader = DataLoader(self.dataset, batch_size=n, sampler=self._positions, drop_last=True,
-                                  collate_fn=self.collate, **self.loader_kwargs)
+        self._loader = DataLoader(
+            self.dataset,
+            batch_size=n,
+            sampler=self._positions,
+            drop_last=True,
+            collate_fn=self.collate,
+            **self.loader_kwargs,
+        )
 
     @property
     def _share(self) -> int:
@@ -103,10 +121,10 @@ class TrainStream:
         # Same permutation as an uninterrupted run: DistributedSampler seeds with seed + epoch.
         self.order.set_epoch(self.epoch)
         end = self.epoch_start + self._share * self.world_size
-        return list(self.order)[self.epoch_start + self.rank:end:self.world_size]
+        return list(self.order)[self.epoch_start + self.rank : end : self.world_size]
 
     def _start(self) -> None:
-        self._positions.indices = self.epoch_indices()[self.samples_in_epoch:]
+        self._positions.indices = self.epoch_indices()[self.samples_in_epoch :]
         self._iter = iter(self._loader)
 
     def next_batch(self) -> dict[str, torch.Tensor]:
@@ -137,10 +155,14 @@ class TrainStream:
     def state_dict(self) -> dict:
         """`global_samples_in_epoch`: the epoch's permutation seen by all ranks, what a resume at any world size
         continues from; `samples_in_epoch` / `batch_in_epoch`: this rank's since the world size last changed."""
-        return {"epoch": self.epoch, "batch_in_epoch": self.samples_in_epoch // self.micro_batch_size,
-                "samples_in_epoch": self.samples_in_epoch, "micro_batch_size": self.micro_batch_size,
-                "world_size": self.world_size,
-                "global_samples_in_epoch": self.epoch_start + self.samples_in_epoch * self.world_size}
+        return {
+            "epoch": self.epoch,
+            "batch_in_epoch": self.samples_in_epoch // self.micro_batch_size,
+            "samples_in_epoch": self.samples_in_epoch,
+            "micro_batch_size": self.micro_batch_size,
+            "world_size": self.world_size,
+            "global_samples_in_epoch": self.epoch_start + self.samples_in_epoch * self.world_size,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("streaming"):
@@ -176,51 +198,77 @@ def even_batches(shard: range, n_batches: int) -> list[list[int]]:
 class Loaders:
     train: TrainStream  # or data.streaming.StreamingTrainStream: the same interface
     eval: Optional[DataLoader]  # None: the workload has no validation set
-    steps_per_epoch: Optional[int]  # optimizer steps per epoch (micro-batches // grad_accum, at least 1); None: a stream
-    train_size: Optional[int]       # examples in the training set (all ranks); None: a stream, length unknown
-    eval_size: int         # examples in the validation set (all ranks)
+    steps_per_epoch: Optional[
+        int
+    ]  # optimizer steps per epoch (micro-batches // grad_accum, at least 1); None: a stream
+    train_size: Optional[int]  # examples in the training set (all ranks); None: a stream, length unknown
+    eval_size: int  # examples in the validation set (all ranks)
     # Eval batches every rank yields. Ranks normally all yield exactly this many, so collectives inside forward
     # (FSDP all-gathers, ZeRO-3) stay matched; a rank with fewer examples than this (tiny sets, batch size 1)
     # yields fewer and must run extra throw-away forwards to keep the others company.
     eval_batches: int
 
 
-def build_loaders(cfg: Config, tokenizer, train_ds: Dataset, eval_ds: Optional[Dataset], rank: int,
-                  world_size: int, device_type: str, collate: Optional[Callable] = None) -> Loaders:
+def build_loaders(
+    cfg: Config,
+    tokenizer,
+    train_ds: Dataset,
+    eval_ds: Optional[Dataset],
+    rank: int,
+    world_size: int,
+    device_type: str,
+    collate: Optional[Callable] = None,
+    geometry: Optional[BatchGeometry] = None,
+) -> Loaders:
     """`collate`: the workload's (shardtrain.workloads.base.CheckedCollate); None tokenizes jsonl records with `tokenizer`.
-    `eval_ds` None: no validation set, so no evaluation."""
+    `eval_ds` None: no validation set, so no evaluation. `geometry`: the run's batch geometry (the flags' when None)."""
+    geometry = geometry or BatchGeometry.configured(cfg, world_size)
     collate = collate or make_collator(cfg, tokenizer)
     workers = cfg.data.num_workers
 
     def loader_kwargs(salt: int) -> dict:
-        return dict(num_workers=workers, pin_memory=cfg.data.pin_memory and device_type == "cuda",
-                    persistent_workers=workers > 0, worker_init_fn=init_worker if workers > 0 else None,
-                    # Only seeds the workers (shuffling is the sampler's): per rank, so ranks differ.
-                    generator=torch.Generator().manual_seed(cfg.train.seed * 1000 + rank * 10 + salt))
+        return dict(
+            num_workers=workers,
+            pin_memory=cfg.data.pin_memory and device_type == "cuda",
+            persistent_workers=workers > 0,
+            worker_init_fn=init_worker if workers > 0 else None,
+            # Only seeds the workers (shuffling is the sampler's): per rank, so ranks differ.
+            generator=torch.Generator().manual_seed(cfg.train.seed * 1000 + rank * 10 + salt),
+        )
 
     if isinstance(train_ds, torch.utils.data.IterableDataset):
-        train = streaming_train(train_ds, collate, cfg, rank, world_size)
+        train = streaming_train(train_ds, collate, cfg, rank, world_size, geometry.micro)
         train_size, steps_per_epoch = None, None  # a stream's length is unknown until it has been read
     else:
-        train = TrainStream(train_ds, collate, cfg.train.per_device_batch_size, rank, world_size,
-                            cfg.train.seed, loader_kwargs(0))
-        train_size, steps_per_epoch = len(train_ds), max(1, train.batches_per_epoch // cfg.train.grad_accum)
+        train = TrainStream(train_ds, collate, geometry.micro, rank, world_size, cfg.train.seed, loader_kwargs(0))
+        train_size, steps_per_epoch = len(train_ds), max(1, train.batches_per_epoch // geometry.accum)
 
     if eval_ds is None:
-        return Loaders(train=train, eval=None, steps_per_epoch=steps_per_epoch,
-                       train_size=train_size, eval_size=0, eval_batches=0)
+        return Loaders(
+            train=train, eval=None, steps_per_epoch=steps_per_epoch, train_size=train_size, eval_size=0, eval_batches=0
+        )
     n_eval = len(eval_ds)
     per_rank_max = -(-n_eval // world_size)
     eval_batches = -(-per_rank_max // cfg.eval_batch_size)
     # A batch sampler (a list of index lists) instead of Subset + batch_size: batches balanced so that every
     # rank yields the same number of them, with no padding and no duplicated example.
-    eval_loader = DataLoader(eval_ds, batch_sampler=even_batches(eval_shard(n_eval, rank, world_size), eval_batches),
-                             collate_fn=collate, **loader_kwargs(1))
-    return Loaders(train=train, eval=eval_loader, steps_per_epoch=steps_per_epoch,
-                   train_size=train_size, eval_size=n_eval, eval_batches=eval_batches)
+    eval_loader = DataLoader(
+        eval_ds,
+        batch_sampler=even_batches(eval_shard(n_eval, rank, world_size), eval_batches),
+        collate_fn=collate,
+        **loader_kwargs(1),
+    )
+    return Loaders(
+        train=train,
+        eval=eval_loader,
+        steps_per_epoch=steps_per_epoch,
+        train_size=train_size,
+        eval_size=n_eval,
+        eval_batches=eval_batches,
+    )
 
 
-def streaming_train(train_ds, collate: Callable, cfg: Config, rank: int, world_size: int):
+def streaming_train(train_ds, collate: Callable, cfg: Config, rank: int, world_size: int, micro: int):
     """A `datasets.IterableDataset` (what --streaming gives) as a resumable stream; any other iterable
     dataset has no position to save, so no exact resume: refused by name."""
     import datasets
@@ -228,7 +276,9 @@ def streaming_train(train_ds, collate: Callable, cfg: Config, rank: int, world_s
     from shardtrain.data.streaming import StreamingTrainStream
 
     if not isinstance(train_ds, datasets.IterableDataset):
-        raise ConfigError(f"Workload.datasets() returned a {type(train_ds).__name__} (a torch IterableDataset) for "
-                          f"training; a stream must be a datasets.IterableDataset, whose state_dict() is the "
-                          f"position a checkpoint keeps (or return a map-style dataset)")
-    return StreamingTrainStream(train_ds, collate, cfg.train.per_device_batch_size, rank, world_size, cfg.train.seed)
+        raise ConfigError(
+            f"Workload.datasets() returned a {type(train_ds).__name__} (a torch IterableDataset) for "
+            f"training; a stream must be a datasets.IterableDataset, whose state_dict() is the "
+            f"position a checkpoint keeps (or return a map-style dataset)"
+        )
+    return StreamingTrainStream(train_ds, collate, micro, rank, world_size, cfg.train.seed)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config
 from shardtrain.loop.oom import geometry_for
 
@@ -28,6 +29,7 @@ class Membership:
     global_batch_size: int  # what every world size aims at
     configured: dict  # micro-batch and accumulation as the flags gave them (before this module or auto)
     hosts: list[str]  # this run's ranks' hosts, by rank
+    geometry: BatchGeometry  # what this start trains at
     changes: list[dict] = field(default_factory=list)  # every membership change of the run, oldest first
     change: dict | None = None  # this start's change, when it is one
     line: str | None = None  # this start's change, said
@@ -44,11 +46,11 @@ class Membership:
 
 
 def membership(state: dict, cfg: Config, world: int, hosts: list[str]) -> Membership:
-    """This start's batch geometry and membership, from the checkpoint's trainer state ({} on a fresh start).
-    Sets cfg.train's micro-batch and accumulation; call it before anything is built from them."""
+    """This start's batch geometry and membership, from the checkpoint's trainer state ({} on a fresh start)."""
     t = cfg.train
     configured = {k: getattr(t, k) for k in KEYS}
-    ours = Membership(t.per_device_batch_size * t.grad_accum * world, configured, hosts)
+    flags = BatchGeometry.configured(cfg, world)
+    ours = Membership(flags.global_batch, configured, hosts, flags)
     if not state:
         return ours
     saved_cfg = (state.get("config") or {}).get("train") or {}
@@ -65,12 +67,12 @@ def membership(state: dict, cfg: Config, world: int, hosts: list[str]) -> Member
     # else: the flags changed the geometry, and with it the global batch (resume_changes names the change)
     target = ours.global_batch_size
     per_rank = max(1, round(target / world))
-    t.per_device_batch_size, t.grad_accum = geometry_for(per_rank, t.per_device_batch_size)
-    actual = t.per_device_batch_size * t.grad_accum * world
+    g = ours.geometry = BatchGeometry(*geometry_for(per_rank, t.per_device_batch_size), world)
+    actual = g.global_batch
     if actual != target:
         ours.inexact = (
             f"the global batch {target} cannot be kept at world size {world}: it is {actual} "
-            f"(micro-batch {t.per_device_batch_size} x accum {t.grad_accum} x {world} ranks) "
+            f"(micro-batch {g.micro} x accum {g.accum} x {world} ranks) "
             f"until a world size that divides {target}"
         )
     if saved_world != world:
@@ -81,8 +83,8 @@ def membership(state: dict, cfg: Config, world: int, hosts: list[str]) -> Member
             "world_size_after": world,
             "hosts_before": saved.get("hosts"),
             "hosts_after": hosts,
-            "micro_batch_size": t.per_device_batch_size,
-            "grad_accum": t.grad_accum,
+            "micro_batch_size": g.micro,
+            "grad_accum": g.accum,
             "global_batch_size": actual,
             "global_batch_kept": actual == target,
         }
@@ -90,6 +92,6 @@ def membership(state: dict, cfg: Config, world: int, hosts: list[str]) -> Member
         ours.line = (
             f"world size {saved_world} -> {world} at step {step} (hosts: {', '.join(sorted(set(hosts)))}): "
             f"global batch {actual}{' kept' if actual == target else ''} as micro-batch "
-            f"{t.per_device_batch_size} x accum {t.grad_accum} x {world} ranks"
+            f"{g.micro} x accum {g.accum} x {world} ranks"
         )
     return ours

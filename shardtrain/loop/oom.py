@@ -6,7 +6,7 @@ the same losses as a run started at the smaller micro-batch.
 
 What decides it is where the OOM is raised. A micro-step is three phases: the forward (with the loss), the
 backward (with any recomputation of checkpointed activations), and the gap after it. The strategy says which
-phases can run a collective once user code is inside them (`Strategy.collectives_in`):
+phases can run a collective once user code is inside them (`Resizing.collectives_in`, strategies/capabilities.py):
 
     strategy   forward   backward                   so an OOM here is recovered
     ddp        none      the last micro-step's      forward; backward of all but the last micro-step
@@ -52,6 +52,7 @@ import gc
 
 import torch
 
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import where
 from shardtrain.runtime import job_stop
 from shardtrain.runtime.distributed import any_rank_on_host
@@ -113,8 +114,10 @@ class _Skip(Exception):
 
 
 class OOMRecovery:
-    def __init__(self, cfg, strategy, stream, dist_info, console):
+    def __init__(self, cfg, strategy, stream, dist_info, console, geometry: BatchGeometry):
+        """`geometry`: the run's batch geometry at the start; recover() returns each new one."""
         self.cfg, self.strategy, self.stream, self.dist, self.console = cfg, strategy, stream, dist_info, console
+        self.geometry = geometry  # this step's
         self.enabled = cfg.train.oom_recovery
         self.events: list[dict] = []
         self.hit = False  # this rank ran out of memory in this step
@@ -137,7 +140,7 @@ class OOMRecovery:
                 torch.get_rng_state(),
                 torch.cuda.get_rng_state(self.dist.device) if self.dist.device.type == "cuda" else None,
             )
-        accum = self.cfg.train.grad_accum
+        accum = self.geometry.accum
         if accum not in self._plans:
             multi = self.dist.world_size > 1 and self.enabled
             collectives = [
@@ -148,18 +151,16 @@ class OOMRecovery:
             self._plans[accum] = plan(collectives)
 
     def enter(self, kind: str, micro: int) -> None:
-        """At the start of a micro-step's forward or backward; raises _Skip (caught by guard) when this rank skips
-        it."""
+        """At the start of each phase of a micro-step (PHASES); raises _Skip (caught by guard) when this rank
+        skips it."""
         i = micro * len(PHASES) + PHASES.index(kind)
         self._current = i
-        if self._plans[self.cfg.train.grad_accum][0][i] and self._meet():
+        if self._plans[self.geometry.accum][0][i] and self._meet():
             raise _Skip
         if self.hit:
             raise _Skip
-
-    def after_backward(self, micro: int) -> None:
-        self._current = micro * len(PHASES) + PHASES.index("gap")
-        self._injection.at_backward_end()
+        if kind == "gap":
+            self._injection.at_backward_end()
 
     @contextlib.contextmanager
     def guard(self):
@@ -178,7 +179,7 @@ class OOMRecovery:
             if self.dist.device.type == "cuda":
                 torch.cuda.empty_cache()
             # The meeting points of the phases this rank skipped in this micro-step: its partners stop at them.
-            meet = self._plans[self.cfg.train.grad_accum][0]
+            meet = self._plans[self.geometry.accum][0]
             end = (self._current // len(PHASES) + 1) * len(PHASES)
             for i in range(self._current + 1, end):
                 if meet[i] and self._meet():
@@ -208,7 +209,7 @@ class OOMRecovery:
     def _ran_out(self, e: BaseException, kind: str) -> None:
         if not self.enabled:
             self._stop(e, kind, f"{where('oom_recovery')} is off")
-        if not self._plans[self.cfg.train.grad_accum][1][self._current]:
+        if not self._plans[self.geometry.accum][1][self._current]:
             self._stop(
                 e,
                 kind,
@@ -218,11 +219,11 @@ class OOMRecovery:
         self.hit = True
 
     def _stop(self, e: BaseException, kind: str, why: str) -> None:
-        t = self.cfg.train
+        g = self.geometry
         first = (str(e).strip().splitlines() or [""])[0][:160]
         job_stop.stop_job(
             f"step {self.step}: out of memory in the {WHAT[kind]} on rank {self.dist.rank} at micro-batch "
-            f"{t.per_device_batch_size} x accum {t.grad_accum} ({type(e).__name__}: {first}); {why}. Every rank "
+            f"{g.micro} x accum {g.accum} ({type(e).__name__}: {first}); {why}. Every rank "
             f"stops now; the last committed checkpoint is as it was: --resume auto with a smaller "
             f"--per-device-batch-size (and a larger --grad-accum for the same global batch) or "
             f"--activation-checkpointing",
@@ -231,13 +232,12 @@ class OOMRecovery:
         )
 
     # ---- after the step's all-reduce ----------------------------------------------------------------------
-    def recover(self, ranks_hit: float, step: int) -> bool:
+    def recover(self, ranks_hit: float, step: int) -> BatchGeometry | None:
         """Called by every rank with the all-reduced count of ranks that hit an OOM in this step.
-        Returns True when the step must be redone."""
+        Returns the batch geometry to redo the step at; None when no rank ran out (the step stands)."""
         if ranks_hit <= 0:
-            return False
-        t = self.cfg.train
-        micro, accum = t.per_device_batch_size, t.grad_accum
+            return None
+        micro, accum = self.geometry.micro, self.geometry.accum
         new = smaller_micro_batch(micro)
         if new is None:
             raise MemoryError(
@@ -246,9 +246,10 @@ class OOMRecovery:
                 f"(`shardtrain plan` compares them), activation checkpointing, or a shorter "
                 f"{where('max_length')}"
             )
-        new_accum = accum * micro // new
+        self.geometry = self.geometry.at_micro(new)
+        new_accum = self.geometry.accum
         self.strategy.discard_gradients()
-        self.strategy.set_batch_geometry(new, new_accum)
+        self.strategy.set_batch_geometry(self.geometry)
         self.stream.load_state_dict(self._position)
         self.stream.set_micro_batch_size(new)
         torch.set_rng_state(self._rng[0])  # the redo draws the dropout masks a run at `new` would draw
@@ -258,13 +259,12 @@ class OOMRecovery:
         self.console.info(
             f"step {step}: out of memory on {int(ranks_hit)} rank(s) at micro-batch {micro} x accum "
             f"{accum}; redoing the step at micro-batch {new} x accum {new_accum} (global batch "
-            f"{new * new_accum * self.dist.world_size} unchanged)"
+            f"{self.geometry.global_batch} unchanged)"
         )
-        return True
+        return self.geometry
 
     def summary(self) -> dict:
-        t = self.cfg.train
-        return {"events": self.events, "micro_batch_size": t.per_device_batch_size, "grad_accum": t.grad_accum}
+        return {"events": self.events, "micro_batch_size": self.geometry.micro, "grad_accum": self.geometry.accum}
 
 
 class Injection:
@@ -296,14 +296,16 @@ class Injection:
 
     def _armed(self, point: str) -> bool:
         above = self.train.inject_oom_above
-        return (point, self.recovery.step) in self.points and (
-            above is None or self.train.per_device_batch_size > above
-        )
+        return (point, self.recovery.step) in self.points and (above is None or self.micro > above)
+
+    @property
+    def micro(self) -> int:
+        return self.recovery.geometry.micro
 
     def _raise(self, point: str):
         raise torch.OutOfMemoryError(
             f"injected by {where('inject_oom')} at {point}@{self.recovery.step}:"
-            f"{self.dist.rank}, micro-batch {self.train.per_device_batch_size}"
+            f"{self.dist.rank}, micro-batch {self.micro}"
         )
 
     @staticmethod
@@ -336,12 +338,5 @@ class Injection:
 
     def at_backward_end(self) -> None:
         above = self.train.inject_oom_above
-        if (
-            above is not None
-            and not self.train.inject_oom
-            and self.dist.is_rank0
-            and self.train.per_device_batch_size > above
-        ):
-            raise torch.OutOfMemoryError(
-                f"injected by {where('inject_oom_above')}={above} at micro-batch {self.train.per_device_batch_size}"
-            )
+        if above is not None and not self.train.inject_oom and self.dist.is_rank0 and self.micro > above:
+            raise torch.OutOfMemoryError(f"injected by {where('inject_oom_above')}={above} at micro-batch {self.micro}")

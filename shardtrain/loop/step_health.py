@@ -33,6 +33,11 @@ class Agreement:
         return math.isfinite(self.loss_mean)
 
 
+# The slots of agree's one tensor, in order; after them one slot per rank: 1 where that rank's loss was not finite.
+FLAG_SLOTS = ("stop", "oom", "writing", "write_failed")
+SLOTS = ("loss_sum", *FLAG_SLOTS, "grad_norm_sq")
+
+
 def agree(
     loss_sum: torch.Tensor,
     micro_steps: int,
@@ -47,25 +52,27 @@ def agree(
     When no rank is writing any more, every rank learns it here at once, so the save commits with no collective
     of its own (shardtrain/loop/saves.py)."""
     world, device = info.world_size, info.device
-    own_bad = torch.zeros(world, dtype=torch.float64, device=device)
-    own_bad[info.rank] = (~torch.isfinite(loss_sum)).double()
-    flags = torch.tensor(
-        [float(stop), float(oom), float(writing), float(write_failed)], dtype=torch.float64, device=device
-    )
+    # The host flags go to the device as one tensor (one copy); the loss and the norm share are there already.
+    flags = {"stop": stop, "oom": oom, "writing": writing, "write_failed": write_failed}
+    host = torch.tensor([float(flags[name]) for name in FLAG_SLOTS], dtype=torch.float64, device=device)
     share = (
         torch.zeros(1, dtype=torch.float64, device=device)
         if grad_norm_share is None
         else grad_norm_share.to(device, torch.float64).reshape(1)
     )
-    totals = all_reduce_sum(torch.cat([loss_sum.double().reshape(1), flags, share, own_bad]), device).tolist()
+    slots = [loss_sum.double().reshape(1), host, share]  # in SLOTS' order
+    own_bad = torch.zeros(world, dtype=torch.float64, device=device)
+    own_bad[info.rank] = (~torch.isfinite(loss_sum)).double()
+    totals = all_reduce_sum(torch.cat([*slots, own_bad]), device).tolist()
+    total = dict(zip(SLOTS, totals))
     return Agreement(
-        loss_mean=totals[0] / (micro_steps * world),
-        stop=totals[1] > 0,
-        bad_ranks=[r for r, v in enumerate(totals[6:]) if v > 0],
-        oom_ranks=int(totals[2]),
-        grad_norm=None if grad_norm_share is None else math.sqrt(totals[5]),  # nan/inf pass through
-        writing=int(totals[3]),
-        write_failed=totals[4] > 0,
+        loss_mean=total["loss_sum"] / (micro_steps * world),
+        stop=total["stop"] > 0,
+        bad_ranks=[r for r, v in enumerate(totals[len(SLOTS) :]) if v > 0],
+        oom_ranks=int(total["oom"]),
+        grad_norm=None if grad_norm_share is None else math.sqrt(total["grad_norm_sq"]),  # nan/inf pass through
+        writing=int(total["writing"]),
+        write_failed=total["write_failed"] > 0,
     )
 
 

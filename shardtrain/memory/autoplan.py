@@ -8,8 +8,11 @@ and every rank adopts its choice, so all ranks build the same strategy.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.memory.planner import GIB, REPO, VARIANTS, plan
 from shardtrain.runtime.distributed import DistInfo, broadcast_object
@@ -61,10 +64,11 @@ def choose(cfg: Config, dist_info: DistInfo) -> dict:
     }
 
 
-def resolve_auto_strategy(cfg: Config, dist_info: DistInfo) -> str | None:
-    """Rewrite cfg.parallel / cfg.train in place when --strategy is auto; returns the line to print."""
+def resolve_auto_strategy(cfg: Config, dist_info: DistInfo) -> tuple[Config, BatchGeometry | None, str | None]:
+    """--strategy auto: (the config with the chosen strategy, its file and activation checkpointing, the batch
+    geometry chosen, the line to print); the config as it is, None and None for any other strategy."""
     if cfg.parallel.strategy != "auto":
-        return None
+        return cfg, None, None
     choice = None
     error = None
     if dist_info.is_rank0:
@@ -75,16 +79,16 @@ def resolve_auto_strategy(cfg: Config, dist_info: DistInfo) -> str | None:
     choice, error = broadcast_object((choice, error))
     if error:
         raise ConfigError(error)
-    p, t = cfg.parallel, cfg.train
-    p.strategy = choice["strategy"]
-    if choice["strategy"] == "deepspeed":
-        p.ds = choice["path"]
-    elif choice["strategy"] == "fsdp":
-        p.fsdp_policy = choice["path"]
-    t.activation_checkpointing = choice["activation_checkpointing"]
-    t.per_device_batch_size, t.grad_accum = choice["micro"], choice["accum"]
-    return (
+    files = {"deepspeed": {"ds": choice["path"]}, "fsdp": {"fsdp_policy": choice["path"]}}.get(choice["strategy"], {})
+    resolved = dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, strategy=choice["strategy"], **files),
+        train=dataclasses.replace(cfg.train, activation_checkpointing=choice["activation_checkpointing"]),
+    )
+    geometry = BatchGeometry(choice["micro"], choice["accum"], dist_info.world_size)
+    line = (
         f"--strategy auto: {choice['variant']}, activation checkpointing "
         f"{'on' if choice['activation_checkpointing'] else 'off'}, micro-batch {choice['micro']} x accum "
         f"{choice['accum']}: {choice['why']}"
     )
+    return resolved, geometry, line

@@ -207,12 +207,10 @@ class Tracker:
         from shardtrain.data.batches import top_tensor
         from shardtrain.observability.progress import peak_memory_gb
 
-        t = self.cfg.train
         input_ids = top_tensor(batch, "input_ids")  # a batch of any shape; tokens where it is a dict with input_ids
-        if input_ids is not None:
-            # Padded tokens, from shapes alone (no sync); ranks see equally shaped micro-batches.
-            tokens = input_ids.numel() * t.grad_accum * self.dist.world_size
-            record["tokens_per_sec"] = tokens / record["step_seconds"]
+        if input_ids is not None and input_ids.dim() > 0 and input_ids.shape[0]:
+            # Padded tokens per sample, from shapes alone (no sync); ranks see equally shaped micro-batches.
+            record["tokens_per_sec"] = input_ids.numel() / input_ids.shape[0] * record["samples_per_sec"]
         mfu = self._mfu(record, batch)
         if mfu is not None:
             record["mfu"] = mfu

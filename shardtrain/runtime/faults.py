@@ -106,3 +106,11 @@ def maybe_nan(loss, step: int, steps: list[int], rank: int, world_size: int):
     if steps and step in steps and rank == world_size - 1:
         return loss * float("nan")
     return loss
+
+
+def after_backward(step: int, rank: int, stop) -> None:
+    """The loop's one call into test-only faults, after a step's backward and before its update: SHARDTRAIN_FAULT's
+    kill or stall there, then SHARDTRAIN_FAULT_HOLD. (The NaN loss and OOM injections are the loss's and OOM
+    recovery's own, at the points they name.)"""
+    mid_step(step, rank)
+    hold(stop)

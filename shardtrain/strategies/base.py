@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardtrain.checkpointing.store import AsyncWrite
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.runtime.distributed import DistInfo, broadcast_, new_gloo_group
 from shardtrain.strategies.optim import adamw, build_scheduler, param_groups
@@ -42,8 +43,10 @@ class StepResult:
 class Strategy(ABC):
     name: str = "base"
 
-    def __init__(self, cfg: Config, dist_info: DistInfo, workload=None):
+    def __init__(self, cfg: Config, dist_info: DistInfo, workload=None, geometry: BatchGeometry | None = None):
+        """`geometry`: the run's batch geometry (the Trainer's; the flags' when None)."""
         self.cfg = cfg
+        self.geometry = geometry or BatchGeometry.configured(cfg, dist_info.world_size)
         self.workload = workload if workload is not None else Workload(cfg)
         self.dist = dist_info
         self.device = dist_info.device
@@ -127,10 +130,6 @@ class Strategy(ABC):
 
     def named_parameters(self):
         return self.unwrapped.named_parameters()
-
-    # removed once shardtrain/loop calls strategy.model(batch)
-    def forward(self, batch):
-        return self.model(batch)
 
     def full_numel(self, p: torch.Tensor) -> int:
         """The element count of the whole (unsharded) parameter. A DTensor's numel is already global; ZeRO-3,

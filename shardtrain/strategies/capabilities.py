@@ -22,6 +22,8 @@ from typing import ContextManager
 import torch
 from torch import nn
 
+from shardtrain.config.geometry import BatchGeometry
+
 
 class Freezing:
     # What the user's build_model returned frozen (requires_grad False: a pretrained encoder frozen by hand, a
@@ -66,10 +68,9 @@ class Freezing:
 
 
 class Resizing:
-    def set_batch_geometry(self, micro_batch_size: int, grad_accum: int) -> None:
+    def set_batch_geometry(self, geometry: BatchGeometry) -> None:
         """Micro-batch and accumulation changed mid-run (OOM recovery); the global batch is unchanged."""
-        self.cfg.train.per_device_batch_size = micro_batch_size
-        self.cfg.train.grad_accum = grad_accum
+        self.geometry = geometry
 
     def discard_gradients(self) -> None:
         """Drop the partial gradients of an abandoned optimizer step, so it can be redone from scratch."""

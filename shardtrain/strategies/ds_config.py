@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 
 STAGES = (1, 2, 3)
@@ -39,26 +40,30 @@ def _fill(ds: dict, key: str, ours, flag: str, path: str) -> None:
         raise ConfigError(f'{path}: "{key}": {theirs} contradicts {flag}={ours}; set it to "auto" or make them agree')
 
 
-def resolve_ds_config(cfg: Config, world_size: int, has_batchnorm: bool = False) -> dict:
+def resolve_ds_config(
+    cfg: Config, world_size: int, has_batchnorm: bool = False, geometry: BatchGeometry | None = None
+) -> dict:
+    """`geometry`: the run's batch geometry (the flags' when None: the check before any process starts)."""
     path = cfg.parallel.ds
     ds = read_json(path)
     t = cfg.train
+    g = geometry or BatchGeometry.configured(cfg, world_size)
     for section in ("optimizer", "scheduler"):
         if section in ds:
             raise ConfigError(
                 f'{path}: remove the "{section}" section: shardtrain builds AdamW and its schedule '
                 f"from --lr, --weight-decay, --warmup-steps and --lr-scheduler for every strategy"
             )
-    _fill(ds, "train_micro_batch_size_per_gpu", t.per_device_batch_size, "--per-device-batch-size", path)
-    _fill(ds, "gradient_accumulation_steps", t.grad_accum, "--grad-accum", path)
-    global_batch = t.per_device_batch_size * t.grad_accum * world_size
+    _fill(ds, "train_micro_batch_size_per_gpu", g.micro, "--per-device-batch-size", path)
+    _fill(ds, "gradient_accumulation_steps", g.accum, "--grad-accum", path)
+    global_batch = g.global_batch
     theirs = ds.get("train_batch_size", "auto")
     if theirs == "auto":
         ds["train_batch_size"] = global_batch
     elif theirs != global_batch:
         raise ConfigError(
-            f'{path}: "train_batch_size": {theirs} != per-device batch {t.per_device_batch_size} '
-            f"x grad accum {t.grad_accum} x world size {world_size} = {global_batch}"
+            f'{path}: "train_batch_size": {theirs} != per-device batch {g.micro} '
+            f"x grad accum {g.accum} x world size {g.world} = {global_batch}"
         )
     _fill(ds, "gradient_clipping", t.max_grad_norm, "--max-grad-norm", path)
 

@@ -118,8 +118,8 @@ class FSDPStrategy(NativeStrategy):
         # A unit's parameters are DTensor shards again after its forward (the root's stay gathered for backward).
         return isinstance(p, DTensor)
 
-    def __init__(self, cfg, dist_info, workload=None):
-        super().__init__(cfg, dist_info, workload)
+    def __init__(self, cfg, dist_info, workload=None, geometry=None):
+        super().__init__(cfg, dist_info, workload, geometry)
         self.policy = load_policy(cfg.parallel.fsdp_policy)
 
     def _make_scaler(self):

@@ -38,7 +38,7 @@ class NativeStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strate
         return self.model, self.optimizer, self.scheduler
 
     def backward(self, loss):
-        loss = loss / self.cfg.train.grad_accum
+        loss = loss / self.geometry.accum
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def grad_norm_share(self):

@@ -25,15 +25,15 @@ TAG = "engine"
 
 
 class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy):
-    def __init__(self, cfg, dist_info, workload=None):
-        super().__init__(cfg, dist_info, workload)
+    def __init__(self, cfg, dist_info, workload=None, geometry=None):
+        super().__init__(cfg, dist_info, workload, geometry)
         from shardtrain.runtime.device_defaults import deepspeed_accelerator
 
         line = deepspeed_accelerator(self.device.type)  # before deepspeed is first imported: it reads it once
         if line:
             self._warn(line)
         # Resolved before any model is built: a contradiction in the JSON costs nothing.
-        self.ds_config = resolve_ds_config(cfg, dist_info.world_size)
+        self.ds_config = resolve_ds_config(cfg, dist_info.world_size, geometry=self.geometry)
         self.info = describe_ds(self.ds_config)
         self.stage = self.info["stage"]
         self.name = f"zero{self.stage}"
@@ -111,7 +111,8 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
             # the engine broadcasts rank 0's weights
             model = build_model(on_meta=False, load_weights=not weights_from_memory)
         if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
-            resolve_ds_config(self.cfg, self.dist.world_size, has_batchnorm=True)  # fp16 with BatchNorm: one line
+            # fp16 with BatchNorm: one line
+            resolve_ds_config(self.cfg, self.dist.world_size, has_batchnorm=True, geometry=self.geometry)
         frozen_now = self._freeze(model, frozen_now)  # with what build_model froze itself, every engine
         self.recompute_count = self._apply_recompute(model, self.block_classes(model))
         # Frozen parameters are left out of the optimizer (a ZeRO group with nothing to train breaks the
@@ -623,13 +624,13 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
             for v in state.values():
                 yield "optimizer", v
 
-    def set_batch_geometry(self, micro_batch_size, grad_accum):
-        super().set_batch_geometry(micro_batch_size, grad_accum)
+    def set_batch_geometry(self, geometry):
+        super().set_batch_geometry(geometry)
         engine = self.engine
-        engine.set_train_micro_batch_size(micro_batch_size)
-        engine.set_train_batch_size(micro_batch_size * grad_accum * self.dist.world_size)
+        engine.set_train_micro_batch_size(geometry.micro)
+        engine.set_train_batch_size(geometry.global_batch)
         # The engine finds the accumulation boundary from micro_steps % gas: restart the count at a boundary.
-        engine.micro_steps = engine.global_steps * grad_accum
+        engine.micro_steps = engine.global_steps * geometry.accum
 
     def collectives_in(self, phase, is_last):
         # ZeRO-1/2 hold every parameter whole: the forward runs none; the backward reduces gradients into their

@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from shardtrain.config.settings import parse_cli  # noqa: E402
-from shardtrain.loop.train import train  # noqa: E402
+from shardtrain.loop.train import Trainer  # noqa: E402
 from shardtrain.runtime.distributed import barrier, teardown_and_exit  # noqa: E402
 
 
@@ -67,7 +67,7 @@ def main(plan_path: str, out_dir: str) -> int:
         t0 = time.perf_counter()
         record: dict = {"args": entry["args"]}
         try:
-            summary = train(cfg)
+            summary = Trainer(cfg).train()
             record["ok"] = True
         except Exception as e:  # noqa: BLE001 - only for probes; anything else re-raises below
             if not entry.get("expect_error"):

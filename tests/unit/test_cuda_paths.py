@@ -338,10 +338,10 @@ def test_train_sets_the_cuda_math_before_building_anything():
     init = text.index("dist_info = init_distributed(")
     assert (
         init
-        < text.index("math_on = cuda_math(dist_info.device.type, cfg.train.deterministic)")
+        < text.index("self.cuda_math = cuda_math(dist_info.device.type, cfg.train.deterministic)")
         < text.index("strategy = make_strategy(")
     )
-    assert '"cuda_math": math_on' in text  # the banner and summary.json `run`
+    assert "self.cuda_math,\n" in text  # into describe_run: the banner and summary.json `run`
 
 
 # ---- 7. each rank its share of the CPUs ----------------------------------------------------------------------

@@ -3,6 +3,7 @@ micro-batch x accumulation, said in one line when it cannot be, and every member
 
 from __future__ import annotations
 
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.oom import geometry_for, smaller_micro_batch
@@ -21,11 +22,12 @@ def start(state: dict, world: int, micro: int = 2, accum: int = 1, step: int = 0
     cfg = cfg_of(micro, accum)
     hosts = [f"node{r + 1}" for r in range(world)]
     m = membership(state, cfg, world, hosts)
-    return m, cfg, {"step": step, "world_size": world, "config": cfg.to_dict(), "elastic": m.state()}
+    return m, m.geometry, {"step": step, "world_size": world, "config": cfg.to_dict(), "elastic": m.state()}
 
 
-def geometry(cfg: Config) -> tuple[int, int]:
-    return cfg.train.per_device_batch_size, cfg.train.grad_accum
+def geometry(g: BatchGeometry) -> tuple[int, int]:
+    """The micro-batch and accumulation the start trains at (the run's state: the config keeps the flags)."""
+    return g.micro, g.accum
 
 
 def test_losing_and_regaining_a_node_keeps_the_global_batch():
@@ -82,6 +84,7 @@ def test_changed_flags_set_a_new_global_batch_and_say_so():
     cfg = cfg_of(2, 3)
     changes = resume_changes(saved, cfg, 2)  # against the flags (accum 1), not the geometry the resume ran with
     m = membership(saved, cfg, 2, ["node1", "node2"])
+    cfg = m.geometry
     assert geometry(cfg) == (2, 3) and m.global_batch_size == 12
     assert changes.changes == [
         "--grad-accum 1 -> 3, world size 1 -> 2: global batch 4 -> 12 samples per step (the "

@@ -1,0 +1,45 @@
+"""The batch geometry a run trains at: micro-batch x accumulation x world size.
+
+The flags give the first one (`--per-device-batch-size`, `--grad-accum`); the run may then decide another and
+keep the global batch: an elastic resume at another world size (loop/elastic.py), `--strategy auto`
+(memory/autoplan.py), OOM recovery (loop/oom.py). What the run decides is the run's state, held by the Trainer
+and handed to the strategy and the loaders; the config keeps what the user asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BatchGeometry:
+    micro: int  # samples per rank per forward
+    accum: int  # forwards per optimizer step
+    world: int  # ranks
+
+    @classmethod
+    def configured(cls, cfg, world: int) -> BatchGeometry:
+        """What the flags say, at `world` ranks."""
+        return cls(cfg.train.per_device_batch_size, cfg.train.grad_accum, world)
+
+    @property
+    def global_batch(self) -> int:
+        return self.micro * self.accum * self.world
+
+    def at_micro(self, micro: int) -> BatchGeometry:
+        """The same samples per rank and step at a smaller micro-batch that divides this one."""
+        return dataclasses.replace(self, micro=micro, accum=self.accum * self.micro // micro)
+
+    def applied_to(self, cfg):
+        """`cfg` as if its flags had asked for this geometry: for code that predicts from flags (the planner)."""
+        train = dataclasses.replace(cfg.train, per_device_batch_size=self.micro, grad_accum=self.accum)
+        return dataclasses.replace(cfg, train=train)
+
+    def as_record(self) -> dict:
+        return {
+            "micro_batch_size": self.micro,
+            "grad_accum": self.accum,
+            "world_size": self.world,
+            "global_batch_size": self.global_batch,
+        }

@@ -1,0 +1,96 @@
+"""What a run says about itself: the banner's table, summary.json's `run`, W&B's config. Built once at start-up."""
+
+from __future__ import annotations
+
+from shardtrain.config.geometry import BatchGeometry
+from shardtrain.config.settings import Config
+from shardtrain.memory.planner import memory_prediction
+
+
+def describe_run(
+    cfg: Config,
+    geometry: BatchGeometry,
+    strategy,
+    loaders,
+    datasets: tuple,
+    frozen: set[str],
+    rank_table: list[dict],
+    changes: list[str],
+    cuda_math: dict,
+    predictable: bool,
+    prediction: dict,
+) -> dict:
+    """`predictable`: the planner knows the model (a built-in); `prediction`: its banner prediction (rank 0)."""
+    train_ds, eval_ds = datasets
+    t = cfg.train
+    return {
+        **strategy.describe(),
+        "world_size": geometry.world,
+        "precision": t.precision,
+        "cuda_math": cuda_math,
+        "micro_batch_size": geometry.micro,
+        "grad_accum": geometry.accum,
+        "global_batch_size": geometry.global_batch,
+        "train_examples": loaders.train_size,
+        "eval_examples": loaders.eval_size,
+        "steps_per_epoch": loaders.steps_per_epoch,
+        "image_cache": cfg.data.image_cache,
+        "activation_checkpointing": t.activation_checkpointing,
+        **parameter_counts(strategy, frozen),
+        "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
+        # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
+        **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
+        "unlabelled_dropped": {
+            "train": getattr(train_ds, "unlabelled", 0),
+            "validation": getattr(eval_ds, "unlabelled", 0),
+        },
+        "data_source": getattr(train_ds, "source", None) or {"source": "data_dir" if predictable else "workload"},
+        "label_names": cfg.data.label_names,
+        "max_steps": t.max_steps,
+        "resumed_with_changes": changes,
+        "ranks": rank_table,
+        "strategy_settings": strategy.describe(),
+        "memory_prediction": prediction,
+    }
+
+
+def predicted_memory(
+    cfg: Config, geometry: BatchGeometry, vocab_size: int | None, predictable: bool, task: str, is_rank0: bool
+) -> dict:
+    """The banner's memory prediction (rank 0; {} elsewhere). The planner knows the built-ins' architectures from
+    the config alone (`vocab_size`: their tokenizer's, None for a pretrained model); a user's model it has not
+    seen."""
+    if not is_rank0:
+        return {}
+    if not predictable:
+        return {
+            "note": f"not predicted: activations are measured for the built-in models, not {task} "
+            f"(shardtrain plan --workload counts its model states)"
+        }
+    return memory_prediction(geometry.applied_to(cfg), geometry.world, vocab_size)
+
+
+def measured_shape_prediction(cfg: Config, geometry: BatchGeometry, vocab_size, per_rank: dict) -> dict:
+    """The banner's prediction again, at the [micro-batch, tokens] each rank measured (rank 0; {} elsewhere):
+    the banner's is for max_length, and a batch is only as long as its longest text."""
+    if not cfg.log.predict_memory or not per_rank:
+        return {}
+    c = geometry.applied_to(cfg)
+    return {rank: memory_prediction(c, geometry.world, vocab_size, rec.get("batch")) for rank, rec in per_rank.items()}
+
+
+def parameter_counts(strategy, frozen: set[str]) -> dict:
+    """Counts of the full (unsharded) model; DTensor shards report their global shape. `frozen`: --freeze-layers'
+    parameters (frozen at the start, even if unfreeze_at_step comes later) and those build_model froze."""
+    total = trainable = 0
+    for name, p in strategy.named_parameters():
+        n = strategy.full_numel(p)
+        total += n
+        if name not in frozen:
+            trainable += n
+    return {"params_total": total, "params_trainable": trainable, "params_frozen": total - trainable}
+
+
+def skipped(ds) -> list:
+    """Bad records a dataset left out (the built-ins' --skip-bad-samples); a user's dataset has none."""
+    return getattr(ds, "skipped", None) or []
