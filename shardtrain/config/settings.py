@@ -511,58 +511,90 @@ def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
     """Check/convert one value against its annotated type; error names the key or flag."""
     origin = get_origin(typ)
     if origin is Union:
-        args = [a for a in get_args(typ) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and str not in args):
-            return None
-        return _coerce(name, value, args[0], origin_desc)
+        return _coerce_optional(name, value, typ, origin_desc)
     if origin is Literal:
-        choices = get_args(typ)
-        if value not in choices:
-            raise ConfigError(
-                f"{origin_desc}: '{value}' is not one of {', '.join(map(str, choices))}"
-                f"{_suggest(str(value), map(str, choices))}"
-            )
+        return _coerce_choice(value, get_args(typ), origin_desc)
+    if typ not in _COERCERS:
+        raise AssertionError(f"unhandled type {typ} for {name}")
+    return _COERCERS[typ](value, origin_desc)
+
+
+def _coerce_optional(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
+    """Optional[X]: None (or the word none / null, unless X is str) is unset; anything else is an X."""
+    args = [a for a in get_args(typ) if a is not type(None)]
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and str not in args):
+        return None
+    return _coerce(name, value, args[0], origin_desc)
+
+
+def _coerce_choice(value: Any, choices: tuple, origin_desc: str) -> Any:
+    if value not in choices:
+        raise ConfigError(
+            f"{origin_desc}: '{value}' is not one of {', '.join(map(str, choices))}"
+            f"{_suggest(str(value), map(str, choices))}"
+        )
+    return value
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _to_bool(value: Any, origin_desc: str) -> bool:
+    if isinstance(value, bool):
         return value
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError(f"{origin_desc}: expected true or false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{origin_desc}: expected an integer, got {value!r}")
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise ConfigError(f"{origin_desc}: expected true or false, got {value!r}")
+
+
+def _to_number(kind: type, what: str, accepted: tuple[type, ...]):
+    """int / float from a number or its text; never from a bool (True is 1 to Python, not to a user)."""
+
+    def convert(value: Any, origin_desc: str):
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise ConfigError(f"{origin_desc}: expected {what}, got {value!r}")
         try:
-            return int(value)
+            return kind(value)
         except ValueError:
-            raise ConfigError(f"{origin_desc}: expected an integer, got {value!r}") from None
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{origin_desc}: expected a number, got {value!r}")
+            raise ConfigError(f"{origin_desc}: expected {what}, got {value!r}") from None
+
+    return convert
+
+
+def _to_str(value: Any, origin_desc: str) -> str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{origin_desc}: expected a string, got {value!r}")
+    return str(value)
+
+
+def _to_dict(value: Any, origin_desc: str) -> dict:
+    if isinstance(value, str):  # from a flag: JSON
         try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{origin_desc}: expected a number, got {value!r}") from None
-    if typ is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{origin_desc}: expected a string, got {value!r}")
-        return str(value)
-    if typ is dict:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{origin_desc}: expected a JSON object, {e.msg} at column {e.colno}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{origin_desc}: expected a mapping, got {value!r}")
-        return value
-    if typ is list:
-        if isinstance(value, str):  # from a flag: comma-separated
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{origin_desc}: expected a list, got {value!r}")
-        return value
-    raise AssertionError(f"unhandled type {typ} for {name}")
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{origin_desc}: expected a JSON object, {e.msg} at column {e.colno}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{origin_desc}: expected a mapping, got {value!r}")
+    return value
+
+
+def _to_list(value: Any, origin_desc: str) -> list:
+    if isinstance(value, str):  # from a flag: comma-separated
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ConfigError(f"{origin_desc}: expected a list, got {value!r}")
+    return value
+
+
+# The field types a config may use, each with its converter (value, origin_desc) -> value.
+_COERCERS = {
+    bool: _to_bool,
+    int: _to_number(int, "an integer", (int, str)),
+    float: _to_number(float, "a number", (int, float, str)),
+    str: _to_str,
+    dict: _to_dict,
+    list: _to_list,
+}
 
 
 class YamlFile(dict):
