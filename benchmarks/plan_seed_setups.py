@@ -44,8 +44,7 @@ def config(path: str, overrides: dict):
     for k, v in overrides.items():
         setattr(cfg.model, k, v)
     cfg.checkpoint.output_dir, cfg.checkpoint.resume = "/tmp", "none"
-    validate(cfg)
-    return cfg
+    return validate(cfg)
 
 
 def main() -> int:

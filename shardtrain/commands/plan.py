@@ -138,5 +138,4 @@ def _plan_config(args):
             setattr(cfg.data, name, _coerce(name, value, FIELDS[name][2], flag_of(name)))
     cfg.checkpoint.output_dir = "/tmp"  # plan writes nothing; validate() checks the output dir is writable
     cfg.checkpoint.resume = "none"
-    validate(cfg)
-    return cfg
+    return validate(cfg)

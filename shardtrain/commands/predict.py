@@ -364,7 +364,7 @@ def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
         cfg.data.tokenizer = str(run_dir)  # what the export hands over, whatever the run named
     elif cfg.data.tokenizer is None and tokenizer is not None:
         cfg.data.tokenizer = str(tokenizer)
-    validate(cfg)
+    cfg = validate(cfg)
     if is_builtin_workload(cfg) and cfg.data.tokenizer is None:
         raise ConfigError(
             f"predict: {run_dir} has no tokenizer/ folder, and the run trained its own tokenizer; "
