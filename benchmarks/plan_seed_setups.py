@@ -38,14 +38,10 @@ SETUPS = [  # (label, config, overrides, gpus, gpu)
 
 
 def config(path: str, overrides: dict):
-    from shardtrain.config.settings import from_dict, load_yaml, validate
+    from shardtrain.config.settings import from_dict, load_yaml, replace_fields, validate
 
     cfg = from_dict(load_yaml(REPO / path))
-    for k, v in overrides.items():
-        setattr(cfg.model, k, v)
-    cfg.checkpoint.output_dir, cfg.checkpoint.resume = "/tmp", "none"
-    validate(cfg)
-    return cfg
+    return validate(replace_fields(cfg, **overrides, output_dir="/tmp", resume="none"))
 
 
 def main() -> int:

@@ -190,20 +190,20 @@ def save_hf_quietly(hf_model, out: Path) -> None:
 
 def _with_workload(run_cfg, workload: str | None, workload_args: str | None):
     """The run's config with --workload / --workload-args over its own (new args only for a new target)."""
-    from shardtrain.config.settings import command_config, is_builtin_workload, workload_target
+    from shardtrain.config.settings import command_config, is_builtin_workload, replace_fields, workload_target
 
     flags = command_config(None, workload, workload_args)
-    cfg = copy.deepcopy(run_cfg)
+    changes = {}
     if workload is not None and workload_target(flags) != workload_target(run_cfg):
         if is_builtin_workload(run_cfg) or is_builtin_workload(flags):
             raise ConfigError(
                 f"export --workload {workload}: the run trained {workload_target(run_cfg)}; a "
                 f"built-in's weights fit only that built-in"
             )
-        cfg.workload.workload, cfg.workload.workload_args = workload, {}
+        changes.update(workload=workload, workload_args={})
     if workload_args is not None:
-        cfg.workload.workload_args = flags.workload.workload_args
-    return cfg
+        changes["workload_args"] = flags.workload.workload_args
+    return replace_fields(run_cfg, **changes)
 
 
 def load_fitting_weights(model: nn.Module, weights: dict, workload, what: str) -> nn.Module:

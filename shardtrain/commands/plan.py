@@ -124,19 +124,18 @@ def _plan_config(args):
     if args.config is None and args.workload is None:
         raise ConfigError("plan: give --config FILE or --workload my_pkg.tasks:MyTask (or both)")
     cfg = command_config(args.config, args.workload, args.workload_args)
-    if args.per_device_batch_size:
-        cfg.train.per_device_batch_size = args.per_device_batch_size
-    if args.max_length:
-        cfg.data.max_length = args.max_length
-    if args.precision:
-        cfg.train.precision = args.precision
-    from shardtrain.config.settings import FIELDS, _coerce, flag_of
+    from shardtrain.config.settings import FIELDS, _coerce, flag_of, replace_fields
 
+    given = {
+        "per_device_batch_size": args.per_device_batch_size,
+        "max_length": args.max_length,
+        "precision": args.precision,
+    }
+    changes = {name: value for name, value in given.items() if value}
     for name in FIELDS:
         value = getattr(args, f"data__{name}", None)
         if value is not None:
-            setattr(cfg.data, name, _coerce(name, value, FIELDS[name][2], flag_of(name)))
-    cfg.checkpoint.output_dir = "/tmp"  # plan writes nothing; validate() checks the output dir is writable
-    cfg.checkpoint.resume = "none"
-    validate(cfg)
-    return cfg
+            changes[name] = _coerce(name, value, FIELDS[name][2], flag_of(name))
+    # plan writes nothing; validate() checks the output dir is writable
+    changes.update(output_dir="/tmp", resume="none")
+    return validate(replace_fields(cfg, **changes))

@@ -334,7 +334,7 @@ def _readable(load, file: Path):
 
 def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
     """The run's saved config with the command line's flags over it, read and checked as `train` reads its own."""
-    from shardtrain.config.settings import FIELDS, from_dict, is_builtin_workload, validate
+    from shardtrain.config.settings import FIELDS, from_dict, is_builtin_workload, replace_fields, validate
 
     data = copy.deepcopy(saved)
     sections = {name: data.setdefault(name, {}) or {} for name in ("workload", "data", "parallel")}
@@ -352,19 +352,23 @@ def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
         sections[FIELDS[name][0]][name] = value
     data.update(sections)
     cfg = from_dict(data, source=f"predict's flags over the config of {where}")
-    cfg.data.streaming = False  # predict reads its split into memory, in order
-    # What trained the model is not predict's business: no resume, strategy or output of its own.
-    cfg.checkpoint.resume, cfg.checkpoint.final_model_dir = "none", None
-    cfg.checkpoint.output_dir = str(run_dir)
-    cfg.parallel.strategy, cfg.parallel.ds = "ddp", None
+    changes = {
+        "streaming": False,  # predict reads its split into memory, in order
+        # What trained the model is not predict's business: no resume, strategy or output of its own.
+        "resume": "none",
+        "final_model_dir": None,
+        "output_dir": str(run_dir),
+        "strategy": "ddp",
+        "ds": None,
+    }
     # The run's own (an export keeps it in its root; a run and older exports in tokenizer/); never a new one
     # trained on the data to predict.
     tokenizer = next((d for d in (run_dir, run_dir / "tokenizer") if (d / "tokenizer.json").is_file()), None)
     if (run_dir / "shardtrain_export.json").is_file() and (run_dir / "tokenizer_config.json").is_file():
-        cfg.data.tokenizer = str(run_dir)  # what the export hands over, whatever the run named
+        changes["tokenizer"] = str(run_dir)  # what the export hands over, whatever the run named
     elif cfg.data.tokenizer is None and tokenizer is not None:
-        cfg.data.tokenizer = str(tokenizer)
-    validate(cfg)
+        changes["tokenizer"] = str(tokenizer)
+    cfg = validate(replace_fields(cfg, **changes))
     if is_builtin_workload(cfg) and cfg.data.tokenizer is None:
         raise ConfigError(
             f"predict: {run_dir} has no tokenizer/ folder, and the run trained its own tokenizer; "

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, ClassVar, Iterator, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
 from shardtrain.config.errors import ConfigError  # everyone imports it from here; sagemaker_env, below us, from errors
 
@@ -436,7 +436,7 @@ def key_of(name: str) -> str:
     return YAML_KEYS.get(name) or f"{FIELDS[name][0]}.{name}"
 
 
-# While validate() runs: the config checked, and (file:line, YAML key) of each value from a file it has named.
+# While validate() runs: the config it was given, and (file:line, YAML key) of each value from a file it has named.
 _CHECKING: contextvars.ContextVar[tuple[Config, list[tuple[str, str]]] | None] = contextvars.ContextVar(
     "checking", default=None
 )
@@ -444,7 +444,8 @@ _CHECKING: contextvars.ContextVar[tuple[Config, list[tuple[str, str]]] | None] =
 
 def where(name: str) -> str:
     """How to name a setting in an error: both its flag and its YAML key. Inside validate(), a value still as a
-    YAML file set it is named by its key, and the error starts with the file and line (see located_errors)."""
+    YAML file set it (in the config validate() was given) is named by its key, and the error starts with the
+    file and line (see located_errors)."""
     checking = _CHECKING.get()
     origin = checking and checking[0].origins.get(name)
     if origin and getattr(getattr(checking[0], FIELDS[name][0]), name) == origin[1]:
@@ -511,58 +512,90 @@ def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
     """Check/convert one value against its annotated type; error names the key or flag."""
     origin = get_origin(typ)
     if origin is Union:
-        args = [a for a in get_args(typ) if a is not type(None)]
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and str not in args):
-            return None
-        return _coerce(name, value, args[0], origin_desc)
+        return _coerce_optional(name, value, typ, origin_desc)
     if origin is Literal:
-        choices = get_args(typ)
-        if value not in choices:
-            raise ConfigError(
-                f"{origin_desc}: '{value}' is not one of {', '.join(map(str, choices))}"
-                f"{_suggest(str(value), map(str, choices))}"
-            )
+        return _coerce_choice(value, get_args(typ), origin_desc)
+    if typ not in _COERCERS:
+        raise AssertionError(f"unhandled type {typ} for {name}")
+    return _COERCERS[typ](value, origin_desc)
+
+
+def _coerce_optional(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
+    """Optional[X]: None (or the word none / null, unless X is str) is unset; anything else is an X."""
+    args = [a for a in get_args(typ) if a is not type(None)]
+    if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and str not in args):
+        return None
+    return _coerce(name, value, args[0], origin_desc)
+
+
+def _coerce_choice(value: Any, choices: tuple, origin_desc: str) -> Any:
+    if value not in choices:
+        raise ConfigError(
+            f"{origin_desc}: '{value}' is not one of {', '.join(map(str, choices))}"
+            f"{_suggest(str(value), map(str, choices))}"
+        )
+    return value
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _to_bool(value: Any, origin_desc: str) -> bool:
+    if isinstance(value, bool):
         return value
-    if typ is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-            return value.lower() in ("true", "1", "yes", "on")
-        raise ConfigError(f"{origin_desc}: expected true or false, got {value!r}")
-    if typ is int:
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise ConfigError(f"{origin_desc}: expected an integer, got {value!r}")
+    if isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    raise ConfigError(f"{origin_desc}: expected true or false, got {value!r}")
+
+
+def _to_number(kind: type, what: str, accepted: tuple[type, ...]):
+    """int / float from a number or its text; never from a bool (True is 1 to Python, not to a user)."""
+
+    def convert(value: Any, origin_desc: str):
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise ConfigError(f"{origin_desc}: expected {what}, got {value!r}")
         try:
-            return int(value)
+            return kind(value)
         except ValueError:
-            raise ConfigError(f"{origin_desc}: expected an integer, got {value!r}") from None
-    if typ is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            raise ConfigError(f"{origin_desc}: expected a number, got {value!r}")
+            raise ConfigError(f"{origin_desc}: expected {what}, got {value!r}") from None
+
+    return convert
+
+
+def _to_str(value: Any, origin_desc: str) -> str:
+    if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+        raise ConfigError(f"{origin_desc}: expected a string, got {value!r}")
+    return str(value)
+
+
+def _to_dict(value: Any, origin_desc: str) -> dict:
+    if isinstance(value, str):  # from a flag: JSON
         try:
-            return float(value)
-        except ValueError:
-            raise ConfigError(f"{origin_desc}: expected a number, got {value!r}") from None
-    if typ is str:
-        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
-            raise ConfigError(f"{origin_desc}: expected a string, got {value!r}")
-        return str(value)
-    if typ is dict:
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{origin_desc}: expected a JSON object, {e.msg} at column {e.colno}") from None
-        if not isinstance(value, dict):
-            raise ConfigError(f"{origin_desc}: expected a mapping, got {value!r}")
-        return value
-    if typ is list:
-        if isinstance(value, str):  # from a flag: comma-separated
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        if not isinstance(value, list):
-            raise ConfigError(f"{origin_desc}: expected a list, got {value!r}")
-        return value
-    raise AssertionError(f"unhandled type {typ} for {name}")
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{origin_desc}: expected a JSON object, {e.msg} at column {e.colno}") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"{origin_desc}: expected a mapping, got {value!r}")
+    return value
+
+
+def _to_list(value: Any, origin_desc: str) -> list:
+    if isinstance(value, str):  # from a flag: comma-separated
+        value = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(value, list):
+        raise ConfigError(f"{origin_desc}: expected a list, got {value!r}")
+    return value
+
+
+# The field types a config may use, each with its converter (value, origin_desc) -> value.
+_COERCERS = {
+    bool: _to_bool,
+    int: _to_number(int, "an integer", (int, str)),
+    float: _to_number(float, "a number", (int, float, str)),
+    str: _to_str,
+    dict: _to_dict,
+    list: _to_list,
+}
 
 
 class YamlFile(dict):
@@ -630,31 +663,60 @@ def from_dict(data: dict, source: str = "config") -> Config:
     """A Config from a YAML file's mapping (a YamlFile: errors name its file and line) or any other dict (errors
     name `source`)."""
     at = data.at if isinstance(data, YamlFile) else lambda *keys: source
-    cfg = Config()
-    cfg.origins = {}
-    section_objs = {name: getattr(cfg, name) for name in SECTIONS}
+    given: dict[str, dict[str, Any]] = {}
+    origins: dict[str, tuple[str, Any]] = {}
     for section, values in data.items():
-        if section not in section_objs:
-            raise ConfigError(
-                f"{at(section)}: unknown section '{section}'{_suggest(section, SECTIONS)}"
-                f" (sections: {', '.join(SECTIONS)})"
-            )
-        if values is None:
-            continue
-        if section == "workload":
-            values = _workload_section(values, at)
-        if not isinstance(values, dict):
-            raise ConfigError(f"{at(section)}: section '{section}' must be a mapping, got {values!r}")
-        obj = section_objs[section]
-        own = {f.name for f in fields(obj)}
-        for key, value in values.items():
-            if key not in own:
-                raise ConfigError(f"{at(section, key)}: unknown key '{section}.{key}'{_suggest_key(key, own)}")
-            line = at(*key_of(key).split("."))  # workload.target, as the file spells workload.workload
-            setattr(obj, key, _coerce(key, value, FIELDS[key][2], f"{line}: {key_of(key)}"))
+        for key, line, value in _section_values(section, values, at):
+            given.setdefault(section, {})[key] = value
             if isinstance(data, YamlFile):
-                cfg.origins[key] = (line, copy.deepcopy(getattr(obj, key)))
+                origins[key] = (line, copy.deepcopy(value))
+    classes = _section_classes()
+    return _with_origins(Config(**{name: classes[name](**given.get(name, {})) for name in SECTIONS}), origins)
+
+
+def _section_values(section: str, values: Any, at) -> Iterator[tuple[str, str, Any]]:
+    """(key, `file:line` or source, the value converted to the key's type) for one section of from_dict's
+    mapping; a section or key this config has not is an error that suggests the nearest."""
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"{at(section)}: unknown section '{section}'{_suggest(section, SECTIONS)} (sections: {', '.join(SECTIONS)})"
+        )
+    if values is None:
+        return
+    if section == "workload":
+        values = _workload_section(values, at)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{at(section)}: section '{section}' must be a mapping, got {values!r}")
+    own = {f.name for f in fields(_section_classes()[section])}
+    for key, value in values.items():
+        if key not in own:
+            raise ConfigError(f"{at(section, key)}: unknown key '{section}.{key}'{_suggest_key(key, own)}")
+        line = at(*key_of(key).split("."))  # workload.target, as the file spells workload.workload
+        yield key, line, _coerce(key, value, FIELDS[key][2], f"{line}: {key_of(key)}")
+
+
+def _with_origins(cfg: Config, origins: Mapping[str, tuple[str, Any]]) -> Config:
+    """cfg, carrying the YAML origins of its values (not a field: set on the instance, as a frozen dataclass's
+    own __init__ sets its fields)."""
+    object.__setattr__(cfg, "origins", origins)
     return cfg
+
+
+def replace_sections(cfg: Config, **sections: Any) -> Config:
+    """A new Config with these sections (by name) in place of cfg's; cfg is left as it was, and the YAML
+    origins go along, so that an error about a value still as the file set it names the file's line."""
+    return _with_origins(dataclasses.replace(cfg, **sections), cfg.origins)
+
+
+def replace_fields(cfg: Config, **values: Any) -> Config:
+    """A new Config with these fields replaced, by their names (unique across sections: `max_length=64`, not
+    `data.max_length`); cfg is left as it was. The values are taken as given: not converted, not checked."""
+    by_section: dict[str, dict[str, Any]] = {}
+    for name, value in values.items():
+        by_section.setdefault(FIELDS[name][0], {})[name] = value
+    return replace_sections(
+        cfg, **{section: dataclasses.replace(getattr(cfg, section), **v) for section, v in by_section.items()}
+    )
 
 
 def _workload_section(values, at) -> dict:
@@ -743,40 +805,53 @@ def _dashed_flag(arg: str) -> str:
 
 
 def parse_cli(argv: list[str]) -> Config:
+    """`shardtrain train`'s flags (and a --config file under them) as a validated Config: the YAML, then the
+    flags, then SageMaker's environment for what neither set, then validate()'s resolution."""
     parser = build_arg_parser()
     # SageMaker passes hyperparameter names verbatim: `--per_device_batch_size 8` must work too.
     dashed = [_dashed_flag(a) for a in argv]
     args, unknown = parser.parse_known_args(dashed)
     if unknown:
-        flag = unknown[0]
-        as_typed = argv[dashed.index(flag)] if flag in dashed else flag
-        hint = _suggest_flag(flag.split("=")[0])
-        from shardtrain.config.sagemaker_env import hyperparameter_hint, in_sagemaker
-
-        if in_sagemaker(os.environ):  # the user wrote a hyperparameter, not a flag: name theirs
-            raise ConfigError(f"unknown hyperparameter '{as_typed.lstrip('-')}'{hyperparameter_hint(hint)}")
-        raise ConfigError(f"unknown argument '{as_typed}'{hint}")
+        _reject_unknown_argument(argv, dashed, unknown[0])
     data = load_yaml(args.config) if args.config else {}
     add_import_paths(args.config)  # a tasks.py beside the config imports on every rank
     cfg = from_dict(data, source=f"--config {args.config}" if args.config else "config")
-    for name, (section, _f, typ) in FIELDS.items():
-        value = getattr(args, name)
-        if value is not None:
-            setattr(getattr(cfg, section), name, _coerce(name, value, typ, flag_of(name)))
+    flags = _flag_values(args)
+    cfg = replace_fields(cfg, **flags)
     # SageMaker's channels and folders fill in what neither a flag nor a hyperparameter set.
-    apply_sagemaker_env(cfg, explicit={name for name in FIELDS if getattr(args, name) is not None})
-    resolve_shipped_ds_config(cfg.parallel)
-    # `--ds FILE` alone means DeepSpeed; combined with another explicit strategy it is a contradiction.
-    if cfg.parallel.ds:
-        explicit = args.strategy is not None or "strategy" in (data.get("parallel") or {})
-        if explicit and cfg.parallel.strategy not in ("deepspeed",):
-            raise ConfigError(
-                f"--ds {cfg.parallel.ds} selects DeepSpeed, but --strategy is "
-                f"'{cfg.parallel.strategy}': drop one of them"
-            )
-        cfg.parallel.strategy = "deepspeed"
-    validate(cfg)
-    return cfg
+    cfg, _ = with_sagemaker_env(cfg, explicit=set(flags))
+    cfg = replace_sections(cfg, parallel=resolve_shipped_ds_config(cfg.parallel))
+    explicit_strategy = args.strategy is not None or "strategy" in (data.get("parallel") or {})
+    cfg = replace_sections(cfg, parallel=_ds_selects_deepspeed(cfg.parallel, explicit_strategy))
+    return validate(cfg)
+
+
+def _reject_unknown_argument(argv: list[str], dashed: list[str], flag: str) -> None:
+    """The first argument parse_cli does not know, quoted as typed, with the nearest flag (or, under
+    SageMaker, hyperparameter) suggested."""
+    as_typed = argv[dashed.index(flag)] if flag in dashed else flag
+    hint = _suggest_flag(flag.split("=")[0])
+    from shardtrain.config.sagemaker_env import hyperparameter_hint, in_sagemaker
+
+    if in_sagemaker(os.environ):  # the user wrote a hyperparameter, not a flag: name theirs
+        raise ConfigError(f"unknown hyperparameter '{as_typed.lstrip('-')}'{hyperparameter_hint(hint)}")
+    raise ConfigError(f"unknown argument '{as_typed}'{hint}")
+
+
+def _flag_values(args: argparse.Namespace) -> dict[str, Any]:
+    """field name -> value, converted to the field's type, for each flag given (in the fields' order, which
+    is the order their errors are found in)."""
+    given = {name: getattr(args, name) for name in FIELDS if getattr(args, name) is not None}
+    return {name: _coerce(name, value, FIELDS[name][2], flag_of(name)) for name, value in given.items()}
+
+
+def _ds_selects_deepspeed(p: ParallelConfig, explicit_strategy: bool) -> ParallelConfig:
+    """`--ds FILE` alone means DeepSpeed; combined with another explicit strategy it is a contradiction."""
+    if not p.ds:
+        return p
+    if explicit_strategy and p.strategy not in ("deepspeed",):
+        raise ConfigError(f"--ds {p.ds} selects DeepSpeed, but --strategy is '{p.strategy}': drop one of them")
+    return dataclasses.replace(p, strategy="deepspeed")
 
 
 def logs_model_artifact(log: LogConfig) -> bool:
@@ -845,39 +920,51 @@ def command_config(config_path: str | None, workload: str | None = None, workloa
         load_yaml(config_path) if config_path else {}, source=f"--config {config_path}" if config_path else "config"
     )
     add_import_paths(config_path)
-    for name, value in (("workload", workload), ("workload_args", workload_args)):
-        if value is not None:
-            setattr(cfg.workload, name, _coerce(name, value, FIELDS[name][2], flag_of(name)))
-    if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
-        cfg.model.name = cfg.workload.workload  # `--workload longformer`, as validate() reads it
-    return cfg
+    given = {"workload": workload, "workload_args": workload_args}
+    flags = {name: _coerce(name, v, FIELDS[name][2], flag_of(name)) for name, v in given.items() if v is not None}
+    return _with_builtin_model_name(replace_fields(cfg, **flags))
 
 
-def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """Fill cfg from the SageMaker environment (config/sagemaker_env.py), leaving fields in `explicit` (set
-    by a flag) alone. Returns what was applied; nothing outside SageMaker."""
+def _with_builtin_model_name(cfg: Config) -> Config:
+    """`--workload longformer`: the built-in reads the model section as model.name did, so model.name says it."""
+    if cfg.workload.workload not in get_args(get_type_hints(ModelConfig)["name"]):
+        return cfg
+    return replace_fields(cfg, name=cfg.workload.workload)
+
+
+def with_sagemaker_env(
+    cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None
+) -> tuple[Config, dict[str, str]]:
+    """cfg filled from the SageMaker environment (config/sagemaker_env.py), leaving fields in `explicit` (set
+    by a flag) alone, as a new Config, and what was applied; outside SageMaker, cfg itself and nothing."""
     from shardtrain.config.sagemaker_env import check_hosts, in_sagemaker, sagemaker_settings
 
     env = os.environ if env is None else env
     if not in_sagemaker(env):
-        return {}
+        return cfg, {}
     check_hosts(env)
-    applied = {}
-    for name, value in sagemaker_settings(env).items():
-        if name not in explicit:
-            setattr(getattr(cfg, FIELDS[name][0]), name, value)
-            applied[name] = value
+    applied = {name: value for name, value in sagemaker_settings(env).items() if name not in explicit}
     # parse_cli runs on every rank; RANK is unset in a plain process, which is rank 0 too.
     if applied and env.get("RANK", "0") == "0":
         print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()), flush=True)
+    return replace_fields(cfg, **applied), applied
+
+
+def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """with_sagemaker_env written into cfg itself, for a caller that owns its Config (parse_cli does not use
+    it). Returns what was applied; nothing outside SageMaker."""
+    _, applied = with_sagemaker_env(cfg, explicit, env)
+    for name, value in applied.items():
+        setattr(getattr(cfg, FIELDS[name][0]), name, value)
     return applied
 
 
-def resolve_shipped_ds_config(p: ParallelConfig) -> None:
-    """`--strategy zero3` -> strategy deepspeed with ds_configs/zero3.json; another --ds beside it contradicts it."""
+def resolve_shipped_ds_config(p: ParallelConfig) -> ParallelConfig:
+    """`--strategy zero3` -> strategy deepspeed with ds_configs/zero3.json, as a new section (p is left as it
+    was); another --ds beside it contradicts it."""
     shipped = SHIPPED_DS_CONFIGS.get(p.strategy)
     if shipped is None:
-        return
+        return p
     if p.ds and Path(p.ds).resolve() != shipped:
         raise ConfigError(
             f"--strategy {p.strategy} means {shipped}, but {where('ds')} is {p.ds}: drop one of them "
@@ -888,85 +975,146 @@ def resolve_shipped_ds_config(p: ParallelConfig) -> None:
             f"--strategy {p.strategy}: {shipped} is missing from this installation; "
             f"pass your own DeepSpeed JSON with --ds FILE"
         )
-    p.strategy, p.ds = "deepspeed", str(shipped)
+    return dataclasses.replace(p, strategy="deepspeed", ds=str(shipped))
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config) -> Config:
     """Checks that need no process group, model or data; each error names its flag and key, or the file and
-    line of a value from a YAML file."""
+    line of a value from a YAML file. Returns the resolved config, a new one (cfg is left as it was): the
+    built-in that --workload names as model.name, a shipped --strategy as its DeepSpeed file, and the defaults
+    that depend on other settings (num_labels, the tokenizer, MVSA's validation share, the NaN steps sorted)."""
     with located_errors(cfg):
-        _validate(cfg)
+        return _validate(cfg)
 
 
-def _validate(cfg: Config) -> None:
-    t, m, d, p, c = cfg.train, cfg.model, cfg.data, cfg.parallel, cfg.checkpoint
-    if cfg.workload.workload in get_args(get_type_hints(ModelConfig)["name"]):
-        m.name = (
-            cfg.workload.workload
-        )  # `--workload longformer`: the built-in reads the model section as model.name did
-    resolve_shipped_ds_config(p)  # from_dict + validate (plan) never passes through parse_cli
-    positive = {
-        "max_steps": t.max_steps,
-        "per_device_batch_size": t.per_device_batch_size,
-        "grad_accum": t.grad_accum,
-        "max_length": d.max_length,
-        "image_size": d.image_size,
-        "max_bad_steps": t.max_bad_steps,
-        "log_every": t.log_every,
-        "keep_last": c.keep_last,
-        "attention_window": m.attention_window,
-        "dist_timeout": p.dist_timeout,
-    }
-    if d.streaming and (d.dataset_name or d.train_file or d.train_dir or d.dataset_format):
-        other = next(f for f in ("dataset_name", "train_file", "train_dir", "dataset_format") if getattr(d, f))
+def _validate(cfg: Config) -> Config:
+    """The checks in a fixed order (a config with several errors reports the first that fails), each resolution
+    step before the checks that read its value."""
+    cfg = _with_builtin_model_name(cfg)
+    cfg = replace_sections(cfg, parallel=resolve_shipped_ds_config(cfg.parallel))  # plan comes here, not via parse_cli
+    _check_streaming_source(cfg.data)
+    cfg = _with_default_num_labels(cfg)
+    _check_positive(cfg, *POSITIVE)
+    _check_lr(cfg.train)
+    _check_not_negative(cfg, *NOT_NEGATIVE)
+    _check_unfreeze_at_step(cfg.model, cfg.train)
+    cfg = replace_fields(cfg, inject_nan_at_steps=_nan_steps(cfg.train.inject_nan_at_steps))
+    _check_longformer_length(cfg)
+    _check_deepspeed_file(cfg.parallel)
+    _check_auto_strategy(cfg)
+    _check_nproc(cfg.parallel.nproc)
+    _check_not_negative(cfg, "memory_every")
+    _check_engine_features(cfg)
+    _check_attention(cfg.model)
+    _check_oom_injection(cfg.train)
+    _check_positive(cfg, "memory_budget_gb")
+    _check_data_settings(cfg)
+    if cfg.data.dataset_format is not None:
+        cfg = _with_layout_defaults(cfg)
+        check_dataset_format(cfg)
+    _check_checkpoint_paths(cfg.checkpoint)
+    cfg = _with_pretrained_tokenizer(cfg)
+    check_output_dir(cfg.checkpoint.output_dir)
+    return cfg
+
+
+# Checked in this order (the first that fails is the error): numbers that must be > 0, and >= 0. An unset
+# optional one (eval_batch_size, num_labels) is not checked.
+POSITIVE = (
+    "max_steps",
+    "per_device_batch_size",
+    "grad_accum",
+    "max_length",
+    "image_size",
+    "max_bad_steps",
+    "log_every",
+    "keep_last",
+    "attention_window",
+    "dist_timeout",
+    "eval_batch_size",
+    "num_labels",
+)
+NOT_NEGATIVE = (
+    "weight_decay",
+    "warmup_steps",
+    "max_grad_norm",
+    "eval_every",
+    "save_every",
+    "freeze_layers",
+    "num_workers",
+    "dropout",
+)
+# The sources read into memory, which a streamed train.jsonl cannot be combined with.
+IN_MEMORY_SOURCES = ("dataset_name", "train_file", "train_dir", "dataset_format")
+
+
+def _value(cfg: Config, name: str) -> Any:
+    return getattr(getattr(cfg, FIELDS[name][0]), name)
+
+
+def _check_positive(cfg: Config, *names: str) -> None:
+    for name in names:
+        value = _value(cfg, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{where(name)} must be positive, got {value}")
+
+
+def _check_not_negative(cfg: Config, *names: str) -> None:
+    for name in names:
+        value = _value(cfg, name)
+        if value is not None and value < 0:
+            raise ConfigError(f"{where(name)} must be >= 0, got {value}")
+
+
+def _check_lr(t: TrainConfig) -> None:
+    if not t.lr > 0:  # not `<= 0`: NaN is refused too
+        raise ConfigError(f"{where('lr')} must be positive, got {t.lr}")
+
+
+def _check_streaming_source(d: DataConfig) -> None:
+    other = next((f for f in IN_MEMORY_SOURCES if getattr(d, f)), None)
+    if d.streaming and other:
         raise ConfigError(
             f"{where('streaming')}: streams the jsonl --data-dir layout's train.jsonl; "
             f"{where(other)} is read into memory (drop one of them)"
         )
-    if m.num_labels is None and not (d.dataset_name or d.train_file or d.train_dir):
-        # The jsonl --data-dir layout's integer labels do not say how many classes there are; other sources'
-        # labels do (shardtrain/data/sources.py sets it from them).
-        m.num_labels = 3
-    if t.eval_batch_size is not None:
-        positive["eval_batch_size"] = t.eval_batch_size
-    if m.num_labels is not None:
-        positive["num_labels"] = m.num_labels
-    for name, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{where(name)} must be positive, got {value}")
-    if not t.lr > 0:
-        raise ConfigError(f"{where('lr')} must be positive, got {t.lr}")
-    for name in (
-        "weight_decay",
-        "warmup_steps",
-        "max_grad_norm",
-        "eval_every",
-        "save_every",
-        "freeze_layers",
-        "num_workers",
-        "dropout",
-    ):
-        value = getattr(getattr(cfg, FIELDS[name][0]), name)
-        if value < 0:
-            raise ConfigError(f"{where(name)} must be >= 0, got {value}")
-    if m.unfreeze_at_step is not None:
-        if m.freeze_layers == 0:
-            raise ConfigError(
-                f"{where('unfreeze_at_step')} is set but {where('freeze_layers')} is 0: nothing to unfreeze"
-            )
-        if not 0 < m.unfreeze_at_step <= t.max_steps:
-            raise ConfigError(
-                f"{where('unfreeze_at_step')}={m.unfreeze_at_step} is outside 1..max_steps "
-                f"({t.max_steps}): the frozen layers would never train"
-            )
-    try:
-        t.inject_nan_at_steps = sorted({int(v) for v in t.inject_nan_at_steps})
-    except (TypeError, ValueError):
+
+
+def _with_default_num_labels(cfg: Config) -> Config:
+    """The jsonl --data-dir layout's integer labels do not say how many classes there are: 3. Other sources'
+    labels do (shardtrain/data/sources.py takes it from them)."""
+    d = cfg.data
+    if cfg.model.num_labels is not None or d.dataset_name or d.train_file or d.train_dir:
+        return cfg
+    return replace_fields(cfg, num_labels=3)
+
+
+def _check_unfreeze_at_step(m: ModelConfig, t: TrainConfig) -> None:
+    if m.unfreeze_at_step is None:
+        return
+    if m.freeze_layers == 0:
+        raise ConfigError(f"{where('unfreeze_at_step')} is set but {where('freeze_layers')} is 0: nothing to unfreeze")
+    if not 0 < m.unfreeze_at_step <= t.max_steps:
         raise ConfigError(
-            f"{where('inject_nan_at_steps')} must be step numbers, e.g. 3,4; got {t.inject_nan_at_steps!r}"
-        ) from None
-    if m.name == "longformer" and d.max_length > 16384:
-        raise ConfigError(f"{where('max_length')}={d.max_length} is beyond what Longformer positions support")
+            f"{where('unfreeze_at_step')}={m.unfreeze_at_step} is outside 1..max_steps "
+            f"({t.max_steps}): the frozen layers would never train"
+        )
+
+
+def _nan_steps(steps: list) -> list[int]:
+    """--inject-nan-at-steps as sorted, distinct step numbers."""
+    try:
+        return sorted({int(v) for v in steps})
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where('inject_nan_at_steps')} must be step numbers, e.g. 3,4; got {steps!r}") from None
+
+
+def _check_longformer_length(cfg: Config) -> None:
+    if cfg.model.name == "longformer" and cfg.data.max_length > 16384:
+        raise ConfigError(f"{where('max_length')}={cfg.data.max_length} is beyond what Longformer positions support")
+
+
+def _check_deepspeed_file(p: ParallelConfig) -> None:
     if p.strategy == "deepspeed" and not p.ds:
         raise ConfigError(
             f"--strategy deepspeed needs {where('ds')}, e.g. --ds ds_configs/zero2.json "
@@ -974,22 +1122,32 @@ def _validate(cfg: Config) -> None:
         )
     if p.ds and not Path(p.ds).is_file():
         raise ConfigError(f"{where('ds')}: file not found: {p.ds}")
-    if p.strategy == "auto" and not is_builtin_workload(cfg):
-        # The planner measures activations on the built-in architectures; a user's model it only counts.
+
+
+def _check_auto_strategy(cfg: Config) -> None:
+    """The planner measures activations on the built-in architectures; a user's model it only counts."""
+    if cfg.parallel.strategy == "auto" and not is_builtin_workload(cfg):
         raise ConfigError(
             f"{where('strategy')}=auto chooses from predicted activation memory, which shardtrain "
             f"measures for the built-in workloads only, not {workload_target(cfg)}; choose "
             f"--strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
             f"model-state memory)"
         )
-    if p.nproc != "auto":
-        try:
-            if int(p.nproc) < 1:
-                raise ValueError
-        except ValueError:
-            raise ConfigError(f"{where('nproc')} must be 'auto' or a positive integer, got {p.nproc!r}") from None
-    if t.memory_every < 0:
-        raise ConfigError(f"{where('memory_every')} must be >= 0, got {t.memory_every}")
+
+
+def _check_nproc(nproc: str) -> None:
+    if nproc == "auto":
+        return
+    try:
+        if int(nproc) < 1:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{where('nproc')} must be 'auto' or a positive integer, got {nproc!r}") from None
+
+
+def _check_engine_features(cfg: Config) -> None:
+    """What only some strategies have: DeepSpeed's own checkpoint files, and torch.compile (not DeepSpeed)."""
+    p, t = cfg.parallel, cfg.train
     if cfg.checkpoint.engine_files and p.strategy in ("ddp", "fsdp"):
         raise ConfigError(
             f"{where('engine_files')} asks for DeepSpeed's own checkpoint files; --strategy "
@@ -1000,11 +1158,18 @@ def _validate(cfg: Config) -> None:
             f"{where('compile')}={t.compile} is wired up for --strategy ddp and fsdp only, "
             f"not DeepSpeed; drop --compile or use ddp/fsdp"
         )
+
+
+def _check_attention(m: ModelConfig) -> None:
     if m.attention != "sdpa" and m.name == "longformer":
         raise ConfigError(
             f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
             f"the setting applies to the multimodal model's RoBERTa only"
         )
+
+
+def _check_oom_injection(t: TrainConfig) -> None:
+    """The test-only out-of-memory faults: a size, and POINT@STEP:RANK specs."""
     if t.inject_oom_above is not None and t.inject_oom_above < 0:
         raise ConfigError(f"{where('inject_oom_above')} must be >= 0, got {t.inject_oom_above}")
     for spec in t.inject_oom:
@@ -1013,8 +1178,11 @@ def _validate(cfg: Config) -> None:
                 f"{where('inject_oom')}: {spec!r} is not POINT@STEP:RANK with POINT one of forward, "
                 f"alloc, backward, recompute, step (e.g. forward@2:1)"
             )
-    if p.memory_budget_gb is not None and p.memory_budget_gb <= 0:
-        raise ConfigError(f"{where('memory_budget_gb')} must be positive, got {p.memory_budget_gb}")
+
+
+def _check_data_settings(cfg: Config) -> None:
+    """The data section's own settings: preprocessing processes, the validation folder, the image cache."""
+    d = cfg.data
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
         raise ConfigError(
             f"{where('preprocessing_num_workers')} must be a positive number of processes, "
@@ -1022,25 +1190,23 @@ def _validate(cfg: Config) -> None:
         )
     if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
         raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
-    if d.image_cache is not None and m.name != "multimodal":
-        raise ConfigError(f"{where('image_cache')}: only the multimodal model reads images; drop it for {m.name}")
-    if d.dataset_format is not None:
-        check_dataset_format(cfg)
-    if c.final_model_dir is not None and Path(c.final_model_dir).is_file():
-        raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
-    if c.resume not in ("auto", "none") and not Path(c.resume).exists():
-        raise ConfigError(f"{where('resume')}: checkpoint not found: {c.resume} (use 'auto', 'none' or a path)")
-    if m.pretrained and d.tokenizer is None:
-        # A pretrained text model needs the tokenizer it was trained with; default to its own.
-        d.tokenizer = m.text_model
-    check_output_dir(c.output_dir)
+    if d.image_cache is not None and cfg.model.name != "multimodal":
+        raise ConfigError(
+            f"{where('image_cache')}: only the multimodal model reads images; drop it for {cfg.model.name}"
+        )
+
+
+def _with_layout_defaults(cfg: Config) -> Config:
+    """MVSA has no validation split, and the reports evaluate on it: 10% of train unless given."""
+    d = cfg.data
+    if d.dataset_format.startswith("mvsa") and d.validation_split_percentage is None:
+        return replace_fields(cfg, validation_split_percentage=10)
+    return cfg
 
 
 def check_dataset_format(cfg: Config) -> None:
     """What a published layout cannot be combined with; its files are checked later, in data/precheck.py."""
     d = cfg.data
-    if d.dataset_format.startswith("mvsa") and d.validation_split_percentage is None:
-        d.validation_split_percentage = 10  # MVSA has no validation split, and the reports evaluate on it
     fmt = f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')})"
     if cfg.model.name != "multimodal":
         raise ConfigError(
@@ -1049,6 +1215,20 @@ def check_dataset_format(cfg: Config) -> None:
         )
     if d.eval_data_dir is not None:
         raise ConfigError(f"{fmt}: the layout's own files give its validation split; drop {where('eval_data_dir')}")
+
+
+def _check_checkpoint_paths(c: CheckpointConfig) -> None:
+    if c.final_model_dir is not None and Path(c.final_model_dir).is_file():
+        raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
+    if c.resume not in ("auto", "none") and not Path(c.resume).exists():
+        raise ConfigError(f"{where('resume')}: checkpoint not found: {c.resume} (use 'auto', 'none' or a path)")
+
+
+def _with_pretrained_tokenizer(cfg: Config) -> Config:
+    """A pretrained text model needs the tokenizer it was trained with; unset, it is the model's own."""
+    if cfg.model.pretrained and cfg.data.tokenizer is None:
+        return replace_fields(cfg, tokenizer=cfg.model.text_model)
+    return cfg
 
 
 def check_output_dir(output_dir: str) -> None:

@@ -38,7 +38,6 @@ planned_vocab_size); the banner passes the run's own tokenizer length.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 from dataclasses import dataclass
@@ -127,16 +126,17 @@ def run_vocab(cfg) -> tuple[int | None, str]:
 def arch_only(cfg):
     """The same architecture with nothing to load: the offline table stands in for hub configs it knows
     (identical shapes), so plan works with no network and never downloads weights."""
+    from shardtrain.config.settings import replace_fields
     from shardtrain.models import KNOWN_TEXT_ARCHS
 
-    c = copy.deepcopy(cfg)
-    if c.model.text_model in KNOWN_TEXT_ARCHS and not (Path(c.model.text_model) / "config.json").is_file():
-        c.model.pretrained = False
-    c.model.image_weights = None
-    if c.model.num_labels is None:
+    m = cfg.model
+    changes: dict = {"image_weights": None}
+    if m.text_model in KNOWN_TEXT_ARCHS and not (Path(m.text_model) / "config.json").is_file():
+        changes["pretrained"] = False
+    if m.num_labels is None:
         # Taken from the data when the run reads it (sources.py); the head is a few hundred parameters either way.
-        c.model.num_labels = 2
-    return c
+        changes["num_labels"] = 2
+    return replace_fields(cfg, **changes)
 
 
 def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | None = None) -> ModelCount:
@@ -177,9 +177,10 @@ def _frozen_count(model, freeze_layers_names: set[str]) -> int:
 
 # ---- activations, measured at small shapes -------------------------------------------------------------------
 def _with_layers(cfg, n: int):
+    from shardtrain.config.settings import replace_fields
+
     c = arch_only(cfg)
-    c.model.text_config = {**c.model.text_config, "num_hidden_layers": n}
-    return c
+    return replace_fields(c, text_config={**c.model.text_config, "num_hidden_layers": n})
 
 
 def _saved_bytes(

@@ -19,8 +19,7 @@ from shardtrain.data.sources import content_sha256, load_splits, prediction_rows
 
 def config(**data):
     cfg = from_dict({"model": {"name": "longformer", "pretrained": False}, "data": data})
-    validate(cfg)
-    return cfg
+    return validate(cfg)
 
 
 def write_csv(path: Path, header: list[str], rows: list[list]) -> Path:

@@ -35,8 +35,7 @@ def layout_cfg(fmt, data_dir, tmp_path, **data):
             "checkpoint": {"output_dir": str(tmp_path / "run")},
         }
     )
-    validate(cfg)
-    return cfg
+    return validate(cfg)
 
 
 def by_post(layout):

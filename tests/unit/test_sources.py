@@ -16,8 +16,7 @@ from shardtrain.data.sources import load_splits
 
 def config(name="longformer", **data):
     cfg = from_dict({"model": {"name": name, "pretrained": False}, "data": data})
-    validate(cfg)
-    return cfg
+    return validate(cfg)
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
