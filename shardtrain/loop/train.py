@@ -64,33 +64,15 @@ class Trainer:
         (`finished` holds its summary), its files untouched."""
         # Wall-clock stamps of the start-up phases, in summary.json `startup` (benchmarks/startup.py reads them).
         self.startup: dict[str, float] = {"train_entry": time.time()}
-        self.dist = dist_info = init_distributed(cfg.parallel.device, cfg.parallel.dist_timeout)
-        self.device = dist_info.device
-        self.cuda_math = cuda_math(dist_info.device.type, cfg.train.deterministic)  # before any model or kernel
-        self.console = console = Console(dist_info.rank, cfg.log.verbose)
-        self.rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
-        check_devices(self.rank_table, dist_info.is_rank0, console.warn)
-        self.out = out = Path(cfg.checkpoint.output_dir)
-        require_shared_output_dir(out, dist_info.rank, [r["host"] for r in self.rank_table])  # across hosts: one
-        if cfg.checkpoint.overwrite_output_dir and cfg.checkpoint.resume == "none" and dist_info.is_rank0:
-            checkpoint.clear_previous_run(out)  # asked for by name; otherwise `train` refused (refuse_to_overwrite)
-        barrier()
-        self.startup["process_group"] = time.time()
-        self.stop = StopFlag()
-        self.t_start = now()
-
+        self._start_processes(cfg)
+        dist_info, console = self.dist, self.console
         # ---- where we resume from. This run's own checkpoint with nothing left to train: stop before any heavy
-        # work. Another run's checkpoint at --max-steps is a conversion: it is loaded by this strategy and saved
-        # into this output dir (the cross-strategy handover).
-        self.resume_dir = checkpoint.find_resume_dir(cfg.checkpoint.resume, out)
-        self.state = state = checkpoint.read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
-        resumed_here = self.resume_dir is not None and (
-            self.resume_dir.parent.resolve() == checkpoint.checkpoints_root(out).resolve()
-        )
+        # work, its files untouched.
         self.finished = None
-        if resumed_here and state["step"] >= cfg.train.max_steps:
+        if self._find_resume(cfg):
             self.finished = self._nothing_to_train(cfg)
             return
+        state = self.state
 
         # ---- the batch geometry, before anything is built from it: what the flags change against the
         # checkpoint's, then the world size. An elastic job resumed at another world size keeps its global batch
@@ -113,8 +95,8 @@ class Trainer:
         self.step, self.unfrozen = 0, False
         if self.resume_dir is not None:
             self._resume()
-        self.last_saved = self.step if resumed_here else None  # nothing new to save at this dir's checkpoint
-        self.saves = Saves(strategy, out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, console)
+        self.last_saved = self.step if self.resumed_here else None  # nothing new to save at this dir's checkpoint
+        self.saves = Saves(strategy, self.out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, console)
         self._describe_run()
 
         # ---- the training stream (dropout): seeded, or the checkpoint's restored, after everything that builds
@@ -280,6 +262,34 @@ class Trainer:
             requeue_if_slurm(self.console.info)
 
     # ---- start-up ---------------------------------------------------------------------------------------------
+    def _start_processes(self, cfg: Config) -> None:
+        """The process group, this rank's device and CUDA math, the console, and one output dir for every host."""
+        self.dist = dist_info = init_distributed(cfg.parallel.device, cfg.parallel.dist_timeout)
+        self.device = dist_info.device
+        self.cuda_math = cuda_math(dist_info.device.type, cfg.train.deterministic)  # before any model or kernel
+        self.console = Console(dist_info.rank, cfg.log.verbose)
+        self.rank_table = gather_rank_info(dist_info)  # the startup banner shows the same table
+        check_devices(self.rank_table, dist_info.is_rank0, self.console.warn)
+        self.out = out = Path(cfg.checkpoint.output_dir)
+        require_shared_output_dir(out, dist_info.rank, [r["host"] for r in self.rank_table])  # across hosts: one
+        if cfg.checkpoint.overwrite_output_dir and cfg.checkpoint.resume == "none" and dist_info.is_rank0:
+            checkpoint.clear_previous_run(out)  # asked for by name; otherwise `train` refused (refuse_to_overwrite)
+        barrier()
+        self.startup["process_group"] = time.time()
+        self.stop = StopFlag()
+        self.t_start = now()
+
+    def _find_resume(self, cfg: Config) -> bool:
+        """The checkpoint to resume from and its trainer state; True when it is this run's own with nothing left
+        to train. Another run's checkpoint at --max-steps is a conversion: it is loaded by this strategy and
+        saved into this output dir (the cross-strategy handover)."""
+        self.resume_dir = checkpoint.find_resume_dir(cfg.checkpoint.resume, self.out)
+        self.state = checkpoint.read_trainer_state(self.resume_dir) if self.resume_dir is not None else {}
+        self.resumed_here = self.resume_dir is not None and (
+            self.resume_dir.parent.resolve() == checkpoint.checkpoints_root(self.out).resolve()
+        )
+        return self.resumed_here and self.state["step"] >= cfg.train.max_steps
+
     def _nothing_to_train(self, cfg: Config) -> dict:
         self.console.info(
             f"nothing to train: {self.resume_dir} is at step {self.state['step']} and --max-steps is "

@@ -19,6 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 LIMITS = [
     ("shardtrain/config/**/*.py", 25),  # issue 30: no function in config/ above 25
+    ("shardtrain/loop/train.py", 15),  # the Trainer: train() reads in a screen, and so does each of its steps
 ]
 
 

@@ -335,12 +335,13 @@ def test_cuda_runs_default_to_tf32_and_cudnn_autotuning_and_deterministic_turns_
 
 def test_train_sets_the_cuda_math_before_building_anything():
     text = (REPO / "shardtrain" / "loop" / "train.py").read_text()
-    init = text.index("dist_info = init_distributed(")
-    assert (
-        init
-        < text.index("self.cuda_math = cuda_math(dist_info.device.type, cfg.train.deterministic)")
-        < text.index("strategy = make_strategy(")
-    )
+    # Trainer.__init__ starts the processes (_start_processes) before it makes the strategy ...
+    assert text.index("        self._start_processes(cfg)\n") < text.index("strategy = make_strategy(")
+    # ... and _start_processes sets the CUDA math right after the process group, before it returns.
+    start = text[text.index("    def _start_processes(") :]
+    start = start[: start.index("\n    def ", 1)]
+    init = start.index("dist_info = init_distributed(")
+    assert init < start.index("self.cuda_math = cuda_math(dist_info.device.type, cfg.train.deterministic)")
     assert "self.cuda_math,\n" in text  # into describe_run: the banner and summary.json `run`
 
 
