@@ -146,11 +146,26 @@ def torchrun(
 DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 
 
-def run_plan(plan: list[dict], root: Path, timeout: float, tail: int = 40) -> tuple[Run, dict]:
+def run_plan(
+    plan: list[dict],
+    root: Path,
+    timeout: float,
+    tail: int = 40,
+    env: dict | None = None,
+    extra_launcher_args: list[str] = (),
+) -> tuple[Run, dict]:
     """Many configurations in one launch of tests/dist/matrix_driver.py: (the launch, results by run name).
-    Fails with the launch's tail when it did not exit 0 or a planned run is missing from the results."""
+    Fails with the launch's tail when it did not exit 0 or a planned run is missing from the results. Under
+    `--max-restarts N` (extra_launcher_args) a restarted driver runs the plan again from its first run."""
     (root / "plan.json").write_text(json.dumps(plan))
-    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=timeout, check=False)
+    run = torchrun(
+        [str(root / "plan.json"), str(root)],
+        script=DRIVER,
+        timeout=timeout,
+        check=False,
+        env=env,
+        extra_launcher_args=extra_launcher_args,
+    )
     results_file = root / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     missing = [p["name"] for p in plan if p["name"] not in results]

@@ -32,13 +32,14 @@ EXPORT_META = "shardtrain_export.json"
 INT8_FILE = "model_int8.pt"  # export --int8: torchao's format, torch.save of the quantized state_dict
 
 
-def _resolve(ckpt: str | Path) -> Path:
+def _resolve(ckpt: str | Path, which: str = "final") -> Path:
+    """`which`: final (a run folder's newest checkpoint, or the step directory given) or best (checkpoints/best)."""
     path = Path(ckpt)
     if not path.exists():
         raise ConfigError(f"export: checkpoint not found: {path}")
-    found = checkpoint.find_resume_dir(str(path), path, label="export")
+    found = checkpoint.find_checkpoint(path, which, label="export")
     run = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
-    if run is not None:  # a run folder stands for the model it ended with; a step directory is explicit
+    if run is not None and which == "final":  # a run folder stands for the model it ended with
         _refuse_older_than_run(run, found, path)
     return found
 
@@ -94,10 +95,12 @@ def export_checkpoint(
     workload: str | None = None,
     workload_args: str | None = None,
     evaluate: bool = False,
+    which: str = "final",
 ) -> dict:
     """`workload` / `workload_args` (--workload, --workload-args): rebuild the model with this workload instead
-    of the one the run recorded (its module moved, or its args name paths of another machine)."""
-    ckpt_dir = _resolve(ckpt)
+    of the one the run recorded (its module moved, or its args name paths of another machine). `which`
+    (--checkpoint): a run folder's final or best checkpoint."""
+    ckpt_dir = _resolve(ckpt, which)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     from shardtrain.config.settings import is_builtin_workload

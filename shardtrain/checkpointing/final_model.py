@@ -3,6 +3,7 @@
 Sharded strategies hold no full copy of the weights on any rank, so the consolidated model is made the
 one way that works for all of them: commit a checkpoint of the last step (every rank), then rank 0
 exports it with shardtrain.checkpointing.export, which reads any strategy's checkpoint in one process.
+`--final-model-checkpoint best` exports checkpoints/best instead (the final one is committed all the same).
 """
 
 from __future__ import annotations
@@ -34,10 +35,25 @@ def write_final_model(strategy, trainer_state: dict, cfg, console) -> Path | Non
         from shardtrain.checkpointing.export import export_checkpoint
 
         written = final_model_folder(cfg)
+        ckpt = chosen_checkpoint(ckpt, cfg, console)
         export_checkpoint(ckpt, written)
         console.info(f"final model: {written} (from {ckpt})")
     barrier()
     return written
+
+
+def chosen_checkpoint(final: Path, cfg, console) -> Path:
+    """`final`, or with --final-model-checkpoint best the checkpoint `best` names (the final one, with a warning,
+    when no evaluation gave a finite value)."""
+    if cfg.checkpoint.final_model_checkpoint != "best":
+        return final
+    best = checkpoint.best_committed(checkpoint.checkpoints_root(cfg.checkpoint.output_dir))
+    if best is None:
+        console.warn(
+            f"--final-model-checkpoint best: no evaluation gave a finite {cfg.train.metric_for_best_model or 'metric'}"
+            f", so there is no best checkpoint; the final model is {final}"
+        )
+    return best or final
 
 
 def export_final_model_if_missing(ckpt: Path, cfg, is_rank0: bool, console) -> None:
@@ -50,6 +66,7 @@ def export_final_model_if_missing(ckpt: Path, cfg, is_rank0: bool, console) -> N
     if is_rank0:
         from shardtrain.checkpointing.export import export_checkpoint
 
+        ckpt = chosen_checkpoint(ckpt, cfg, console)
         export_checkpoint(ckpt, folder)
         console.info(f"final model: {folder} (from {ckpt}: the run had finished)")
     barrier()

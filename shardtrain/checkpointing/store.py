@@ -2,8 +2,10 @@
 
 Layout:  OUT/checkpoints/step-000120/{model_optim/ | engine/, strategy_state.json, trainer_state.json,
          rng/rank-00000.safetensors, COMMITTED}      OUT/checkpoints/latest  ("step-000120")
+         OUT/checkpoints/best  ("step-000080": --metric-for-best-model's choice, loop/best.py)
 A step directory counts only once COMMITTED exists; it is written last, after every rank has finished.
-`latest` is replaced atomically. Nothing here is ever unpickled: JSON and safetensors only.
+`latest` and `best` are replaced atomically; --keep-last never prunes the checkpoint that the committed trainer
+state names as the best. Nothing here is ever unpickled: JSON and safetensors only.
 With --async-save the shards are written in the background (start_save -> PendingSave); the commit waits until
 every rank's write is on disk (finish_save, or commit_agreed from the loop's per-step agreement).
 """
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
 FORMAT_VERSION = 1
 COMMIT_MARKER = "COMMITTED"
 TRAINER_STATE = "trainer_state.json"
+BEST = "best"  # the pointer file beside `latest`
 STEP_DIR = re.compile(r"^step-(\d{6,})$")
 
 
@@ -63,6 +66,28 @@ def latest_committed(root: Path) -> Path | None:
             return candidate
     steps = committed_steps(root)
     return steps[-1] if steps else None
+
+
+def best_committed(root: Path) -> Path | None:
+    """The checkpoint `best` names, if it is committed (a run without --metric-for-best-model has none)."""
+    pointer = root / BEST
+    if not pointer.is_file():
+        return None
+    candidate = root / pointer.read_text().strip()
+    return candidate if is_committed(candidate) else None
+
+
+def best_step_dir(root: Path, trainer_state: dict) -> Path | None:
+    """The step directory that a trainer state's best record (loop/best.py) names, or None."""
+    step = (trainer_state.get("best") or {}).get("step")
+    return root / step_dir_name(step) if step is not None else None
+
+
+def point_best(root: Path, path: Path) -> None:
+    """Rank 0: `best` names this committed step directory (atomically, as `latest`)."""
+    if (root / BEST).is_file() and (root / BEST).read_text().strip() == path.name:
+        return
+    _write_atomic(root / BEST, path.name + "\n")
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -272,7 +297,11 @@ def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) 
         _write_atomic(path / COMMIT_MARKER, "ok\n")
         _fsync_dir(path)
         _write_atomic(root / "latest", path.name + "\n")
-        prune(root, pending.keep_last, keep=path)
+        # After `latest`: a kill between the two leaves `best` at the previous best, which the resume repairs.
+        best = best_step_dir(root, pending.state)
+        if best == path:
+            point_best(root, path)
+        prune(root, pending.keep_last, keep=path, best=best)
     if not agreed_in_loop:
         barrier()  # the caller may read the commit on any rank (final_model.write_final_model does)
     return path
@@ -294,11 +323,12 @@ def _cause(e: BaseException) -> str:
     return ("No space left on device" if "No space left" in text else text[:200]) or type(e).__name__
 
 
-def prune(root: Path, keep_last: int, keep: Path) -> None:
-    """Drop old committed checkpoints beyond keep_last (never `keep`) and abandoned partial ones."""
+def prune(root: Path, keep_last: int, keep: Path, best: Path | None = None) -> None:
+    """Drop old committed checkpoints beyond keep_last (never `keep`, nor the `best` one) and abandoned partial
+    ones."""
     committed = committed_steps(root)
     for old in committed[:-keep_last] if keep_last > 0 else []:
-        if old != keep:
+        if old not in (keep, best):
             shutil.rmtree(old, ignore_errors=True)
     for p in root.iterdir():
         if STEP_DIR.match(p.name) and not is_committed(p) and p != keep:
@@ -341,6 +371,29 @@ def find_resume_dir(resume: str, output_dir: str | Path, label: str = "--resume"
             )
         raise ConfigError(f"{label} {resume}: not a committed checkpoint (missing {COMMIT_MARKER})")
     return path
+
+
+def find_checkpoint(source: str | Path, which: str, label: str) -> Path:
+    """`export` / `predict` / the final model: `which` is final (a run folder's newest committed checkpoint, or
+    the step directory given) or best (the checkpoint `best` names in a run folder or its checkpoints/)."""
+    path = Path(source)
+    if which == "final":
+        return find_resume_dir(str(path), path, label=label)
+    from shardtrain.config.settings import ConfigError
+
+    root = path if path.name == "checkpoints" else path / "checkpoints"
+    if not root.is_dir():
+        raise ConfigError(
+            f"{label} --checkpoint best: {path} is not a run's folder (OUT or OUT/checkpoints); a step "
+            f"directory is one checkpoint already: name it without --checkpoint"
+        )
+    best = best_committed(root)
+    if best is None:
+        raise ConfigError(
+            f"{label} --checkpoint best: {root} has no best checkpoint ({BEST}); a run keeps one with "
+            f"--metric-for-best-model NAME or --early-stopping-patience N"
+        )
+    return best
 
 
 # What a run writes into its output dir; --overwrite-output-dir removes exactly these, nothing of the user's.

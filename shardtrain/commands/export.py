@@ -17,6 +17,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("checkpoint", help="a step directory, OUT/checkpoints or a run's OUT (its latest)")
     parser.add_argument("out")
     parser.add_argument(
+        "--checkpoint",
+        dest="which",
+        choices=["final", "best"],
+        default="final",
+        help="of a run's folder: final (its latest, the model it ended with; the default) or best "
+        "(checkpoints/best, which --metric-for-best-model chose)",
+    )
+    parser.add_argument(
         "--int8",
         action="store_true",
         help="also write a torchao INT8 copy (model_int8.pt) for CPU inference (not for training)",
@@ -42,6 +50,7 @@ def main(argv: list[str]) -> int:
         workload=args.workload,
         workload_args=args.workload_args,
         evaluate=args.eval,
+        which=args.which,
     )
     print(f"exported {info['checkpoint']} -> {args.out} ({info['bytes_fp32'] / 1e6:.2f} MB fp32)")
     if "workload" in info:  # a user's workload: evaluated by its own metrics, if asked

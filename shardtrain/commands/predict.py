@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         "source", help="a run's output dir (its latest checkpoint), a checkpoint step dir, or an export folder"
     )
     parser.add_argument(
+        "--checkpoint",
+        choices=["final", "best"],
+        default="final",
+        help="of a run's output dir: final (its latest, the model it ended with; the default) or best "
+        "(checkpoints/best, which --metric-for-best-model chose)",
+    )
+    parser.add_argument(
         "--file",
         default=None,
         help="predict every row of this file, in order (csv, json/jsonl, "
@@ -241,17 +248,20 @@ def open_source(args, given: dict) -> Source:
     path = Path(args.source)
     if not path.exists():
         raise ConfigError(f"predict: {path} not found (give a run's output dir, a checkpoint or an export folder)")
+    which = getattr(args, "checkpoint", "final")
     if (path / EXPORT_META).is_file():
+        if which != "final":
+            raise ConfigError(f"predict --checkpoint {which}: {path} is an export, one model; give the run's folder")
         return _export_source(path, args, given)
     if args.int8:
         raise ConfigError(f"predict --int8: {path} is not an export; `shardtrain export {path} OUT --int8` writes one")
-    return _checkpoint_source(path, given)
+    return _checkpoint_source(path, given, which)
 
 
-def _checkpoint_source(path: Path, given: dict) -> Source:
+def _checkpoint_source(path: Path, given: dict, which: str = "final") -> Source:
     from shardtrain.checkpointing import store as checkpoint
 
-    ckpt = checkpoint.find_resume_dir(str(path), path, label="predict")
+    ckpt = checkpoint.find_checkpoint(path, which, label="predict")
     state = checkpoint.read_trainer_state(ckpt)
     cfg = _with_flags(state["config"], given, run_dir=ckpt.parent.parent, where=str(ckpt))
     workload = _workload(cfg)

@@ -181,6 +181,25 @@ class TrainConfig:
         False, "recompute each block's activations in backward: less memory, about one more forward per step"
     )
     eval_every: int = setting(0, "evaluate every N optimizer steps; 0: only at the end")
+    # The best checkpoint and early stopping (loop/best.py), in HF TrainingArguments' and EarlyStoppingCallback's
+    # spellings and meaning; decided at each --eval-every evaluation.
+    metric_for_best_model: Optional[str] = setting(
+        None,
+        "keep checkpoints/best: the checkpoint of the evaluation with the best value of this key of the "
+        "workload's metrics() (e.g. accuracy, macro_f1); unset: no best checkpoint, unless "
+        "early_stopping_patience is set, which then takes the first key (accuracy for the built-ins)",
+    )
+    greater_is_better: Optional[bool] = setting(
+        None, "a larger metric_for_best_model is better; unset: true unless the metric's name ends in 'loss' (as HF)"
+    )
+    early_stopping_patience: Optional[int] = setting(
+        None,
+        "stop (saved, exit 0) after this many evaluations in a row that do not improve metric_for_best_model "
+        "by more than early_stopping_threshold; unset: no early stopping",
+    )
+    early_stopping_threshold: float = setting(
+        0.0, "how much an evaluation must improve on the best value so far to reset the patience count"
+    )
     log_every: int = setting(10, "log the loss and throughput every N optimizer steps")
     nan_policy: Literal["skip", "abort"] = setting(
         "skip", "a step with a non-finite loss or gradient: skip its update (every rank alike), or abort the run"
@@ -285,6 +304,11 @@ class CheckpointConfig:
     )
     final_model_dir: Optional[str] = setting(
         None, "at the end, rank 0 writes the consolidated model here (SageMaker: SM_MODEL_DIR); unset: not written"
+    )
+    final_model_checkpoint: Literal["final", "best"] = setting(
+        "final",
+        "which checkpoint --final-model-dir (and W&B's model artifact) gets: final (the step the run "
+        "ended at) or best (checkpoints/best, which metric_for_best_model chose)",
     )
 
 
@@ -407,6 +431,10 @@ MEANT = {
     "use_fsdp": ("strategy", "--strategy fsdp; the wrap policy is --fsdp-policy"),
     "eval_strategy": ("eval_every", "--eval-every N evaluates every N steps, 0 only at the end"),
     "save_strategy": ("save_every", "--save-every N saves every N steps, and a finished run saves its last"),
+    "load_best_model_at_end": (
+        "final_model_checkpoint",
+        "--final-model-checkpoint best hands over checkpoints/best; export and predict take --checkpoint best",
+    ),
 }
 
 
@@ -997,6 +1025,8 @@ def _validate(cfg: Config) -> Config:
     _check_positive(cfg, *POSITIVE)
     _check_lr(cfg.train)
     _check_not_negative(cfg, *NOT_NEGATIVE)
+    _check_best_metric(cfg.train)
+    _check_early_stopping(cfg.train, cfg.checkpoint)
     _check_unfreeze_at_step(cfg.model, cfg.train)
     cfg = replace_fields(cfg, inject_nan_at_steps=_nan_steps(cfg.train.inject_nan_at_steps))
     _check_longformer_length(cfg)
@@ -1033,6 +1063,7 @@ POSITIVE = (
     "dist_timeout",
     "eval_batch_size",
     "num_labels",
+    "early_stopping_patience",
 )
 NOT_NEGATIVE = (
     "weight_decay",
@@ -1069,6 +1100,34 @@ def _check_not_negative(cfg: Config, *names: str) -> None:
 def _check_lr(t: TrainConfig) -> None:
     if not t.lr > 0:  # not `<= 0`: NaN is refused too
         raise ConfigError(f"{where('lr')} must be positive, got {t.lr}")
+
+
+def tracks_best(t: TrainConfig) -> bool:
+    """A best checkpoint is kept (loop/best.py): a metric is named, or early stopping needs one."""
+    return t.metric_for_best_model is not None or t.early_stopping_patience is not None
+
+
+def _check_best_metric(t: TrainConfig) -> None:
+    """Whether the name is one of the workload's metrics is known at the first evaluation (loop/best.py)."""
+    if t.metric_for_best_model is not None and not t.metric_for_best_model.strip():
+        raise ConfigError(f"{where('metric_for_best_model')} must name a metric, e.g. accuracy")
+    if not t.early_stopping_threshold >= 0:  # not `< 0`: NaN is refused too
+        raise ConfigError(f"{where('early_stopping_threshold')} must be >= 0, got {t.early_stopping_threshold}")
+
+
+def _check_early_stopping(t: TrainConfig, c: CheckpointConfig) -> None:
+    """The best checkpoint is chosen at the evaluations during training: --eval-every 0 has none."""
+    asked = "early_stopping_patience" if t.early_stopping_patience is not None else "metric_for_best_model"
+    if tracks_best(t) and t.eval_every == 0:
+        raise ConfigError(
+            f"{where(asked)} decides at the evaluations during training, and {where('eval_every')} is 0 "
+            f"(only at the end): set --eval-every N"
+        )
+    if c.final_model_checkpoint == "best" and not tracks_best(t):
+        raise ConfigError(
+            f"{where('final_model_checkpoint')} best: no best checkpoint is kept; set "
+            f"--metric-for-best-model NAME (or --early-stopping-patience N)"
+        )
 
 
 def _check_streaming_source(d: DataConfig) -> None:

@@ -20,6 +20,7 @@ from shardtrain.checkpointing.final_model import export_final_model_if_missing, 
 from shardtrain.config.settings import Config, is_builtin_workload
 from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.data.sources import check_resumed_labels
+from shardtrain.loop.best import BestCheckpoint, stopped_early
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.evaluate import evaluate
 from shardtrain.loop.oom import OOMRecovery
@@ -96,6 +97,11 @@ class Trainer:
         if self.resume_dir is not None:
             self._resume()
         self.last_saved = self.step if self.resumed_here else None  # nothing new to save at this dir's checkpoint
+        # The best checkpoint and early stopping: the checkpoint's record (best step, value, patience count)
+        # restored, so that a kill -9, a requeue or an elastic resize goes on counting where it was.
+        self.best = BestCheckpoint(cfg.train, self.state.get("best"), self.task, console)
+        if self.resumed_here:
+            self.best.repair_pointer(checkpoint.checkpoints_root(self.out), dist_info.is_rank0)
         self.saves = Saves(strategy, self.out, cfg.checkpoint.keep_last, cfg.checkpoint.async_save, console)
         self._describe_run()
 
@@ -120,34 +126,34 @@ class Trainer:
             loss_method=f"{self.task}.loss",
         )
         self.eval_result: dict = {}
-        self.preempted = False
+        self.evaluated_at: int | None = None
+        self.preempted = self.stopped_early = False
         self.last_batch = None
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def train(self) -> dict:
         if self.finished is not None:
             return self.finished
-        max_steps, eval_every = self.cfg.train.max_steps, self.cfg.train.eval_every
-        save_every = self.cfg.checkpoint.save_every
         self.strategy.train()
-        while self.step < max_steps:
+        while self.step < self.cfg.train.max_steps:
             t0 = now()
             outcome = self.train_step()
             if outcome.redo:
                 continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
             self._log_step(outcome, now() - t0)
-            if eval_every and self.step % eval_every == 0 and self.step < max_steps:
-                self.evaluate()
             self.preempted = outcome.stop
-            if (save_every and self.step % save_every == 0) or self.preempted:
+            if self._eval_due():  # also decides the best checkpoint and early stopping, every rank alike
+                self.evaluate(final=self.step >= self.cfg.train.max_steps)
+            if self._save_due():
                 self.save()
             if self.preempted:
                 self._stop_for_preemption()
                 break
-        self._save_final()
-        self.saves.wait()  # a background write still in flight is committed before the run reports itself done
-        if not self.preempted:
-            self.evaluate(final=True)
+            if self.best.stop:  # --early-stopping-patience: ends as a finished run does
+                self.stopped_early = True
+                self.console.info(self.best.stop_line(self.step))
+                break
+        self._end()
         return self._summarise()
 
     def train_step(self) -> StepOutcome:
@@ -214,14 +220,40 @@ class Trainer:
     # ---- what the loop calls ----------------------------------------------------------------------------------
     def evaluate(self, final: bool = False) -> None:
         self.eval_result = evaluate(self.workload, self.strategy, self.loaders, self.dist, self.last_batch)
+        self.evaluated_at = self.step
         self.tracker.evaluated(self.step, self.eval_result, final=final)
+        # The metrics are the same on every rank (all-reduced sums, loop/best.py), so every rank reaches the same
+        # decision here: to save this step as the best, and to stop.
+        self.best.observe(self.step, self.eval_result)
+
+    def _eval_due(self) -> bool:
+        """--eval-every N, and at the last step the final evaluation (not when a preemption stops the run there),
+        before that step's checkpoint: the checkpoint holds the best record of every evaluation up to it."""
+        every, step = self.cfg.train.eval_every, self.step
+        if step >= self.cfg.train.max_steps:
+            return not self.preempted
+        return bool(every) and step % every == 0
+
+    def _save_due(self) -> bool:
+        """--save-every N, a preemption, or a new best evaluation (which checkpoints/best is to name)."""
+        every = self.cfg.checkpoint.save_every
+        return bool(every and self.step % every == 0) or self.preempted or self.best.saves_at(self.step)
 
     def save(self) -> None:
         self.saves.save(self.step, {**self._trainer_state(), **self.tracker.checkpoint_state()})
         self.last_saved = self.step
 
+    def _end(self) -> None:
+        """The model the run ended with: evaluated (the loop did that at its last step, and at an early stop; a
+        conversion of another run's checkpoint trains no step; a preemption does not evaluate), then committed."""
+        if not self.preempted and self.evaluated_at != self.step:
+            self.evaluate(final=True)
+        self._save_final()
+        self.saves.wait()  # a background write still in flight is committed before the run reports itself done
+
     def _save_final(self) -> None:
-        if self.cfg.checkpoint.save_final and not self.preempted and self.last_saved != self.step:
+        wanted = self.cfg.checkpoint.save_final or self.best.saves_at(self.step)  # the best is always kept
+        if wanted and not self.preempted and self.last_saved != self.step:
             self.save()  # every finished run keeps the model it ended with: what `export` and --resume see
 
     def _log_step(self, outcome: StepOutcome, seconds: float) -> None:
@@ -288,13 +320,18 @@ class Trainer:
         self.resumed_here = self.resume_dir is not None and (
             self.resume_dir.parent.resolve() == checkpoint.checkpoints_root(self.out).resolve()
         )
-        return self.resumed_here and self.state["step"] >= cfg.train.max_steps
+        return self.resumed_here and (self.state["step"] >= cfg.train.max_steps or stopped_early(self.state, cfg.train))
 
     def _nothing_to_train(self, cfg: Config) -> dict:
+        step, patience = self.state["step"], cfg.train.early_stopping_patience
+        why, more = (
+            (f"--max-steps is {cfg.train.max_steps}", "--max-steps")
+            if step >= cfg.train.max_steps
+            else (f"the run stopped early there (--early-stopping-patience {patience})", "--early-stopping-patience")
+        )
         self.console.info(
-            f"nothing to train: {self.resume_dir} is at step {self.state['step']} and --max-steps is "
-            f"{cfg.train.max_steps}; summary.json and the checkpoints are left as they were "
-            f"(a larger --max-steps trains on)"
+            f"nothing to train: {self.resume_dir} is at step {step} and {why}; summary.json and the checkpoints "
+            f"are left as they were (a larger {more} trains on)"
         )
         export_final_model_if_missing(self.resume_dir, cfg, self.dist.is_rank0, self.console)
         return {"final_step": self.state["step"], "nothing_to_train": True}
@@ -394,6 +431,7 @@ class Trainer:
             "data": self.loaders.train.checkpoint_state(),
             "config": self.cfg.to_dict(),
             "resolved": {"batch_geometry": self.geometry.as_record()},
+            **self.best.checkpoint_state(),  # best step, value and patience count (loop/best.py)
         }
 
     def _summarise(self) -> dict:
@@ -407,7 +445,8 @@ class Trainer:
             "final_step": self.step,
             **self.health.counts(),
             "preempted": self.preempted,
-            "stopped_by": self.stop.reason if self.preempted else None,
+            "stopped_by": self.stop.reason if self.preempted else "early_stopping" if self.stopped_early else None,
+            "best": self.best.summary(),
             "checkpoint_save_seconds": self.saves.blocking_seconds,
             "checkpoint_write_seconds": self.saves.write_seconds,
             "versions": library_versions(),

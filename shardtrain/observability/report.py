@@ -92,6 +92,23 @@ def verdict(runs: list[RunLog]) -> list[str]:
     return lines
 
 
+def best_lines(summary: dict) -> list[str]:
+    """The best checkpoint (--metric-for-best-model) and an early stop, as the run's summary.json records them."""
+    best = summary.get("best") or {}
+    if best.get("step") is None:
+        return []
+    line = (
+        f"best checkpoint: step {best['step']} ({best['checkpoint']}, checkpoints/best), "
+        f"{best['metric']} {best['value']:.6g} ({'greater' if best['greater_is_better'] else 'lower'} is better)"
+    )
+    if summary.get("stopped_by") == "early_stopping":
+        line += (
+            f"; stopped early at step {summary.get('final_step')} after {best['evals_without_improvement']} "
+            f"evaluations without improvement (patience {best.get('patience')})"
+        )
+    return [f"<p class='best'>{html.escape(line)}</p>"]
+
+
 def _html_table(header, rows) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
@@ -204,6 +221,7 @@ def write_report(
     # strategy_settings repeats the strategy's keys, which the run block holds at its top level.
     settings = {k: v for k, v in info.items() if k not in ("ranks", "strategy_settings")}
     parts = [f"<h1>shardtrain run: {html.escape(run.label)}</h1>", _html_table(COLUMNS, table_rows([run]))]
+    parts += best_lines(run.summary)
     if info.get("ranks"):
         parts += [
             "<h2>ranks</h2>",

@@ -104,6 +104,19 @@ def write_summary(output_dir: Path, summary: dict) -> None:
     tmp.replace(path)
 
 
+def wandb_summary(summary: dict) -> dict:
+    """The W&B run's summary at the end, from summary.json's content: the last loss, the eval, throughput, and
+    the best checkpoint (--metric-for-best-model: its step, value and metric, which mark it in W&B)."""
+    best = summary.get("best") or {}
+    return {
+        "final_loss": (summary.get("train_loss") or [None])[-1],
+        **{f"eval/{k}": v for k, v in (summary.get("eval") or {}).items()},
+        "samples_per_sec": summary.get("samples_per_sec"),
+        **({f"best/{k}": best[k] for k in ("step", "value", "metric")} if best.get("step") is not None else {}),
+        **({"stopped_by": summary["stopped_by"]} if summary.get("stopped_by") else {}),
+    }
+
+
 def library_versions() -> dict:
     import platform
 
@@ -254,13 +267,7 @@ class Tracker:
         write_summary(self.out, summary)
         if final_model is not None and logs_model_artifact(self.cfg.log):
             self.wandb.log_model(final_model)
-        self.wandb.finish(
-            {
-                "final_loss": (summary.get("train_loss") or [None])[-1],
-                **{f"eval/{k}": v for k, v in (summary.get("eval") or {}).items()},
-                "samples_per_sec": summary.get("samples_per_sec"),
-            }
-        )
+        self.wandb.finish(wandb_summary(summary))
         if self.cfg.log.report:
             try:
                 from shardtrain.observability.report import write_report

@@ -1,5 +1,6 @@
 """Checkpoints that never lose work: exact resume after kill -9 (each strategy), torn saves, torchrun
-restarts, preemption by SIGUSR1, a full disk, cross-strategy handover and export. Real processes, gloo."""
+restarts, preemption by SIGUSR1, a full disk, cross-strategy handover and export; the best checkpoint and early
+stopping across a kill. Real processes, gloo."""
 from __future__ import annotations
 
 import json
@@ -218,3 +219,58 @@ def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, 
     assert "the newest checkpoint is step 2, but the run ended at step 3 (summary.json)" in refused.output
     assert len(refused.output.strip().splitlines()) == 1, refused.output
     cli(["export", str(unsaved / "checkpoints" / "step-000002"), str(tmp_path / "exp2")])
+
+
+# The best checkpoint and early stopping (docs/checkpoints.md, "The best checkpoint and early stopping"): patience 2,
+# so that every run stops at step 3 of 10. n_examples never changes, so its first evaluation stays the best; with
+# accuracy and a threshold of 1.0 no evaluation after the first can improve by more than it, while a larger
+# accuracy still becomes the best (HF's rule).
+EARLY = ["--per-device-batch-size", "8", "--max-steps", "10", "--eval-every", "1", "--save-every", "1",
+         "--keep-last", "1", "--early-stopping-patience", "2", "--max-eval-samples", "16", "--resume", "auto",
+         "--log-every", "100"]
+BEST_RUNS = {  # the first is killed; its restart resumes it
+    "zero3": ["--metric-for-best-model", "n_examples"],
+    "ddp": ["--metric-for-best-model", "n_examples", "--final-model-checkpoint", "best"],
+    "fsdp": ["--early-stopping-threshold", "1.0"],  # the default metric: accuracy, the first key
+    "zero2": ["--early-stopping-threshold", "1.0", "--async-save"],
+}
+
+
+def test_best_checkpoint_and_early_stopping_on_every_strategy_across_a_kill(mm_data, tmp_path):
+    """The four strategies in ONE launch of the matrix driver (run_plan), each stopping early at step 3 as a finished
+    run does: its final checkpoint, summary.json `stopped_by: early_stopping`, exit 0; `checkpoints/best` names the
+    best evaluation's checkpoint, which --keep-last 1 kept. The first run (zero3) is SIGKILLed on rank 1 mid-step
+    3, after one evaluation without improvement; torchrun restarts the driver, which resumes it from step 2 with
+    that count: it stops at step 3 again (a lost count would stop it at step 4)."""
+    from launch import run_plan
+
+    def final_model(s, extra):  # where --final-model-checkpoint best asks for it
+        return ["--final-model-dir", str(tmp_path / s / "final_model")] if "--final-model-checkpoint" in extra else []
+
+    plan = [{"name": s, "args": args(mm_data, tmp_path / s, s, *EARLY, *extra, *final_model(s, extra))}
+            for s, extra in BEST_RUNS.items()]
+    env = test_env(SHARDTRAIN_FAULT="step@3:1", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired")
+    run, _ = run_plan(plan, tmp_path, timeout=900, env=env, extra_launcher_args=["--max-restarts", "2"])
+    assert run.output.count("[fault injection]") == 1, run.tail()
+    assert f"resumed from {tmp_path / 'zero3' / 'checkpoints' / 'step-000002'} at step 2" in run.output, run.tail()
+    for strategy, extra in BEST_RUNS.items():
+        out = tmp_path / strategy
+        summary = json.loads((out / "summary.json").read_text())
+        evals = [json.loads(line) for line in (out / "eval.jsonl").read_text().splitlines()]
+        assert [e["step"] for e in evals] == [1, 2, 3], (strategy, evals)
+        metric = "n_examples" if "n_examples" in extra else "accuracy"
+        values = [e[metric] for e in evals]
+        best = 1 + max(range(3), key=lambda i: (values[i], -i))  # the earliest of the largest
+        assert summary["final_step"] == 3 and summary["stopped_by"] == "early_stopping", (strategy, summary)
+        assert not summary["preempted"] and summary["eval"] == {k: v for k, v in evals[-1].items()
+                                                                 if k not in ("step", "final")}
+        assert summary["best"]["metric"] == metric and summary["best"]["step"] == best, (strategy, summary["best"])
+        assert summary["best"]["evals_without_improvement"] == 2, (strategy, summary["best"])
+        root = checkpoints_root(out)
+        assert [p.name for p in committed_steps(root)] == sorted({f"step-{best:06d}", "step-000003"}), strategy
+        assert (root / "best").read_text().strip() == f"step-{best:06d}"
+        assert (root / "latest").read_text().strip() == "step-000003"
+        saved = json.loads((root / "step-000003" / "trainer_state.json").read_text())["best"]
+        assert (saved["step"], saved["evals_without_improvement"]) == (best, 2), (strategy, saved)
+    exported = json.loads((tmp_path / "ddp" / "final_model" / "shardtrain_export.json").read_text())
+    assert exported["checkpoint"] == str(checkpoints_root(tmp_path / "ddp") / "step-000001")
