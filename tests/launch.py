@@ -35,6 +35,8 @@ def test_env(**extra) -> dict:
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
             "WANDB_MODE": "offline",
+            # MLflow sends usage data from every process that imports it; nothing here may call out.
+            "MLFLOW_DISABLE_TELEMETRY": "true",
             # DeepSpeed's JIT-built ops (shm_comm, cpu_adam) are cached once beside the venv.
             "TORCH_EXTENSIONS_DIR": env.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")),
             "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),

@@ -314,7 +314,13 @@ class CheckpointConfig:
 
 @dataclass
 class LogConfig:
-    report_to: Literal["none", "wandb"] = setting("none", "where metrics go besides metrics.jsonl: none or wandb")
+    # HF TrainingArguments' report_to: a comma list (or a YAML list); validate() resolves none and all. The default
+    # is HF 5's, none: all would open a W&B run in every job, wandb being a requirement (docs/observability.md).
+    report_to: list = setting(
+        [],
+        "where metrics go besides metrics.jsonl: a comma list of wandb, tensorboard, mlflow; "
+        "none: nowhere else; all: each of those that is installed",
+    )
     # An unset W&B name comes from W&B's own WANDB_* variable, as under HF Trainer and Lightning.
     wandb_project: Optional[str] = setting(None, "W&B project; unset: WANDB_PROJECT, else shardtrain")
     wandb_entity: Optional[str] = setting(None, "W&B entity (team or user); unset: WANDB_ENTITY, else yours")
@@ -885,7 +891,7 @@ def _ds_selects_deepspeed(p: ParallelConfig, explicit_strategy: bool) -> Paralle
 def logs_model_artifact(log: LogConfig) -> bool:
     """--wandb-log-model, else HF's WANDB_LOG_MODEL: "end" (or the older "true"); "checkpoint" gets the final
     model too, since shardtrain's checkpoints are sharded per strategy and an artifact should load anywhere."""
-    if log.report_to != "wandb":
+    if "wandb" not in log.report_to:
         return False
     if log.wandb_log_model is not None:
         return log.wandb_log_model
@@ -1043,6 +1049,7 @@ def _validate(cfg: Config) -> Config:
         cfg = _with_layout_defaults(cfg)
         check_dataset_format(cfg)
     _check_checkpoint_paths(cfg.checkpoint)
+    cfg = replace_fields(cfg, report_to=resolve_report_to(cfg.log.report_to))
     cfg = _with_pretrained_tokenizer(cfg)
     check_output_dir(cfg.checkpoint.output_dir)
     return cfg
@@ -1274,6 +1281,35 @@ def check_dataset_format(cfg: Config) -> None:
         )
     if d.eval_data_dir is not None:
         raise ConfigError(f"{fmt}: the layout's own files give its validation split; drop {where('eval_data_dir')}")
+
+
+# --report-to's loggers (observability/loggers.py opens them), each with the module whose presence `all` asks for.
+REPORTERS = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
+
+
+def resolve_report_to(names: list, env: Mapping[str, str] | None = None) -> list[str]:
+    """--report-to as HF's TrainingArguments reads it: none (or nothing) -> [], all -> each logger whose package
+    is installed (MLflow unless DISABLE_MLFLOW_INTEGRATION=TRUE, as HF's all), else the names, in order, once."""
+    import importlib.util
+
+    env = os.environ if env is None else env
+    wanted = [str(n).strip().lower() for n in names if str(n).strip()]
+    for name in wanted:
+        if name not in (*REPORTERS, "none", "all"):
+            choices = [*REPORTERS, "none", "all"]
+            raise ConfigError(
+                f"{where('report_to')}: '{name}' is not one of {', '.join(choices)}{_suggest(name, choices)}"
+            )
+    if len(wanted) > 1 and {"none", "all"} & set(wanted):
+        raise ConfigError(f"{where('report_to')}: none and all stand alone, got {','.join(wanted)}")
+    if wanted == ["all"]:
+        mlflow_off = env.get("DISABLE_MLFLOW_INTEGRATION", "false").upper() == "TRUE"
+        return [
+            name
+            for name, module in REPORTERS.items()
+            if importlib.util.find_spec(module) is not None and not (name == "mlflow" and mlflow_off)
+        ]
+    return [] if wanted == ["none"] else list(dict.fromkeys(wanted))
 
 
 def _check_checkpoint_paths(c: CheckpointConfig) -> None:

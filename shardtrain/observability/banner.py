@@ -26,6 +26,15 @@ def _strategy_lines(info: dict) -> list[str]:
     return lines
 
 
+def _loggers(loggers: list[dict]) -> str:
+    """--report-to's loggers: where each one's run is, or that it is off (its warning is above the banner)."""
+    if not loggers:
+        return "none besides metrics.jsonl (--report-to wandb,tensorboard,mlflow)"
+    return " | ".join(
+        f"{lg['name']} ({lg['where']})" if lg["on"] else f"{lg['name']} off (see the warning above)" for lg in loggers
+    )
+
+
 def format_banner(info: dict) -> str:
     ranks = info.get("ranks", [])
     lines = [
@@ -82,6 +91,8 @@ def format_banner(info: dict) -> str:
             + ", ".join(f"{i}={n}" for i, n in enumerate(names[:8]))
             + (", ..." if len(names) > 8 else "")
         )
+    if "loggers" in info:
+        lines.append(f"  loggers     {_loggers(info['loggers'])}")
     mem = info.get("memory_prediction") or {}
     if "note" in mem and len(mem) == 1:
         lines.append(f"  memory      {mem['note']}")

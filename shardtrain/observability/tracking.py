@@ -1,5 +1,5 @@
 """What a run tells people: rank-0 console lines and progress, metrics.jsonl, eval.jsonl, summary.json,
-the W&B run and the end-of-run report.
+the loggers --report-to names (W&B, TensorBoard, MLflow: observability/loggers.py) and the end-of-run report.
 
 Only rank 0 writes; other ranks print warnings and errors, prefixed with their rank. The loop talks to
 one `Tracker`: `step()` once per optimizer step, `evaluated()` after an eval, `finish()` at the end.
@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from shardtrain.config.settings import logs_model_artifact
+from shardtrain.observability.loggers import RUN_ID_KEYS, described, eval_values, logged_values
 
 
 class Console:
@@ -105,8 +106,9 @@ def write_summary(output_dir: Path, summary: dict) -> None:
 
 
 def wandb_summary(summary: dict) -> dict:
-    """The W&B run's summary at the end, from summary.json's content: the last loss, the eval, throughput, and
-    the best checkpoint (--metric-for-best-model: its step, value and metric, which mark it in W&B)."""
+    """The W&B run's summary at the end, from summary.json's content (TensorBoard and MLflow get its numbers as
+    summary/{key}): the last loss, the eval, throughput, and the best checkpoint (--metric-for-best-model: its
+    step, value and metric, which mark it in W&B)."""
     best = summary.get("best") or {}
     return {
         "final_loss": (summary.get("train_loss") or [None])[-1],
@@ -128,7 +130,8 @@ def library_versions() -> dict:
         "cuda": torch.version.cuda,
         "shardtrain": _own_version(),
     }
-    for name in ("deepspeed", "transformers", "datasets", "tokenizers", "torchvision", "wandb"):
+    for name in ("deepspeed", "transformers", "datasets", "tokenizers", "torchvision", "wandb", "tensorboard",
+                 "mlflow", "mlflow-skinny"):  # fmt: skip
         try:
             from importlib.metadata import version
 
@@ -171,44 +174,70 @@ class Tracker:
         `membership_change`: this start's change of world size, which the first metrics.jsonl record carries."""
         from shardtrain.observability.banner import format_banner
         from shardtrain.observability.progress import Progress
-        from shardtrain.observability.wandb_run import WandbRun
 
         self.cfg, self.dist, self.console, self.out = cfg, dist_info, console, output_dir
         self.rank0 = dist_info.is_rank0
-        self.run_info = run_info
+        self.resume_state = resume_state or {}
         self.model_factory = model_factory
         self.elastic, self.membership_change = elastic, membership_change
         self.flops_per_sample: float | None = None
         self.peak_flops: float | None = None
         self.metrics = MetricsLog(output_dir, dist_info.rank, resume_step)
         self.evals = MetricsLog(output_dir, dist_info.rank, resume_step, name="eval.jsonl")
-        console.info(format_banner(run_info))
-        wandb_config = {"config": cfg.to_dict(), "run": run_info, "versions": library_versions()}
-        log = cfg.log
-        self.wandb = WandbRun(
-            log.report_to == "wandb" and self.rank0,
-            console.warn,
-            output_dir,
-            (resume_state or {}).get("wandb_run_id"),
-            wandb_config,
-            project=log.wandb_project,
-            entity=log.wandb_entity,
-            name=log.wandb_run_name,
-            quiet=not log.verbose,
-            system_metrics=(
-                log.wandb_system_metrics if log.wandb_system_metrics is not None else dist_info.device.type == "cuda"
-            ),
-        )
+        # Opened before the banner, which says which loggers are on and where their runs are.
+        self.loggers = self._open_loggers(run_info, resume_step) if self.rank0 else []
+        self.run_info = {**run_info, "loggers": described(self.loggers)}
+        console.info(format_banner(self.run_info))
         self.progress = None
         if self.rank0:
             self.progress = Progress(cfg.train.max_steps, resume_step, cfg.train.log_every)
             console.progress = self.progress
 
+    def _open_loggers(self, run_info: dict, resume_step: int) -> list:
+        """--report-to's loggers, continuing the checkpoint's runs. Rank 0 only."""
+        log = self.cfg.log
+        wandb_options = {
+            "project": log.wandb_project,
+            "entity": log.wandb_entity,
+            "name": log.wandb_run_name,  # --run-name, HF's name for it: the MLflow run's name too
+            "quiet": not log.verbose,
+            "system_metrics": (
+                log.wandb_system_metrics if log.wandb_system_metrics is not None else self.dist.device.type == "cuda"
+            ),
+        }
+        config = {"config": self.cfg.to_dict(), "run": run_info, "versions": library_versions()}
+        warn, loggers = self.console.warn, []
+        for name in log.report_to:  # each module imported only when asked for: it imports its library
+            run_id = self.resume_state.get(RUN_ID_KEYS.get(name, ""))
+            if name == "wandb":
+                from shardtrain.observability.wandb_run import WandbRun
+
+                loggers.append(WandbRun(True, warn, self.out, run_id, config, **wandb_options))
+            elif name == "tensorboard":
+                from shardtrain.observability.tensorboard_run import TensorBoardRun
+
+                loggers.append(TensorBoardRun(warn, self.out, resume_step, config))
+            elif name == "mlflow":
+                from shardtrain.observability.mlflow_run import MlflowRun
+
+                loggers.append(MlflowRun(warn, self.out, run_id, config, run_name=log.wandb_run_name))
+        return loggers
+
+    def _logger(self, name: str):
+        return next((lg for lg in self.loggers if lg.name == name), None)
+
+    def _fan_out(self, step: int, values: dict) -> None:
+        for logger in self.loggers:
+            logger.log(step, values)
+
     def checkpoint_state(self) -> dict:
-        """Merged into the checkpoint's trainer_state: a resumed job continues the same W&B run, and its final
-        summary lists every membership change; a resume compares its data with the data_source this one read."""
+        """Merged into the checkpoint's trainer_state: a resumed job continues the same W&B and MLflow runs (a run
+        id the checkpoint had stays, for a later resume that reports there again), and its final summary lists
+        every membership change; a resume compares its data with the data_source this one read."""
+        run_ids = {key: self.resume_state.get(key) for key in RUN_ID_KEYS.values()}
+        run_ids.update({RUN_ID_KEYS[lg.name]: lg.run_id for lg in self.loggers if lg.name in RUN_ID_KEYS and lg.run_id})
         return {
-            "wandb_run_id": self.wandb.run_id,
+            **run_ids,
             **({"elastic": self.elastic} if self.elastic else {}),
             "data_source": self.run_info.get("data_source"),
         }
@@ -230,8 +259,10 @@ class Tracker:
         if self.membership_change:  # the first step at a new world size
             record["membership"], self.membership_change = self.membership_change, None
         self.metrics.write(record)
-        self.progress.update(record, peak_memory_gb(self.dist.device))
-        self.wandb.log(record["step"], self._wandb_values(record))
+        peak = peak_memory_gb(self.dist.device)
+        self.progress.update(record, peak)
+        if self.loggers:
+            self._fan_out(record["step"], logged_values(record, peak))
 
     def evaluated(self, step: int, result: dict, final: bool = False) -> None:
         if not self.rank0:
@@ -250,13 +281,11 @@ class Tracker:
                 + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
             )
         self.evals.write({"step": step, "final": final, **result})
-        self.wandb.log(
-            step, {f"eval/{k}": v for k, v in result.items() if isinstance(v, (int, float)) and k != "n_examples"}
-        )
+        self._fan_out(step, eval_values(result))
 
     def finish(self, summary: dict, final_model: Path | None = None) -> None:
-        """Close the bar, write summary.json (with `run`), close W&B (logging `final_model` as an artifact when
-        it is given), write the report. Rank 0 only."""
+        """Close the bar, write summary.json (with `run`), close the loggers (W&B logging `final_model` as an
+        artifact when it is given), write the report. Rank 0 only."""
         self.metrics.close()
         self.evals.close()
         if not self.rank0:
@@ -265,9 +294,12 @@ class Tracker:
         self.console.progress = None
         summary["run"] = self.run_info
         write_summary(self.out, summary)
-        if final_model is not None and logs_model_artifact(self.cfg.log):
-            self.wandb.log_model(final_model)
-        self.wandb.finish(wandb_summary(summary))
+        wandb = self._logger("wandb")
+        if final_model is not None and wandb is not None and logs_model_artifact(self.cfg.log):
+            wandb.log_model(final_model)
+        totals = {**wandb_summary(summary), "preempted": bool(summary.get("preempted"))}
+        for logger in self.loggers:
+            logger.finish(totals)
         if self.cfg.log.report:
             try:
                 from shardtrain.observability.report import write_report
@@ -300,9 +332,3 @@ class Tracker:
                     self.model_factory, batch, self.run_info["params_trainable"]
                 )
         return flops.mfu(self.flops_per_sample, record["samples_per_sec"], self.dist.world_size, self.peak_flops)
-
-    @staticmethod
-    def _wandb_values(record: dict) -> dict:
-        from shardtrain.observability.wandb_run import wandb_values
-
-        return wandb_values(record)

@@ -15,7 +15,7 @@ import uuid
 # Logged against this axis (define_metric) rather than W&B's own step: after a resume the steps
 # between the checkpoint and the crash are logged again, which W&B's monotonic step would drop.
 STEP_METRIC = "train/step"
-METRIC_GROUPS = ("train/*", "perf/*", "mem/*", "eval/*")
+METRIC_GROUPS = ("train/*", "perf/*", "mem/*", "sys/*", "eval/*")
 
 
 def new_run_id() -> str:
@@ -23,6 +23,8 @@ def new_run_id() -> str:
 
 
 class WandbRun:
+    name = "wandb"  # one of the Tracker's loggers (observability/loggers.py)
+
     def __init__(
         self,
         enabled: bool,
@@ -39,6 +41,7 @@ class WandbRun:
         self.warn = warn
         self.quiet = quiet
         self.run = None
+        self.project = project or os.environ.get("WANDB_PROJECT") or "shardtrain"
         # A checkpoint's run id continues that run; else a `wandb agent`'s (WANDB_RUN_ID ties the run to its
         # sweep); else a new one. It goes into every checkpoint, so a requeued job logs into the same run.
         self.run_id = run_id or os.environ.get("WANDB_RUN_ID") or new_run_id()
@@ -59,7 +62,7 @@ class WandbRun:
             # worth that (CUDA runs) unless --wandb-system-metrics says otherwise.
             settings = wandb.Settings(console="off", quiet=quiet, silent=quiet, x_disable_stats=not system_metrics)
             self.run = wandb.init(
-                project=project or os.environ.get("WANDB_PROJECT") or "shardtrain",
+                project=self.project,
                 entity=entity,
                 name=name,
                 id=self.run_id,
@@ -77,6 +80,10 @@ class WandbRun:
     @property
     def active(self) -> bool:
         return self.run is not None
+
+    def where(self) -> str:
+        mode = getattr(getattr(self.run, "settings", None), "mode", None)
+        return f"project {self.project}, run {self.run_id}" + (f", {mode}" if mode == "offline" else "")
 
     def log(self, step: int, values: dict) -> None:
         if self.run is None:
@@ -121,22 +128,3 @@ class WandbRun:
             except Exception:  # noqa: BLE001
                 pass
         self.run = None
-
-
-def wandb_values(record: dict) -> dict:
-    """metrics.jsonl record -> W&B names grouped for dashboards."""
-    names = {
-        "loss": "train/loss",
-        "lr": "train/lr",
-        "grad_norm": "train/grad_norm",
-        "skipped_steps": "train/skipped_steps",
-        "samples_per_sec": "perf/samples_per_sec",
-        "tokens_per_sec": "perf/tokens_per_sec",
-        "mfu": "perf/mfu",
-        "step_seconds": "perf/step_seconds",
-    }
-    values = {names[k]: v for k, v in record.items() if k in names and v is not None}
-    # The memory monitor's {rank: {key: bytes}} on measured steps -> mem/rank{r}/{key} in MiB.
-    for rank, rec in (record.get("mem") or {}).items():
-        values.update({f"mem/rank{rank}/{k}": v / 2**20 for k, v in rec.items() if isinstance(v, (int, float))})
-    return values

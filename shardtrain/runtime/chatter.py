@@ -88,6 +88,7 @@ def quiet_libraries(verbose: bool) -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "warning")
     os.environ.setdefault("DATASETS_VERBOSITY", "warning")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")  # read when --report-to mlflow imports it
     for p in _NOISE:
         warnings.filterwarnings("ignore", message=p.pattern)
     # DeepSpeed's LoggerFactory resets its logger's level at import time; a filter is not reset.

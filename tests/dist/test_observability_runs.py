@@ -1,11 +1,13 @@
-"""Observability on real 2-process gloo runs: banner, plain log lines, quiet libraries, the offline W&B run
-(one per job, continued after a resume, no API key anywhere), the automatic report, and `shardtrain parity`."""
+"""Observability on real 2-process gloo runs: banner, plain log lines, quiet libraries, the loggers (the offline W&B
+run, TensorBoard and MLflow: one run each per job, continued after a resume, no API key anywhere), the automatic
+report, and `shardtrain parity`."""
 from __future__ import annotations
 
 import json
 
 import launch
 from launch import cli, tiny_args, torchrun
+from logger_records import mlflow_history, tensorboard_scalars
 from wandb_records import read_run
 
 from shardtrain.checkpointing.store import TRAINER_STATE, checkpoints_root, step_dir_name
@@ -24,10 +26,12 @@ def _no_secret(out, text: str) -> None:
             assert SECRET.encode() not in f.read_bytes(), f"API key written to {f}"
 
 
-def test_wandb_offline_run_banner_report_and_resume(ld_data, tmp_path):
+def test_loggers_banner_report_and_resume(ld_data, tmp_path, monkeypatch):
     out = tmp_path / "run"
-    env = launch.test_env(WANDB_API_KEY=SECRET)
-    common = ["--strategy", "ddp", "--report-to", "wandb", "--wandb-run-name", "obs-test",
+    store = (tmp_path / "mlruns").as_uri()  # an MLflow server's stand-in: a file store outside the run
+    env = launch.test_env(WANDB_API_KEY=SECRET, MLFLOW_TRACKING_URI=store, MLFLOW_ALLOW_FILE_STORE="true",
+                          MLFLOW_EXPERIMENT_NAME="obs")  # fmt: skip
+    common = ["--strategy", "ddp", "--report-to", "wandb,tensorboard,mlflow", "--wandb-run-name", "obs-test",
               "--log-every", "1", "--eval-every", "1", "--save-every", "2", "--max-eval-samples", "8"]
     first = torchrun(tiny_args("longformer", ld_data, out, *common, "--max-steps", "2",
                                "--predict-memory", "true", "--report", "true"), env=env)
@@ -54,6 +58,19 @@ def test_wandb_offline_run_banner_report_and_resume(ld_data, tmp_path):
     assert rec["config"]["run"]["strategy"] == "ddp" and "torch" in rec["config"]["versions"]
     state = json.loads((checkpoints_root(out) / step_dir_name(2) / TRAINER_STATE).read_text())
     assert state["wandb_run_id"] == rec["run_id"]
+    # TensorBoard and MLflow got the same figures, from rank 0 alone; the banner said where.
+    mlflow_id = state["mlflow_run_id"]
+    assert (f"loggers     wandb (project shardtrain, run {rec['run_id']}, offline) | tensorboard ({out}/tensorboard)"
+            f" | mlflow ({store}, experiment obs, run {mlflow_id})") in text  # fmt: skip
+    tb = tensorboard_scalars(out / "tensorboard")
+    assert [round(v, 6) for v in tb["train/loss"].values()] == [round(m["loss"], 6) for m in first.metrics]
+    assert "eval/accuracy" in tb and any(k.startswith("mem/rank1/") for k in tb) and "perf/tokens_per_sec" in tb
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for this reader too
+    client = MlflowClient(tracking_uri=store)
+    assert mlflow_history(client, mlflow_id, "train/loss") == [(m["step"], round(m["loss"], 6)) for m in first.metrics]
 
     # The end-of-run report, written automatically, holds this run's numbers.
     html = (out / "report.html").read_text()
@@ -70,6 +87,11 @@ def test_wandb_offline_run_banner_report_and_resume(ld_data, tmp_path):
     resumed = read_run(next(runs[-1].glob("run-*.wandb")))
     assert resumed["run_id"] == rec["run_id"]
     assert sorted(h["train/step"] for h in resumed["history"] if "train/loss" in h) == [3]
+    # ... and the same MLflow run, finished, and one TensorBoard run (a second event file in its folder).
+    [run] = client.search_runs([client.get_experiment_by_name("obs").experiment_id])
+    assert run.info.run_id == mlflow_id and run.info.status == "FINISHED" and run.info.run_name == "obs-test"
+    assert [step for step, _ in mlflow_history(client, mlflow_id, "train/loss")] == [1, 2, 3]
+    assert sorted(tensorboard_scalars(out / "tensorboard")["train/loss"]) == [1, 2, 3]
     _no_secret(out, first.output + second.output)
 
 

@@ -17,9 +17,10 @@ from shardtrain.config.settings import Config, ConfigError
 from shardtrain.memory.flops import mfu, peak_flops, train_flops_per_sample
 from shardtrain.memory.planner import memory_prediction
 from shardtrain.observability.banner import format_banner
+from shardtrain.observability.loggers import logged_values
 from shardtrain.observability.progress import Progress
 from shardtrain.observability.report import write_compare, write_report
-from shardtrain.observability.wandb_run import WandbRun, wandb_values
+from shardtrain.observability.wandb_run import WandbRun
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIB = 2**20
@@ -161,8 +162,9 @@ def test_wandb_log_failure_disables_without_raising(tmp_path):
     assert len(warnings) == 1 and "disk full" in warnings[0] and not run.active
 
 
-def test_wandb_metric_names():
-    values = wandb_values(
+def test_logged_metric_names():
+    """The names W&B, TensorBoard and MLflow all plot."""
+    values = logged_values(
         {
             "step": 3,
             "loss": 1.0,
@@ -173,7 +175,8 @@ def test_wandb_metric_names():
             "tokens_per_sec": 50.0,
             "mfu": None,
             "mem": {"0": {"params": MIB, "grads": 2 * MIB}, "1": {"params": MIB}},
-        }
+        },
+        peak_mem_gib=1.5,
     )
     assert values == {
         "train/loss": 1.0,
@@ -185,6 +188,7 @@ def test_wandb_metric_names():
         "mem/rank0/params": 1.0,
         "mem/rank0/grads": 2.0,
         "mem/rank1/params": 1.0,
+        "sys/peak_mem_gib": 1.5,
     }
 
 
