@@ -1,5 +1,6 @@
 """DataLoader workers and stop signals: out of the trainer's process group (a Ctrl-C or a launcher's SIGTERM to
-that group must not kill them mid-step), yet ended normally at interpreter exit."""
+that group must not kill them mid-step), yet ended normally at interpreter exit, and at once when the training stream
+closes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+import torch
 from launch import REPO, test_env
+from torch.utils.data import TensorDataset
+
+from shardtrain.data.loaders import TrainStream, init_worker
 
 SCRIPT = textwrap.dedent("""
     import os, signal, sys
@@ -33,3 +38,20 @@ def test_workers_leave_the_trainers_group_and_still_end_at_exit():
     )  # a worker that ignores multiprocessing's SIGTERM at exit hangs here
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["True", "True", "True", "True"], done.stdout + done.stderr[-2000:]
+
+
+def test_close_ends_the_workers_even_while_the_stream_is_referenced():
+    # Still referenced, as OOMRecovery's reference cycle with its Injection held it on after train() returned:
+    # close() ends the workers all the same.
+    workers_kwargs = dict(num_workers=2, persistent_workers=True, worker_init_fn=init_worker)
+    stream = TrainStream(
+        TensorDataset(torch.arange(16)), None, 2, rank=0, world_size=1, seed=0, loader_kwargs=workers_kwargs
+    )
+    order = stream.epoch_indices()
+    first = stream.next_batch()[0].tolist()
+    workers = list(stream._iter._workers)
+    assert all(w.is_alive() for w in workers)
+    stream.close()
+    assert not any(w.is_alive() for w in workers)
+    assert first + stream.next_batch()[0].tolist() == order[:4]  # read on from the same position
+    stream.close()
