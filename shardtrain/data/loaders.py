@@ -43,6 +43,20 @@ def init_worker(worker_id: int) -> None:
     leave_stop_signals_to_parent()
 
 
+def shut_down_workers(loader: Optional[DataLoader], iterator=None) -> None:
+    """End the worker processes of `loader` (and of `iterator`, one of its iterators) now, as torch does when the
+    last reference to them goes. Not left to that: anything that still refers to them (a reference cycle, freed
+    only by the cyclic collector) would keep the workers past the trainer's exit, which is os._exit
+    (runtime/distributed.teardown_and_exit). A later iter(loader) starts new workers."""
+    cached = getattr(loader, "_iterator", None)  # persistent workers: the loader keeps its iterator for reuse
+    if cached is not None:
+        loader._iterator = None
+    for it in (iterator, cached):
+        shut_down = getattr(it, "_shutdown_workers", None)  # none without workers; a second call does nothing
+        if shut_down is not None:
+            shut_down()
+
+
 class _Positions(Sampler[int]):
     """A sampler over an index list that TrainStream replaces before each `iter(loader)` (sampling runs in
     the main process, so persistent workers keep running across epochs)."""
@@ -101,7 +115,7 @@ class TrainStream:
             )
         self.micro_batch_size = n
         self._roll_over()  # the new size may not fit in what is left of the epoch
-        self._iter = None  # drops the old loader's iterator (and its workers) before new ones start
+        self.close()  # the old loader's workers end before new ones start
         self._loader = DataLoader(
             self.dataset,
             batch_size=n,
@@ -139,6 +153,11 @@ class TrainStream:
         self.samples_in_epoch += self.micro_batch_size
         self._roll_over()
         return batch
+
+    def close(self) -> None:
+        """End the loader's worker processes; a later next_batch() starts new ones at the same position."""
+        iterator, self._iter = self._iter, None
+        shut_down_workers(getattr(self, "_loader", None), iterator)
 
     def _roll_over(self) -> None:
         # Move to the next epoch as soon as no whole batch is left (the tail is dropped), so a checkpoint
@@ -207,6 +226,11 @@ class Loaders:
     # (FSDP all-gathers, ZeRO-3) stay matched; a rank with fewer examples than this (tiny sets, batch size 1)
     # yields fewer and must run extra throw-away forwards to keep the others company.
     eval_batches: int
+
+    def close(self) -> None:
+        """End every worker process of the training stream and of the validation loader (persistent workers)."""
+        self.train.close()
+        shut_down_workers(self.eval)
 
 
 def build_loaders(

@@ -102,6 +102,9 @@ class StreamingTrainStream:
     def set_micro_batch_size(self, n: int) -> None:
         self.micro_batch_size = n
 
+    def close(self) -> None:
+        """Nothing to end: the stream is read in this process, with no DataLoader workers."""
+
     def _start_epoch(self, epoch: int, source_state: Optional[dict] = None) -> None:
         self.epoch = epoch
         self.source.set_epoch(epoch)

@@ -154,6 +154,9 @@ class Trainer:
                 self.console.info(self.best.stop_line(self.step))
                 break
         self._end()
+        # No batch is read after this: the DataLoader workers end here, not whenever their loader is freed. A
+        # preempted job has seconds left (Slurm's KillWait) and its step ends only once they are gone.
+        self.loaders.close()
         return self._summarise()
 
     def train_step(self) -> StepOutcome:

@@ -7,6 +7,7 @@ How the signal reaches the training processes under each launcher: docs/checkpoi
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -99,19 +100,29 @@ def leave_stop_signals_to_parent() -> None:
     SIGTERM reaches every process at once under `scancel` or a cgroup stop, so it is taken by a thread that
     asks who sent it: the trainer (ending its helpers, as DataLoader shutdown and multiprocessing do at exit)
     ends this process at once, as torch's own worker handler does; anyone else is ignored. Ignoring SIGTERM
-    outright would hang the trainer's exit, which waits for the helpers it terminates."""
+    outright would hang the trainer's exit, which waits for the helpers it terminates.
+
+    The same thread ends this process within PARENT_CHECK_SECONDS once the trainer is gone, however it went
+    (its exit is os._exit, which ends no helper). torch's worker notices only at its next 5 s status check,
+    and until then Slurm counts the job step as running: past a short KillWait, the step is SIGKILLed."""
     os.setpgrp()
     for sig in (signal.SIGINT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
+    # The pid of the process that started this one, from multiprocessing: os.getppid() here would already be
+    # init's if the trainer died while this worker was starting, and then the worker would wait for torch's check.
+    trainer = multiprocessing.parent_process()
+    parent = trainer.pid if trainer is not None else os.getppid()
     # Blocked before the thread starts, so every thread (it included) inherits the mask and only
-    # sigwaitinfo below receives SIGTERM; torch's C handler for it never runs.
+    # sigtimedwait below receives SIGTERM; torch's C handler for it never runs.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     threading.Thread(target=_end_on_sigterm_from, args=(parent,), name="shardtrain-sigterm", daemon=True).start()
 
 
+PARENT_CHECK_SECONDS = 0.2
+
+
 def _end_on_sigterm_from(parent: int) -> None:
     while True:
-        info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid == parent or os.getppid() != parent:  # the trainer, or the trainer is gone
+        info = signal.sigtimedwait({signal.SIGTERM}, PARENT_CHECK_SECONDS)  # None: no SIGTERM meanwhile
+        if os.getppid() != parent or (info is not None and info.si_pid == parent):  # gone, or the trainer's
             os._exit(0)

@@ -195,12 +195,6 @@ def test_preemption_requeue_resume(slurm_env, mm_data, tmp_path):
         [reference[i] for i in range(k + 1, steps + 1)], rel=1e-6, abs=1e-7)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known regression, found at the last merge: on sigterm-sm alone the tasks save and srun exits 0; merged "
-    "with this session's other branches they save and commit, but do not exit within the local cluster's KillWait "
-    "(5 s). strict: this fails the suite once it passes again",
-)
 def test_scancel_saves_and_exits_0(slurm_env, ld_data, tmp_path):
     """A plain `scancel` (no --signal): Slurm sends SIGTERM to every process of the job at once (the batch
     shell, srun, the tasks and their DataLoader workers), then SIGKILL after KillWait (5 s on the local
