@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import weakref
 
 import torch
 
@@ -128,7 +129,9 @@ class OOMRecovery:
         self._plans: dict[int, tuple[list[bool], list[bool]]] = {}
         self._current = 0
         job_stop.watch()  # every rank: a rank that must stop the job reaches the others through it
-        self._injection = Injection(cfg, strategy, dist_info, self)
+        # A proxy, not a reference: the injection's hooks live on the model, and a cycle through them would keep
+        # the model, the optimizer and the data stream (its DataLoader workers) alive until the next gc pass.
+        self._injection = Injection(cfg, strategy, dist_info, weakref.proxy(self))
 
     # ---- the step's phases -------------------------------------------------------------------------------
     def step_start(self, step: int) -> None:
