@@ -326,7 +326,8 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     )
     if name == "oom_recovery_real":
         row["oom_recovery"] = summary.get("oom_recovery")
-        row["micro_batch_after_recovery"] = summary["config"]["train"]["per_device_batch_size"]
+        # The run's geometry, not the config's: the config keeps what the flags asked for.
+        row["micro_batch_after_recovery"] = summary["resolved"]["batch_geometry"]["micro_batch_size"]
     global_batch = summary.get("global_batch_size") or cfg.train.per_device_batch_size
     rate = steady_rate(Path(cfg.checkpoint.output_dir) / "metrics.jsonl", global_batch, 0 if dry else warmup)
     row.update(rate)
