@@ -145,7 +145,10 @@ def new_gloo_group():
     ranks the address this host's name resolves to whatever the main backend is, so the loopback check applies
     under NCCL too."""
     check_gloo_address(dist.get_world_size())
-    return dist.new_group(backend="gloo")
+    # The main group's timeout (--dist-timeout), not new_group's own default (30 min): a peer gone silent while
+    # this group waits (OOM recovery's meeting point, every DDP step) must fail after the same seconds.
+    timeout = datetime.timedelta(seconds=_pg_timeout_s) if _pg_timeout_s else None
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def check_gloo_address(world: int) -> None:

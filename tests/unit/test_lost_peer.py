@@ -94,3 +94,19 @@ def test_a_hostname_on_loopback_is_refused_only_for_a_job_across_nodes(monkeypat
         distributed.check_gloo_address(world=2)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
     distributed.check_gloo_address(world=2)
+
+
+def test_side_groups_fail_after_the_dist_timeout_too(monkeypatch):
+    """OOM recovery's meeting point (every DDP step) and --async-save's writes use gloo groups of their own; a peer
+    gone silent while one of them waits must end after --dist-timeout, not after new_group's 30-minute default."""
+    import datetime
+
+    from shardtrain.runtime import distributed
+
+    made = []
+    monkeypatch.setattr(distributed, "_pg_timeout_s", 5.0)
+    monkeypatch.setattr(distributed, "check_gloo_address", lambda world: None)
+    monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(distributed.dist, "new_group", lambda **kwargs: made.append(kwargs) or "group")
+    assert distributed.new_gloo_group() == "group"
+    assert made == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=5)}]
