@@ -5,6 +5,7 @@ checked), and torch.cuda.is_available / device_count, the process group and the 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
@@ -19,6 +20,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from shardtrain.config.settings import ConfigError
+from shardtrain.runtime import distributed
 
 CUDA0 = torch.device("cuda", 0)
 
@@ -240,7 +242,10 @@ def test_the_checkpoint_gloo_group_refuses_a_loopback_hostname_under_nccl(monkey
         checkpoint_group()
     assert made == []
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
-    assert checkpoint_group() == "group" and made == [{"backend": "gloo"}]
+    # the main group's --dist-timeout, whatever an earlier test in this process left there
+    monkeypatch.setattr(distributed, "_pg_timeout_s", 42.0)
+    assert checkpoint_group() == "group"
+    assert made == [{"backend": "gloo", "timeout": datetime.timedelta(seconds=42)}]
 
 
 # ---- 5. DS_ACCELERATOR only where a CPU run is meant -----------------------------------------------------------
