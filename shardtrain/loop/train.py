@@ -37,6 +37,7 @@ from shardtrain.runtime.distributed import barrier, gather_rank_info, init_distr
 from shardtrain.runtime.gpu_guard import check_devices
 from shardtrain.runtime.preemption import StopFlag, requeue_if_slurm
 from shardtrain.runtime.shared_dir import require_shared_output_dir
+from shardtrain.runtime.startup_gc import restore_collections
 from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
 from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load_workload
@@ -134,6 +135,7 @@ class Trainer:
     def train(self) -> dict:
         if self.finished is not None:
             return self.finished
+        restore_collections()  # start-up ran with rare collections (runtime/startup_gc.py)
         self.strategy.train()
         while self.step < self.cfg.train.max_steps:
             t0 = now()

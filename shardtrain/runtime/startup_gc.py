@@ -1,0 +1,38 @@
+"""Start-up without the garbage collector's repeated passes over the import heap.
+
+Importing torch, transformers (which imports torchvision, torchao and torch._dynamo itself) and DeepSpeed builds
+hundreds of thousands of long-lived objects, and the cyclic collector walks the growing heap again and again while
+it does: about a fifth of every rank's import time (11.1 -> 9.0 s CPU for those imports on the dev machine). So
+start-up runs with collections made rare, and the training loop gets the collector back with the start-up heap
+frozen (gc.freeze: never scanned again, as CPython's docs advise for a long-lived process's import state).
+
+The thresholds are raised, not the collector disabled: a command that never reaches the loop (predict, export,
+plan) keeps a bounded heap. The loop restores the user's thresholds before its first step, so that a cycle holding
+CUDA tensors (an exception's traceback, OOM recovery's) is freed as promptly as it would be without shardtrain.
+"""
+
+from __future__ import annotations
+
+import gc
+
+# A young-generation collection every 100k net allocations instead of 700, a full one 1000x rarer.
+STARTUP_THRESHOLDS = (100_000, 50, 1000)
+_saved: tuple[int, int, int] | None = None
+
+
+def defer_collections() -> None:
+    """At the entry of a command (cli.run_command): collections rare until restore_collections()."""
+    global _saved
+    if _saved is None:
+        _saved = gc.get_threshold()
+        gc.set_threshold(*STARTUP_THRESHOLDS)
+
+
+def restore_collections() -> None:
+    """Before the training loop: the start-up heap frozen, the thresholds as they were. A no-op where
+    defer_collections() never ran (shardtrain.fit from a user's script leaves their collector alone)."""
+    global _saved
+    if _saved is not None:
+        gc.freeze()
+        gc.set_threshold(*_saved)
+        _saved = None
