@@ -2,6 +2,10 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
+# Two pytest workers on the two-core dev machine: a test spends much of its time waiting (rendezvous, signals,
+# timeouts), and the other worker fills it. tests/conftest.py keeps machine-wide tests on one worker.
+TEST_JOBS ?= 2
+PYTEST_PAR := -n $(TEST_JOBS) --dist loadgroup
 DEMO_OUT ?= runs/demo
 # DeepSpeed JIT-builds its C++ ops once; keep them beside the venv so every run reuses them.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
@@ -42,13 +46,13 @@ demo: venv
 		--nproc $(NPROC) --data-dir data/multimodal --output-dir $(DEMO_OUT) --resume none --overwrite-output-dir --save-every 20
 
 test: venv
-	$(PY) -m pytest -q tests/unit tests/dist
+	$(PY) -m pytest -q $(PYTEST_PAR) tests/unit tests/dist
 
 test-unit: venv
-	$(PY) -m pytest -q tests/unit
+	$(PY) -m pytest -q $(PYTEST_PAR) tests/unit
 
 test-dist: venv
-	$(PY) -m pytest -q tests/dist
+	$(PY) -m pytest -q $(PYTEST_PAR) tests/dist
 
 clean:
 	rm -rf runs data .pytest_cache

@@ -76,3 +76,16 @@ def ld_data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def data_dirs(mm_data, ld_data) -> dict:
     return {"multimodal": mm_data, "longformer": ld_data}
+
+
+# `make test` runs the suite on two xdist workers (--dist loadgroup). Tests that build machine-wide things share
+# one worker, one test at a time: the network-namespace hosts (node1.. and their bridge), the local Slurm cluster
+# (its daemons and /tmp/shardtrain-slurm), and tests/sm_compose.py's emulated SageMaker containers.
+MACHINE_WIDE_FIXTURES = {"namespace_hosts", "local_slurm"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        uses = MACHINE_WIDE_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if uses or item.get_closest_marker("slurm") or item.get_closest_marker("machine_wide"):
+            item.add_marker(pytest.mark.xdist_group("machine_wide"))
