@@ -168,6 +168,11 @@ class TrainConfig:
     grad_accum: int = setting(1, "micro-batches accumulated into one optimizer step")
     lr: float = setting(3e-5, "peak learning rate of AdamW")
     weight_decay: float = setting(0.01, "AdamW's decoupled weight decay")
+    lr_multipliers: dict = setting(
+        {},
+        'learning-rate factors by part of the model, as JSON, e.g. {"text": 0.1, "image": 0.1, "fusion": 1.0}: '
+        "a part the workload names (Workload.parts) or a parameter-name prefix; every other parameter x1",
+    )
     warmup_steps: int = setting(0, "optimizer steps of linear warmup from 0 to lr")
     lr_scheduler: Literal["linear", "cosine", "constant"] = setting(
         "linear", "learning rate after warmup: linear or cosine decay to 0 at max_steps, or constant"
@@ -1030,6 +1035,7 @@ def _validate(cfg: Config) -> Config:
     cfg = _with_default_num_labels(cfg)
     _check_positive(cfg, *POSITIVE)
     _check_lr(cfg.train)
+    _check_lr_multipliers(cfg.train)
     _check_not_negative(cfg, *NOT_NEGATIVE)
     _check_best_metric(cfg.train)
     _check_early_stopping(cfg.train, cfg.checkpoint)
@@ -1107,6 +1113,16 @@ def _check_not_negative(cfg: Config, *names: str) -> None:
 def _check_lr(t: TrainConfig) -> None:
     if not t.lr > 0:  # not `<= 0`: NaN is refused too
         raise ConfigError(f"{where('lr')} must be positive, got {t.lr}")
+
+
+def _check_lr_multipliers(t: TrainConfig) -> None:
+    """The values here; whether each key names a part of the model is known once it is built (strategies/optim.py)."""
+    for part, factor in t.lr_multipliers.items():
+        if not part.strip():
+            raise ConfigError(f"{where('lr_multipliers')}: an empty part name")
+        # bool is an int: `text: true` is a typo, not a factor of 1
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
+            raise ConfigError(f"{where('lr_multipliers')}: the factor of '{part}' must be a number >= 0: {factor!r}")
 
 
 def tracks_best(t: TrainConfig) -> bool:

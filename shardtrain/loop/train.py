@@ -40,6 +40,7 @@ from shardtrain.runtime.shared_dir import require_shared_output_dir
 from shardtrain.runtime.startup_gc import restore_collections
 from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
+from shardtrain.strategies.optim import base_lr
 from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load_workload
 
 
@@ -267,7 +268,7 @@ class Trainer:
         record = {
             "step": self.step,
             "loss": outcome.loss,
-            "lr": self.strategy.optimizer.param_groups[0]["lr"],
+            "lr": base_lr(self.strategy.optimizer),
             "grad_norm": outcome.grad_norm,
             "samples_per_sec": global_batch / seconds,
             "step_seconds": seconds,

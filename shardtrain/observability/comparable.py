@@ -66,6 +66,7 @@ SETTINGS = (
     Setting("precision", "training", "run.precision"),
     Setting("max_steps", "training", "config.train.max_steps"),
     Setting("learning rate", "training", "config.train.lr"),
+    Setting("lr multipliers", "training", "config.train.lr_multipliers"),
     Setting("lr schedule", "training", "config.train.lr_scheduler"),
     Setting("warmup", "training", "config.train.warmup_steps"),
     Setting("weight decay", "training", "config.train.weight_decay"),

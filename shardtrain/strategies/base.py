@@ -26,7 +26,7 @@ from shardtrain.checkpointing.store import AsyncWrite
 from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.runtime.distributed import DistInfo, broadcast_, new_gloo_group
-from shardtrain.strategies.optim import adamw, build_scheduler, param_groups
+from shardtrain.strategies.optim import adamw, build_scheduler, param_groups, part_prefixes
 from shardtrain.strategies.recompute import apply_activation_checkpointing
 from shardtrain.workloads.base import Workload, resolve_block_classes
 
@@ -136,6 +136,10 @@ class Strategy(ABC):
         whose parameters are empty between uses, overrides this."""
         return p.numel()
 
+    def full_ndim(self, p: torch.Tensor) -> int:
+        """The whole parameter's number of dimensions (it decides weight decay: strategies/optim.py)."""
+        return p.ndim
+
     def block_classes(self, model: nn.Module) -> tuple[type, ...]:
         """The workload's repeated blocks, as classes that occur in `model` (else one line listing its classes)."""
         return resolve_block_classes(
@@ -170,7 +174,14 @@ class Strategy(ABC):
         return module if backend == "none" else torch.compile(module, backend=backend)
 
     def _optimizer_and_scheduler(self, named_params, frozen_names: set[str]):
-        groups = param_groups(named_params, self.cfg.train.weight_decay, frozen_names)
+        named_params = list(named_params)
+        prefixes = None
+        if self.cfg.train.lr_multipliers:
+            names = [n for n, _ in named_params] + sorted(frozen_names)  # ZeRO leaves the frozen ones out here
+            prefixes = part_prefixes(self.cfg.train.lr_multipliers, self.workload.parts(), names)
+        groups = param_groups(
+            named_params, self.cfg.train.weight_decay, frozen_names, self.cfg.train.lr, prefixes, self.full_ndim
+        )
         optimizer = adamw(groups, self.cfg.train.lr, self.device, fused=self.cfg.train.fused_adamw)
         scheduler = build_scheduler(optimizer, self.cfg.train, self.cfg.model.unfreeze_at_step)
         return optimizer, scheduler

@@ -1,5 +1,10 @@
 """AdamW parameter groups and the warmup + decay schedule, shared by every strategy.
 
+`train.lr_multipliers` splits the groups further by part of the model (a name from Workload.parts, or a
+parameter-name prefix; the longest prefix wins), each part's groups with its own rate: lr x factor, under the
+same schedule. The groups are the same on every strategy, so the per-group rates a checkpoint keeps
+(base.extra_state) carry across strategies like the rest.
+
 Frozen parameters get groups of their own whose learning rate is zero until `unfreeze_at_step`. What freezes
 them is `requires_grad=False` (no gradient, so AdamW never creates their state); the zero rate only keeps the
 schedule's groups alike everywhere. DeepSpeed allocates partitions only for parameters that require grad when
@@ -15,32 +20,78 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from shardtrain.config.settings import TrainConfig
+from shardtrain.config.settings import ConfigError, TrainConfig, where
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight", "bn", ".norm")
 
 
-def _no_decay(name: str, param: torch.Tensor) -> bool:
-    return param.ndim <= 1 or any(marker in name for marker in NO_DECAY_MARKERS)
+def _no_decay(name: str, ndim: int) -> bool:
+    return ndim <= 1 or any(marker in name for marker in NO_DECAY_MARKERS)
+
+
+def part_prefixes(multipliers: dict[str, float], parts: dict[str, str], names: Iterable[str]) -> dict[str, tuple]:
+    """{parameter-name prefix: (the part as the user named it, factor)} for train.lr_multipliers. A key names a
+    part of the workload's (Workload.parts) or is a prefix itself; one that matches no parameter is an error that
+    lists what would."""
+    names = list(names)
+    out = {}
+    for key, factor in multipliers.items():
+        prefix = parts.get(key, key).rstrip(".")
+        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+            top = sorted({n.split(".")[0] for n in names})
+            named = f"the workload's parts: {', '.join(parts)}; " if parts else ""
+            raise ConfigError(
+                f"{where('lr_multipliers')}: '{key}' matches no parameter of the model ({named}"
+                f"its top-level modules: {', '.join(top)}; or any parameter-name prefix)"
+            )
+        out[prefix] = (key, float(factor))
+    return out
+
+
+def _part_of(name: str, prefixes: dict[str, tuple]) -> str:
+    """The longest prefix that covers `name`; "" for none."""
+    matches = [p for p in prefixes if name == p or name.startswith(p + ".")]
+    return max(matches, key=len) if matches else ""
 
 
 def param_groups(
-    named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float, frozen_names: set[str]
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    weight_decay: float,
+    frozen_names: set[str],
+    lr: float | None = None,
+    prefixes: dict[str, tuple] | None = None,
+    ndim_of: Callable[[torch.Tensor], int] = lambda p: p.ndim,
 ) -> list[dict]:
-    buckets: dict[tuple[bool, bool], list] = {}
+    """`prefixes` (part_prefixes) with `lr`: each part's groups get lr x its factor; the others, and every group
+    without them, the optimizer's own lr. `ndim_of`: the whole parameter's dimensions (Strategy.full_ndim), which
+    decide weight decay: under ZeRO-3 every parameter here is a flat partition."""
+    prefixes = prefixes or {}
+    buckets: dict[tuple[bool, bool, str], list] = {}
     for name, p in named_params:
-        buckets.setdefault((name in frozen_names, _no_decay(name, p)), []).append(p)
+        key = (name in frozen_names, _no_decay(name, ndim_of(p)), _part_of(name, prefixes))
+        buckets.setdefault(key, []).append(p)
     groups = []
-    for (frozen, no_decay), params in sorted(buckets.items()):
-        groups.append(
-            {
-                "params": params,
-                "weight_decay": 0.0 if no_decay else weight_decay,
-                "frozen": frozen,
-                "group_name": ("frozen_" if frozen else "") + ("no_decay" if no_decay else "decay"),
-            }
-        )
+    for (frozen, no_decay, prefix), params in sorted(buckets.items()):
+        part, factor = prefixes.get(prefix, ("", 1.0))
+        group = {
+            "params": params,
+            "weight_decay": 0.0 if no_decay else weight_decay,
+            "frozen": frozen,
+            "group_name": f"{part}." * bool(part) + "frozen_" * frozen + ("no_decay" if no_decay else "decay"),
+        }
+        if prefixes:
+            group.update(lr=lr * factor, lr_multiplier=factor)
+        groups.append(group)
     return groups
+
+
+def base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The schedule's rate now, as --lr names it: that of a group with no multiplier (metrics.jsonl's `lr`)."""
+    for group in optimizer.param_groups:
+        factor = group.get("lr_multiplier", 1.0)
+        if factor > 0 and not group.get("frozen"):
+            return group["lr"] / factor
+    return optimizer.param_groups[0]["lr"]
 
 
 def lr_lambda(tcfg: TrainConfig) -> Callable[[int], float]:

@@ -142,6 +142,12 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         # ds_numel counts the whole. ZeRO-2 parameters are whole.
         return getattr(p, "ds_numel", None) or p.numel()
 
+    def full_ndim(self, p):
+        # ZeRO-3's parameters are flat partitions under zero.Init (1-D): their own shape is ds_shape. Read as 1-D,
+        # every weight matrix fell in the no-decay group, and ZeRO-3 trained without weight decay.
+        shape = getattr(p, "ds_shape", None)
+        return len(shape) if shape is not None else p.ndim
+
     def backward(self, loss):
         self.engine.backward(loss)
         if not self._is_last:

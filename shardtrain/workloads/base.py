@@ -82,6 +82,11 @@ class Workload:
         Empty: the `_no_split_modules` of the Hugging Face models inside the model."""
         return ()
 
+    def parts(self) -> dict[str, str]:
+        """Names for parts of the model that `train.lr_multipliers` may use: {name: parameter-name prefix},
+        e.g. {"encoder": "bert", "head": "classifier"}. A parameter-name prefix works there without a name."""
+        return {}
+
     def freezable_parameter_names(self, n: int) -> list[str]:
         """The parameters `freeze_layers: n` freezes (usually the embeddings and the lowest n blocks)."""
         raise ConfigError(

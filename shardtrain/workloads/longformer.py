@@ -8,5 +8,8 @@ from shardtrain.workloads.builtin import JsonlWorkload
 
 
 class LongformerWorkload(JsonlWorkload):
+    def parts(self) -> dict[str, str]:
+        return {"encoder": "hf.longformer", "classifier": "hf.classifier"}
+
     def block_classes(self) -> tuple:
         return (LongformerLayer,)

@@ -13,6 +13,9 @@ _BLOCKS = {"BasicBlock": BasicBlock, "Bottleneck": Bottleneck}
 
 
 class MultimodalWorkload(JsonlWorkload):
+    def parts(self) -> dict[str, str]:
+        return {"text": "text", "image": "image", "fusion": "head"}
+
     def block_classes(self) -> tuple:
         m = self.cfg.model
         _, defaults = IMAGE_ARCHS[m.image_model]
