@@ -167,18 +167,21 @@ def check_model_fits(ckpt_dir: Path, wanted: dict[str, tuple], saved: dict[str, 
 
 
 def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn=print) -> dict:
-    shapes = tensor_shapes(read_metadata(ckpt_dir))
+    metadata = read_metadata(ckpt_dir)
+    shapes = tensor_shapes(metadata)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     check_model_fits(ckpt_dir, {k: tuple(v.shape) for k, v in model_sd.items()}, shapes)
     state = {"model": model_sd}
     optim_state = optim_sd["state"]
     if load_optimizer:
-        have = {k: v for k, v in optim_state.items() if all(f"optim.state.{k}.{s}" in shapes for s in v)}
+        # by every saved key, not the tensors' alone: Adafactor's step is a Python int (bytes in the checkpoint)
+        saved = metadata.state_dict_metadata
+        have = {k: v for k, v in optim_state.items() if all(f"optim.state.{k}.{s}" in saved for s in v)}
         if len(have) < len(optim_state):
             skipped = sorted(set(optim_state) - set(have))
             warn(
                 f"optimizer state for {len(skipped)} of {len(optim_state)} parameters is not in {ckpt_dir} "
-                f"(e.g. {skipped[0]}): they start with fresh Adam moments"
+                f"(e.g. {skipped[0]}): they start with fresh optimizer state"
             )
         state["optim"] = {"state": have}
     try:

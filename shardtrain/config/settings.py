@@ -166,8 +166,13 @@ class TrainConfig:
         None, "samples per process and evaluation batch; unset: per_device_batch_size"
     )
     grad_accum: int = setting(1, "micro-batches accumulated into one optimizer step")
-    lr: float = setting(3e-5, "peak learning rate of AdamW")
-    weight_decay: float = setting(0.01, "AdamW's decoupled weight decay")
+    lr: float = setting(3e-5, "peak learning rate (after warmup)")
+    weight_decay: float = setting(0.01, "weight decay of weight matrices (AdamW's is decoupled)")
+    optim: Literal["adamw", "adamw_8bit", "adafactor", "sgd"] = setting(
+        "adamw",
+        "the optimizer: adamw (torch), adamw_8bit (torchao's AdamW8bit: ~2 bytes of state per parameter, DDP and "
+        "FSDP), adafactor (transformers', factored second moments, DDP), sgd (torch, no momentum)",
+    )
     lr_multipliers: dict = setting(
         {},
         'learning-rate factors by part of the model, as JSON, e.g. {"text": 0.1, "image": 0.1, "fusion": 1.0}: '

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardtrain.config.settings import Config, flag_of
+from shardtrain.config.settings import Config, ConfigError, flag_of, where
 from shardtrain.strategies.optim import lr_lambda
 
 SCHEDULE = ("max_steps", "lr", "warmup_steps", "lr_scheduler")
@@ -29,6 +29,13 @@ class ResumeChanges:
 def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeChanges:
     saved = (saved_state.get("config") or {}).get("train") or {}
     t, step = cfg.train, saved_state["step"]
+    optim = saved.get("optim", "adamw")  # checkpoints from before --optim: AdamW
+    if optim != t.optim:
+        # another optimizer's state has other tensors (or none): nothing of it would carry over, silently
+        raise ConfigError(
+            f"{where('optim')} {t.optim}, but the checkpoint at step {step} was trained with {optim}, whose state "
+            f"does not carry over: resume with --optim {optim}, or train into a new --output-dir"
+        )
     changes = [
         f"{flag_of(k)} {saved[k]} -> {getattr(t, k)}" for k in SCHEDULE if k in saved and saved[k] != getattr(t, k)
     ]

@@ -26,7 +26,7 @@ from shardtrain.checkpointing.store import AsyncWrite
 from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.runtime.distributed import DistInfo, broadcast_, new_gloo_group
-from shardtrain.strategies.optim import adamw, build_scheduler, param_groups, part_prefixes
+from shardtrain.strategies.optim import build_optimizer, build_scheduler, param_groups, part_prefixes, set_lr
 from shardtrain.strategies.recompute import apply_activation_checkpointing
 from shardtrain.workloads.base import Workload, resolve_block_classes
 
@@ -42,6 +42,8 @@ class StepResult:
 
 class Strategy(ABC):
     name: str = "base"
+    # train.optim values this strategy cannot run, with the reason (checked before anything is built)
+    refused_optimizers: dict[str, str] = {}
 
     def __init__(self, cfg: Config, dist_info: DistInfo, workload=None, geometry: BatchGeometry | None = None):
         """`geometry`: the run's batch geometry (the Trainer's; the flags' when None)."""
@@ -56,6 +58,11 @@ class Strategy(ABC):
         self.scheduler = None
         self._is_last = True
         check_precision_supported(self.precision, self.device)
+        if cfg.train.optim in self.refused_optimizers:
+            raise ConfigError(
+                f"{where('optim')} {cfg.train.optim} does not work under {self.name}: "
+                f"{self.refused_optimizers[cfg.train.optim]}"
+            )
 
     # ---- the core: what the loop calls every step, at checkpoints and around evaluation -----------------
     @abstractmethod
@@ -106,10 +113,12 @@ class Strategy(ABC):
         the ones after it (a resume with another --max-steps, --lr or warmup). The scheduler drives the
         optimizer the strategy was built with, under DeepSpeed too, so this works for every backend."""
         scheduler, lr = self.scheduler, self.cfg.train.lr
-        scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
-        for group, factor in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
-            group["initial_lr"] = lr
-            group["lr"] = lr * factor(scheduler.last_epoch)
+        groups = scheduler.optimizer.param_groups
+        # each part's own rate (train.lr_multipliers, strategies/optim.py)
+        scheduler.base_lrs = [lr * group.get("lr_multiplier", 1.0) for group in groups]
+        for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas):
+            group["initial_lr"] = base
+            set_lr(group, base * factor(scheduler.last_epoch))
 
     def train(self) -> None:
         self.model.train()
@@ -182,7 +191,7 @@ class Strategy(ABC):
         groups = param_groups(
             named_params, self.cfg.train.weight_decay, frozen_names, self.cfg.train.lr, prefixes, self.full_ndim
         )
-        optimizer = adamw(groups, self.cfg.train.lr, self.device, fused=self.cfg.train.fused_adamw)
+        optimizer = build_optimizer(groups, self.cfg.train, self.device)
         scheduler = build_scheduler(optimizer, self.cfg.train, self.cfg.model.unfreeze_at_step)
         return optimizer, scheduler
 
@@ -214,10 +223,10 @@ def load_extra_state(extra: dict, scheduler, optimizer, scaler=None) -> None:
         scheduler.load_state_dict(sd)
         if not same_groups:  # each group's rate at that position, as LambdaLR computes it
             for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
-                group["lr"] = base * factor(scheduler.last_epoch)
+                set_lr(group, float(base) * factor(scheduler.last_epoch))
     if same_groups:
         for group, lr in zip(optimizer.param_groups, lrs):
-            group["lr"] = lr
+            set_lr(group, lr)
     if scaler and "scaler" in extra:
         scaler.load_state_dict(extra["scaler"])
 

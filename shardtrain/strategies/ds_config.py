@@ -51,8 +51,8 @@ def resolve_ds_config(
     for section in ("optimizer", "scheduler"):
         if section in ds:
             raise ConfigError(
-                f'{path}: remove the "{section}" section: shardtrain builds AdamW and its schedule '
-                f"from --lr, --weight-decay, --warmup-steps and --lr-scheduler for every strategy"
+                f'{path}: remove the "{section}" section: shardtrain builds the optimizer (--optim) and its '
+                f"schedule from --lr, --weight-decay, --warmup-steps and --lr-scheduler for every strategy"
             )
     _fill(ds, "train_micro_batch_size_per_gpu", g.micro, "--per-device-batch-size", path)
     _fill(ds, "gradient_accumulation_steps", g.accum, "--grad-accum", path)

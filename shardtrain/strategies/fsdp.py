@@ -111,6 +111,10 @@ def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> No
 
 class FSDPStrategy(NativeStrategy):
     name = "fsdp"
+    refused_optimizers = {
+        "adafactor": "transformers' Adafactor keeps its factored moments as plain tensors beside FSDP2's sharded "
+        "parameters (DTensors), and torch refuses to mix the two in its update; use it under --strategy ddp",
+    }
     grads_sharded = True  # each rank's share of the gradient norm is its shards'
     shards_outside_forward = True
 

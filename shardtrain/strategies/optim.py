@@ -90,8 +90,8 @@ def base_lr(optimizer: torch.optim.Optimizer) -> float:
     for group in optimizer.param_groups:
         factor = group.get("lr_multiplier", 1.0)
         if factor > 0 and not group.get("frozen"):
-            return group["lr"] / factor
-    return optimizer.param_groups[0]["lr"]
+            return float(group["lr"]) / factor
+    return float(optimizer.param_groups[0]["lr"])
 
 
 def lr_lambda(tcfg: TrainConfig) -> Callable[[int], float]:
@@ -121,6 +121,53 @@ def build_scheduler(
 
     lambdas = [frozen if g.get("frozen") else base for g in optimizer.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
+
+
+def build_optimizer(groups: list[dict], t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    """`train.optim` over the groups. HF TrainingArguments' choices and settings: Adafactor with an external
+    rate (scale_parameter, relative_step off, as `optim="adafactor"`), SGD without momentum."""
+    if t.optim == "adamw":
+        return adamw(groups, t.lr, device, fused=t.fused_adamw)
+    if t.optim == "sgd":
+        return torch.optim.SGD(groups, lr=t.lr, foreach=True)
+    if t.optim == "adafactor":
+        from transformers.optimization import Adafactor
+
+        return Adafactor(groups, lr=t.lr, scale_parameter=False, relative_step=False, warmup_init=False)
+    # torchao's, not bitsandbytes': it runs on CPU (bitsandbytes' 8-bit Adam needs CUDA) and keeps its state as
+    # tensor subclasses that DTensor shards, so it works under FSDP2 as under DDP.
+    from torchao.optim import AdamW8bit
+
+    for group in groups:  # it takes the rate as a tensor (changed in place, never replaced: set_lr)
+        if "lr" in group:
+            group["lr"] = torch.tensor(group["lr"])
+    return AdamW8bit(groups, lr=t.lr, betas=(0.9, 0.999), eps=1e-8)
+
+
+def set_lr(group: dict, lr: float) -> None:
+    """A group's rate, in place where it is a tensor (torchao's optimizers refuse a replaced one)."""
+    if torch.is_tensor(group["lr"]):
+        group["lr"].fill_(lr)
+    else:
+        group["lr"] = lr
+
+
+# Per parameter, the optimizer state's bytes (the planner's model states): AdamW's two fp32 moments; AdamW8bit's
+# two 8-bit ones, with an fp32 scale per block of 256; SGD without momentum none. Adafactor's factored moments
+# are a row and a column per matrix (optim_state_bytes counts them from the shapes).
+STATE_BYTES_PER_PARAM = {"adamw": 8.0, "adamw_8bit": 2.0 + 2 * 4 / 256, "sgd": 0.0}
+
+
+def optim_state_bytes(optim: str, shapes: Iterable[tuple[int, ...]]) -> int:
+    """The optimizer state of trainable parameters of these shapes, in bytes (whole, not per rank)."""
+    shapes = list(shapes)
+    if optim != "adafactor":
+        return int(sum(math.prod(s) for s in shapes) * STATE_BYTES_PER_PARAM[optim])
+    # transformers' Adafactor without beta1: a 2-D+ weight keeps fp32 row and column means of the squared
+    # gradient, a vector its own fp32 second moment
+    return sum(
+        4 * (math.prod(s[:-1]) + math.prod(s[:-2] + s[-1:])) if len(s) >= 2 else 4 * math.prod(s) for s in shapes
+    )
 
 
 def adamw(groups: list[dict], lr: float, device: torch.device, fused: bool = True) -> torch.optim.AdamW:

@@ -24,7 +24,21 @@ from shardtrain.strategies.root import workload_root
 TAG = "engine"
 
 
+# The optimizer state kept per element of a parameter, which _partition_state writes as this rank's ranges.
+MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "sgd": ()}
+
+
 class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy):
+    name = "zero"  # zero2 or zero3 once the config is read
+    refused_optimizers = {
+        "adafactor": "DeepSpeed hands the optimizer flat 1-D partitions of the parameters, so Adafactor could not "
+        "factor a weight's second moment by rows and columns (it would run unfactored, with Adam-sized state); "
+        "use it under --strategy ddp",
+        "adamw_8bit": "its 8-bit moments would be quantized in blocks of DeepSpeed's flat partitions, across "
+        "parameter boundaries, so no checkpoint could hold them per parameter for a resume under another "
+        "strategy or world size; use it under --strategy ddp or fsdp",
+    }
+
     def __init__(self, cfg, dist_info, workload=None, geometry=None):
         super().__init__(cfg, dist_info, workload, geometry)
         from shardtrain.runtime.device_defaults import deepspeed_accelerator
@@ -39,6 +53,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         self.name = f"zero{self.stage}"
         self.offload = self.info["offload_optimizer"] != "none" or self.info["offload_param"] != "none"
         self.shards_outside_forward = self.stage == 3
+        self._moments = MOMENTS[cfg.train.optim]
         if cfg.checkpoint.async_save and (self.ds_config.get("fp16") or {}).get("enabled"):
             # save_async writes the portable form alone, which has no place for DeepSpeed's dynamic loss scale:
             # a resume would start again from the initial scale and skip steps finding it (not exact).
@@ -284,7 +299,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
             if group_of.get(name) in with_state:
                 optim_state[name] = {
                     "step": torch.tensor(float(steps[group_of[name]])),
-                    **{k: FlatRange(shape, own(local(k)), start) for k in ("exp_avg", "exp_avg_sq")},
+                    **{k: FlatRange(shape, own(local(k)), start) for k in self._moments},
                 }
         for name, buf in self._persistent_buffers().items():
             model_sd[name] = buf.detach().cpu().clone()
@@ -326,7 +341,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
 
     def _groups_with_state(self) -> set[int]:
         """Optimizer groups whose Adam moments exist (every rank alike: they all step their partitions)."""
-        return {i for i, state in self._flat_states() if "exp_avg" in state}
+        return {i for i, state in self._flat_states() if self._moments and self._moments[0] in state}
 
     def _portable_state(self) -> tuple[dict, dict]:
         """Full fp32 weights and Adam moments per parameter name (none for a frozen parameter: it has no
@@ -346,8 +361,8 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
                     model_sd[name] = p.data.detach().float().cpu().clone()
                 continue
             model_sd[name] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
-            moments = {k: safe_get_full_optimizer_state(p, k) for k in ("exp_avg", "exp_avg_sq")}
-            if all(v is not None for v in moments.values()):
+            moments = {k: safe_get_full_optimizer_state(p, k) for k in self._moments}
+            if moments and all(v is not None for v in moments.values()):
                 optim_state[name] = {
                     "step": torch.tensor(float(steps[self._group_of[name]])),
                     **{k: v.detach().float().cpu().clone() for k, v in moments.items()},
@@ -452,15 +467,17 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         full_shape = {n: tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in params.items()}
         buffers = self._persistent_buffers()
         check_model_fits(ckpt_dir, {**full_shape, **{n: tuple(b.shape) for n, b in buffers.items()}}, shapes)
-        keys = ("exp_avg", "exp_avg_sq", "step")
+        keys = (*self._moments, "step")
         # A frozen parameter has no optimizer state, in the checkpoint (saved while frozen, by any strategy)
         # or here (its saved moments, if any, wait in the checkpoint until a resume past the unfreeze).
         with_moments = [
-            n for n, p in params.items() if p.requires_grad and all(f"optim.state.{n}.{k}" in shapes for k in keys)
+            n
+            for n, p in params.items()
+            if self._moments and p.requires_grad and all(f"optim.state.{n}.{k}" in shapes for k in keys)
         ]
         trainable = [n for n, p in params.items() if p.requires_grad]
         if load_optimizer:
-            if len(with_moments) < len(trainable):
+            if self._moments and len(with_moments) < len(trainable):
                 self._warn(
                     f"optimizer state for {len(trainable) - len(with_moments)} of {len(trainable)} trainable "
                     f"parameters is not in {ckpt_dir}: they start with fresh Adam moments"
@@ -476,7 +493,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
             if load_optimizer and name in with_moments:
                 moments[name] = {
                     "step": torch.empty(()),
-                    **{k: FlatRange(shape, local(k), start) for k in ("exp_avg", "exp_avg_sq")},
+                    **{k: FlatRange(shape, local(k), start) for k in self._moments},
                 }
         model.update({n: torch.empty_like(b, device="cpu") for n, b in buffers.items()})
         state = {"model": model, **({"optim": {"state": moments}} if load_optimizer else {})}
@@ -564,7 +581,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
             else:
                 safe_set_full_fp32_param(p, value)
             if load_optimizer and name in optim_state:
-                for k in ("exp_avg", "exp_avg_sq"):
+                for k in self._moments:
                     if hasattr(p, "ds_id"):
                         _z3_set_full(p, optim_state[name][k], k)
                     else:

@@ -69,3 +69,15 @@ def _cfg(**train) -> Config:
     for k, v in train.items():
         setattr(cfg.train, k, v)
     return cfg
+
+
+def test_a_longer_run_keeps_each_parts_learning_rate_multiplier():
+    """follow_configured_schedule set every group to --lr, dropping train.lr_multipliers after such a resume."""
+    new = _cfg(max_steps=6, warmup_steps=0, lr=1e-3, lr_multipliers={"text": 0.1})
+    slow, fast = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = torch.optim.AdamW([{"params": [slow], "lr": 1e-4, "lr_multiplier": 0.1}, {"params": [fast], "lr": 1e-3}])
+    sched = build_scheduler(opt, new.train, None)
+    sched.last_epoch = 4
+    Strategy.follow_configured_schedule(SimpleNamespace(scheduler=sched, cfg=new))
+    factor = lr_lambda(new.train)(4)
+    assert [g["lr"] for g in opt.param_groups] == [1e-3 * 0.1 * factor, 1e-3 * factor]
