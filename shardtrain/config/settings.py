@@ -170,8 +170,8 @@ class TrainConfig:
     weight_decay: float = setting(0.01, "weight decay of weight matrices (AdamW's is decoupled)")
     optim: Literal["adamw", "adamw_8bit", "adafactor", "sgd"] = setting(
         "adamw",
-        "the optimizer: adamw (torch), adamw_8bit (torchao's AdamW8bit: ~2 bytes of state per parameter, DDP and "
-        "FSDP), adafactor (transformers', factored second moments, DDP), sgd (torch, no momentum)",
+        "the optimizer: adamw (torch), adamw_8bit (torchao's AdamW8bit: ~2 bytes of state per parameter; CUDA, DDP "
+        "and FSDP), adafactor (transformers', factored second moments; DDP), sgd (torch, no momentum)",
     )
     lr_multipliers: dict = setting(
         {},

@@ -105,6 +105,13 @@ class ModelCount:
     # frozen with): no gradient and no optimizer state under any strategy. freeze_layers' with unfreeze_at_step
     # get both before the end, so they count in full.
     frozen: int = 0
+    # The optimizer's state for the trainable parameters, whole (strategies/optim.py optim_state_bytes for
+    # --optim); None: AdamW's two fp32 moments.
+    optimizer_state: int | None = None
+
+    @property
+    def optim_bytes(self) -> float:
+        return 8 * (self.params - self.frozen) if self.optimizer_state is None else self.optimizer_state
 
 
 def _vocab(cfg) -> int | None:
@@ -166,7 +173,18 @@ def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | Non
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         layers=text_cfg.num_hidden_layers,
         frozen=_frozen_count(model, frozen),
+        optimizer_state=_optimizer_state(cfg, model, frozen),
     )
+
+
+def _optimizer_state(cfg, model, freeze_layers_names: set[str]) -> int:
+    """--optim's state bytes for what trains (the frozen parameters have none)."""
+    from shardtrain.strategies.optim import optim_state_bytes
+
+    trained = [
+        tuple(p.shape) for name, p in model.named_parameters() if p.requires_grad and name not in freeze_layers_names
+    ]
+    return optim_state_bytes(cfg.train.optim, trained)
 
 
 def _frozen_count(model, freeze_layers_names: set[str]) -> int:
@@ -352,20 +370,21 @@ def model_states(variant: str, m: ModelCount, n: int, precision: str, gathered_1
     backward (what shardtrain.memory.accounting measures) plus the transient peak in `overhead`."""
     psi = m.params
     psi_t = m.params - m.frozen  # what gets gradients and optimizer state (strategies: frozen parameters get none)
+    opt = m.optim_bytes  # --optim's state (AdamW: 8 bytes per trained parameter)
     lp = 2 if precision != "fp32" else 4  # bytes per 16-bit-or-fp32 weight where the backend keeps them so
     native_fp16 = precision == "fp16"  # only DeepSpeed fp16 keeps 16-bit weights (others: autocast)
     gpu = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "comm": 0.0, "overhead": 0.0}
     host = 0.0
     gathered = gathers_16bit(variant, precision) if gathered_16bit is None else gathered_16bit
     if variant == "ddp":
-        gpu.update(params=4 * psi, grads=4 * psi_t, optimizer=8 * psi_t)
+        gpu.update(params=4 * psi, grads=4 * psi_t, optimizer=opt)
     elif variant in ("fsdp", "fsdp_sgo"):
-        gpu.update(params=4 * psi / n, grads=4 * psi_t / n, optimizer=8 * psi_t / n)
+        gpu.update(params=4 * psi / n, grads=4 * psi_t / n, optimizer=opt / n)
         # Gathered units: the current and the prefetched one; SHARD_GRAD_OP keeps all of them from forward to backward.
         g = 2 if gathered else 4
         gpu["overhead"] = g * psi * (1 - 1 / n) if variant == "fsdp_sgo" else 2 * g * m.largest_unit
     elif variant == "fsdp_offload":
-        host = 4 * psi / n + 12 * psi_t / n
+        host = 4 * psi / n + 4 * psi_t / n + opt / n
         g = 2 if gathered else 4
         gpu["overhead"] = 2 * g * m.largest_unit + 4 * m.largest_unit  # gathered units + a unit's gradient
     else:
@@ -373,7 +392,7 @@ def model_states(variant: str, m: ModelCount, n: int, precision: str, gathered_1
         w = lp if native_fp16 else 4
         if variant.startswith("zero2"):
             gpu["params"] = w * psi
-            part = {"grads": 4 * psi_t / n, "optimizer": 12 * psi_t / n}  # fp32 master + Adam m, v
+            part = {"grads": 4 * psi_t / n, "optimizer": (4 * psi_t + opt) / n}  # fp32 master + the optimizer's
             if variant == "zero2":
                 gpu.update(part)
             else:
@@ -382,7 +401,11 @@ def model_states(variant: str, m: ModelCount, n: int, precision: str, gathered_1
             gpu["overhead"] = 2 * w * min(ds["bucket"], psi_t) + 4 * psi_t / n
         else:
             persistent = m.small_params
-            shard = {"params": w * (psi / n) + w * persistent, "grads": 4 * psi_t / n, "optimizer": 12 * psi_t / n}
+            shard = {
+                "params": w * (psi / n) + w * persistent,
+                "grads": 4 * psi_t / n,
+                "optimizer": (4 * psi_t + opt) / n,  # fp32 master + the optimizer's state
+            }
             gpu["comm"] = 4 * ds["bucket"]  # allocated for the whole run (measured)
             gathered = w * min(ds["prefetch"], psi) + 2 * w * m.largest_unit
             if variant == "zero3":
@@ -403,7 +426,7 @@ def save_host_bytes(variant: str, m: ModelCount, n: int, async_save: bool) -> fl
     it, from their own partitions, while every DDP rank holds all of it (DCP spreads the writing, not the
     holding). A synchronous save copies one chunk at a time to the host (off the GPU, or out of a view of a
     larger buffer): at most the largest block's fp32 share. --async-save snapshots the whole share first."""
-    state = 4 * m.params + 8 * (m.params - m.frozen)
+    state = 4 * m.params + m.optim_bytes
     shards = 1 if variant == "ddp" else n
     return state / shards if async_save else 4 * m.largest_unit / shards
 
@@ -682,6 +705,7 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         layers=0,
         frozen=_frozen_count(model, frozen),
+        optimizer_state=_optimizer_state(cfg, model, frozen),
     ), name
 
 

@@ -26,7 +26,14 @@ from shardtrain.checkpointing.store import AsyncWrite
 from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.runtime.distributed import DistInfo, broadcast_, new_gloo_group
-from shardtrain.strategies.optim import build_optimizer, build_scheduler, param_groups, part_prefixes, set_lr
+from shardtrain.strategies.optim import (
+    build_optimizer,
+    build_scheduler,
+    device_problem,
+    param_groups,
+    part_prefixes,
+    set_lr,
+)
 from shardtrain.strategies.recompute import apply_activation_checkpointing
 from shardtrain.workloads.base import Workload, resolve_block_classes
 
@@ -58,6 +65,9 @@ class Strategy(ABC):
         self.scheduler = None
         self._is_last = True
         check_precision_supported(self.precision, self.device)
+        device_reason = device_problem(cfg.train.optim, self.device)
+        if device_reason:
+            raise ConfigError(f"{where('optim')} {cfg.train.optim} on {self.device.type}: {device_reason}")
         if cfg.train.optim in self.refused_optimizers:
             raise ConfigError(
                 f"{where('optim')} {cfg.train.optim} does not work under {self.name}: "

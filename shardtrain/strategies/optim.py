@@ -123,6 +123,19 @@ def build_scheduler(
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambdas)
 
 
+def device_problem(optim: str, device: torch.device) -> str | None:
+    """Why `optim` cannot run on this device, or None."""
+    if optim == "adamw_8bit" and device.type != "cuda":
+        # Measured on the 2-core dev machine, tiny multimodal model: DDP had not finished its first step after 7
+        # minutes of inductor C++ builds (one per parameter shape); FSDP2's DTensor step failed in the compiler
+        # ("incorrect fake kernel for a custom op").
+        return (
+            "torchao's AdamW8bit compiles its update for every parameter shape with torch.compile, which on CPU "
+            "takes minutes of C++ builds (and fails on FSDP's sharded parameters); it is for CUDA runs"
+        )
+    return None
+
+
 def build_optimizer(groups: list[dict], t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
     """`train.optim` over the groups. HF TrainingArguments' choices and settings: Adafactor with an external
     rate (scale_parameter, relative_step off, as `optim="adafactor"`), SGD without momentum."""
@@ -134,8 +147,8 @@ def build_optimizer(groups: list[dict], t: TrainConfig, device: torch.device) ->
         from transformers.optimization import Adafactor
 
         return Adafactor(groups, lr=t.lr, scale_parameter=False, relative_step=False, warmup_init=False)
-    # torchao's, not bitsandbytes': it runs on CPU (bitsandbytes' 8-bit Adam needs CUDA) and keeps its state as
-    # tensor subclasses that DTensor shards, so it works under FSDP2 as under DDP.
+    # torchao's, not bitsandbytes': its state is tensor subclasses that DTensor shards, so FSDP2 shards it as it
+    # shards the parameters (torchao documents FSDP2 support), and it needs no extra package.
     from torchao.optim import AdamW8bit
 
     for group in groups:  # it takes the rate as a tensor (changed in place, never replaced: set_lr)
