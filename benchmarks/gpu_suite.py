@@ -76,9 +76,17 @@ CASES = [
     ("strategy_zero2_offload", "strategies", FUSION, ["--ds", str(DS / "zero2_offload.json"), *CL], 10, 4),
     ("strategy_zero3", "strategies", FUSION, ["--ds", str(DS / "zero3.json"), *CL], 20, 6),
     ("strategy_zero3_offload", "strategies", FUSION, ["--ds", str(DS / "zero3_offload.json"), *CL], 10, 4),
+    # torchao's AdamW8bit (--optim adamw_8bit, refused on CPU): compiled per parameter shape, a long warm-up. Last:
+    # a slow compile must not take the time of the cases above (the JSON keeps every finished case).
+    ("optim_adamw_8bit_ddp", "optim", FUSION, ["--strategy", "ddp", *CL, "--optim", "adamw_8bit"], 16, 6),
+    ("optim_adamw_8bit_fsdp", "optim", FUSION, ["--strategy", "fsdp", *CL, "--optim", "adamw_8bit"], 16, 6),
 ]
 # Paths a CPU cannot take, with the error the dry run must then record (it checks the case still reaches them).
-CPU_EXPECTED_ERRORS = {"fp16_deepspeed_zero2": "fp16 is not supported"}
+CPU_EXPECTED_ERRORS = {
+    "fp16_deepspeed_zero2": "fp16 is not supported",
+    "optim_adamw_8bit_ddp": "adamw_8bit on cpu",
+    "optim_adamw_8bit_fsdp": "adamw_8bit on cpu",
+}
 # The OOM case: free memory left on the GPU once the allocator has failed (model states + a small batch fit).
 OOM_HEADROOM_GIB = 8
 PREFLIGHT = ("torch", "transformers", "datasets", "deepspeed")
