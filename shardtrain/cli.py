@@ -52,7 +52,7 @@ def run_command(name: str, argv: list[str]) -> int:
     """Every command runs here (main.py's torchrun entry too): under the one error guard, and out of a process
     group the abort-free way."""
     from shardtrain.runtime.closed_output import survive_closed_output
-    from shardtrain.runtime.startup_gc import defer_collections
+    from shardtrain.runtime.startup_gc import defer_collections, restore_collections
 
     defer_collections()  # the imports ahead cost a fifth less (runtime/startup_gc.py); the loop restores them
     survive_closed_output()  # `shardtrain plan | head` ends quietly; training goes on (see closed_output.py)
@@ -61,7 +61,10 @@ def run_command(name: str, argv: list[str]) -> int:
 
         quiet_libraries(verbose=False)
     command = importlib.import_module(COMMANDS[name][0])
-    code = run_guarded(command.main, argv)
+    try:
+        code = run_guarded(command.main, argv)
+    finally:
+        restore_collections(freeze=False)  # where the command had no loop to do it (cli.main from Python)
     # Looked up, not imported: a config error must not pay seconds for importing torch just to exit.
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():

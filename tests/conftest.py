@@ -78,14 +78,22 @@ def data_dirs(mm_data, ld_data) -> dict:
     return {"multimodal": mm_data, "longformer": ld_data}
 
 
-# `make test` runs the suite on two xdist workers (--dist loadgroup). Tests that build machine-wide things share
-# one worker, one test at a time: the network-namespace hosts (node1.. and their bridge), the local Slurm cluster
+# `make test` runs the suite on two xdist workers (--dist loadgroup), a test file at a time: its module fixtures
+# (many runs in one launch) are then set up once, not once per worker. Tests that build machine-wide things share
+# one group, run one at a time: the network-namespace hosts (node1.. and their bridge), the local Slurm cluster
 # (its daemons and /tmp/shardtrain-slurm), and tests/sm_compose.py's emulated SageMaker containers.
 MACHINE_WIDE_FIXTURES = {"namespace_hosts", "local_slurm"}
 
 
 def pytest_collection_modifyitems(items):
+    machine_wide = set()
     for item in items:
         uses = MACHINE_WIDE_FIXTURES & set(getattr(item, "fixturenames", ()))
         if uses or item.get_closest_marker("slurm") or item.get_closest_marker("machine_wide"):
-            item.add_marker(pytest.mark.xdist_group("machine_wide"))
+            machine_wide.add(item.nodeid)
+        item.add_marker(
+            pytest.mark.xdist_group("machine_wide" if item.nodeid in machine_wide else item.nodeid.split("::")[0])
+        )
+    # The longest group first (minutes, one test at a time, much of it waiting): one worker starts on it while
+    # the other takes the files, instead of it running alone at the end.
+    items.sort(key=lambda item: item.nodeid not in machine_wide)

@@ -28,11 +28,13 @@ def defer_collections() -> None:
         gc.set_threshold(*STARTUP_THRESHOLDS)
 
 
-def restore_collections() -> None:
+def restore_collections(freeze: bool = True) -> None:
     """Before the training loop: the start-up heap frozen, the thresholds as they were. A no-op where
-    defer_collections() never ran (shardtrain.fit from a user's script leaves their collector alone)."""
+    defer_collections() never ran (shardtrain.fit from a user's script leaves their collector alone).
+    `freeze=False` at the end of a command run in a process that goes on (cli.main called from Python)."""
     global _saved
     if _saved is not None:
-        gc.freeze()
+        if freeze:
+            gc.freeze()
         gc.set_threshold(*_saved)
         _saved = None

@@ -15,6 +15,7 @@ from shardtrain.runtime import startup_gc
 @pytest.fixture
 def thresholds():
     saved = gc.get_threshold()
+    assert startup_gc._saved is None, "a command run earlier in this process left collections deferred"
     yield saved
     startup_gc._saved = None
     gc.set_threshold(*saved)
@@ -28,6 +29,12 @@ def test_a_command_starts_with_rare_collections_and_restore_gives_back_the_users
     monkeypatch.setitem(cli.COMMANDS, "fake", ("shardtrain_fake_command", "a test command"))
     assert cli.run_command("fake", []) == 0
     assert seen["threshold"] == startup_gc.STARTUP_THRESHOLDS
+    assert gc.get_threshold() == thresholds  # the command's end gives them back too
+
+
+def test_the_loop_restores_them_before_its_first_step(thresholds):
+    startup_gc.defer_collections()
+    assert gc.get_threshold() == startup_gc.STARTUP_THRESHOLDS
     startup_gc.restore_collections()
     assert gc.get_threshold() == thresholds
 
