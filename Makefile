@@ -5,7 +5,7 @@ NPROC ?= 2
 # Two pytest workers on the two-core dev machine: a test spends much of its time waiting (rendezvous, signals,
 # timeouts), and the other worker fills it. tests/conftest.py keeps machine-wide tests on one worker.
 TEST_JOBS ?= 2
-PYTEST_PAR := -n $(TEST_JOBS) --dist loadgroup
+PYTEST_PAR := -n $(TEST_JOBS)
 DEMO_OUT ?= runs/demo
 # DeepSpeed JIT-builds its C++ ops once; keep them beside the venv so every run reuses them.
 export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions

@@ -78,22 +78,52 @@ def data_dirs(mm_data, ld_data) -> dict:
     return {"multimodal": mm_data, "longformer": ld_data}
 
 
-# `make test` runs the suite on two xdist workers (--dist loadgroup), a test file at a time: its module fixtures
-# (many runs in one launch) are then set up once, not once per worker. Tests that build machine-wide things share
-# one group, run one at a time: the network-namespace hosts (node1.. and their bridge), the local Slurm cluster
-# (its daemons and /tmp/shardtrain-slurm), and tests/sm_compose.py's emulated SageMaker containers.
+# `make test` runs the suite on two xdist workers, a test file at a time: a module's fixture (many runs in one
+# launch) is then set up once, not once per worker. The files that build machine-wide things are one unit, run one
+# test at a time on one worker: the network-namespace hosts (node1.. and their bridge), the local Slurm cluster
+# (its daemons and /tmp/shardtrain-slurm), and tests/sm_compose.py's emulated SageMaker containers. (xdist's own
+# `--dist loadgroup` would do this from marks, but with pytest 9 its groups are lost: it writes them into
+# item._nodeid, which pytest no longer reads.)
+MACHINE_WIDE_FILES = {
+    f"tests/dist/{name}.py"
+    for name in (
+        "test_elastic",
+        "test_hosts",
+        "test_local_slurm_cluster",
+        "test_multi_node",
+        "test_sagemaker_container",
+        "test_slurm",
+        "test_slurm_multi_host",
+        "test_slurm_teardown",
+    )
+}
 MACHINE_WIDE_FIXTURES = {"namespace_hosts", "local_slurm"}
 
 
+def _unit_of(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "machine_wide" if path in MACHINE_WIDE_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit_of(nodeid)
+
+    return ByFile(config, log)
+
+
 def pytest_collection_modifyitems(items):
-    machine_wide = set()
     for item in items:
         uses = MACHINE_WIDE_FIXTURES & set(getattr(item, "fixturenames", ()))
-        if uses or item.get_closest_marker("slurm") or item.get_closest_marker("machine_wide"):
-            machine_wide.add(item.nodeid)
-        item.add_marker(
-            pytest.mark.xdist_group("machine_wide" if item.nodeid in machine_wide else item.nodeid.split("::")[0])
-        )
-    # The longest group first (minutes, one test at a time, much of it waiting): one worker starts on it while
-    # the other takes the files, instead of it running alone at the end.
-    items.sort(key=lambda item: item.nodeid not in machine_wide)
+        if (uses or item.get_closest_marker("slurm")) and _unit_of(item.nodeid) != "machine_wide":
+            raise pytest.UsageError(
+                f"{item.nodeid} builds machine-wide things ({', '.join(uses) or 'slurm'}): add its file to "
+                f"MACHINE_WIDE_FILES in tests/conftest.py"
+            )
+    # Workers take the units in this order: the machine-wide one first (minutes, mostly waiting), then the
+    # multi-process files, then the fast unit tests, which fill the end while the other worker finishes.
+    items.sort(key=lambda item: (_unit_of(item.nodeid) != "machine_wide", item.nodeid.startswith("tests/unit")))

@@ -24,11 +24,8 @@ import pytest
 from launch import REPO, kill_tree, test_env, tiny_args, torchrun
 
 pytest.importorskip("sagemaker.train", reason="the SageMaker SDK v3 (requirements-sagemaker.txt) is not installed")
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                       reason="emulated containers need root and unshare (namespaces, mounts)"),
-    pytest.mark.machine_wide,
-]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                                reason="emulated containers need root and unshare (namespaces, mounts)")
 
 JOB = REPO / "tests" / "sm_job.py"
 STEPS = 12
