@@ -285,7 +285,7 @@ def _error(tmp_path, text: str, *flags: str) -> str:
         ),
         ("workload:\n  target: my.mod:Task\n  args: [3]\n", "x.yaml:3: workload.args: expected a mapping, got [3]"),
         ("data:\n  max_length: 64\ntrain: 5\n", "x.yaml:3: section 'train' must be a mapping, got 5"),
-        ("train:\n  optim:\n    lr: 1\n", "x.yaml:2: unknown key 'train.optim'"),
+        ("train:\n  optimizer:\n    lr: 1\n", "x.yaml:2: unknown key 'train.optimizer'"),  # optim (--optim) exists
         ("train:\n  lr: 1\n3: x\n", "x.yaml:3: unknown section '3'"),  # a key YAML reads as a number
         # YAML syntax
         ("train:\n  lr: 1\n max_steps: 3\n", "x.yaml:3: invalid YAML: expected <block end>, but found"),
