@@ -124,6 +124,3 @@ def pytest_collection_modifyitems(items):
                 f"{item.nodeid} builds machine-wide things ({', '.join(uses) or 'slurm'}): add its file to "
                 f"MACHINE_WIDE_FILES in tests/conftest.py"
             )
-    # Workers take the units in this order: the machine-wide one first (minutes, mostly waiting), then the
-    # multi-process files, then the fast unit tests, which fill the end while the other worker finishes.
-    items.sort(key=lambda item: (_unit_of(item.nodeid) != "machine_wide", item.nodeid.startswith("tests/unit")))
