@@ -1,4 +1,4 @@
-"""AdamW parameter groups and the warmup + decay schedule, shared by every strategy.
+"""Optimizer parameter groups, the optimizer (--optim) and the warmup + decay schedule, shared by every strategy.
 
 `train.lr_multipliers` splits the groups further by part of the model (a name from Workload.parts, or a
 parameter-name prefix; the longest prefix wins), each part's groups with its own rate: lr x factor, under the
