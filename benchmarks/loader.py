@@ -60,7 +60,7 @@ def make_jpeg_data(out: Path, n: int, size: tuple[int, int]) -> Path:
 
 
 def config(data: Path, work: Path, workers: int, batch: int, cache: Path | None = None):
-    from shardtrain.config.settings import parse_cli
+    from shardtrain.config.settings import parse_cli, replace_fields
 
     cfg = parse_cli(
         [
@@ -89,7 +89,8 @@ def config(data: Path, work: Path, workers: int, batch: int, cache: Path | None 
             *(["--image-cache", str(cache)] if cache else []),
         ]
     )
-    cfg.model.image_weights = None  # random init: nothing to download (no flag spells None for a str option)
+    # random init: nothing to download (no flag spells None for a str option)
+    cfg = replace_fields(cfg, image_weights=None)
     return cfg
 
 

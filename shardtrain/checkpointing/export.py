@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from shardtrain.checkpointing import store as checkpoint
+from shardtrain.config.labels import run_config_dict
 from shardtrain.config.settings import ConfigError, from_dict
 
 EXPORT_META = "shardtrain_export.json"
@@ -72,7 +73,7 @@ def rebuild_from_checkpoint(ckpt_dir: Path):
     from shardtrain.models import build_model
 
     state = checkpoint.read_trainer_state(ckpt_dir)
-    cfg = from_dict(state["config"], source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
+    cfg = from_dict(run_config_dict(state), source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
     weights = read_portable(ckpt_dir)["model"]
     model = build_model(cfg.model, cfg.data, _vocab_size(weights), load_weights=False)
     own = model.state_dict()
@@ -106,7 +107,7 @@ def export_checkpoint(
     from shardtrain.config.settings import is_builtin_workload
 
     state = checkpoint.read_trainer_state(ckpt_dir)
-    run_cfg = from_dict(state["config"], source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
+    run_cfg = from_dict(run_config_dict(state), source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
     if workload is not None or workload_args is not None:
         run_cfg = _with_workload(run_cfg, workload, workload_args)
     if not is_builtin_workload(run_cfg):

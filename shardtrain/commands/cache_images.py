@@ -68,7 +68,6 @@ def main(argv: list[str]) -> int:
 def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
     """cache-images for --dataset-name / --train-file / --train-dir: the images of the rows training will read
     (rows with other problems are left to the run, which reports them; check-data lists them)."""
-    import copy
     from pathlib import Path
 
     from shardtrain.data.image_cache import build_source_image_cache, open_source_image_cache
@@ -77,7 +76,7 @@ def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
     d = cfg.data
     if cfg.model.name != "multimodal":
         raise ConfigError(f"cache-images: only the multimodal model reads images; model.name is {cfg.model.name}")
-    splits = load_splits(copy.deepcopy(cfg), check_images=False, report=[])
+    splits = load_splits(cfg, check_images=False, report=[])
     for split, table in (("train", splits.train), ("validation", splits.validation)):
         if table is None:
             continue

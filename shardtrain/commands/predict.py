@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtrain.config.labels import run_config_dict
 from shardtrain.config.settings import ConfigError
 
 # The parent process tells its workers where to put their blocks; a worker without it was not started by us.
@@ -263,7 +264,7 @@ def _checkpoint_source(path: Path, given: dict, which: str = "final") -> Source:
 
     ckpt = checkpoint.find_checkpoint(path, which, label="predict")
     state = checkpoint.read_trainer_state(ckpt)
-    cfg = _with_flags(state["config"], given, run_dir=ckpt.parent.parent, where=str(ckpt))
+    cfg = _with_flags(run_config_dict(state), given, run_dir=ckpt.parent.parent, where=str(ckpt))
     workload = _workload(cfg)
 
     def load_model():
@@ -287,7 +288,7 @@ def _export_source(path: Path, args, given: dict) -> Source:
     if "config" in meta:
         saved = meta["config"]
     elif Path(meta.get("checkpoint", "")).is_dir():  # exports written before the meta kept the run's config
-        saved = checkpoint.read_trainer_state(Path(meta["checkpoint"]))["config"]
+        saved = run_config_dict(checkpoint.read_trainer_state(Path(meta["checkpoint"])))
     else:
         raise ConfigError(
             f"predict: {path / EXPORT_META} has no run config and its checkpoint "

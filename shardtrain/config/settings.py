@@ -32,7 +32,7 @@ def setting(default: Any, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     name: Literal["multimodal", "longformer"] = setting(
         "multimodal", "the built-in model: multimodal (text + image fusion) or longformer (long documents)"
@@ -80,7 +80,7 @@ class ModelConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class DataConfig:
     data_dir: str = setting(
         "data/multimodal",
@@ -156,7 +156,7 @@ class DataConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
     max_steps: int = setting(1000, "optimizer steps to train; the learning-rate schedule follows it")
     per_device_batch_size: int = setting(
@@ -254,7 +254,7 @@ class TrainConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     strategy: Literal["ddp", "fsdp", "deepspeed", "auto", "zero2", "zero3", "zero2_offload", "zero3_offload"] = setting(
         "ddp",
@@ -284,7 +284,7 @@ class ParallelConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class CheckpointConfig:
     output_dir: str = setting("runs/default", "the run's folder: checkpoints, metrics.jsonl, summary.json, report")
     save_every: int = setting(0, "save a checkpoint every N optimizer steps; 0: only at the end (see save_final)")
@@ -322,7 +322,7 @@ class CheckpointConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class LogConfig:
     # HF TrainingArguments' report_to: a comma list (or a YAML list); validate() resolves none and all. The default
     # is HF 5's, none: all would open a W&B run in every job, wandb being a requirement (docs/observability.md).
@@ -354,7 +354,7 @@ class LogConfig:
     )
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkloadConfig:
     # A dotted module path (no file paths: they break in subprocesses); the config file's folder is on the
     # import path. None: the built-in that model.name names (the configs written before workloads existed).
@@ -365,7 +365,7 @@ class WorkloadConfig:
     workload_args: dict = setting({}, "keyword arguments for the workload's constructor, as JSON")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -992,15 +992,6 @@ def with_sagemaker_env(
     if applied and env.get("RANK", "0") == "0":
         print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()), flush=True)
     return replace_fields(cfg, **applied), applied
-
-
-def apply_sagemaker_env(cfg: Config, explicit: set[str], env: Mapping[str, str] | None = None) -> dict[str, str]:
-    """with_sagemaker_env written into cfg itself, for a caller that owns its Config (parse_cli does not use
-    it). Returns what was applied; nothing outside SageMaker."""
-    _, applied = with_sagemaker_env(cfg, explicit, env)
-    for name, value in applied.items():
-        setattr(getattr(cfg, FIELDS[name][0]), name, value)
-    return applied
 
 
 def resolve_shipped_ds_config(p: ParallelConfig) -> ParallelConfig:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-import copy
 
 from shardtrain.config.settings import ConfigError
 from shardtrain.data.images import image_problem
@@ -59,7 +58,7 @@ def check_source(cfg) -> list[str]:
 
     problems: list[str] = []
     try:
-        load_splits(copy.deepcopy(cfg), check_images=cfg.model.name == "multimodal", report=problems)
+        load_splits(cfg, check_images=cfg.model.name == "multimodal", report=problems)
     except ConfigError as e:
         problems.append(str(e))
     return problems

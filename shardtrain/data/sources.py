@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from shardtrain.config.labels import ClassLabels, run_config_dict
 from shardtrain.config.settings import FIELDS, Config, ConfigError, is_builtin_workload, where
 
 # The flags that each name the training data; at most one of them, and none means the jsonl --data-dir layout.
@@ -89,12 +90,16 @@ class Splits:
     def label2id(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.label_names)}
 
+    @property
+    def labels(self) -> ClassLabels:
+        """What the data decided of the classes: the run's state (config/labels.py), not the config's."""
+        return ClassLabels(self.num_labels, tuple(self.label_names))
+
 
 def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Optional[list[str]] = None) -> Splits:
     """The canonical train and validation splits of whatever source the config names, validated.
 
-    Sets cfg.model.num_labels and cfg.data.label_names from the data (so the saved config, checkpoints and
-    exports carry the mapping). `check_images`: decode every image once, to find those that do not decode;
+    The classes the data decides are in the result (`labels`); cfg is read, never written. `check_images`: decode every image once, to find those that do not decode;
     None: with --skip-bad-samples, which must leave them out before training starts. `report` (check-data):
     a list that receives every row's problem, as --skip-bad-samples would skip them, and every empty split."""
     _quiet_datasets()
@@ -137,7 +142,6 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
             if report is None:
                 raise ConfigError(empty)
             report.append(empty)
-    cfg.model.num_labels, cfg.data.label_names = num_labels, list(names)
     return Splits(out["train"], out.get("validation"), list(names), num_labels, skipped, unlabelled,
                   {"source": kind, **source, "rows": {s: len(t) for s, t in out.items()},
                    "content_sha256": {s: content_sha256(t) for s, t in out.items()},
@@ -606,11 +610,11 @@ def _split_record(cfg: Config, out: dict) -> dict:
             "rows_sha256": hashlib.sha256(",".join(map(str, rows)).encode()).hexdigest()}
 
 
-def check_resumed_labels(saved_config: dict, cfg: Config) -> None:
+def check_resumed_labels(saved_state: dict, labels: ClassLabels | None) -> None:
     """A checkpoint's output ids stand for its run's classes: resuming on data whose classes differ (another
-    file, a class added) would train and report under the wrong names."""
-    saved = (saved_config.get("data") or {}).get("label_names") or []
-    now = cfg.data.label_names
+    file, a class added) would train and report under the wrong names. `labels`: the data's now."""
+    saved = (run_config_dict(saved_state).get("data") or {}).get("label_names") or []
+    now = list(labels.names) if labels else []
     if saved and now and saved != now:
         raise ConfigError(f"the checkpoint was trained on the classes {saved}, but the data now has {now}: resume "
                           f"on the same classes (or pass --label-names {','.join(saved)} to keep its order), or "

@@ -74,8 +74,9 @@ def write_label_file(cfg, label_names: list[str]) -> None:
 
 
 def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDataset]]:
-    """(train, validation) of the source the config names, validated and wrapped for the loop. Rank 0 writes
-    the label mapping into the run folder; cfg carries it into checkpoints and exports."""
+    """(train, validation) of the source the config names, validated and wrapped for the loop. The train
+    dataset carries `labels`, the classes the data decided (config/labels.py); rank 0 writes their mapping
+    into the run folder."""
     from shardtrain.data.image_cache import open_source_image_cache
     from shardtrain.data.sources import load_splits
 
@@ -97,6 +98,7 @@ def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDa
             skipped = skipped + dropped
         made.append(SplitDataset(table, splits.source[split], cfg.data.image_size, multimodal, skipped, cache,
                                  splits.unlabelled.get(split, 0), splits.source))
+    made[0].labels = splits.labels
     return made[0], made[1]
 
 

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
+from shardtrain.config.labels import ClassLabels
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
 from shardtrain.data.images import image_problem, load_image
@@ -122,13 +123,11 @@ LAYOUT_VALIDATION_PERCENT = 10
 
 
 def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
-    """The train dataset carries `data_report` (summary.json's `data`) and `data_report_lines` (the console)."""
+    """The train dataset carries `data_report` (summary.json's `data`), `data_report_lines` (the console) and
+    `labels`, the layout's classes (config/labels.py), as every source's train dataset does."""
     d = cfg.data
     layout = read_layout(d.dataset_format, d.data_dir)
     check_num_labels(d.dataset_format, cfg.model.num_labels)
-    # The names go where every source's go: the saved config (so checkpoints and exports); the workload writes
-    # labels.json from it.
-    d.label_names = list(layout.labels)
     splits = dict(layout.splits)
     held_out = "validation" not in splits
     percent = d.validation_split_percentage if d.validation_split_percentage is not None else LAYOUT_VALIDATION_PERCENT
@@ -154,6 +153,7 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
                         f"{len(splits['validation'])} posts (--validation-split-percentage {percent}, chosen by train.seed "
                         f"{cfg.train.seed}) held out for validation")
     out[0].data_report, out[0].data_report_lines = report, lines
+    out[0].labels = ClassLabels(len(layout.labels), tuple(layout.labels))
     return out[0], out[1]
 
 

@@ -344,8 +344,11 @@ class Trainer:
 
     def _build_data(self) -> None:
         self.datasets = train_ds, eval_ds = self.workload.datasets()
+        self.labels = self.workload.labels()  # what the data decided of the classes: the run's state
+        # What the planner and the banner describe: the user's config with the data's classes in it.
+        self.model_cfg = self.labels.applied_to(self.cfg) if self.labels else self.cfg
         if self.state:
-            check_resumed_labels(self.state.get("config") or {}, self.cfg)  # class ids mean the data's classes
+            check_resumed_labels(self.state, self.labels)  # class ids mean the data's classes
             self.changed.changes += data_changes(self.state, getattr(train_ds, "source", None))  # said at resume
         d = self.dist
         self.loaders = build_loaders(
@@ -399,9 +402,11 @@ class Trainer:
     def _describe_run(self) -> None:
         """The banner's facts (summary.json `run`), the data's report lines, and the tracker that prints them."""
         cfg, d = self.cfg, self.dist
-        prediction = predicted_memory(cfg, self.geometry, self.vocab_size, self.predictable, self.task, d.is_rank0)
+        prediction = predicted_memory(
+            self.model_cfg, self.geometry, self.vocab_size, self.predictable, self.task, d.is_rank0
+        )
         self.run_info = describe_run(
-            cfg,
+            self.model_cfg,
             self.geometry,
             self.strategy,
             self.loaders,
@@ -436,9 +441,14 @@ class Trainer:
             "step": self.step,
             "data": self.loaders.train.checkpoint_state(),
             "config": self.cfg.to_dict(),
-            "resolved": {"batch_geometry": self.geometry.as_record()},
+            "resolved": self._resolved(),
             **self.best.checkpoint_state(),  # best step, value and patience count (loop/best.py)
         }
+
+    def _resolved(self) -> dict:
+        """What the run decided, kept apart from the user's config: the batch geometry, the data's classes."""
+        labels = {"labels": self.labels.as_record()} if self.labels else {}
+        return {"batch_geometry": self.geometry.as_record(), **labels}
 
     def _summarise(self) -> dict:
         d, mem = self.dist, self.mem
@@ -457,12 +467,12 @@ class Trainer:
             "checkpoint_write_seconds": self.saves.write_seconds,
             "versions": library_versions(),
             "config": self.cfg.to_dict(),
-            "resolved": {"batch_geometry": self.geometry.as_record()},
+            "resolved": self._resolved(),
             "memory": {
                 **mem.summary(),
                 "construction": self.built.per_rank,
                 "predicted": (
-                    measured_shape_prediction(self.cfg, self.geometry, self.vocab_size, mem.last)
+                    measured_shape_prediction(self.model_cfg, self.geometry, self.vocab_size, mem.last)
                     if self.predictable
                     else {}
                 ),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from shardtrain.config.labels import run_config_dict
 from shardtrain.config.settings import flag_of
 from shardtrain.observability.runlog import RunLog
 
@@ -86,13 +87,13 @@ class Difference:
 
 def recorded_settings(run: RunLog) -> dict | None:
     """{"config": resolved config, "run": run block} as the run wrote them; None when it wrote neither."""
-    cfg = run.summary.get("config")
+    cfg = run_config_dict(run.summary) if "config" in run.summary else None  # with the data's classes
     info = dict(run.summary.get("run") or {})
     if cfg is None:
         state = _latest_trainer_state(run)
         if state is None:
             return None if not info else {"config": {}, "run": _with_batch(info)}
-        cfg = state.get("config") or {}
+        cfg = run_config_dict(state)
         train = cfg.get("train") or {}
         info.setdefault("world_size", state.get("world_size"))
         info.setdefault("micro_batch_size", train.get("per_device_batch_size"))

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardtrain.config.labels import ClassLabels
 from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, where, workload_target
 from shardtrain.data.batches import batch_problem, collate_samples
 
@@ -86,6 +87,12 @@ class Workload:
         """Names for parts of the model that `train.lr_multipliers` may use: {name: parameter-name prefix},
         e.g. {"encoder": "bert", "head": "classifier"}. A parameter-name prefix works there without a name."""
         return {}
+
+    def labels(self) -> ClassLabels | None:
+        """The classes the data decided (count and names, config/labels.py), once datasets() has run: the run
+        records them apart from the config, the banner names them, an export's HF config maps ids to them.
+        None (the default): the model's head is the workload's own business."""
+        return None
 
     def freezable_parameter_names(self, n: int) -> list[str]:
         """The parameters `freeze_layers: n` freezes (usually the embeddings and the lowest n blocks)."""

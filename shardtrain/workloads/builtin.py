@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardtrain.config.labels import ClassLabels
 from shardtrain.runtime.distributed import barrier
 from shardtrain.workloads.base import Workload
 
@@ -31,6 +32,7 @@ class JsonlWorkload(Workload):
         self._tokenizer = None
         self._collator = None
         self._train_texts = None  # a source's training text, for the BPE a random-init model trains
+        self._labels = None
 
     @property
     def tokenizer(self):
@@ -54,7 +56,7 @@ class JsonlWorkload(Workload):
 
             train, validation = layout_datasets(self.cfg)
             if _rank0():
-                write_label_file(self.cfg, d.label_names)
+                write_label_file(self.cfg, list(train.labels.names))
         elif source_of(self.cfg) != "data_dir":
             from shardtrain.data.sources import column_values
             from shardtrain.data.split_dataset import source_datasets
@@ -74,6 +76,11 @@ class JsonlWorkload(Workload):
             # What summary.json and the checkpoints record of the data, as for every other source (sources.py).
             if not d.streaming:
                 train.source = jsonl_source(train, validation)
+        # The classes the data decided go into this workload's own config, which builds and exports the model;
+        # the run's config stays as the user gave it (config/labels.py).
+        self._labels = getattr(train, "labels", None) or ClassLabels(self.cfg.model.num_labels, tuple(d.label_names))
+        self.cfg = self._labels.applied_to(self.cfg)
+        d = self.cfg.data
         # A stream is tokenised in collate, batch by batch (datasets caches no map over a stream); the in-memory
         # splits once, through datasets.map's cache, which a second run on the same data reuses.
         for split, ds in (("train", train), ("validation", validation)):
@@ -87,6 +94,9 @@ class JsonlWorkload(Workload):
                     )
                     print(f"{split}: {len(ds):,} token sequences {how} in {done.seconds:.2f}s", flush=True)
         return train, validation
+
+    def labels(self) -> ClassLabels | None:
+        return self._labels
 
     def collate(self, samples):
         if self._collator is None:

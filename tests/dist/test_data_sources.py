@@ -96,7 +96,9 @@ def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
     imdb = train("longformer", ld_data, tmp_path / "imdb", "--dataset-name", str(layouts["imdb"]),
                  "--validation-split-name", "test", "--strategy", "fsdp")
     s = imdb.summary
-    assert s["final_step"] == 3 and s["config"]["data"]["label_names"] == NAMES, imdb.tail()
+    assert s["final_step"] == 3 and s["resolved"]["labels"]["label_names"] == NAMES, imdb.tail()
+    # What the data decided is recorded apart from what the user asked for (no --label-names, no --num-labels).
+    assert s["config"]["data"]["label_names"] == [] and s["config"]["model"]["num_labels"] is None
     assert s["unlabelled_dropped"] == {"train": 5, "validation": 0}, s["unlabelled_dropped"]
     assert s["train_examples"] == 128 - 5 and s["eval"]["n_examples"] == 32
     assert "label -1 dropped: 5 train" in imdb.output
@@ -107,7 +109,7 @@ def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
                   "--label-column-name", "hyperpartisan", "--validation-split-percentage", "25",
                   "--strategy", "ddp")
     s = hyper.summary
-    assert s["config"]["model"]["num_labels"] == 2 and s["config"]["data"]["label_names"] == ["false", "true"]
+    assert s["resolved"]["labels"] == {"num_labels": 2, "label_names": ["false", "true"]}
     split = s["data_source"]["validation_split"]
     assert (split["percentage"], split["seed"], split["validation_rows"]) == (25, 42, 32), split
     assert s["train_examples"] == 96 and s["eval"]["n_examples"] == 32
@@ -118,7 +120,7 @@ def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
                    "--image-column-name", "photo", "--strategy", "ddp")
     s = tweets.summary
     # Sorted, not in order of appearance: the same mapping from any shuffle of the file.
-    assert s["config"]["data"]["label_names"] == NAMES and s["eval"]["n_examples"] == 64, tweets.tail()
+    assert s["resolved"]["labels"]["label_names"] == NAMES and s["eval"]["n_examples"] == 64, tweets.tail()
 
     folder = train("multimodal", mm_data, tmp_path / "imagefolder", "--train-dir",
                    str(layouts["imagefolder"] / "train"), "--validation-dir", str(layouts["imagefolder"] / "validation"),

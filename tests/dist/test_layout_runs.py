@@ -27,10 +27,11 @@ def check_one(fmt, top, dropped, out):
     assert data["dataset_format"] == fmt and data["labels"] == ["negative", "neutral", "positive"]
     assert data["dropped"] == dropped and set(data["dropped_examples"]) == set(dropped)
     assert run.summary["final_step"] == 2 and run.summary["eval"]["n_examples"] > 0
-    # The class names travel as every source's do: labels.json and the saved config (checkpoints, exports).
+    # The class names travel as every source's do: labels.json and the run's resolved record (checkpoints,
+    # exports), apart from the config the user gave.
     names = ["negative", "neutral", "positive"]
     assert json.loads((out / "labels.json").read_text())["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
-    assert run.summary["config"]["data"]["label_names"] == names
+    assert run.summary["resolved"]["labels"]["label_names"] == names and run.summary["config"]["data"]["label_names"] == []
     # One console line per reason, from rank 0 only.
     for reason in dropped:
         assert run.output.count(f"--dataset-format {fmt}: dropped 1 ({reason}), e.g. ") == 1, run.tail()

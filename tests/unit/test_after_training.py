@@ -38,7 +38,7 @@ def run_config(tmp_path):
         [[f"d{i}", f"text number {i}", ["arts", "law", "sports"][i % 3]] for i in range(9)],
     )
     cfg = config(train_file=str(train), text_column_names=["document"], label_column_name="category")
-    load_splits(cfg)
+    cfg = load_splits(cfg).labels.applied_to(cfg)  # as the built-in workload resolves its own config
     assert cfg.data.label_names == ["arts", "law", "sports"]
     return cfg
 

@@ -81,7 +81,7 @@ FSDP_SCRIPT = r"""
 import json, sys
 import torch, torch.distributed as dist
 from torch import nn
-from shardtrain.config.settings import Config
+from shardtrain.config.settings import Config, replace_fields
 from shardtrain.runtime.distributed import DistInfo
 from shardtrain.strategies import fsdp
 from shardtrain.workloads.base import Workload
@@ -113,7 +113,7 @@ out = {}
 for name, policy, precision in (("offload", "fsdp_policies/offload.yaml", "fp32"),
                                 ("default_bf16", "fsdp_policies/default.yaml", "bf16")):
     cfg = Config()
-    cfg.parallel.fsdp_policy, cfg.train.precision, cfg.train.warmup_steps = policy, precision, 0
+    cfg = replace_fields(cfg, fsdp_policy=policy, precision=precision, warmup_steps=0)
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
     s = fsdp.FSDPStrategy(cfg, info, Blocks(cfg))
     def build(on_meta=False, load_weights=True):

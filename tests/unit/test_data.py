@@ -6,25 +6,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardtrain.config.settings import Config, ConfigError
+from shardtrain.config.settings import Config, ConfigError, replace_fields
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer, check_data, make_data
 
 
 def make_cfg(data_dir, name="multimodal", **data):
     cfg = Config()
-    cfg.model.name = name
-    cfg.model.num_labels = 3
-    cfg.model.attention_window = 16
-    cfg.model.pretrained = False
-    cfg.data.data_dir = str(data_dir)
-    cfg.data.max_length = 64
-    cfg.data.image_size = 32
-    cfg.data.num_workers = 0
-    cfg.data.pin_memory = False
-    cfg.train.per_device_batch_size = 4
-    for k, v in data.items():
-        setattr(cfg.data, k, v)
-    return cfg
+    settings = dict(
+        name=name, num_labels=3, attention_window=16, pretrained=False, data_dir=str(data_dir), max_length=64,
+        image_size=32, num_workers=0, pin_memory=False, per_device_batch_size=4,
+    )  # fmt: skip
+    return replace_fields(cfg, **{**settings, **data})
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +35,7 @@ def mm_tok(mm_dir, tmp_path_factory):
 
 
 def mm_setup(mm_dir, tok, world_size=1, rank=0, **train):
-    cfg = make_cfg(mm_dir)
-    for k, v in train.items():
-        setattr(cfg.train, k, v)
+    cfg = replace_fields(make_cfg(mm_dir), **train)
     train_ds, eval_ds = build_datasets(cfg, tok)
     return build_loaders(cfg, tok, train_ds, eval_ds, rank, world_size, "cpu")
 
@@ -366,7 +356,7 @@ def test_corrupt_image_in_a_worker_is_still_one_line(bad_dir, mm_tok):
     lines = (bad_dir / "train.jsonl").read_text().splitlines()
     write_split(bad_dir, "train.jsonl", [lines[0], lines[9]] * 2)  # the corrupt image at lines 2 and 4
     cfg = make_cfg(bad_dir, num_workers=1)
-    cfg.train.per_device_batch_size = 4
+    cfg = replace_fields(cfg, per_device_batch_size=4)
     train_ds, eval_ds = build_datasets(cfg, mm_tok)
     stream = build_loaders(cfg, mm_tok, train_ds, eval_ds, 0, 1, "cpu").train
     with pytest.raises(ConfigError) as e:

@@ -17,7 +17,7 @@ SCRIPT = r"""
 import json, math, sys
 import torch, torch.distributed as dist
 from torch import nn
-from shardtrain.config.settings import Config
+from shardtrain.config.settings import Config, replace_fields
 from shardtrain.runtime.distributed import DistInfo
 from shardtrain.strategies.ddp import DDPStrategy
 from shardtrain.strategies.fsdp import FSDPStrategy
@@ -50,8 +50,8 @@ FROZEN = {"0.lower.weight", "0.lower.bias", "1.upper.weight"}  # half of the fir
 out = {}
 for cls in (DDPStrategy, FSDPStrategy):
     cfg = Config()
-    cfg.model.freeze_layers, cfg.model.unfreeze_at_step = 1, 1
-    cfg.train.warmup_steps = 0
+    cfg = replace_fields(cfg, freeze_layers=1, unfreeze_at_step=1)
+    cfg = replace_fields(cfg, warmup_steps=0)
     info = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
     s = cls(cfg, info, Blocks(cfg))
     def build(on_meta=False, load_weights=True):

@@ -11,7 +11,7 @@ from PIL import Image
 from test_data import make_cfg
 
 from shardtrain.cli import main as cli_main
-from shardtrain.config.settings import ConfigError
+from shardtrain.config.settings import ConfigError, replace_fields
 from shardtrain.data import batch_to_device, build_datasets, make_data
 from shardtrain.data.image_cache import build_image_cache
 from shardtrain.data.images import decode_image, load_image, normalize_pixels
@@ -69,7 +69,7 @@ def test_cached_items_equal_decoded_items(data, tmp_path):
     assert out["images"] == 24 and out["bad"] == 0 and out["bytes"] >= 24 * 32 * 32 * 3
     build_image_cache(data / "validation.jsonl", "multimodal", 3, tmp_path / "cache", 32, workers=1)
     plain, _ = build_datasets(cfg)
-    cfg.data.image_cache = str(tmp_path / "cache")
+    cfg = replace_fields(cfg, image_cache=str(tmp_path / "cache"))
     cached, cached_eval = build_datasets(cfg)
     assert cached.cache is not None and cached_eval.cache is not None
     for i in range(len(plain)):
@@ -90,10 +90,10 @@ def test_missing_or_stale_cache_is_one_line_naming_the_flag(data, tmp_path):
     for split in ("train", "validation"):
         build_image_cache(data / f"{split}.jsonl", "multimodal", 3, tmp_path / "cache", 32, workers=1)
     check_splits(cfg)
-    cfg.data.image_size = 64
+    cfg = replace_fields(cfg, image_size=64)
     with pytest.raises(ConfigError, match=r"no complete cache .* at 64px .*\(it has 32px: --image-size differs\?\)"):
         check_splits(cfg)
-    cfg.data.image_size = 32
+    cfg = replace_fields(cfg, image_size=32)
     image = data / json.loads((data / "train.jsonl").read_text().splitlines()[5])["image"]
     st = image.stat()
     os.utime(image, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # an edited image
@@ -117,14 +117,14 @@ def test_cache_knows_bad_images_for_skip_bad_samples(data, tmp_path):
     train_ds, _ = build_datasets(cfg)
     assert len(train_ds) == 23 and len(train_ds.skipped) == 1
     assert train_ds.skipped[0].startswith(f"{data / 'train.jsonl'}:3: cannot decode image")
-    cfg.data.skip_bad_samples = False
+    cfg = replace_fields(cfg, skip_bad_samples=False)
     train_ds, _ = build_datasets(cfg)
     with pytest.raises(
         ConfigError, match=r"train.jsonl:3: cannot decode image \S+: (OSError|SyntaxError|Unidentified)"
     ) as e:
         train_ds[2]
     assert "ValueError" not in str(e.value)  # PIL's reason as recorded, not wrapped in the cache's exception type
-    cfg.data.image_size = 64
+    cfg = replace_fields(cfg, image_size=64)
     with pytest.raises(ConfigError, match=r"cache-images <this run's --config and --data-dir flags> --image-size 64"):
         build_datasets(cfg)
 

@@ -7,7 +7,7 @@ import pytest
 from layout_copies import DROPPED_MVSA_MULTIPLE, DROPPED_MVSA_SINGLE, DROPPED_TWITTER, jpeg, make_mvsa, make_twitter
 
 from shardtrain.cli import main as cli_main
-from shardtrain.config.settings import ConfigError, from_dict, validate
+from shardtrain.config.settings import ConfigError, from_dict, replace_fields, validate
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer
 from shardtrain.data.layouts import decode_leniently, layout_files, read_layout
 from shardtrain.data.precheck import check_splits
@@ -141,7 +141,7 @@ def test_config_and_startup_checks(copies, tmp_path):
     with pytest.raises(ConfigError, match="data.dataset_format: 'mvsa' is not one of mvsa-single, mvsa-multiple"):
         from_dict({"data": {"dataset_format": "mvsa"}})
     cfg = layout_cfg("mvsa-single", copies["mvsa-single"], tmp_path)
-    cfg.model.name = "longformer"
+    cfg = replace_fields(cfg, name="longformer")
     with pytest.raises(ConfigError, match=r"--dataset-format mvsa-single \(data.dataset_format\): .*multimodal"):
         validate(cfg)
     cfg = layout_cfg("twitter2017", copies["twitter2015"], tmp_path)
@@ -149,7 +149,7 @@ def test_config_and_startup_checks(copies, tmp_path):
         check_splits(cfg)
     cfg = layout_cfg("mvsa-single", copies["mvsa-single"], tmp_path)
     check_splits(cfg)
-    cfg.model.num_labels = 2
+    cfg = replace_fields(cfg, num_labels=2)
     with pytest.raises(
         ConfigError,
         match=r"--dataset-format mvsa-single has 3 labels \(negative, neutral, positive\), "

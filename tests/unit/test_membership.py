@@ -4,7 +4,7 @@ micro-batch x accumulation, said in one line when it cannot be, and every member
 from __future__ import annotations
 
 from shardtrain.config.geometry import BatchGeometry
-from shardtrain.config.settings import Config
+from shardtrain.config.settings import Config, replace_fields
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.oom import geometry_for, smaller_micro_batch
 from shardtrain.loop.resume_changes import resume_changes
@@ -12,7 +12,7 @@ from shardtrain.loop.resume_changes import resume_changes
 
 def cfg_of(micro: int, accum: int) -> Config:
     cfg = Config()
-    cfg.train.per_device_batch_size, cfg.train.grad_accum = micro, accum
+    cfg = replace_fields(cfg, per_device_batch_size=micro, grad_accum=accum)
     return cfg
 
 

@@ -1,6 +1,7 @@
 """Tiny, CPU-only checks of shardtrain.models (no hub, no downloads)."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -152,20 +153,17 @@ def test_local_safetensors_image_weights(tmp_path):
 
 
 def test_unknown_text_model_raises():
-    mcfg = mm_cfg()
-    mcfg.text_model = "no-such/model"
+    mcfg = replace(mm_cfg(), text_model="no-such/model")
     with pytest.raises(ConfigError, match="--text-model") as e:
         build_model(mcfg, DCFG)
     assert "roberta-base" in str(e.value)  # lists the known names
 
 
 def test_wrong_family_and_bad_window_raise():
-    mcfg = lf_cfg()
-    mcfg.text_model = "roberta-base"
+    mcfg = replace(lf_cfg(), text_model="roberta-base")
     with pytest.raises(ConfigError, match="--text-model"):
         build_model(mcfg, DCFG)
-    mcfg = lf_cfg()
-    mcfg.attention_window = 7
+    mcfg = replace(lf_cfg(), attention_window=7)
     with pytest.raises(ConfigError, match="--attention-window"):
         build_model(mcfg, DCFG)
 
@@ -174,8 +172,7 @@ def test_pretrained_from_local_folder(tmp_path):
     """The real from_pretrained path, offline: a saved tiny model loads back in fp32, and a bigger vocab resizes."""
     model = build_model(mm_cfg(), DCFG, vocab_size=VOCAB)
     model.text.save_pretrained(tmp_path)
-    mcfg = mm_cfg()
-    mcfg.text_model, mcfg.pretrained = str(tmp_path), True
+    mcfg = replace(mm_cfg(), text_model=str(tmp_path), pretrained=True)
     loaded = build_model(mcfg, DCFG, vocab_size=VOCAB + 4)
     emb = loaded.text.embeddings.word_embeddings.weight
     assert emb.dtype == torch.float32 and emb.shape == (VOCAB + 4, 32)

@@ -259,19 +259,19 @@ from shardtrain.checkpointing.export import quantize
 quantize(nn.Sequential(nn.Linear(8, 8)))
 
 # a pretrained text model whose pooler the multimodal model leaves out
-from shardtrain.config.settings import parse_cli
+from shardtrain.config.settings import parse_cli, replace_fields
 from shardtrain.models import build_model
 cfg = parse_cli(["--config", "configs/multimodal_tiny.yaml"])
 text = build_model(cfg.model, cfg.data, vocab_size=1000, load_weights=False).text
 transformers.RobertaModel(text.config).save_pretrained(tmp + "/text")  # with its pooler
-cfg.model.text_model, cfg.model.pretrained = tmp + "/text", True
+cfg = replace_fields(cfg, text_model=tmp + "/text", pretrained=True)
 build_model(cfg.model, cfg.data, vocab_size=1000)
 print("routine done", file=sys.stderr, flush=True)
 
 # a checkpoint without the model's second layer: that report is not routine and stays
 text.config.num_hidden_layers = 1
 transformers.RobertaModel(text.config).save_pretrained(tmp + "/short")
-cfg.model.text_model = tmp + "/short"
+cfg = replace_fields(cfg, text_model=tmp + "/short")
 build_model(cfg.model, cfg.data, vocab_size=1000)
 """
 SOURCES = (

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from shardtrain.config.settings import Config
+from shardtrain.config.settings import Config, replace_fields
 from shardtrain.loop.resume_changes import resume_changes
 from shardtrain.strategies.base import Strategy, extra_state, load_extra_state
 from shardtrain.strategies.optim import build_scheduler, lr_lambda
@@ -65,10 +65,7 @@ def test_first_resumed_step_uses_the_new_schedule():
 
 
 def _cfg(**train) -> Config:
-    cfg = Config()
-    for k, v in train.items():
-        setattr(cfg.train, k, v)
-    return cfg
+    return replace_fields(Config(), **train)
 
 
 def test_a_longer_run_keeps_each_parts_learning_rate_multiplier():

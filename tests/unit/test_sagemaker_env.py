@@ -8,7 +8,7 @@ import pytest
 from launch import REPO
 
 from shardtrain.config.sagemaker_env import sagemaker_settings
-from shardtrain.config.settings import Config, ConfigError, apply_sagemaker_env, parse_cli
+from shardtrain.config.settings import Config, ConfigError, parse_cli, with_sagemaker_env
 
 SM_KEYS = (
     "SM_CHANNEL_TRAIN",
@@ -33,8 +33,8 @@ def clean_env(monkeypatch):
 
 
 def test_outside_sagemaker_nothing_changes():
-    cfg = Config()
-    assert apply_sagemaker_env(cfg, set(), env={"HOME": "/root"}) == {}
+    cfg, applied = with_sagemaker_env(Config(), set(), env={"HOME": "/root"})
+    assert applied == {}
     assert cfg == Config()
 
 
@@ -56,8 +56,7 @@ def test_channels_model_and_checkpoint_folders():
 
 
 def test_flags_win_over_the_environment():
-    cfg = Config()
-    applied = apply_sagemaker_env(cfg, {"output_dir"}, env={"SM_MODEL_DIR": "/m", "SM_CHANNEL_TRAIN": "/t"})
+    cfg, applied = with_sagemaker_env(Config(), {"output_dir"}, env={"SM_MODEL_DIR": "/m", "SM_CHANNEL_TRAIN": "/t"})
     assert cfg.checkpoint.output_dir == Config().checkpoint.output_dir
     assert cfg.data.data_dir == "/t" and cfg.checkpoint.final_model_dir == "/m"
     assert "output_dir" not in applied
@@ -67,8 +66,8 @@ def test_several_hosts_without_a_launcher_is_refused():
     with pytest.raises(
         ConfigError, match=r"ModelTrainer\(distributed=Torchrun\(\)\) \(SDK v2: distribution=\{.torch_distributed"
     ):
-        apply_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]'})
-    apply_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]', "RANK": "0"})
+        with_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]'})
+    with_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]', "RANK": "0"})
 
 
 def test_parse_cli_takes_sagemaker_spellings_and_env(clean_env, tmp_path):

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from shardtrain.config.settings import ConfigError, from_dict, validate
+from shardtrain.config.labels import ClassLabels
+from shardtrain.config.settings import ConfigError, from_dict, replace_fields, validate
 from shardtrain.data.check import check_source
 from shardtrain.data.sources import load_splits
 
@@ -55,7 +56,8 @@ def test_classlabel_names_become_id2label_and_validation_is_mapped_by_name(parqu
     cfg = config(dataset_name=str(parquet_dir), validation_split_name="test")
     s = load_splits(cfg)
     assert s.label_names == ["neg", "pos"] and s.id2label == {0: "neg", 1: "pos"}
-    assert (cfg.model.num_labels, cfg.data.label_names) == (2, ["neg", "pos"])
+    assert s.labels == ClassLabels(2, ("neg", "pos"))  # what the data decided is the result's, not the config's
+    assert (cfg.model.num_labels, cfg.data.label_names) == (None, [])
     assert list(s.validation["label"]) == [1, 0]
     assert len(s.train) == 8 and s.unlabelled == {"train": 2, "validation": 0}
     assert set(s.train.column_names) == {"row", "text", "label"}
@@ -102,7 +104,7 @@ def test_a_validation_label_unseen_in_training_is_an_error_listing_the_known_lab
 
 def test_an_explicit_num_labels_that_contradicts_the_data_names_both(tmp_path, parquet_dir):
     cfg = config(dataset_name=str(parquet_dir), validation_split_name="test")
-    cfg.model.num_labels = 3
+    cfg = replace_fields(cfg, num_labels=3)
     with pytest.raises(
         ConfigError,
         match=r"--num-labels \(model.num_labels\)=3, but the data has 2 classes "
@@ -113,7 +115,7 @@ def test_an_explicit_num_labels_that_contradicts_the_data_names_both(tmp_path, p
     f = write_jsonl(tmp_path / "ids.jsonl", [{"text": "a", "label": 0}, {"text": "b", "label": 4}])
     assert load_splits(config(train_file=str(f), validation_split_percentage=50)).num_labels == 5
     cfg = config(train_file=str(f), validation_split_percentage=50)
-    cfg.model.num_labels = 3
+    cfg = replace_fields(cfg, num_labels=3)
     with pytest.raises(ConfigError, match=r"ids\.jsonl:2: label 4 is outside 0\.\.2"):
         load_splits(cfg)
 
@@ -151,7 +153,7 @@ def test_percentage_split_is_deterministic_for_a_seed_and_recorded(tmp_path):
 
     def held_out(seed):
         cfg = config(train_file=str(f), validation_split_percentage=25)
-        cfg.train.seed = seed
+        cfg = replace_fields(cfg, seed=seed)
         s = load_splits(cfg)
         assert len(s.train) == 30 and len(s.validation) == 10
         assert not set(s.train["row"]) & set(s.validation["row"])
@@ -234,7 +236,7 @@ def test_image_paths_are_relative_to_the_data_file_and_bad_rows_are_skipped_and_
         "cannot decode image ",
         "image not found: pic",
     ]
-    cfg.data.skip_bad_samples = False
+    cfg = replace_fields(cfg, skip_bad_samples=False)
     with pytest.raises(ConfigError, match=r"train\.csv row 2 \(line 4 if no field spans lines\): empty text"):
         load_splits(cfg)
 
@@ -261,11 +263,11 @@ def test_check_data_lists_every_problem_of_a_source(tmp_path):
         problems[4].startswith("--validation-file (data.validation_file): no usable rows in")
         and "empty.csv" in problems[4]
     )
-    cfg.data.label_column_name = "sentiment"
+    cfg = replace_fields(cfg, label_column_name="sentiment")
     assert check_source(cfg) == [
         f"--label-column-name (data.label_column_name): no column 'sentiment' in {f} (columns: tweet, photo, label)"
     ]
-    cfg.data.label_column_name = "label"
+    cfg = replace_fields(cfg, label_column_name="label")
     write_csv(tmp_path / "empty.csv", ["tweet", "photo", "label"], [])  # the header only
     assert check_source(cfg) == [f"--validation-file (data.validation_file): {empty} has no rows"]
 
@@ -305,7 +307,7 @@ def test_save_to_disk_folders_and_embedded_images_train_from_bytes_or_the_image_
     assert s.label_names == ["a", "b"] and len(s.train) == 3 and s.train[0]["image"]["bytes"]  # embedded
     decoded = SplitDataset(s.train, "t", 8, True, [])[0]["image"]
     assert decoded.shape == (3, 8, 8) and decoded.dtype == torch.uint8
-    cfg.data.image_cache = str(tmp_path / "cache")
+    cfg = replace_fields(cfg, image_cache=str(tmp_path / "cache"))
     build_source_image_cache("train", list(s.train["image"]), tmp_path / "cache", 8)
     cache = open_source_image_cache(cfg, "train", [image_key(v) for v in s.train["image"]])
     cached = SplitDataset(s.train, "t", 8, True, [], cache)[0]["image"]
@@ -323,13 +325,11 @@ def test_label_names_fix_the_order_and_reach_the_hf_config_of_an_export(tmp_path
     cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "neutral", "pos"])
     s = load_splits(cfg)
     assert s.label_names == ["neg", "neutral", "pos"] and list(s.train["label"]) == [2, 0, 1]
-    cfg.model.text_model = "allenai/longformer-base-4096"  # in the offline table of known architectures
-    cfg.model.text_config = {
-        "hidden_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "intermediate_size": 64,
-    }
+    cfg = replace_fields(
+        s.labels.applied_to(cfg),  # the run's classes, as the built-in workload builds its model
+        text_model="allenai/longformer-base-4096",  # in the offline table of known architectures
+        text_config={"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 64},
+    )
     hf = text_config_for(cfg.model, cfg.data, 100)  # Longformer's own config: what save_pretrained writes
     assert hf.id2label == {0: "neg", 1: "neutral", 2: "pos"} and hf.label2id["pos"] == 2 and hf.num_labels == 3
     cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "pos"])
@@ -340,16 +340,16 @@ def test_label_names_fix_the_order_and_reach_the_hf_config_of_an_export(tmp_path
 def test_resuming_on_data_with_other_classes_is_an_error(tmp_path):
     from shardtrain.data.sources import check_resumed_labels
 
-    cfg = config()
-    cfg.data.label_names = ["neg", "pos"]
-    check_resumed_labels({"data": {"label_names": ["neg", "pos"]}}, cfg)
-    check_resumed_labels({"data": {}}, cfg)  # a checkpoint from integer labels, or from before names were kept
+    now = ClassLabels(2, ("neg", "pos"))
+    check_resumed_labels({"config": {"data": {"label_names": ["neg", "pos"]}}}, now)  # a checkpoint before the split
+    check_resumed_labels({"config": {"data": {}}}, now)  # a checkpoint from integer labels, or from before names
+    check_resumed_labels({"config": {}, "resolved": {"labels": {"num_labels": 2, "label_names": ["neg", "pos"]}}}, now)
     with pytest.raises(
         ConfigError,
         match=r"trained on the classes \['neg', 'neutral', 'pos'\], but the data now "
         r"has \['neg', 'pos'\].*--label-names neg,neutral,pos",
     ):
-        check_resumed_labels({"data": {"label_names": ["neg", "neutral", "pos"]}}, cfg)
+        check_resumed_labels({"resolved": {"labels": {"num_labels": 3, "label_names": ["neg", "neutral", "pos"]}}}, now)
 
 
 def test_a_users_workload_takes_any_source_through_load_splits(tmp_path):
@@ -360,8 +360,11 @@ def test_a_users_workload_takes_any_source_through_load_splits(tmp_path):
 
     class Reviews(Workload):
         def datasets(self):
-            s = public(self.cfg)
-            return s.train, s.validation
+            self.splits = public(self.cfg)
+            return self.splits.train, self.splits.validation
+
+        def labels(self):
+            return self.splits.labels
 
     f = write_csv(tmp_path / "r.csv", ["body", "stars"], [["fine", "good"], ["meh", "bad"], ["ok", "good"]])
     cfg = from_dict(
@@ -375,6 +378,7 @@ def test_a_users_workload_takes_any_source_through_load_splits(tmp_path):
             },
         }
     )
-    train, validation = Reviews(cfg).datasets()
+    reviews = Reviews(cfg)
+    train, validation = reviews.datasets()
     assert train[0] == {"row": 0, "text": "fine", "label": 1} and len(validation) == 3
-    assert cfg.model.num_labels == 2 and cfg.data.label_names == ["bad", "good"]
+    assert reviews.labels() == ClassLabels(2, ("bad", "good")) and cfg.data.label_names == []

@@ -5,7 +5,7 @@ import json
 import datasets
 import pytest
 
-from shardtrain.config.settings import ConfigError
+from shardtrain.config.settings import ConfigError, replace_fields
 from shardtrain.data.streaming import StreamingTrainStream
 
 
@@ -92,7 +92,7 @@ def test_build_loaders_streams_a_datasets_iterable_and_refuses_other_iterables(t
     from shardtrain.data import build_loaders
 
     cfg = Config()
-    cfg.train.per_device_batch_size = 3
+    cfg = replace_fields(cfg, per_device_batch_size=3)
     loaders = build_loaders(cfg, None, source(10), None, 0, 1, "cpu", collate=ids)
     assert isinstance(loaders.train, StreamingTrainStream) and loaders.steps_per_epoch is None
     assert len(loaders.train.next_batch()) == 3
@@ -115,10 +115,10 @@ def test_jsonl_stream_checks_lines_first_and_skips_bad_ones_by_row(tmp_path):
     rows[2]["label"] = 7
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = Config()
-    cfg.model.name, cfg.model.num_labels, cfg.data.data_dir = "longformer", 3, str(tmp_path)
+    cfg = replace_fields(cfg, name="longformer", num_labels=3, data_dir=str(tmp_path))
     with pytest.raises(ConfigError, match=r"train.jsonl:3: label 7 is outside 0..2"):
         jsonl_train_stream(cfg)
-    cfg.data.skip_bad_samples = True
+    cfg = replace_fields(cfg, skip_bad_samples=True)
     stream = jsonl_train_stream(cfg)
     assert [r["text"] for r in stream] == ["doc 0", "doc 1", "doc 3", "doc 4", "doc 5"]
     assert len(stream.skipped) == 1 and stream.column_names == ["text", "label"]

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from shardtrain.config.settings import Config, ConfigError, from_dict, parse_cli
+from shardtrain.config.settings import Config, ConfigError, from_dict, parse_cli, replace_fields
 from shardtrain.workloads.base import (
     CheckedCollate,
     Workload,
@@ -148,7 +148,7 @@ def test_a_tasks_py_beside_the_config_is_importable(tmp_path, monkeypatch):
 )
 def test_bad_targets_are_one_line(target, message):
     cfg = Config()
-    cfg.workload.workload = target
+    cfg = replace_fields(cfg, workload=target)
     with pytest.raises(ConfigError, match=message):
         workload_class(cfg)
 

@@ -1,0 +1,45 @@
+"""The classes a run trains on: how many, and their names in id order (id2label).
+
+The user may give them (`--num-labels`, `--label-names`); otherwise the data decides (a ClassLabel or string
+column's names, the largest integer id, a published layout's classes). What the data decided is the run's
+state, like its batch geometry (config/geometry.py): the Trainer holds it, a checkpoint records it apart from
+the user's config (`resolved.labels` beside `config`), and whoever rebuilds the run's model reads both
+(`run_config_dict`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ClassLabels:
+    count: int
+    names: tuple[str, ...] = ()  # empty: the data's integer ids are the classes, nameless
+
+    @classmethod
+    def from_record(cls, record: dict) -> ClassLabels:
+        return cls(int(record["num_labels"]), tuple(record.get("label_names") or ()))
+
+    def as_record(self) -> dict:
+        return {"num_labels": self.count, "label_names": list(self.names)}
+
+    def applied_to(self, cfg):
+        """`cfg` with these classes in `model.num_labels` and `data.label_names`: for the code that builds the
+        run's model and exports it (its head has `count` outputs, its HF config the names)."""
+        from shardtrain.config.settings import replace_fields
+
+        return replace_fields(cfg, num_labels=self.count, label_names=list(self.names))
+
+
+def run_config_dict(state: dict) -> dict:
+    """The config a run's model was built from, as a dict: the user's `config` of a checkpoint's (or summary's)
+    state with the run's `resolved.labels` in it. A checkpoint from before the split keeps the labels in
+    `config` itself, and comes back as it is."""
+    config = copy.deepcopy(state.get("config") or {})
+    labels = (state.get("resolved") or {}).get("labels")
+    if labels:
+        config.setdefault("model", {})["num_labels"] = labels["num_labels"]
+        config.setdefault("data", {})["label_names"] = list(labels.get("label_names") or [])
+    return config
