@@ -77,14 +77,33 @@ def sagemaker_settings(env: Mapping[str, str]) -> dict[str, str]:
     return out
 
 
+def sagemaker_hosts(env: Mapping[str, str]) -> list[str]:
+    try:
+        return json.loads(env.get("SM_HOSTS", "[]"))
+    except json.JSONDecodeError:
+        raise ConfigError(f"SM_HOSTS is not a JSON list: {env['SM_HOSTS']!r}") from None
+
+
 def check_hosts(env: Mapping[str, str]) -> None:
     """Several hosts and no launcher: each host would relaunch a standalone job of its own and train
     a separate model on the same data, so refuse."""
-    try:
-        hosts = json.loads(env.get("SM_HOSTS", "[]"))
-    except json.JSONDecodeError:
-        raise ConfigError(f"SM_HOSTS is not a JSON list: {env['SM_HOSTS']!r}") from None
+    hosts = sagemaker_hosts(env)
     if len(hosts) > 1 and "RANK" not in env:
         raise ConfigError(
             f"SageMaker job on {len(hosts)} hosts started without a launcher: start it with {TORCHRUN_HINT}"
+        )
+
+
+def check_checkpoints_shared(env: Mapping[str, str], output_dir: str) -> None:
+    """Several instances writing the run folder to the checkpoint local path: each instance has its own
+    (SageMaker syncs every instance's to the one checkpoint S3 prefix, and restores it to each), so no rank sees
+    what another host wrote, and rank 0's checkpoint would lack the other instances' shards. Refused on every
+    rank before any process group or model work, naming what works."""
+    hosts = sagemaker_hosts(env)
+    if len(hosts) > 1:
+        raise ConfigError(
+            f"SageMaker job on {len(hosts)} instances: the run folder {output_dir} is the checkpoint local path, "
+            f"which is each instance's own disk (SageMaker only syncs it to S3), so the instances cannot share "
+            f"checkpoints: set the hyperparameter output_dir (--output-dir) to a file system every instance "
+            f"mounts at the same path (FSx for Lustre or EFS), or run on one instance"
         )

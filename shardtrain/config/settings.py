@@ -981,13 +981,15 @@ def with_sagemaker_env(
 ) -> tuple[Config, dict[str, str]]:
     """cfg filled from the SageMaker environment (config/sagemaker_env.py), leaving fields in `explicit` (set
     by a flag) alone, as a new Config, and what was applied; outside SageMaker, cfg itself and nothing."""
-    from shardtrain.config.sagemaker_env import check_hosts, in_sagemaker, sagemaker_settings
+    from shardtrain.config.sagemaker_env import check_checkpoints_shared, check_hosts, in_sagemaker, sagemaker_settings
 
     env = os.environ if env is None else env
     if not in_sagemaker(env):
         return cfg, {}
     check_hosts(env)
     applied = {name: value for name, value in sagemaker_settings(env).items() if name not in explicit}
+    if "output_dir" in applied:  # the instance's checkpoint folder, not a path the user chose
+        check_checkpoints_shared(env, applied["output_dir"])
     # parse_cli runs on every rank; RANK is unset in a plain process, which is rank 0 too.
     if applied and env.get("RANK", "0") == "0":
         print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()), flush=True)
