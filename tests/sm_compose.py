@@ -9,10 +9,12 @@ A container here is this machine's own filesystem (the "image": the venv's pytho
   (bash -c running chmod and then the generated sm_train.sh), and a /proc that shows it;
 - a mount namespace in which /opt is an overlay (the host's /opt is never written), and the compose file's
   volumes are bind-mounted where it says (/opt/ml/input, /opt/ml/model, /opt/ml/output, the channels);
-- /opt/ml/checkpoints bound to `$SM_EMULATOR_DIR/<host>/checkpoints`: what SageMaker restores there from
-  checkpoint_s3_uri before the job starts and syncs back while it runs (LOCAL_CONTAINER mode has no such
-  mount of its own);
-- a network namespace of its own, loopback only, and the hostname `algo-N`, as on an instance.
+- /opt/ml/checkpoints bound to `$SM_EMULATOR_CHECKPOINTS/<host>` (tests/sm_job.py: a folder per checkpoint
+  S3 prefix): what SageMaker restores there from checkpoint_s3_uri before the job starts and syncs back while
+  it runs (LOCAL_CONTAINER mode has no such mount of its own);
+- a network namespace, loopback only, and the hostname `algo-N`, as on an instance. The instances of one job
+  share it (started in the first one's, with nsenter), as the compose network joins them: every `algo-N`
+  resolves to that loopback, so torchrun's rendezvous between instances works, and nothing leaves it.
 
 The host pid of each container's PID 1 is written to `$SM_EMULATOR_DIR/<host>.pid1` for the test: a
 spot interruption or StopTrainingJob is SIGTERM to that process alone (then SIGKILL, as `docker stop`).
@@ -37,7 +39,7 @@ def container_script(host: str, service: dict, all_hosts: list[str], state: Path
     upper, work = scratch / "upper", scratch / "work"
     upper.mkdir(parents=True)
     work.mkdir()
-    checkpoints = state / host / "checkpoints"
+    checkpoints = Path(os.environ["SM_EMULATOR_CHECKPOINTS"]) / host
     checkpoints.mkdir(parents=True, exist_ok=True)
     # The compose network's aliases: every instance's name resolves (here, all on the one loopback).
     hosts_file = scratch / "hosts"
@@ -74,11 +76,11 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="sm-container-") as scratch:
         for host, service in compose["services"].items():
             script = container_script(host, service, list(compose["services"]), state, Path(scratch) / host)
-            procs[host] = subprocess.Popen(
-                ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--net", "--uts", "bash", "-c", script]
-            )
-        for host, proc in procs.items():
-            inits.append(_init_pid(proc))
+            # The first instance makes the job's network namespace; the others join it.
+            net = [f"--net=/proc/{inits[0]}/ns/net"] if inits else []
+            unshare = ["unshare", "--pid", "--fork", "--mount-proc", "--mount", "--uts", *([] if net else ["--net"])]
+            procs[host] = subprocess.Popen([*(["nsenter", *net] if net else []), *unshare, "bash", "-c", script])
+            inits.append(_init_pid(procs[host]))
             (state / f"{host}.pid1").write_text(str(inits[-1]))
         try:
             while True:

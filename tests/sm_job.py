@@ -8,7 +8,10 @@ piece replaced is docker compose, by tests/sm_compose.py. After the container ex
 /opt/ml/model and /opt/ml/output into model.tar.gz / output.tar.gz under the container root, as it does.
 
 SPEC: {"root": container root, "emulator_dir": state for sm_compose.py, "channels": {name: folder},
-"hyperparameters": {...}, "processes_per_node": N, "instance_count": N}. Prints the SDK's log and exits with
+"hyperparameters": {...}, "processes_per_node": N, "instance_count": N, "run_id": the run to continue (none: a
+new one)}. What SageMaker syncs between /opt/ml/checkpoints and the job's checkpoint S3 prefix is a folder per
+prefix under the emulator's state, `s3/<bucket>/<key>/<host>`: a job restores what an earlier job of the same
+prefix left there, and a new run starts empty. Prints the SDK's log and exits with
 the container's exit code (1 when the SDK raised for another reason).
 """
 
@@ -50,7 +53,10 @@ def main(spec_path: str) -> int:
         channels.get("validation"),
         instance_count=spec.get("instance_count", 1),
         hyperparameters=spec["hyperparameters"],
+        run_id=spec.get("run_id"),
     )
+    prefix = job["checkpoint_config"]["s3_uri"].removeprefix("s3://")
+    os.environ["SM_EMULATOR_CHECKPOINTS"] = str(Path(spec["emulator_dir"]) / "s3" / prefix)
     job["distributed"]["process_count_per_node"] = spec["processes_per_node"]
     trainer, inputs = example.make_trainer(job, training_mode=Mode.LOCAL_CONTAINER, local_container_root=spec["root"])
     try:

@@ -37,12 +37,14 @@ class Job:
     """One SageMaker training job (the SDK's local mode, docker replaced) started in the background."""
 
     def __init__(self, tmp: Path, name: str, emulator_dir: Path, channels: dict, env: dict | None = None,
-                 hyperparameters: dict | None = None):
+                 hyperparameters: dict | None = None, instance_count: int = 1, run_id: str | None = None):
         self.root, self.emulator_dir, self.log = tmp / name, emulator_dir, tmp / f"{name}.log"
         self.root.mkdir()
         emulator_dir.mkdir(exist_ok=True)
         spec = {"root": str(self.root), "emulator_dir": str(emulator_dir), "channels": channels,
-                "hyperparameters": {**HP, **(hyperparameters or {})}, "processes_per_node": 2}
+                "hyperparameters": {**HP, **(hyperparameters or {})}, "processes_per_node": 2,
+                "instance_count": instance_count, "run_id": run_id}
+        self.run_id = run_id
         (tmp / f"{name}.json").write_text(json.dumps(spec))
         full_env = test_env(AWS_DEFAULT_REGION="us-east-1", **(env or {}))
         full_env.pop("PYTHONPATH")  # the code channel carries shardtrain into the container
@@ -52,8 +54,8 @@ class Job:
 
     @property
     def checkpoints(self) -> Path:
-        """/opt/ml/checkpoints of algo-1: the run folder."""
-        return self.emulator_dir / "algo-1" / "checkpoints"
+        """/opt/ml/checkpoints of algo-1 (the run folder), as tests/sm_job.py keeps it for the job's S3 prefix."""
+        return self.emulator_dir / "s3" / "my-bucket" / "shardtrain-longformer" / self.run_id / "checkpoints" / "algo-1"
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
@@ -86,7 +88,9 @@ def test_spot_interruption_saves_and_the_next_job_resumes(ld_data, tmp_path):
     checkpoints restored) resumes from it and ends with the uninterrupted run's losses."""
     emulator = tmp_path / "sm"
     hold = tmp_path / "hold"  # SHARDTRAIN_FAULT_HOLD: steps wait while it exists, until a stop signal
-    first = Job(tmp_path, "job1", emulator, {"train": str(ld_data)}, env={"SHARDTRAIN_FAULT_HOLD": hold})
+    # One run: SageMaker restarts an interrupted job with its own checkpoint prefix (example: the run's id).
+    run = "run-1"
+    first = Job(tmp_path, "job1", emulator, {"train": str(ld_data)}, env={"SHARDTRAIN_FAULT_HOLD": hold}, run_id=run)
     try:
         deadline = time.monotonic() + 400
         while len(_losses(first.checkpoints)) < 2:
@@ -113,7 +117,7 @@ def test_spot_interruption_saves_and_the_next_job_resumes(ld_data, tmp_path):
     assert (first.checkpoints / "checkpoints" / f"step-{stopped:06d}" / "COMMITTED").is_file(), out1[-3000:]
     assert not (first.root / "artifacts" / "output" / "failure").exists(), out1[-3000:]
 
-    second = Job(tmp_path, "job2", emulator, {"train": str(ld_data)})
+    second = Job(tmp_path, "job2", emulator, {"train": str(ld_data)}, run_id=run)
     assert second.wait() == 0, second.output()[-3000:]
     out2 = second.output()
     assert f"resumed from /opt/ml/checkpoints/checkpoints/step-{stopped:06d} at step {stopped}" in out2, out2[-3000:]
@@ -127,10 +131,11 @@ def test_spot_interruption_saves_and_the_next_job_resumes(ld_data, tmp_path):
     assert [resumed[s] for s in range(1, STEPS + 1)] == pytest.approx(
         [expected[s] for s in range(1, STEPS + 1)], rel=1e-6, abs=1e-7)
 
-    # A restart after completion (the same checkpoints restored, as the example's fixed checkpoint prefix gives the
-    # next job of that name): nothing to train, and before, an empty /opt/ml/model, a "Completed" job's empty
-    # model.tar.gz. Now the model is exported from the finished run's last checkpoint.
-    third = Job(tmp_path, "job3", emulator, {"train": str(ld_data)})
+    # A restart after completion (the finished run's checkpoints restored: a spot interruption between the last
+    # checkpoint and the export, or a job that continues the run, --continue-run): nothing to train, and before,
+    # an empty /opt/ml/model, a "Completed" job's empty model.tar.gz. Now the model is exported from the
+    # finished run's last checkpoint.
+    third = Job(tmp_path, "job3", emulator, {"train": str(ld_data)}, run_id=run)
     assert third.wait() == 0, third.output()[-3000:]
     assert "nothing to train" in third.output(), third.output()[-3000:]
     model = third.root / "artifacts" / "model"
@@ -147,3 +152,19 @@ def test_a_bad_hyperparameter_is_the_jobs_failure_reason(ld_data, tmp_path):
     failure = job.root / "artifacts" / "output" / "failure"  # the SDK gathers /opt/ml/output there
     assert failure.read_text() == ("shardtrain: error: unknown hyperparameter 'save_evry'; did you mean "
                                    "'save_every' (--save-every)?\n"), job.output()[-3000:]
+
+
+def test_two_instances_are_refused_in_one_line_that_names_what_works(ld_data, tmp_path):
+    """Each instance has its own /opt/ml/checkpoints (SageMaker syncs each to the one S3 prefix): ranks on two
+    instances never see each other's checkpoint files. Before, every rank went on to build its process group
+    and the job died there: on real instances in the shared-folder check ("not shared", naming NFS or Lustre,
+    not what works on SageMaker), here (every algo-N is the one loopback) in the gloo address check. Now every
+    worker of both instances refuses at start-up, before any process group, naming the
+    hyperparameter and FSx/EFS, and that line is the job's FailureReason."""
+    job = Job(tmp_path, "job", tmp_path / "sm", {"train": str(ld_data)}, instance_count=2)
+    assert job.wait(timeout=300) != 0, job.output()[-3000:]
+    failure = job.root / "artifacts" / "output" / "failure"
+    assert failure.is_file(), job.output()[-3000:]
+    line = failure.read_text()
+    assert line.count("\n") == 1 and line.startswith("shardtrain: error: SageMaker job on 2 instances"), line
+    assert "output_dir (--output-dir)" in line and "FSx for Lustre or EFS" in line, line

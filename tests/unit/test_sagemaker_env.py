@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 from launch import REPO
@@ -67,7 +70,20 @@ def test_several_hosts_without_a_launcher_is_refused():
         ConfigError, match=r"ModelTrainer\(distributed=Torchrun\(\)\) \(SDK v2: distribution=\{.torch_distributed"
     ):
         with_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]'})
-    with_sagemaker_env(Config(), set(), env={"SM_HOSTS": '["algo-1","algo-2"]', "RANK": "0"})
+    with_sagemaker_env(Config(), {"output_dir"}, env={"SM_HOSTS": '["algo-1","algo-2"]', "RANK": "0"})
+
+
+def test_several_instances_on_their_own_checkpoint_folders_are_refused_naming_what_works():
+    """Each instance's /opt/ml/checkpoints is its own disk, synced to S3: the ranks of two instances would
+    never see each other's checkpoint files. An output_dir the user chose (FSx, EFS) is theirs to share."""
+    two = {"SM_HOSTS": '["algo-1","algo-2"]', "RANK": "2", "SM_MODEL_DIR": "/opt/ml/model"}
+    with pytest.raises(ConfigError) as e:
+        with_sagemaker_env(Config(), set(), env=two)
+    assert "\n" not in str(e.value) and "2 instances" in str(e.value) and "/opt/ml/checkpoints" in str(e.value)
+    assert "output_dir (--output-dir)" in str(e.value) and "FSx for Lustre or EFS" in str(e.value)
+    cfg, applied = with_sagemaker_env(Config(), {"output_dir"}, env=two)  # --output-dir /fsx/run
+    assert "output_dir" not in applied and applied["final_model_dir"] == "/opt/ml/model"
+    with_sagemaker_env(Config(), set(), env={**two, "SM_HOSTS": '["algo-1"]'})  # one instance: its own disk is fine
 
 
 def test_parse_cli_takes_sagemaker_spellings_and_env(clean_env, tmp_path):
@@ -124,7 +140,7 @@ def test_example_launcher_builds_the_job_without_sdk_or_aws():
     }
     assert job["distributed"]["kind"] == "torchrun"
     assert job["checkpoint_config"] == {
-        "s3_uri": "s3://bkt/shardtrain-longformer/checkpoints",
+        "s3_uri": f"s3://bkt/shardtrain-longformer/{job['run_id']}/checkpoints",
         "local_path": "/opt/ml/checkpoints",
     }
     assert job["stopping_condition"]["max_wait_time_in_seconds"] >= job["stopping_condition"]["max_runtime_in_seconds"]
@@ -171,3 +187,61 @@ def test_failure_reason_is_written_once_under_sagemaker_only(tmp_path):
     write_failure_reason("shardtrain: error: first", env=env)
     write_failure_reason("shardtrain: error: second", env=env)
     assert failure.read_text() == "shardtrain: error: first\n"
+
+
+def test_each_job_gets_its_own_checkpoint_prefix_unless_it_continues_a_run():
+    """Before, the prefix was fixed per base job name: the next job found the last one's finished run and
+    trained nothing. A spot interruption keeps its prefix (SageMaker restarts the same job)."""
+    ex = _example()
+    one, two = (ex.build_job("r", "i", "b", "s3://b/t") for _ in range(2))
+    assert one["run_id"] != two["run_id"]
+    assert one["checkpoint_config"]["s3_uri"] != two["checkpoint_config"]["s3_uri"]
+    again = ex.build_job("r", "i", "b", "s3://b/t", run_id=one["run_id"])  # --continue-run RUN_ID
+    assert again["checkpoint_config"] == one["checkpoint_config"]
+
+
+def _git(repo, *args):
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def test_the_upload_is_the_checkouts_own_files_not_its_venv_runs_or_data(tmp_path):
+    """Before, source_dir was the checkout root: 6.25 GB with a venv, runs/ and data/ beside 1.7 MB of code.
+    Staged now: what git lists (tracked, and new files .gitignore does not exclude). The package folder
+    shardtrain/data stays, which the SDK's name patterns ("data") would have dropped."""
+    ex = _example()
+    repo = tmp_path / "checkout"
+    for name, text in {
+        "shardtrain/main.py": "x",
+        "shardtrain/data/loaders.py": "y",
+        ".gitignore": "/.venv\n/runs/\n/data/\n",
+    }.items():
+        (repo / name).parent.mkdir(parents=True, exist_ok=True)
+        (repo / name).write_text(text)
+    _git(repo, "init", "-q")
+    _git(repo, "add", ".")
+    (repo / "my_task.py").write_text("new, not ignored: the user's own workload")
+    for junk in (".venv/lib/torch.so", "runs/demo/checkpoints/step-1/model.bin", "data/train.jsonl"):
+        (repo / junk).parent.mkdir(parents=True, exist_ok=True)
+        (repo / junk).write_bytes(b"\0" * 1_000_000)
+    assert ex.source_files(repo) == [".gitignore", "my_task.py", "shardtrain/data/loaders.py", "shardtrain/main.py"]
+    staged = ex.stage_source(repo)
+    assert sorted(str(p.relative_to(staged)) for p in staged.rglob("*") if p.is_file()) == ex.source_files(repo)
+    assert (staged / "shardtrain/data/loaders.py").read_text() == "y"
+    shutil.rmtree(repo / ".git")  # a downloaded archive: the same files, by .gitignore's top-level folders
+    assert ex.source_files(repo) == [".gitignore", "my_task.py", "shardtrain/data/loaders.py", "shardtrain/main.py"]
+
+
+def test_this_checkouts_upload_is_its_code_only(monkeypatch, tmp_path):
+    ex = _example()
+    pytest.importorskip("sagemaker.train", reason="the SageMaker SDK v3 (requirements-sagemaker.txt) is not installed")
+    from sagemaker.train.model_trainer import Mode
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")  # local mode: no AWS call (tests/sm_job.py)
+    job = ex.build_job("arn:aws:iam::1:role/R", "img:latest", "bkt", str(tmp_path))
+    trainer, _ = ex.make_trainer(job, training_mode=Mode.LOCAL_CONTAINER, local_container_root=str(tmp_path))
+    staged = Path(trainer.source_code.source_dir)
+    files = [p for p in staged.rglob("*") if p.is_file()]
+    size = sum(p.stat().st_size for p in files)
+    assert staged != REPO and (staged / "shardtrain/main.py").is_file() and (staged / "shardtrain/data").is_dir()
+    assert len(files) == len(ex.source_files(REPO)) and size < 20_000_000, (len(files), size)
+    assert not any(p.relative_to(staged).parts[0] in (".venv", "runs", ".git") for p in files)
