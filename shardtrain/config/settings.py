@@ -352,6 +352,12 @@ class LogConfig:
         True,
         "the startup banner predicts memory per rank, measuring activations on CPU (seconds on rank 0); false skips it",
     )
+    # torch.profiler over a few steps (observability/step_profile.py): a trace per rank, and where the time went.
+    profile_steps: Optional[str] = setting(
+        None,
+        "profile optimizer steps A-B (or one step N): a torch.profiler trace per rank in OUT/profile/ and a "
+        "summary per rank of compute, communication, data wait, optimizer, recompute and host syncs",
+    )
 
 
 @dataclass(frozen=True)
@@ -1034,6 +1040,7 @@ def _validate(cfg: Config) -> Config:
     _check_positive(cfg, *POSITIVE)
     _check_lr(cfg.train)
     _check_lr_multipliers(cfg.train)
+    profile_range(cfg.log.profile_steps, cfg.train.max_steps)
     _check_not_negative(cfg, *NOT_NEGATIVE)
     _check_best_metric(cfg.train)
     _check_early_stopping(cfg.train, cfg.checkpoint)
@@ -1121,6 +1128,23 @@ def _check_lr_multipliers(t: TrainConfig) -> None:
         # bool is an int: `text: true` is a typo, not a factor of 1
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 <= factor < float("inf"):
             raise ConfigError(f"{where('lr_multipliers')}: the factor of '{part}' must be a number >= 0: {factor!r}")
+
+
+def profile_range(text: str | None, max_steps: int) -> tuple[int, int] | None:
+    """--profile-steps A-B (or N) -> (A, B), the first and last optimizer step profiled; None: no profile."""
+    if text is None:
+        return None
+    first, _, last = str(text).strip().partition("-")
+    try:
+        a, b = int(first), int(last or first)
+    except ValueError:
+        raise ConfigError(f"{where('profile_steps')}: '{text}' is not a step range A-B (e.g. 5-7) or a step") from None
+    if not 1 <= a <= b:
+        raise ConfigError(f"{where('profile_steps')}: '{text}' must be steps A-B with 1 <= A <= B")
+    if b > max_steps:
+        raise ConfigError(f"{where('profile_steps')}: '{text}' ends after the run's last step ({where('max_steps')} "
+                          f"is {max_steps})")  # fmt: skip
+    return a, b
 
 
 def tracks_best(t: TrainConfig) -> bool:

@@ -17,7 +17,7 @@ import torch
 
 from shardtrain.checkpointing import store as checkpoint
 from shardtrain.checkpointing.final_model import export_final_model_if_missing, final_model_folder, write_final_model
-from shardtrain.config.settings import Config, is_builtin_workload
+from shardtrain.config.settings import Config, is_builtin_workload, profile_range
 from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.data.sources import check_resumed_labels
 from shardtrain.loop.best import BestCheckpoint, stopped_early
@@ -30,6 +30,7 @@ from shardtrain.loop.saves import Saves
 from shardtrain.loop.step_health import BadStepPolicy, agree
 from shardtrain.memory.accounting import MemoryMonitor, construction_memory, format_table
 from shardtrain.memory.autoplan import resolve_auto_strategy
+from shardtrain.observability.step_profile import StepProfiler
 from shardtrain.observability.tracking import Console, Throughput, Tracker, library_versions, now
 from shardtrain.runtime import faults
 from shardtrain.runtime.device_defaults import cuda_math
@@ -117,6 +118,9 @@ class Trainer:
         t = cfg.train
         self.throughput = Throughput()
         self.mem = MemoryMonitor(strategy, dist_info, every=t.memory_every)
+        self.profiler = StepProfiler(
+            profile_range(cfg.log.profile_steps, t.max_steps), dist_info.rank, dist_info.device.type, self.out, console
+        )
         self.oom = OOMRecovery(cfg, strategy, self.loaders.train, dist_info, console, self.geometry)
         # A fresh run's first step follows no update: a non-finite loss there is the workload's, not training's.
         self.health = BadStepPolicy(
@@ -140,7 +144,8 @@ class Trainer:
         self.strategy.train()
         while self.step < self.cfg.train.max_steps:
             t0 = now()
-            outcome = self.train_step()
+            with self.profiler.step(self.step + 1):  # --profile-steps: nothing outside its range
+                outcome = self.train_step()
             if outcome.redo:
                 continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
             self._log_step(outcome, now() - t0)
@@ -171,7 +176,8 @@ class Trainer:
         self.mem.begin_step(step)
         self.oom.step_start(step)
         for micro in range(self.geometry.accum):
-            batch = batch_to_device(self.loaders.train.next_batch(), self.device)
+            with self.profiler.phase("data"):
+                batch = batch_to_device(self.loaders.train.next_batch(), self.device)
             with self.oom.guard():  # an OOM is recovered or stops every rank at once: see loop/oom.py
                 loss_sum += self._micro_step(batch, micro, step)
             self.last_batch = batch
@@ -183,22 +189,25 @@ class Trainer:
         # The one collective (and host sync) per optimizer step: the mean loss, the gradient norm (from each
         # rank's share; the strategy clips with it), and whether any rank saw a non-finite loss, ran out of
         # memory or was signalled to stop, and whether every rank's background checkpoint write is on disk.
-        agreed = agree(
-            loss_sum,
-            self.geometry.accum,
-            self.stop.raised,
-            self.oom.hit,
-            self.dist,
-            self.strategy.grad_norm_share(),
-            writing=self.saves.writing(),
-            write_failed=self.saves.write_failed(),
-        )
+        with self.profiler.phase("optimizer"):
+            norm_share = self.strategy.grad_norm_share()
+        with self.profiler.phase("step_sync"):
+            agreed = agree(
+                loss_sum,
+                self.geometry.accum,
+                self.stop.raised,
+                self.oom.hit,
+                self.dist,
+                norm_share,
+                writing=self.saves.writing(),
+                write_failed=self.saves.write_failed(),
+            )
         self.saves.agreed(agreed.writing, agreed.write_failed)
         smaller = self.oom.recover(agreed.oom_ranks, step)
         if smaller is not None:
             self.geometry = smaller
             return StepOutcome(redo=True)
-        with self.oom.optimizer_step():  # an OOM here stops every rank (shardtrain/loop/oom.py)
+        with self.oom.optimizer_step(), self.profiler.phase("optimizer"):  # an OOM here stops every rank (loop/oom.py)
             result = self.strategy.step(skip=not agreed.finite, grad_norm=agreed.grad_norm)
         self.step = step
         self.mem_table = self.mem.end_step(step)  # on a few steps only: a tensor walk and a gather to rank 0
@@ -210,7 +219,7 @@ class Trainer:
         recovery first: a rank that ran out of memory earlier in the step skips the rest there."""
         self.oom.enter("forward", micro)
         with self.strategy.micro_step(is_last=micro == self.geometry.accum - 1):
-            with self.mem.forward(first_micro=micro == 0, batch=batch):
+            with self.mem.forward(first_micro=micro == 0, batch=batch), self.profiler.phase("forward"):
                 outputs = self.strategy.model(batch)  # the root's forward is Workload.forward (strategies/root.py)
                 with self.strategy.shard_read_guard(f"{self.task}.loss"):  # a loss reading a weight: no shard
                     loss = check_loss(self.workload.loss(outputs, batch), self.task)
@@ -218,8 +227,10 @@ class Trainer:
                 loss = faults.maybe_nan(
                     loss, step, self.cfg.train.inject_nan_at_steps, self.dist.rank, self.dist.world_size
                 )
-            self.oom.enter("backward", micro)  # where needed, every rank learns here whether one ran out
-            self.strategy.backward(loss)
+            with self.profiler.phase("step_sync"):  # where needed, every rank learns here whether one ran out
+                self.oom.enter("backward", micro)
+            with self.profiler.phase("backward"):
+                self.strategy.backward(loss)
             self.oom.enter("gap", micro)
         return loss.detach()
 
@@ -478,6 +489,7 @@ class Trainer:
                 ),
             },
             "oom_recovery": self.oom.summary(),
+            "profile": self.profiler.summary(),
             "membership": self.members.changes,
             "startup": self.startup,
         }

@@ -13,6 +13,7 @@ from pathlib import Path
 from shardtrain.config.settings import ConfigError
 from shardtrain.observability.comparable import WORKLOAD, differences, in_groups
 from shardtrain.observability.runlog import MEMORY_PARTS, MIB, RunLog, load_run, load_runs
+from shardtrain.observability.step_profile import PARTS, profile_rows
 
 COLUMNS = ("run", "strategy", "world", "memory/rank MiB", "samples/s", "final loss", "accuracy", "macro-F1")
 
@@ -244,6 +245,11 @@ def write_report(
         if run.memory
         else "<p>no memory records in this run</p>"
     )
+    profile = run.summary.get("profile") or {}
+    if profile:  # --profile-steps
+        a, b = profile["steps"]
+        parts.append(f"<h2>where a step's time went (ms per step, steps {a}-{b})</h2>")
+        parts.append(_html_table(["rank", "step", *PARTS, ""], profile_rows(profile)))
     parts += ["<h2>plots</h2>", *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures)]
     path = out / "report.html"
     path.write_text(

@@ -33,13 +33,22 @@ def _batchnorm_stats_frozen(module: nn.Module):
                 m.num_batches_tracked.copy_(tracked)
 
 
+@contextlib.contextmanager
+def _recomputing(module: nn.Module, has_batchnorm: bool):
+    """Around the recomputation in the backward (entered then, not when the forward makes it)."""
+    with contextlib.ExitStack() as stack:
+        if has_batchnorm:
+            stack.enter_context(_batchnorm_stats_frozen(module))
+        if torch.autograd._profiler_enabled():  # --profile-steps: the recomputation is a part of its own
+            stack.enter_context(torch.profiler.record_function("shardtrain::recompute"))
+        yield
+
+
 def _checkpointed_forward(module: nn.Module, forward):
     has_batchnorm = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
 
     def contexts():
-        return contextlib.nullcontext(), (
-            _batchnorm_stats_frozen(module) if has_batchnorm else contextlib.nullcontext()
-        )
+        return contextlib.nullcontext(), _recomputing(module, has_batchnorm)
 
     @functools.wraps(forward)
     def run(*args, **kwargs):
