@@ -111,6 +111,9 @@ def mlp_workload(cfg):
         def block_classes(self):
             return (Block,)
 
+        def forward(self, model, batch):  # the batch is one tensor, the model's one positional input
+            return model(batch)
+
     return MlpTask(cfg)
 
 
