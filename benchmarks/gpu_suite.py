@@ -76,6 +76,8 @@ CASES = [
     ("strategy_zero2_offload", "strategies", FUSION, ["--ds", str(DS / "zero2_offload.json"), *CL], 10, 4),
     ("strategy_zero3", "strategies", FUSION, ["--ds", str(DS / "zero3.json"), *CL], 20, 6),
     ("strategy_zero3_offload", "strategies", FUSION, ["--ds", str(DS / "zero3_offload.json"), *CL], 10, 4),
+    # --profile-steps on CUDA (CPU and CUDA activities, the synchronize before the trace): where a step's time goes.
+    ("profile_fsdp", "profile", FUSION, ["--strategy", "fsdp", *CL, "--profile-steps", "2"], 4, 2),  # dry run: 2 steps
     # torchao's AdamW8bit (--optim adamw_8bit, refused on CPU): compiled per parameter shape, a long warm-up. Last:
     # a slow compile must not take the time of the cases above (the JSON keeps every finished case).
     ("optim_adamw_8bit_ddp", "optim", FUSION, ["--strategy", "ddp", *CL, "--optim", "adamw_8bit"], 16, 6),
@@ -336,6 +338,8 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
         row["oom_recovery"] = summary.get("oom_recovery")
         # The run's geometry, not the config's: the config keeps what the flags asked for.
         row["micro_batch_after_recovery"] = summary["resolved"]["batch_geometry"]["micro_batch_size"]
+    if summary.get("profile"):
+        row["profile"] = summary["profile"]  # each rank's step split into parts (observability/step_profile.py)
     global_batch = summary.get("global_batch_size") or cfg.train.per_device_batch_size
     rate = steady_rate(Path(cfg.checkpoint.output_dir) / "metrics.jsonl", global_batch, 0 if dry else warmup)
     row.update(rate)
