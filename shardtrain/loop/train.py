@@ -263,6 +263,7 @@ class Trainer:
     def _end(self) -> None:
         """The model the run ended with: evaluated (the loop did that at its last step, and at an early stop; a
         conversion of another run's checkpoint trains no step; a preemption does not evaluate), then committed."""
+        self.profiler.close()  # a run that stopped inside --profile-steps' range keeps what it profiled
         if not self.preempted and self.evaluated_at != self.step:
             self.evaluate(final=True)
         self._save_final()

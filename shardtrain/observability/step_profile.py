@@ -53,6 +53,7 @@ class StepProfiler:
         self.steps, self.rank, self.device_type, self.out, self.console = steps, rank, device_type, out, console
         self._prof = None
         self._done = False
+        self._last = None  # the last step profiled so far
         self.summaries: list[dict] = []  # rank 0, once the range is done: every rank's summary
 
     @property
@@ -69,7 +70,15 @@ class StepProfiler:
             self._start()
         with self.phase("step"):
             yield
-        if self._prof is not None and n >= self.steps[1]:
+        if self._prof is not None:
+            self._last = n
+            if n >= self.steps[1]:
+                self._finish()
+
+    def close(self) -> None:
+        """Every rank, at the end of training: a run that stopped inside the range (a preemption, early stopping,
+        both every rank alike at the same step) still writes what it profiled."""
+        if self._prof is not None:
             self._finish()
 
     def _start(self) -> None:
@@ -100,7 +109,7 @@ class StepProfiler:
         if not self.summaries:
             return {}
         slowest = max(self.summaries, key=lambda s: s["step_ms"])
-        return {"steps": list(self.steps), "ranks": self.summaries, "slowest_rank": slowest["rank"]}
+        return {"steps": [self.steps[0], self._last], "ranks": self.summaries, "slowest_rank": slowest["rank"]}
 
 
 def summarise(events) -> dict:

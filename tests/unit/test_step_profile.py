@@ -85,3 +85,18 @@ def test_the_profiler_records_only_its_steps_and_writes_a_trace(tmp_path):
     assert rank["profiled_steps"] == 2 and (tmp_path / "profile" / "rank-00000.json").is_file()
     assert rank["parts_ms"]["compute"] > 0 and rank["parts_ms"]["optimizer"] > 0
     assert said and said[0].startswith("profile of steps 2-3")
+
+
+def test_a_run_that_stops_inside_the_range_keeps_what_it_profiled(tmp_path):
+    """A preemption or an early stop (every rank at the same step) ends the loop before the range does: the
+    trainer's end closes the profiler, which writes the trace and the summary of the steps it saw."""
+    prof = StepProfiler((2, 9), 0, "cpu", tmp_path, SimpleNamespace(info=lambda line: None))
+    for step in range(1, 4):
+        with prof.step(step), prof.phase("forward"):
+            torch.randn(32, 32).sum()
+    assert prof.active and prof.summary() == {}
+    prof.close()
+    assert not prof.active and prof.summary()["steps"] == [2, 3]
+    assert prof.summary()["ranks"][0]["profiled_steps"] == 2 and (tmp_path / "profile" / "rank-00000.json").is_file()
+    prof.close()  # once only
+    assert prof.summary()["steps"] == [2, 3]
