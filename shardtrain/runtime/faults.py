@@ -13,7 +13,8 @@ And, for benchmarks, storage of a fixed speed: SHARDTRAIN_WRITE_DELAY=SECONDS de
 every checkpoint by that much (sync or async alike), so a benchmark's result does not follow the disk cache.
 SHARDTRAIN_FAULT_HOLD=PATH: while that file exists every step waits after its backward, until a stop signal
 ends the wait and removes the file (an elastic test holds a run at one world size until the agent restarts it
-for a node that joins).
+for a node that joins). A step number N in the file holds only steps >= N; writing a larger one lets a held
+step go on.
 With SHARDTRAIN_FAULT_ONCE_DIR set, each fault fires once per job: it leaves a marker file there before killing,
 so one `torchrun --max-restarts N` launch can crash at several points in turn and prove that every restart resumes
 by itself (an extra restart, e.g. a slow rendezvous, does not shift the schedule).
@@ -73,12 +74,21 @@ def mid_step(step: int, rank: int) -> None:
         time.sleep(120)  # signal handlers still run: the sleep is interrupted for them, then goes on
 
 
-def hold(stop) -> None:
-    """SHARDTRAIN_FAULT_HOLD: wait while the file exists and `stop` (the loop's StopFlag) is not raised."""
+def _holds(path: str, step: int) -> bool:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return False
+    return not text.isdigit() or step >= int(text)
+
+
+def hold(stop, step: int) -> None:
+    """SHARDTRAIN_FAULT_HOLD: wait while the file holds this step and `stop` (the loop's StopFlag) is not raised."""
     path = os.environ.get("SHARDTRAIN_FAULT_HOLD")
-    if not path or not os.path.exists(path):
+    if not path or not _holds(path, step):
         return
-    while os.path.exists(path) and not stop.raised:
+    while _holds(path, step) and not stop.raised:
         time.sleep(0.05)
     if stop.raised:
         try:
@@ -113,4 +123,4 @@ def after_backward(step: int, rank: int, stop) -> None:
     kill or stall there, then SHARDTRAIN_FAULT_HOLD. (The NaN loss and OOM injections are the loss's and OOM
     recovery's own, at the points they name.)"""
     mid_step(step, rank)
-    hold(stop)
+    hold(stop, step)

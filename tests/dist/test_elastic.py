@@ -30,9 +30,17 @@ def wait_for(what: str, condition, procs: dict, logs: dict, timeout: float = 120
         if ended:
             break
         time.sleep(0.1)
+    # Only the logs of launches started so far: a missing one would hide this failure behind a FileNotFoundError.
     tails = "\n".join(f"--- {name}\n" + "\n".join(Path(log).read_text().splitlines()[-30:])
-                      for name, log in logs.items())
+                      for name, log in logs.items() if Path(log).exists())
     raise AssertionError(f"waiting for {what}: {'ended: ' + ', '.join(ended) if ended else 'timed out'}\n{tails}")
+
+
+def set_hold(hold: Path, step: int) -> None:
+    """SHARDTRAIN_FAULT_HOLD: steps >= `step` wait (written whole, so a reader never sees half of it)."""
+    tmp = hold.with_suffix(".tmp")
+    tmp.write_text(str(step))
+    tmp.replace(hold)
 
 
 def records(out: Path) -> list[dict]:
@@ -60,6 +68,10 @@ def test_a_lost_node_rejoins_and_the_job_ends_at_max_steps(namespace_hosts, mm_d
     def start(node: str, log: str) -> subprocess.Popen:
         return hosts[node].popen(cmd, cwd=REPO, env=env, stdout=open(logs[log], "w"), stderr=subprocess.STDOUT)
 
+    # The run waits at step 3 (after the step-2 checkpoint) for the kill, and at world size 1 at step 4 for
+    # node2's return: the job's steps (~0.1 s) never race this test's polling, however loaded the machine.
+    # (Before, a starved test process once saw the first checkpoint only after the job had finished.)
+    set_hold(hold, 3)
     # node2 first: it waits for node1's rendezvous store, so both join the first round (within last_call_timeout).
     procs = {"node2": start("node2", "node2"), "node1": start("node1", "node1")}
     try:
@@ -68,9 +80,9 @@ def test_a_lost_node_rejoins_and_the_job_ends_at_max_steps(namespace_hosts, mm_d
         kill_tree(procs["node2"].pid)  # the whole node: nsenter's child, its torchrun agent and its worker
         killed_at = time.time()
         assert procs.pop("node2").wait(timeout=30) != 0
+        set_hold(hold, 4)  # node1's held step 3 goes on, meets its lost peer, and the agent restarts it alone
         alone = wait_for("the first step at world size 1", lambda: membership_record(out, 1), procs, logs)
-        # Hold node1 at world size 1 (its steps take ~0.1 s) until the agent restarts it for node2's return.
-        hold.touch()
+        # node1 now waits at step 4 until the agent restarts it for node2's return (its stop signal ends the hold).
         rejoined_at = time.time()
         procs["node2-again"] = start("node2", "node2-again")
         back = wait_for("the first step at world size 2 again", lambda: membership_record(out, 2), procs, logs)
