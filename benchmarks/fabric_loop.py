@@ -58,7 +58,7 @@ def main(argv):
     # barrier: a plain process group first, which Fabric then joins.
     torch.distributed.init_process_group("gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    loader, model = data_and_model(cfg, rank, world, torch.distributed.barrier, shard=False)
+    loader, model = data_and_model(cfg, rank, world, torch.distributed.barrier)
     fabric = Fabric(
         accelerator=cfg.parallel.device if cfg.parallel.device != "auto" else "auto",
         devices=world,
@@ -75,7 +75,9 @@ def main(argv):
         opt = adamw(model, cfg)
         model, opt = fabric.setup(model, opt)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_linear(cfg))
-    loader = fabric.setup_dataloaders(loader)  # Fabric shards the loader across processes itself
+    # The loader comes sharded as shardtrain shards (bench_common.data_and_model): Fabric's own sampler wrapper
+    # would not pass the epoch on to the order inside it, so every epoch would repeat the first.
+    loader = fabric.setup_dataloaders(loader, use_distributed_sampler=False)
     log = StepLog(cfg, rank)
     model.train()
     data = batches(loader)

@@ -38,9 +38,13 @@ EXPECTED = {"ddp": DistributedType.MULTI_CPU, "fsdp": DistributedType.FSDP, "dee
 
 
 class BuiltinTrainer(Trainer):
-    def __init__(self, *a, shardtrain_cfg, **kw):
-        self.shardtrain_cfg = shardtrain_cfg
+    def __init__(self, *a, shardtrain_cfg, shardtrain_sampler, **kw):
+        self.shardtrain_cfg, self.shardtrain_sampler = shardtrain_cfg, shardtrain_sampler
         super().__init__(*a, **kw)
+
+    def _get_train_sampler(self, train_dataset=None):
+        # The epoch order every contender shares (bench_common.EpochOrder), not Trainer's own RandomSampler.
+        return self.shardtrain_sampler
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = forward_loss(model, batch_to_device(inputs, self.args.device))
@@ -136,6 +140,7 @@ def main(argv):
         data_collator=loader.collate_fn,
         callbacks=[stamps],
         shardtrain_cfg=cfg,
+        shardtrain_sampler=loader.sampler,
     )
     stamps.trainer = trainer
     trainer.train()
