@@ -9,17 +9,26 @@ as canonical splits, the tokenizer, collate, the resumable sampler, the image ca
     batch = loaders.train.next_batch()       # forever; loaders.train.state_dict() goes in the checkpoint
     batch = batch_to_device(batch, device)   # uint8 images become normalised floats on the device
 """
+
 from importlib import import_module
 
 # name -> the module that defines it, imported on first use: the parent process of `train --nproc N` runs the
 # pre-launch data check (precheck.py) without the loaders' torch import (seconds it would only wait for).
-_EXPORTS = {"check_data": "shardtrain.data.check", "batch_to_device": "shardtrain.data.images",
-            "Loaders": "shardtrain.data.loaders", "TrainStream": "shardtrain.data.loaders",
-            "build_loaders": "shardtrain.data.loaders", "data_kind": "shardtrain.data.records",
-            "Splits": "shardtrain.data.sources", "load_splits": "shardtrain.data.sources",
-            "Collator": "shardtrain.data.splits", "JsonlDataset": "shardtrain.data.splits",
-            "build_datasets": "shardtrain.data.splits", "make_data": "shardtrain.data.synthetic",
-            "build_tokenizer": "shardtrain.data.tokenizer"}
+_EXPORTS = {
+    "check_data": "shardtrain.data.check",
+    "batch_to_device": "shardtrain.data.images",
+    "Loaders": "shardtrain.data.loaders",
+    "TrainStream": "shardtrain.data.loaders",
+    "build_loaders": "shardtrain.data.loaders",
+    "data_kind": "shardtrain.data.records",
+    "Splits": "shardtrain.data.sources",
+    "load_splits": "shardtrain.data.sources",
+    "Collator": "shardtrain.data.splits",
+    "JsonlDataset": "shardtrain.data.splits",
+    "build_datasets": "shardtrain.data.splits",
+    "make_data": "shardtrain.data.synthetic",
+    "build_tokenizer": "shardtrain.data.tokenizer",
+}
 
 
 def __getattr__(name: str):
@@ -30,6 +39,18 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["batch_to_device", "build_tokenizer", "build_datasets", "build_loaders", "Loaders", "TrainStream",
-           "JsonlDataset", "Collator", "make_data", "check_data", "data_kind",
-           "load_splits", "Splits"]
+__all__ = [
+    "batch_to_device",
+    "build_tokenizer",
+    "build_datasets",
+    "build_loaders",
+    "Loaders",
+    "TrainStream",
+    "JsonlDataset",
+    "Collator",
+    "make_data",
+    "check_data",
+    "data_kind",
+    "load_splits",
+    "Splits",
+]

@@ -6,6 +6,7 @@ BatchEncoding stays one, a dataclass keeps its class); `collate_samples` is torc
 dataclasses, which it refuses; `batch_problem` says what in a batch the loop cannot move (one line, naming the
 path, e.g. `batch["text"]["ids"]`).
 """
+
 from __future__ import annotations
 
 import abc
@@ -93,12 +94,16 @@ def move_batch(obj, device: torch.device):
 def batch_problem(batch) -> str | None:
     """None if the loop can move `batch`; else what it cannot (a container at the top, leaves it knows)."""
     if not is_container(batch):
-        return (f"must return a dict (or a list, tuple, namedtuple, dataclass or BatchEncoding) of tensors, got "
-                f"{type(batch).__name__}")
+        return (
+            f"must return a dict (or a list, tuple, namedtuple, dataclass or BatchEncoding) of tensors, got "
+            f"{type(batch).__name__}"
+        )
     for path, leaf in leaves(batch):
         if not isinstance(leaf, LEAVES):
-            return (f"returns a {type(leaf).__module__}.{type(leaf).__name__} at {path}: the loop moves tensors to the "
-                    f"device, so return tensors there (strings, numbers and None pass through as they are)")
+            return (
+                f"returns a {type(leaf).__module__}.{type(leaf).__name__} at {path}: the loop moves tensors to the "
+                f"device, so return tensors there (strings, numbers and None pass through as they are)"
+            )
     return None
 
 
@@ -106,11 +111,16 @@ def shape_summary(batch, prefix: str = "") -> str:
     """`input_ids (8, 32), labels (8,)`; nested: `text.input_ids (8, 32), 1 (8, 3, 32, 32)`: what check-data prints."""
     if not is_container(batch):
         return f"{prefix or 'batch'} {tuple(batch.shape) if isinstance(batch, torch.Tensor) else type(batch).__name__}"
-    if isinstance(batch, (list, tuple)) and batch and not any(is_container(v) or isinstance(v, torch.Tensor)
-                                                              for v in batch):
+    if (
+        isinstance(batch, (list, tuple))
+        and batch
+        and not any(is_container(v) or isinstance(v, torch.Tensor) for v in batch)
+    ):
         return f"{prefix or 'batch'} {type(batch).__name__} of {len(batch)} {type(batch[0]).__name__}"  # e.g. texts
-    return ", ".join(shape_summary(value, f"{prefix}.{step.strip('[].').strip(chr(39))}".lstrip("."))
-                     for step, value in children(batch))
+    return ", ".join(
+        shape_summary(value, f"{prefix}.{step.strip('[].').strip(chr(39))}".lstrip("."))
+        for step, value in children(batch)
+    )
 
 
 def top_tensor(batch, key: str) -> torch.Tensor | None:
@@ -119,7 +129,7 @@ def top_tensor(batch, key: str) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-class _Dataclass(abc.ABC):
+class _Dataclass(abc.ABC):  # noqa: B024 (no abstract method: only __subclasshook__ is wanted)
     """isinstance(x, _Dataclass) for any dataclass instance: torch's collate dispatches on isinstance."""
 
     @classmethod

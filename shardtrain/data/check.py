@@ -1,4 +1,5 @@
 """`check-data`: every problem in a data folder or source, not just the first, so one pass fixes them all."""
+
 from __future__ import annotations
 
 from pathlib import Path

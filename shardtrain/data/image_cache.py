@@ -16,6 +16,7 @@ Other sources (shardtrain/data/sources.py: --dataset-name, --train-file, --train
 absolute path, or hold them embedded (an Image feature's bytes, keyed by their sha256). Their split has no one
 file to hash: the sha256 of the set of images it names stands in for it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -63,8 +64,15 @@ def _decode(job: tuple[int, "str | bytes", int]) -> tuple[int, Optional[np.ndarr
         return row, None, f"{type(e).__name__}: {e}"
 
 
-def build_image_cache(split_file: Path, kind: str, num_labels: int, cache_dir: Path, size: int,
-                      workers: int = 0, progress: Callable[[str], None] = lambda _: None) -> dict:
+def build_image_cache(
+    split_file: Path,
+    kind: str,
+    num_labels: int,
+    cache_dir: Path,
+    size: int,
+    workers: int = 0,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict:
     """Decode every image the split's valid records name, in `workers` processes (0: all cores). Returns
     the index's summary. Records with other problems are left to the dataset, which reports them."""
     root = split_file.parent
@@ -79,8 +87,19 @@ def build_image_cache(split_file: Path, kind: str, num_labels: int, cache_dir: P
     # Stamped before decoding: an image edited while the cache is built then reads as stale, never as fresh.
     stamps = {image: _stamp(root / image) for image in images}
     jobs = [(row, str(root / image), size) for row, image in enumerate(images)]
-    return _write_cache(images, jobs, stamps, file_sha256(split_file), split_file.stem, split_file.name,
-                        str(split_file.resolve()), cache_dir, size, workers, progress)
+    return _write_cache(
+        images,
+        jobs,
+        stamps,
+        file_sha256(split_file),
+        split_file.stem,
+        split_file.name,
+        str(split_file.resolve()),
+        cache_dir,
+        size,
+        workers,
+        progress,
+    )
 
 
 def images_sha256(keys) -> str:
@@ -88,8 +107,14 @@ def images_sha256(keys) -> str:
     return hashlib.sha256("\n".join(sorted(set(keys))).encode()).hexdigest()
 
 
-def build_source_image_cache(split: str, images: list, cache_dir: Path, size: int, workers: int = 0,
-                             progress: Callable[[str], None] = lambda _: None) -> dict:
+def build_source_image_cache(
+    split: str,
+    images: list,
+    cache_dir: Path,
+    size: int,
+    workers: int = 0,
+    progress: Callable[[str], None] = lambda _: None,
+) -> dict:
     """The cache of a canonical split's `image` column (sources.py): absolute paths or {"bytes", "path"}."""
     from shardtrain.data.sources import image_key, image_source
 
@@ -106,12 +131,34 @@ def build_source_image_cache(split: str, images: list, cache_dir: Path, size: in
             stamps[key] = _stamp(source)
     if not keys:
         raise ConfigError(f"{split} split: no row names an image; nothing to cache (check-data says why)")
-    return _write_cache(keys, jobs, stamps, images_sha256(keys), split, f"{split} split", f"{split} split",
-                        cache_dir, size, workers, progress)
+    return _write_cache(
+        keys,
+        jobs,
+        stamps,
+        images_sha256(keys),
+        split,
+        f"{split} split",
+        f"{split} split",
+        cache_dir,
+        size,
+        workers,
+        progress,
+    )
 
 
-def _write_cache(images: list[str], jobs: list, stamps: dict, split_sha: str, stem: str, label: str,
-                 split_file: str, cache_dir: Path, size: int, workers: int, progress: Callable[[str], None]) -> dict:
+def _write_cache(
+    images: list[str],
+    jobs: list,
+    stamps: dict,
+    split_sha: str,
+    stem: str,
+    label: str,
+    split_file: str,
+    cache_dir: Path,
+    size: int,
+    workers: int,
+    progress: Callable[[str], None],
+) -> dict:
     cache_dir.mkdir(parents=True, exist_ok=True)
     array_path, index_path = cache_files(cache_dir, stem, size)
     index_path.unlink(missing_ok=True)  # from here until the new index exists, the cache is incomplete
@@ -130,15 +177,25 @@ def _write_cache(images: list[str], jobs: list, stamps: dict, split_sha: str, st
     pixels.flush()
     del pixels
     os.replace(tmp, array_path)
-    index = {"format": FORMAT, "image_size": size, "split_file": split_file, "split_sha256": split_sha,
-             # embedded images (no file) have no size and mtime: their key is their content's sha256
-             "images": {image: [row, *stamps.get(image, [None, None])] for row, image in enumerate(images)},
-             "bad": bad}
+    index = {
+        "format": FORMAT,
+        "image_size": size,
+        "split_file": split_file,
+        "split_sha256": split_sha,
+        # embedded images (no file) have no size and mtime: their key is their content's sha256
+        "images": {image: [row, *stamps.get(image, [None, None])] for row, image in enumerate(images)},
+        "bad": bad,
+    }
     tmp_index = index_path.with_name(index_path.name + ".partial")
     tmp_index.write_text(json.dumps(index))
     os.replace(tmp_index, index_path)  # the commit: only now is the cache used
-    return {"split": label, "images": len(images), "bad": len(bad), "array": str(array_path),
-            "bytes": array_path.stat().st_size}
+    return {
+        "split": label,
+        "images": len(images),
+        "bad": len(bad),
+        "array": str(array_path),
+        "bytes": array_path.stat().st_size,
+    }
 
 
 def open_image_cache(cfg, split_file: Path) -> Optional["ImageCache"]:
@@ -166,13 +223,16 @@ class ImageCache:
     def __init__(self, cache_dir: Path, split_file: Path, size: int, identity: Optional[str] = None):
         """`identity`: a source split's images_sha256; its `split_file` is then just the split's name."""
         self.array_path, index_path = cache_files(cache_dir, split_file.stem, size)
-        rebuild = (f"build it with: shardtrain cache-images <this run's --config and --data-dir flags> "
-                   f"--image-size {size} --image-cache {cache_dir}")
+        rebuild = (
+            f"build it with: shardtrain cache-images <this run's --config and --data-dir flags> "
+            f"--image-size {size} --image-cache {cache_dir}"
+        )
         if not index_path.is_file() or not self.array_path.is_file():
             other = sorted(p.stem.rsplit("-", 1)[-1] + "px" for p in Path(cache_dir).glob(f"{split_file.stem}-*.json"))
             has = f" (it has {', '.join(other)}: --image-size differs?)" if other else ""
-            raise ConfigError(f"{where('image_cache')}: no complete cache of {split_file} at {size}px in "
-                              f"{cache_dir}{has}; {rebuild}")
+            raise ConfigError(
+                f"{where('image_cache')}: no complete cache of {split_file} at {size}px in {cache_dir}{has}; {rebuild}"
+            )
         index = json.loads(index_path.read_text())
         if index.get("format") != FORMAT:
             raise ConfigError(f"{where('image_cache')}: {index_path} is from another shardtrain version; {rebuild}")

@@ -5,6 +5,7 @@ host-to-device copy, and no per-pixel float arithmetic on the CPU cores that dec
 them into ImageNet-normalised floats on the device (`batch_to_device` does it for every batch). The result is
 bit-identical to normalising on the host: the same float32 operations in the same order.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -34,6 +34,7 @@ this order, the first that fails names the reason: malformed line, label rule, m
 
 A layout has no validation split of its own for MVSA: validation comes from the caller (data/splits.py).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -55,25 +56,27 @@ TARGET = "$T$"
 @dataclass
 class Row:
     """One canonical row: the columns every source gives (text, optional text_pair, image, label)."""
-    line: int                        # 1-based line of the label file or TSV, for messages raised later
+
+    line: int  # 1-based line of the label file or TSV, for messages raised later
     text: str
-    image: str                       # absolute path
-    label: str                       # a name from LABELS
+    image: str  # absolute path
+    label: str  # a name from LABELS
     text_pair: Optional[str] = None
 
 
 @dataclass
 class Layout:
     """What a reader found: rows per split, the label names, and what it left out and why."""
+
     fmt: str
-    root: Path                                              # the folder the files were found in
-    files: dict = field(default_factory=dict)               # split -> the file its rows' lines number
-    splits: dict = field(default_factory=dict)              # split -> list[Row]
+    root: Path  # the folder the files were found in
+    files: dict = field(default_factory=dict)  # split -> the file its rows' lines number
+    splits: dict = field(default_factory=dict)  # split -> list[Row]
     labels: tuple = LABELS
-    dropped: Counter = field(default_factory=Counter)       # reason -> posts (or rows) left out
-    examples: dict = field(default_factory=dict)            # reason -> the first one, `file:line: why`
-    non_utf8_bytes: int = 0                                 # read as Windows-1252
-    replaced_bytes: int = 0                                 # undecodable even so: U+FFFD
+    dropped: Counter = field(default_factory=Counter)  # reason -> posts (or rows) left out
+    examples: dict = field(default_factory=dict)  # reason -> the first one, `file:line: why`
+    non_utf8_bytes: int = 0  # read as Windows-1252
+    replaced_bytes: int = 0  # undecodable even so: U+FFFD
 
     def drop(self, reason: str, example: str) -> None:
         self.dropped[reason] += 1
@@ -87,20 +90,29 @@ class Layout:
 
     def report(self) -> dict:
         """For summary.json and check-data: counts kept per split, dropped per reason (with one example each)."""
-        return {"dataset_format": self.fmt, "folder": str(self.root), "labels": list(self.labels),
-                "kept": {split: len(rows) for split, rows in self.splits.items()},
-                "dropped": dict(sorted(self.dropped.items())),
-                "dropped_examples": dict(sorted(self.examples.items())),
-                "non_utf8_bytes": self.non_utf8_bytes, "replaced_bytes": self.replaced_bytes}
+        return {
+            "dataset_format": self.fmt,
+            "folder": str(self.root),
+            "labels": list(self.labels),
+            "kept": {split: len(rows) for split, rows in self.splits.items()},
+            "dropped": dict(sorted(self.dropped.items())),
+            "dropped_examples": dict(sorted(self.examples.items())),
+            "non_utf8_bytes": self.non_utf8_bytes,
+            "replaced_bytes": self.replaced_bytes,
+        }
 
     def report_lines(self) -> list[str]:
         kept = ", ".join(f"{len(rows)} {split}" for split, rows in self.splits.items())
         lines = [f"--dataset-format {self.fmt} {self.root}: kept {kept}"]
-        lines += [f"--dataset-format {self.fmt}: dropped {n} ({reason}), e.g. {self.examples[reason]}"
-                  for reason, n in sorted(self.dropped.items())]
+        lines += [
+            f"--dataset-format {self.fmt}: dropped {n} ({reason}), e.g. {self.examples[reason]}"
+            for reason, n in sorted(self.dropped.items())
+        ]
         if self.non_utf8_bytes or self.replaced_bytes:
-            lines.append(f"--dataset-format {self.fmt}: {self.non_utf8_bytes} byte(s) were not UTF-8 and were read "
-                         f"as Windows-1252; {self.replaced_bytes} undecodable byte(s) became U+FFFD")
+            lines.append(
+                f"--dataset-format {self.fmt}: {self.non_utf8_bytes} byte(s) were not UTF-8 and were read "
+                f"as Windows-1252; {self.replaced_bytes} undecodable byte(s) became U+FFFD"
+            )
         return lines
 
     def to_dataset(self, split: str):
@@ -109,10 +121,16 @@ class Layout:
         import datasets
 
         rows = self.splits[split]
-        columns = {"text": [r.text for r in rows], "image": [r.image for r in rows],
-                   "label": [self.labels.index(r.label) for r in rows]}
-        features = {"text": datasets.Value("string"), "image": datasets.Value("string"),
-                    "label": datasets.ClassLabel(names=list(self.labels))}
+        columns = {
+            "text": [r.text for r in rows],
+            "image": [r.image for r in rows],
+            "label": [self.labels.index(r.label) for r in rows],
+        }
+        features = {
+            "text": datasets.Value("string"),
+            "image": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=list(self.labels)),
+        }
         if any(r.text_pair is not None for r in rows):
             columns["text_pair"] = [r.text_pair for r in rows]
             features["text_pair"] = datasets.Value("string")
@@ -130,8 +148,8 @@ def decode_leniently(raw: bytes) -> tuple[str, int, int]:
             parts.append(raw[pos:].decode("utf-8"))
             return "".join(parts), non_utf8, replaced
         except UnicodeDecodeError as e:
-            parts.append(raw[pos:pos + e.start].decode("utf-8"))
-            for byte in raw[pos + e.start:pos + e.end]:
+            parts.append(raw[pos : pos + e.start].decode("utf-8"))
+            for byte in raw[pos + e.start : pos + e.end]:
                 try:
                     parts.append(bytes([byte]).decode("cp1252"))
                     non_utf8 += 1
@@ -177,11 +195,14 @@ def layout_files(fmt: str, data_dir) -> dict:
 
 # ---- MVSA
 
+
 def _mvsa_folder(fmt: str, root: Path) -> Path:
     """root, once its label file and posts' folder are there."""
     if not (root / MVSA_LABEL_FILE).is_file():
-        raise ConfigError(f"--dataset-format {fmt}: {MVSA_LABEL_FILE} not found in {root} (--data-dir is the "
-                          f"folder the dataset unpacked to, e.g. {'MVSA_Single' if fmt == 'mvsa-single' else 'MVSA'}/)")
+        raise ConfigError(
+            f"--dataset-format {fmt}: {MVSA_LABEL_FILE} not found in {root} (--data-dir is the "
+            f"folder the dataset unpacked to, e.g. {'MVSA_Single' if fmt == 'mvsa-single' else 'MVSA'}/)"
+        )
     if not (root / "data").is_dir():
         raise ConfigError(f"--dataset-format {fmt}: the posts' folder data/ not found in {root}")
     return root
@@ -192,8 +213,10 @@ def _check_annotators(fmt: str, at: str, fields: list[str]) -> None:
     annotators, pairs = MVSA_ANNOTATORS[fmt], len([f for f in fields[1:] if f.strip()])
     if pairs != annotators:
         other = "mvsa-multiple" if annotators == 1 else "mvsa-single"
-        raise ConfigError(f"--dataset-format {fmt}: {at} has {pairs} text,image label pair(s), "
-                          f"{fmt} has {annotators} (is this {other}?)")
+        raise ConfigError(
+            f"--dataset-format {fmt}: {at} has {pairs} text,image label pair(s), "
+            f"{fmt} has {annotators} (is this {other}?)"
+        )
 
 
 def _majority(labels: list[str]) -> Optional[str]:
@@ -226,16 +249,24 @@ def read_mvsa(fmt: str, data_dir: Path) -> Layout:
         if not checked_width:
             _check_annotators(fmt, at, fields)
             checked_width = True
-        if (not fields[0].isdigit() or len(pairs) != annotators
-                or any(len(p) != 2 or p[0] not in LABELS or p[1] not in LABELS for p in pairs)):
-            layout.drop("malformed_line", f"{at}: expected ID then {annotators} text,image pair(s) of "
-                                          f"{'/'.join(LABELS)}, got {line.strip()!r}")
+        if (
+            not fields[0].isdigit()
+            or len(pairs) != annotators
+            or any(len(p) != 2 or p[0] not in LABELS or p[1] not in LABELS for p in pairs)
+        ):
+            layout.drop(
+                "malformed_line",
+                f"{at}: expected ID then {annotators} text,image pair(s) of {'/'.join(LABELS)}, got {line.strip()!r}",
+            )
             continue
         post = fields[0]
         text_label, image_label = (_majority([p[i] for p in pairs]) for i in (0, 1))
         if text_label is None or image_label is None:
-            layout.drop("no_majority", f"{at}: post {post}: the three annotators' "
-                                       f"{'text' if text_label is None else 'image'} labels all differ")
+            layout.drop(
+                "no_majority",
+                f"{at}: post {post}: the three annotators' "
+                f"{'text' if text_label is None else 'image'} labels all differ",
+            )
             continue
         label = _agree(text_label, image_label)
         if label is None:
@@ -258,20 +289,25 @@ def read_mvsa(fmt: str, data_dir: Path) -> Layout:
 
 # ---- Twitter-2015/2017
 
+
 def _twitter_folders(fmt: str, root: Path) -> tuple[Path, Path]:
     """(the TSVs' folder, the images' folder): FOLDER is the unpacked top folder or the TSVs' own folder."""
     images = f"{fmt}_images"
-    for tsv_dir, image_dir in ((root / fmt, root / images), (root, root.parent / images), (root, root / images)):
+    candidates = ((root / fmt, root / images), (root, root.parent / images), (root, root / images))
+    for tsv_dir, image_dir in candidates:  # noqa: B007 (the pair the loop stops at is the answer)
         if (tsv_dir / TWITTER_SPLITS["train"]).is_file():
             break
     else:
-        raise ConfigError(f"--dataset-format {fmt}: train.tsv not found in {root} or {root / fmt} (--data-dir is "
-                          f"the unpacked top folder holding {fmt}/ and {images}/, or {fmt}/ itself)")
+        raise ConfigError(
+            f"--dataset-format {fmt}: train.tsv not found in {root} or {root / fmt} (--data-dir is "
+            f"the unpacked top folder holding {fmt}/ and {images}/, or {fmt}/ itself)"
+        )
     if not (tsv_dir / TWITTER_SPLITS["validation"]).is_file():
         raise ConfigError(f"--dataset-format {fmt}: dev.tsv not found in {tsv_dir}")
     if not image_dir.is_dir():
-        raise ConfigError(f"--dataset-format {fmt}: the images' folder {images}/ not found beside {tsv_dir} "
-                          f"(looked for {image_dir})")
+        raise ConfigError(
+            f"--dataset-format {fmt}: the images' folder {images}/ not found beside {tsv_dir} (looked for {image_dir})"
+        )
     return tsv_dir, image_dir
 
 
@@ -295,8 +331,11 @@ def _twitter_rows(layout: Layout, path: Path, image_dir: Path) -> list[Row]:
         at = f"{path}:{lineno}"
         fields = line.split("\t")
         if len(fields) != 5 or fields[1].strip() not in ("0", "1", "2") or not fields[4].strip():
-            layout.drop("malformed_line", f"{at}: expected index, label 0/1/2, image id, tweet, target "
-                                          f"(5 tab-separated fields), got {len(fields)} field(s)")
+            layout.drop(
+                "malformed_line",
+                f"{at}: expected index, label 0/1/2, image id, tweet, target "
+                f"(5 tab-separated fields), got {len(fields)} field(s)",
+            )
             continue
         _, label, image_id, tweet, target = (f.strip() for f in fields)
         if TARGET not in tweet:
@@ -313,5 +352,7 @@ def _twitter_rows(layout: Layout, path: Path, image_dir: Path) -> list[Row]:
 def check_num_labels(fmt: str, num_labels: int) -> None:
     """The layouts' labels are the data's, so a different model.num_labels is a mistake, not a choice."""
     if num_labels != len(LABELS):
-        raise ConfigError(f"--dataset-format {fmt} has {len(LABELS)} labels ({', '.join(LABELS)}), but "
-                          f"{where('num_labels')} is {num_labels}: set it to {len(LABELS)}")
+        raise ConfigError(
+            f"--dataset-format {fmt} has {len(LABELS)} labels ({', '.join(LABELS)}), but "
+            f"{where('num_labels')} is {num_labels}: set it to {len(LABELS)}"
+        )

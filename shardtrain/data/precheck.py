@@ -3,6 +3,7 @@
 Above records.py, sources.py and image_cache.py (the cache is built from the records), so none of them needs
 the others' checks.
 """
+
 from __future__ import annotations
 
 from shardtrain.config.settings import ConfigError, where
@@ -32,6 +33,7 @@ def check_splits(cfg) -> None:
         if cfg.data.image_cache is not None:  # missing or stale: one line now, as below
             from shardtrain.data.layouts import read_layout
             from shardtrain.data.splits import open_layout_image_cache
+
             open_layout_image_cache(cfg, read_layout(cfg.data.dataset_format, cfg.data.data_dir))
         return
     kind = data_kind(cfg.model.name)
@@ -42,7 +44,7 @@ def check_splits(cfg) -> None:
         if cfg.data.skip_bad_samples:
             continue
         good = 0
-        for rec, problem in iter_split(path, kind, cfg.model.num_labels):
+        for _rec, problem in iter_split(path, kind, cfg.model.num_labels):
             if problem:
                 raise ConfigError(problem)
             good += 1

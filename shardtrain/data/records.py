@@ -5,6 +5,7 @@ per line, images relative to the folder. Long-document folder: the same without 
 Every problem is reported as `file:line: message` so the user can jump straight to it.
 Only cheap checks happen here; decoding images is `images.py`'s job.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,7 +52,7 @@ def split_path(data_dir: str | Path, split: str) -> Path:
 
 @dataclass
 class Record:
-    line: int                    # 1-based line in the jsonl file, kept for messages raised later
+    line: int  # 1-based line in the jsonl file, kept for messages raised later
     text: str
     label: int
     image: Optional[str] = None  # as written in the file: relative to the data folder (or absolute)
@@ -101,7 +102,10 @@ def iter_split(path: Path, kind: str, num_labels: int) -> Iterator[tuple[Optiona
             if problem:
                 yield None, f"{path}:{lineno}: {problem}"
             else:
-                yield Record(lineno, obj["text"], obj["label"], obj.get("image") if kind == "multimodal" else None), None
+                yield (
+                    Record(lineno, obj["text"], obj["label"], obj.get("image") if kind == "multimodal" else None),
+                    None,
+                )
 
 
 def read_texts(path: Path) -> Iterator[str]:

@@ -21,6 +21,7 @@ ConfigError naming the row, or are left out and counted with --skip-bad-samples.
 as in IMDB's `unsupervised` split) are always left out and counted. A wrong column, a validation label that
 training does not have, and a num_labels that contradicts the data are configuration errors, never skipped.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -53,16 +54,19 @@ def source_of(cfg: Config) -> str:
     if pct is not None and not 0 < pct < 100:
         raise ConfigError(f"{where('validation_split_percentage')} must be in 1..99, got {pct}")
     if not d.text_column_names:
-        raise ConfigError(f"{where('text_column_names')} is empty: name at least one column, e.g. --text-column-names text")
+        raise ConfigError(
+            f"{where('text_column_names')} is empty: name at least one column, e.g. --text-column-names text"
+        )
     return given[0] if given else "data_dir"
 
 
 @dataclass
 class RawSplit:
     """One split as the source has it, before columns and labels are mapped."""
-    ds: Any                 # datasets.Dataset
-    origin: str             # what it was read from, for messages: a file, a folder, "NAME split 'train'"
-    root: Path              # the folder that relative image paths are resolved against
+
+    ds: Any  # datasets.Dataset
+    origin: str  # what it was read from, for messages: a file, a folder, "NAME split 'train'"
+    root: Path  # the folder that relative image paths are resolved against
     row_name: Optional[Callable[[int], str]] = None  # how messages name row i; default: "<origin> row i"
     # A reader of canonical rows (the jsonl layout, whose bad lines records.py has named file:line): its rows
     # have the canonical columns already, and these are the problems it found. None: columns still to map.
@@ -74,13 +78,13 @@ class RawSplit:
 
 @dataclass
 class Splits:
-    train: Any                              # datasets.Dataset, canonical columns
-    validation: Optional[Any]               # None: the source has no validation split and no percentage was set
-    label_names: list[str]                  # id2label order; []: integer class ids as given
+    train: Any  # datasets.Dataset, canonical columns
+    validation: Optional[Any]  # None: the source has no validation split and no percentage was set
+    label_names: list[str]  # id2label order; []: integer class ids as given
     num_labels: int
-    skipped: dict[str, list[str]] = field(default_factory=dict)   # bad rows left out (--skip-bad-samples)
-    unlabelled: dict[str, int] = field(default_factory=dict)      # label -1 rows dropped, per split
-    source: dict = field(default_factory=dict)                    # for summary.json: where each split came from
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # bad rows left out (--skip-bad-samples)
+    unlabelled: dict[str, int] = field(default_factory=dict)  # label -1 rows dropped, per split
+    source: dict = field(default_factory=dict)  # for summary.json: where each split came from
 
     @property
     def id2label(self) -> dict[int, str]:
@@ -99,9 +103,10 @@ class Splits:
 def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Optional[list[str]] = None) -> Splits:
     """The canonical train and validation splits of whatever source the config names, validated.
 
-    The classes the data decides are in the result (`labels`); cfg is read, never written. `check_images`: decode every image once, to find those that do not decode;
-    None: with --skip-bad-samples, which must leave them out before training starts. `report` (check-data):
-    a list that receives every row's problem, as --skip-bad-samples would skip them, and every empty split."""
+    The classes the data decides are in the result (`labels`); cfg is read, never written. `check_images`:
+    decode every image once, to find those that do not decode; None: with --skip-bad-samples, which must leave
+    them out before training starts. `report` (check-data): a list that receives every row's problem, as
+    --skip-bad-samples would skip them, and every empty split."""
     _quiet_datasets()
     kind = source_of(cfg)
     d = cfg.data
@@ -119,9 +124,19 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
     for split, r in raw.items():
         if r is None:
             continue
-        table, skipped[split], unlabelled[split] = _canonical(r, columns[split], cfg, label2id, names, int_labels,
-                                                              num_labels, check_images, split, skip,
-                                                              listing=report is not None)
+        table, skipped[split], unlabelled[split] = _canonical(
+            r,
+            columns[split],
+            cfg,
+            label2id,
+            names,
+            int_labels,
+            num_labels,
+            check_images,
+            split,
+            skip,
+            listing=report is not None,
+        )
         if report is not None:
             report.extend(skipped[split])
         out[split] = table
@@ -142,10 +157,21 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
             if report is None:
                 raise ConfigError(empty)
             report.append(empty)
-    return Splits(out["train"], out.get("validation"), list(names), num_labels, skipped, unlabelled,
-                  {"source": kind, **source, "rows": {s: len(t) for s, t in out.items()},
-                   "content_sha256": {s: content_sha256(t) for s, t in out.items()},
-                   **({"validation_split": _split_record(cfg, out)} if "validation" in out and held_out else {})})
+    return Splits(
+        out["train"],
+        out.get("validation"),
+        list(names),
+        num_labels,
+        skipped,
+        unlabelled,
+        {
+            "source": kind,
+            **source,
+            "rows": {s: len(t) for s, t in out.items()},
+            "content_sha256": {s: content_sha256(t) for s, t in out.items()},
+            **({"validation_split": _split_record(cfg, out)} if "validation" in out and held_out else {}),
+        },
+    )
 
 
 def _quiet_datasets() -> None:
@@ -158,10 +184,15 @@ def _quiet_datasets() -> None:
 
 def _flag_of(kind: str, split: str) -> str:
     """The flag that names a split's data, for messages."""
-    return kind.replace("train", "validation", 1) if split == "validation" and kind in ("train_file", "train_dir") else kind
+    return (
+        kind.replace("train", "validation", 1)
+        if split == "validation" and kind in ("train_file", "train_dir")
+        else kind
+    )
 
 
 # ---------------------------------------------------------------- reading each source as it is
+
 
 def read_raw(cfg: Config, kind: str) -> dict[str, Optional[RawSplit]]:
     """{"train": RawSplit, "validation": RawSplit or None} straight from the source."""
@@ -174,9 +205,12 @@ def read_raw(cfg: Config, kind: str) -> dict[str, Optional[RawSplit]]:
         return _read_dataset(d)
     reader = _read_file if kind == "train_file" else _read_image_folder
     flag = "file" if kind == "train_file" else "dir"
-    return {"train": reader(getattr(d, f"train_{flag}"), f"train_{flag}"),
-            "validation": (reader(getattr(d, f"validation_{flag}"), f"validation_{flag}")
-                           if getattr(d, f"validation_{flag}") else None)}
+    return {
+        "train": reader(getattr(d, f"train_{flag}"), f"train_{flag}"),
+        "validation": (
+            reader(getattr(d, f"validation_{flag}"), f"validation_{flag}") if getattr(d, f"validation_{flag}") else None
+        ),
+    }
 
 
 def _first_line(e: BaseException) -> str:
@@ -207,8 +241,7 @@ def _read_dataset(d) -> dict[str, Optional[RawSplit]]:
         if want in loaded:
             out[split] = RawSplit(loaded[want], f"{name} split '{want}'", root)
         elif split == "train" or d.validation_split_percentage is None:
-            hint = ("" if split == "train" else
-                    "; or hold out part of train with --validation-split-percentage")
+            hint = "" if split == "train" else "; or hold out part of train with --validation-split-percentage"
             raise ConfigError(f"{where(key)}: '{name}' has no split '{want}' (splits: {have}){hint}")
         else:
             out[split] = None
@@ -237,8 +270,9 @@ def _read_file(file: str, flag: str) -> RawSplit:
         if _no_rows(path, builder):
             raise ConfigError(f"{_named(flag)}: {file} has no rows") from None
         bad_line = _first_bad_json_line(path) if builder == "json" else None
-        raise ConfigError(bad_line or f"{_named(flag)}: cannot read {file} as {builder}: "
-                                      f"{_first_line(_root_cause(e))}") from None
+        raise ConfigError(
+            bad_line or f"{_named(flag)}: cannot read {file} as {builder}: {_first_line(_root_cause(e))}"
+        ) from None
     finally:
         datasets.logging.set_verbosity_error()
     # Rows of a jsonl file are its lines (blank lines aside); a csv's are after its header line.
@@ -300,12 +334,16 @@ def _read_image_folder(folder: str, flag: str) -> RawSplit:
     if not path.is_dir():
         raise ConfigError(f"{where(flag)}: folder not found: {folder}{_relative_to_cwd(path)}")
     if not any((path / m).is_file() for m in ("metadata.jsonl", "metadata.csv")):
-        raise ConfigError(f"{where(flag)}: {folder} has no metadata.jsonl or metadata.csv (file_name, text, label "
-                          f"per image, as datasets' imagefolder reads it)")
+        raise ConfigError(
+            f"{where(flag)}: {folder} has no metadata.jsonl or metadata.csv (file_name, text, label "
+            f"per image, as datasets' imagefolder reads it)"
+        )
     try:
         ds = datasets.load_dataset("imagefolder", data_dir=str(path.resolve()), split="train")
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"{where(flag)}: cannot read {folder} as an image folder: {_first_line(_root_cause(e))}") from None
+        raise ConfigError(
+            f"{where(flag)}: cannot read {folder} as an image folder: {_first_line(_root_cause(e))}"
+        ) from None
     return RawSplit(ds, f"{folder}/metadata", path.resolve())
 
 
@@ -334,8 +372,9 @@ def _read_jsonl_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
             rows["label"].append(rec.label)
             if kind == "multimodal":
                 rows["image"].append(rec.image)
-        out[split] = RawSplit(datasets.Dataset.from_dict(rows), str(path), path.parent,
-                              lambda line, p=path: f"{p}:{line}", problems)
+        out[split] = RawSplit(
+            datasets.Dataset.from_dict(rows), str(path), path.parent, lambda line, p=path: f"{p}:{line}", problems
+        )
     return out
 
 
@@ -358,13 +397,18 @@ def _read_published_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
 
 # ---------------------------------------------------------------- columns and labels
 
+
 def _columns(r: RawSplit, cfg: Config, images: str) -> dict[str, Any]:
     """{"text": [column names], "label": name, "image": name or None}, each checked to exist in the split."""
     d = cfg.data
     have = list(r.ds.column_names)
     if r.problems is not None:  # a reader of canonical rows (the jsonl layout)
-        return {"text": ["text"], "label": "label", "image": "image" if "image" in have else None,
-                "text_pair": "text_pair" if "text_pair" in have else None}
+        return {
+            "text": ["text"],
+            "label": "label",
+            "image": "image" if "image" in have else None,
+            "text_pair": "text_pair" if "text_pair" in have else None,
+        }
 
     def need(column: str, flag: str) -> str:
         if column not in have:
@@ -373,8 +417,13 @@ def _columns(r: RawSplit, cfg: Config, images: str) -> dict[str, Any]:
 
     text = [need(c, "text_column_names") for c in d.text_column_names]
     label = need(d.label_column_name, "label_column_name")
-    image = (need(d.image_column_name, "image_column_name") if images == "need" else
-             d.image_column_name if images == "if_present" and d.image_column_name in have else None)
+    image = (
+        need(d.image_column_name, "image_column_name")
+        if images == "need"
+        else d.image_column_name
+        if images == "if_present" and d.image_column_name in have
+        else None
+    )
     return {"text": text, "label": label, "image": image, "text_pair": None}
 
 
@@ -389,8 +438,10 @@ def _label_scheme(cfg: Config, r: RawSplit, column: str) -> tuple[list[str], boo
     if isinstance(feature, datasets.ClassLabel):
         names = list(feature.names)
         if given and given != names:
-            raise ConfigError(f"{where('label_names')} {given} differs from the ClassLabel names {names} of "
-                              f"column '{column}' in {r.origin}: drop --label-names, or relabel the data")
+            raise ConfigError(
+                f"{where('label_names')} {given} differs from the ClassLabel names {names} of "
+                f"column '{column}' in {r.origin}: drop --label-names, or relabel the data"
+            )
         return names, False
     values = column_values(r.ds, column)
     kinds: dict[str, int] = {}
@@ -400,13 +451,16 @@ def _label_scheme(cfg: Config, r: RawSplit, column: str) -> tuple[list[str], boo
         kinds.setdefault(_label_type(v), i)
     if len(kinds) > 1:
         firsts = ", ".join(f"{t} at {r.name(i)}" for t, i in sorted(kinds.items(), key=lambda kv: kv[1]))
-        raise ConfigError(f"{r.origin}: column '{column}' mixes label types ({firsts}): use one type, class names "
-                          f"or integer ids")
+        raise ConfigError(
+            f"{r.origin}: column '{column}' mixes label types ({firsts}): use one type, class names or integer ids"
+        )
     kind = next(iter(kinds), "int")
     if kind == "float":
         i = kinds["float"]
-        raise ConfigError(f"{r.name(i)}: label {values[i]!r} in column '{column}' is a number, not a class: labels "
-                          f"are class names (str, bool), integer ids or a ClassLabel")
+        raise ConfigError(
+            f"{r.name(i)}: label {values[i]!r} in column '{column}' is a number, not a class: labels "
+            f"are class names (str, bool), integer ids or a ClassLabel"
+        )
     if kind == "int":
         return given, True
     found = sorted({_label_text(v) for v in values if not (_missing(v) or _unlabelled(v))})
@@ -446,8 +500,10 @@ def _num_labels(cfg: Config, names: list[str], values_column: str, r: RawSplit) 
     if names:
         if explicit is not None and explicit != len(names):
             shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
-            raise ConfigError(f"{where('num_labels')}={explicit}, but the data has {len(names)} classes ({shown}) "
-                              f"in {r.origin}: drop --num-labels (it is taken from the data) or fix the data")
+            raise ConfigError(
+                f"{where('num_labels')}={explicit}, but the data has {len(names)} classes ({shown}) "
+                f"in {r.origin}: drop --num-labels (it is taken from the data) or fix the data"
+            )
         return len(names)
     if explicit is not None:
         return explicit
@@ -455,8 +511,19 @@ def _num_labels(cfg: Config, names: list[str], values_column: str, r: RawSplit) 
     return max(ids) + 1 if ids else 1
 
 
-def _canonical(r: RawSplit, cols: dict, cfg: Config, label2id: dict, names: list[str], int_labels: bool,
-               num_labels: int, check_images: bool, split: str, skip: bool, listing: bool):
+def _canonical(
+    r: RawSplit,
+    cols: dict,
+    cfg: Config,
+    label2id: dict,
+    names: list[str],
+    int_labels: bool,
+    num_labels: int,
+    check_images: bool,
+    split: str,
+    skip: bool,
+    listing: bool,
+):
     """(canonical Dataset, skipped messages, rows labelled -1). Raises on the first bad row unless `skip`;
     a validation label training does not have is a bad row only when every problem is listed (check-data)."""
     import datasets
@@ -471,8 +538,9 @@ def _canonical(r: RawSplit, cols: dict, cfg: Config, label2id: dict, names: list
     image_col, image_is_feature, images = cols["image"], False, None
     if image_col is not None:
         image_is_feature = isinstance(ds.features[image_col], datasets.Image)
-        images = column_values(ds.cast_column(image_col, datasets.Image(decode=False)) if image_is_feature else ds,
-                               image_col)
+        images = column_values(
+            ds.cast_column(image_col, datasets.Image(decode=False)) if image_is_feature else ds, image_col
+        )
     out: dict[str, list] = {"row": [], "text": [], "label": []}
     pairs = column_values(ds, cols["text_pair"]) if cols["text_pair"] else None  # a sentence pair's second text
     if pairs is not None:
@@ -526,8 +594,9 @@ def _canonical(r: RawSplit, cols: dict, cfg: Config, label2id: dict, names: list
 UNSEEN = -2  # _label_id: a class that training does not have
 
 
-def _label_id(value, source_names, label2id: dict, names: list[str], int_labels: bool, num_labels: int,
-              split: str) -> tuple[Optional[int], Optional[str]]:
+def _label_id(
+    value, source_names, label2id: dict, names: list[str], int_labels: bool, num_labels: int, split: str
+) -> tuple[Optional[int], Optional[str]]:
     """(class id, None) or (None or UNSEEN, what is wrong)."""
     if int_labels and source_names is None:
         if _label_type(value) != "int":
@@ -594,6 +663,7 @@ def image_key(value) -> str:
 
 # ---------------------------------------------------------------- held-out validation
 
+
 def _percentage_split(cfg: Config, train):
     """(train, validation, description): datasets' train_test_split seeded with train.seed, so the same seed
     holds out the same rows."""
@@ -605,9 +675,13 @@ def _percentage_split(cfg: Config, train):
 def _split_record(cfg: Config, out: dict) -> dict:
     """What summary.json records of a percentage split: enough to see that two runs held out the same rows."""
     rows = sorted(column_values(out["validation"], "row"))
-    return {"percentage": cfg.data.validation_split_percentage, "seed": cfg.train.seed,
-            "validation_rows": len(rows), "first_rows": rows[:10],
-            "rows_sha256": hashlib.sha256(",".join(map(str, rows)).encode()).hexdigest()}
+    return {
+        "percentage": cfg.data.validation_split_percentage,
+        "seed": cfg.train.seed,
+        "validation_rows": len(rows),
+        "first_rows": rows[:10],
+        "rows_sha256": hashlib.sha256(",".join(map(str, rows)).encode()).hexdigest(),
+    }
 
 
 def check_resumed_labels(saved_state: dict, labels: ClassLabels | None) -> None:
@@ -616,12 +690,15 @@ def check_resumed_labels(saved_state: dict, labels: ClassLabels | None) -> None:
     saved = (run_config_dict(saved_state).get("data") or {}).get("label_names") or []
     now = list(labels.names) if labels else []
     if saved and now and saved != now:
-        raise ConfigError(f"the checkpoint was trained on the classes {saved}, but the data now has {now}: resume "
-                          f"on the same classes (or pass --label-names {','.join(saved)} to keep its order), or "
-                          f"start over with --resume none")
+        raise ConfigError(
+            f"the checkpoint was trained on the classes {saved}, but the data now has {now}: resume "
+            f"on the same classes (or pass --label-names {','.join(saved)} to keep its order), or "
+            f"start over with --resume none"
+        )
 
 
 # ---------------------------------------------------------------- what a run read, by content
+
 
 def content_sha256(table) -> str:
     """sha256 of a canonical split's content, in order: its text (and text_pair), labels and images (a path, or
@@ -641,12 +718,13 @@ def content_sha256(table) -> str:
 
 # ---------------------------------------------------------------- a file to predict on
 
+
 @dataclass
 class PredictionRows:
-    table: Any               # datasets.Dataset: row, text, label (-1: no label), [image], [text_pair]
-    ids: Optional[list]      # the id column's values, row by row; None: the file has no id column
+    table: Any  # datasets.Dataset: row, text, label (-1: no label), [image], [text_pair]
+    ids: Optional[list]  # the id column's values, row by row; None: the file has no id column
     origin: str
-    labelled: int            # rows with a label (metrics are over these)
+    labelled: int  # rows with a label (metrics are over these)
 
 
 def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> PredictionRows:
@@ -661,13 +739,16 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
     images = "need" if is_builtin_workload(cfg) and cfg.model.name == "multimodal" else "skip"
     for column in d.text_column_names + ([d.image_column_name] if images == "need" else []):
         if column not in have:
-            raise ConfigError(f"predict --file {file}: no column '{column}' (the run read its text from "
-                              f"{', '.join(d.text_column_names)}"
-                              + (f" and its image from {d.image_column_name}" if images == "need" else "")
-                              + f"; the file's columns: {', '.join(have)})")
+            raise ConfigError(
+                f"predict --file {file}: no column '{column}' (the run read its text from "
+                f"{', '.join(d.text_column_names)}"
+                + (f" and its image from {d.image_column_name}" if images == "need" else "")
+                + f"; the file's columns: {', '.join(have)})"
+            )
     if id_column is not None and id_column not in have:
-        raise ConfigError(f"predict --id-column {id_column}: no column '{id_column}' in {file} (columns: "
-                          f"{', '.join(have)})")
+        raise ConfigError(
+            f"predict --id-column {id_column}: no column '{id_column}' in {file} (columns: {', '.join(have)})"
+        )
     id_column = id_column or ("id" if "id" in have else None)
     label_col = d.label_column_name if d.label_column_name in have else None
     names = list(d.label_names)
@@ -677,11 +758,13 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
     source_names = None
     if label_col:
         import datasets
+
         feature = raw.ds.features[label_col]
         source_names = feature.names if isinstance(feature, datasets.ClassLabel) else None
     image_values, image_is_feature = None, False
     if images == "need":
         import datasets
+
         image_is_feature = isinstance(raw.ds.features[d.image_column_name], datasets.Image)
         ds = raw.ds.cast_column(d.image_column_name, datasets.Image(decode=False)) if image_is_feature else raw.ds
         image_values = column_values(ds, d.image_column_name)
@@ -695,11 +778,14 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
         out["text"].append(d.text_column_delimiter.join(p for p in parts if p is not None))
         value, label = labels[i], -1
         if not (_missing(value) or _unlabelled(value) or value == ""):
-            label, problem = _label_id(value, source_names, label2id, names, not names, cfg.model.num_labels,
-                                       "the file's")
+            label, problem = _label_id(
+                value, source_names, label2id, names, not names, cfg.model.num_labels, "the file's"
+            )
             if problem:
-                raise ConfigError(f"{raw.name(i)}: {problem.replace(' of the training split', ' the run trained')}"
-                                  f" (drop the column '{label_col}', or empty the cell, to predict it unlabelled)")
+                raise ConfigError(
+                    f"{raw.name(i)}: {problem.replace(' of the training split', ' the run trained')}"
+                    f" (drop the column '{label_col}', or empty the cell, to predict it unlabelled)"
+                )
             labelled += 1
         out["label"].append(label)
         if image_values is not None:
@@ -708,6 +794,7 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
                 raise ConfigError(f"{raw.name(i)}: {problem}")
             out["image"].append(image)
     import datasets
+
     features = {"row": datasets.Value("int64"), "text": datasets.Value("string"), "label": datasets.Value("int64")}
     if image_values is not None:
         features["image"] = datasets.Image(decode=False) if image_is_feature else datasets.Value("string")

@@ -19,6 +19,7 @@ short window and is where the uninterrupted run was, example for example. The bu
 Reading happens in the training process (no DataLoader workers): the stream's state is this process's, which
 is what `IterableDataset.state_dict` needs without torchdata's StatefulDataLoader (not installed here).
 """
+
 from __future__ import annotations
 
 import copy
@@ -60,8 +61,10 @@ def jsonl_train_stream(cfg):
         if not cfg.data.skip_bad_samples:
             raise ConfigError(problem)
         if ": invalid JSON: " in problem:
-            raise ConfigError(f"{problem} ({where('streaming')} reads the file with datasets' json reader, which "
-                              f"cannot skip invalid JSON: fix or delete that line)")
+            raise ConfigError(
+                f"{problem} ({where('streaming')} reads the file with datasets' json reader, which "
+                f"cannot skip invalid JSON: fix or delete that line)"
+            )
         bad_rows.add(row)
         skipped.append(problem)
     if not good:
@@ -81,8 +84,16 @@ class StreamingTrainStream:
     `datasets.IterableDataset`. The position is counted in examples, so a new micro-batch size (OOM recovery
     halves it) continues at the exact next example."""
 
-    def __init__(self, dataset, collate: Callable, micro_batch_size: int, rank: int, world_size: int, seed: int,
-                 buffer_size: int = SHUFFLE_BUFFER):
+    def __init__(
+        self,
+        dataset,
+        collate: Callable,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        buffer_size: int = SHUFFLE_BUFFER,
+    ):
         from datasets.distributed import split_dataset_by_node
 
         self.source = split_dataset_by_node(dataset, rank=rank, world_size=world_size)
@@ -133,8 +144,10 @@ class StreamingTrainStream:
             self._read_one()
         if not self._buffer:
             if self._read == 0:
-                raise ConfigError(f"{where('streaming')}: rank {self.rank} of {self.world_size} got no training "
-                                  f"example from the stream: the split has fewer examples than processes")
+                raise ConfigError(
+                    f"{where('streaming')}: rank {self.rank} of {self.world_size} got no training "
+                    f"example from the stream: the split has fewer examples than processes"
+                )
             self._start_epoch(self.epoch + 1)
             return self._next_example()
         j = int(self._rng.integers(len(self._buffer)))
@@ -149,12 +162,19 @@ class StreamingTrainStream:
     def state_dict(self) -> dict:
         """This rank's position (no collective: OOM recovery takes one every step)."""
         oldest = min(self._buffer, key=lambda b: b[0]) if self._buffer else None
-        return {"epoch": self.epoch, "examples_seen": self.examples_seen, "read": self._read,
-                "exhausted": self._exhausted, "buffer": [b[0] for b in self._buffer],
-                "reread_from": oldest[0] if oldest else self._read,
-                "source": oldest[1] if oldest else self._state_before,
-                "rng": self._rng.bit_generator.state, "micro_batch_size": self.micro_batch_size,
-                "rank": self.rank, "world_size": self.world_size}
+        return {
+            "epoch": self.epoch,
+            "examples_seen": self.examples_seen,
+            "read": self._read,
+            "exhausted": self._exhausted,
+            "buffer": [b[0] for b in self._buffer],
+            "reread_from": oldest[0] if oldest else self._read,
+            "source": oldest[1] if oldest else self._state_before,
+            "rng": self._rng.bit_generator.state,
+            "micro_batch_size": self.micro_batch_size,
+            "rank": self.rank,
+            "world_size": self.world_size,
+        }
 
     def checkpoint_state(self) -> dict:
         """Every rank's position, for the checkpoint rank 0 writes (each rank reads a different part).
@@ -167,19 +187,25 @@ class StreamingTrainStream:
     def load_state_dict(self, state: dict) -> None:
         if "ranks" in state:  # a checkpoint's: this rank's own entry
             if int(state["world_size"]) != self.world_size:
-                raise ConfigError(f"{where('streaming')}: the checkpoint's stream positions are for "
-                                  f"{state['world_size']} processes, this run has {self.world_size}; a streamed "
-                                  f"run resumes exactly only on as many processes as it was saved with")
+                raise ConfigError(
+                    f"{where('streaming')}: the checkpoint's stream positions are for "
+                    f"{state['world_size']} processes, this run has {self.world_size}; a streamed "
+                    f"run resumes exactly only on as many processes as it was saved with"
+                )
             state = state["ranks"][self.rank]
         elif "examples_seen" not in state:
-            raise ConfigError(f"{where('streaming')} is on, but the checkpoint was saved without it; resume with "
-                              f"the setting it was saved with")
+            raise ConfigError(
+                f"{where('streaming')} is on, but the checkpoint was saved without it; resume with "
+                f"the setting it was saved with"
+            )
         self._start_epoch(int(state["epoch"]), state["source"])
         self._read = int(state["reread_from"])
         for _ in range(int(state["read"]) - self._read):
             if self._read_one() is None:
-                raise ConfigError(f"{where('streaming')}: the data ended before the checkpoint's stream position "
-                                  f"(did the training data change since it was saved?)")
+                raise ConfigError(
+                    f"{where('streaming')}: the data ended before the checkpoint's stream position "
+                    f"(did the training data change since it was saved?)"
+                )
         reread = {b[0]: b for b in self._buffer}
         self._buffer = [reread[i] for i in state["buffer"]]
         self._exhausted = bool(state["exhausted"])

@@ -3,6 +3,7 @@
 Training is for random-init models (tests, CPU demo). Rank 0 trains and saves to `run_dir/tokenizer/`;
 every rank then loads that folder, so all ranks (and a resumed run) use byte-identical vocabularies.
 """
+
 from __future__ import annotations
 
 import os
@@ -12,15 +13,20 @@ from typing import Callable, Optional
 
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.data.layouts import read_layout
-from shardtrain.data.records import split_path, read_texts
+from shardtrain.data.records import read_texts, split_path
 from shardtrain.data.sources import source_of
 
 # RoBERTa's order, so a randomly initialised RobertaModel's pad_token_id=1 default is right.
 SPECIAL_TOKENS = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
 
 
-def build_tokenizer(cfg: Config, run_dir: Path, is_rank0: bool, barrier: Callable[[], None],
-                    train_texts: Optional[Callable[[], list[str]]] = None):
+def build_tokenizer(
+    cfg: Config,
+    run_dir: Path,
+    is_rank0: bool,
+    barrier: Callable[[], None],
+    train_texts: Optional[Callable[[], list[str]]] = None,
+):
     """-> PreTrainedTokenizerFast (in transformers 5 that is `TokenizersBackend`). `train_texts`: the training
     text of a source other than the jsonl --data-dir layout (shardtrain/data/sources.py), to train a BPE on."""
     from transformers import AutoTokenizer
@@ -100,8 +106,14 @@ def train_bpe(texts: list[str], vocab_size: int):
     # tokenizers 0.23 rejects keywords here (`cls=`): the order is (sep, cls).
     tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", sep_token="</s>", cls_token="<s>",
-        unk_token="<unk>", pad_token="<pad>", mask_token="<mask>",
+        tokenizer_object=tok,
+        bos_token="<s>",
+        eos_token="</s>",
+        sep_token="</s>",
+        cls_token="<s>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        mask_token="<mask>",
     )
 
 

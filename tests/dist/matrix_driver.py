@@ -10,6 +10,7 @@ OUT_DIR/results.json after every run, so a crash still leaves what ran before it
   "expect_error": true a probe: an exception is recorded instead of ending the launch (keep probes last:
                        after a failure inside a collective the process group is not trusted any more)
 """
+
 from __future__ import annotations
 
 import json
@@ -49,9 +50,12 @@ class BatchNormWatch:
     def report(self, forwards: int) -> dict:
         trained = [stats for _, stats in self.seen.values() if stats[0] >= forwards]
         self.seen.clear()
-        return {"bn_calls": sum(s[0] for s in trained), "bn_modules": len(trained),
-                "bn_weight_dtypes": sorted(set().union(*(s[1] for s in trained))),
-                "bn_input_dtypes": sorted(set().union(*(s[2] for s in trained)))}
+        return {
+            "bn_calls": sum(s[0] for s in trained),
+            "bn_modules": len(trained),
+            "bn_weight_dtypes": sorted(set().union(*(s[1] for s in trained))),
+            "bn_input_dtypes": sorted(set().union(*(s[2] for s in trained))),
+        }
 
 
 def main(plan_path: str, out_dir: str) -> int:
@@ -72,8 +76,11 @@ def main(plan_path: str, out_dir: str) -> int:
         except Exception as e:  # noqa: BLE001 - only for probes; anything else re-raises below
             if not entry.get("expect_error"):
                 raise
-            record.update(ok=False, error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
-                          traceback=traceback.format_exc()[-3000:])
+            record.update(
+                ok=False,
+                error=f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+                traceback=traceback.format_exc()[-3000:],
+            )
             summary = None
         finally:
             handle.remove()
@@ -84,20 +91,37 @@ def main(plan_path: str, out_dir: str) -> int:
         if summary is not None and rank0:
             metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
             record.update(
-                losses=[m["loss"] for m in metrics], grad_norms=[m["grad_norm"] for m in metrics],
-                lrs=[m["lr"] for m in metrics], eval=summary["eval"], skipped_steps=summary["skipped_steps"],
-                describe={k: summary.get(k) for k in ("strategy", "offload", "sharding", "recompute_blocks",
-                                                      "precision", "grad_accum", "micro_batch_size",
-                                                      "global_batch_size", "params_frozen", "param_dtype",
-                                                      "reduce_dtype")},
-                **bn)
+                losses=[m["loss"] for m in metrics],
+                grad_norms=[m["grad_norm"] for m in metrics],
+                lrs=[m["lr"] for m in metrics],
+                eval=summary["eval"],
+                skipped_steps=summary["skipped_steps"],
+                describe={
+                    k: summary.get(k)
+                    for k in (
+                        "strategy",
+                        "offload",
+                        "sharding",
+                        "recompute_blocks",
+                        "precision",
+                        "grad_accum",
+                        "micro_batch_size",
+                        "global_batch_size",
+                        "params_frozen",
+                        "param_dtype",
+                        "reduce_dtype",
+                    )
+                },
+                **bn,
+            )
             if entry.get("weights"):
                 record["weights"] = write_weights(cfg, run_dir)
         results[name] = record
         if rank0:
             (out / "results.json").write_text(json.dumps(results, indent=1))
-            print(f"[matrix] {name}: {'ok' if record['ok'] else record['error']} in {record['seconds']:.1f}s",
-                  flush=True)
+            print(
+                f"[matrix] {name}: {'ok' if record['ok'] else record['error']} in {record['seconds']:.1f}s", flush=True
+            )
         barrier()
     return 0
 
@@ -127,12 +151,14 @@ def write_weights(cfg, run_dir: Path) -> dict:
 def read_checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     if (ckpt / "model_optim").is_dir():  # DDP / FSDP: torch.distributed.checkpoint
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
         tmp = ckpt.parent / f".{ckpt.name}.pt"
         dcp_to_torch_save(str(ckpt / "model_optim"), str(tmp))
         sd = torch.load(tmp, weights_only=False)["model"]
         tmp.unlink()
         return {k: v.float() for k, v in sd.items() if isinstance(v, torch.Tensor)}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="engine")
 
 

@@ -6,6 +6,7 @@ shardtrain):
 TEXTS.json: a list of strings. OUT.json: {"probs": one list per text (not with --tokenizer-only), "input_ids"
 (each text's, unpadded), "id2label", "model_max_length", "vocab", "shardtrain_imported"}. Tests call `fresh`.
 """
+
 import json
 import subprocess
 import sys
@@ -19,10 +20,12 @@ def main(export: str, texts_file: str, out_file: str, tokenizer_only: bool) -> N
     texts = json.loads(Path(texts_file).read_text())
     tokenizer = AutoTokenizer.from_pretrained(export)
     encoded = tokenizer(texts, truncation=True, padding=True, return_tensors="pt")
-    result = {"input_ids": [ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"],
-                                                                         encoded["attention_mask"])],
-              "model_max_length": tokenizer.model_max_length, "vocab": len(tokenizer),
-              "id2label": json.loads((Path(export) / "config.json").read_text()).get("id2label")}
+    result = {
+        "input_ids": [ids[mask.bool()].tolist() for ids, mask in zip(encoded["input_ids"], encoded["attention_mask"])],
+        "model_max_length": tokenizer.model_max_length,
+        "vocab": len(tokenizer),
+        "id2label": json.loads((Path(export) / "config.json").read_text()).get("id2label"),
+    }
     if not tokenizer_only:
         model = AutoModelForSequenceClassification.from_pretrained(export).eval()
         with torch.no_grad():
@@ -40,8 +43,14 @@ def fresh(export: Path, texts: list, out: Path, *flags: str) -> dict:
     texts_file = out.parent / f"{out.stem}-texts.json"
     texts_file.write_text(json.dumps(texts))
     env = {k: v for k, v in test_env().items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-I", __file__, str(export), str(texts_file), str(out), *flags],
-                          cwd=out.parent, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-I", __file__, str(export), str(texts_file), str(out), *flags],
+        cwd=out.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["shardtrain_imported"] == [], result["shardtrain_imported"]

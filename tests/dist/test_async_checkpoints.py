@@ -5,6 +5,7 @@ A preemption (SIGUSR1) waits for the write it started and commits it before exit
 
 The killed runs go through main.py (the file users run), all at once; the references and the resumes then share
 ONE launch of tests/dist/matrix_driver.py."""
+
 from __future__ import annotations
 
 import json
@@ -12,15 +13,30 @@ import subprocess
 import time
 
 from launch import kill_tree, run_plan, test_env, tiny_args, torchrun_background
+
 from shardtrain.checkpointing.portable import read_portable
 from shardtrain.checkpointing.store import checkpoints_root, committed_steps, is_committed, latest_committed
 
 # One per strategy family, and both ZeRO stages: each snapshots only its own partitions, which ZeRO-2 (flat
 # partitions across parameters) and ZeRO-3 (one range of every parameter) lay out differently.
-FAMILIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"], "zero2": ["--ds", "ds_configs/zero2.json"],
-            "zero3": ["--ds", "ds_configs/zero3.json"]}
-SMALL = ["--per-device-batch-size", "8", "--save-every", "2", "--keep-last", "3", "--max-steps", "6",
-         "--eval-every", "0"]
+FAMILIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "zero2": ["--ds", "ds_configs/zero2.json"],
+    "zero3": ["--ds", "ds_configs/zero3.json"],
+}
+SMALL = [
+    "--per-device-batch-size",
+    "8",
+    "--save-every",
+    "2",
+    "--keep-last",
+    "3",
+    "--max-steps",
+    "6",
+    "--eval-every",
+    "0",
+]
 
 
 def args(data, out, family, *extra):
@@ -44,14 +60,34 @@ def test_kill_9_during_async_write_keeps_previous_checkpoint_and_resumes_exactly
     jobs = {}
     for family in FAMILIES:
         out = tmp_path / family
-        jobs[family] = (out, torchrun_background(args(mm_data, out, family, "--async-save", "--resume", "auto"),
-                                                 env=env, log=tmp_path / f"{family}.log"))
+        jobs[family] = (
+            out,
+            torchrun_background(
+                args(mm_data, out, family, "--async-save", "--resume", "auto"), env=env, log=tmp_path / f"{family}.log"
+            ),
+        )
     # Beside them, a preemption: SIGUSR1 to the workers of an --async-save run on slow storage (a 2 s write).
     preempted, pre_log = tmp_path / "preempted", tmp_path / "preempted.log"
-    pre = torchrun_background(tiny_args("multimodal", mm_data, preempted, "--per-device-batch-size", "8",
-                                        "--strategy", "ddp", "--max-steps", "500", "--save-every", "0",
-                                        "--eval-every", "0", "--async-save"),
-                              env=test_env(SHARDTRAIN_WRITE_DELAY=2), log=pre_log)
+    pre = torchrun_background(
+        tiny_args(
+            "multimodal",
+            mm_data,
+            preempted,
+            "--per-device-batch-size",
+            "8",
+            "--strategy",
+            "ddp",
+            "--max-steps",
+            "500",
+            "--save-every",
+            "0",
+            "--eval-every",
+            "0",
+            "--async-save",
+        ),
+        env=test_env(SHARDTRAIN_WRITE_DELAY=2),
+        log=pre_log,
+    )
     deadline = time.time() + 600
     try:
         while steps_logged(preempted) < 3:
@@ -88,10 +124,13 @@ def test_kill_9_during_async_write_keeps_previous_checkpoint_and_resumes_exactly
 
     # One launch: each family's uninterrupted synchronous run (saving only at its end: a save changes nothing that
     # training computes), and the resume of each killed run.
-    plan = [{"name": f"ref-{f}", "args": args(mm_data, tmp_path / f"ref-{f}", f, "--save-every", "0")}
-            for f in FAMILIES]
-    plan += [{"name": f"resume-{f}", "args": args(mm_data, tmp_path / f, f, "--async-save", "--resume", "auto")}
-             for f in FAMILIES]
+    plan = [
+        {"name": f"ref-{f}", "args": args(mm_data, tmp_path / f"ref-{f}", f, "--save-every", "0")} for f in FAMILIES
+    ]
+    plan += [
+        {"name": f"resume-{f}", "args": args(mm_data, tmp_path / f, f, "--async-save", "--resume", "auto")}
+        for f in FAMILIES
+    ]
     (tmp_path / "plan").mkdir()
     run, results = run_plan(plan, tmp_path / "plan", timeout=900)
     for family in FAMILIES:
@@ -108,6 +147,8 @@ def test_kill_9_during_async_write_keeps_previous_checkpoint_and_resumes_exactly
         summary = json.loads((out / "summary.json").read_text())
         # Saves at steps 4 and 6 (the end of the run waits for the last write and commits it).
         assert len(summary["checkpoint_save_seconds"]) == len(summary["checkpoint_write_seconds"]) == 2, summary
-        print(f"\n{family}: async blocking {summary['checkpoint_save_seconds']} s, "
-              f"write {summary['checkpoint_write_seconds']} s; sync (final save) "
-              f"{json.loads((ref / 'summary.json').read_text())['checkpoint_save_seconds']} s")
+        print(
+            f"\n{family}: async blocking {summary['checkpoint_save_seconds']} s, "
+            f"write {summary['checkpoint_write_seconds']} s; sync (final save) "
+            f"{json.loads((ref / 'summary.json').read_text())['checkpoint_save_seconds']} s"
+        )

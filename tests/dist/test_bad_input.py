@@ -6,6 +6,7 @@ directory left byte-for-byte as it was (names, mtimes, hashes). Config cases fai
 imported (~0.3 s each); the cases that need the strategy's files, the model or data run one process;
 the numerics and one-rank-only cases run two.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,10 +15,9 @@ import shutil
 import socket
 from pathlib import Path
 
+import launch
 import pytest
 import yaml
-
-import launch
 from launch import REPO, cli
 
 TINY = REPO / "configs" / "multimodal_tiny.yaml"
@@ -28,13 +28,31 @@ SHORT = ["--max-steps", "8", "--per-device-batch-size", "4", "--resume", "auto"]
 
 
 def snapshot(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_mtime_ns, hashlib.sha256(p.read_bytes()).hexdigest())
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def train(data: Path, out: Path, *extra: str, config: Path = TINY, nproc: int = 1, **kw):
-    return cli(["train", "--config", str(config), "--data-dir", str(data), "--output-dir", str(out),
-                *SHORT, "--nproc", str(nproc), *extra], check=False, **kw)
+    return cli(
+        [
+            "train",
+            "--config",
+            str(config),
+            "--data-dir",
+            str(data),
+            "--output-dir",
+            str(out),
+            *SHORT,
+            "--nproc",
+            str(nproc),
+            *extra,
+        ],
+        check=False,
+        **kw,
+    )
 
 
 def error_line(run, code: int) -> str:
@@ -83,14 +101,30 @@ def record(lines, n: int, **change) -> str:
 
 # ---- a previous, finished run: NaN skipped on one rank, bad samples skipped, a checkpoint saved -----
 
+
 @pytest.fixture(scope="module")
 def previous(tmp_path_factory, mm_data):
     """Its output folder is what every failing case below must leave untouched."""
     tmp = tmp_path_factory.mktemp("bad_input")
-    data = copy_data(mm_data, tmp / "skip_data", lambda lines: lines + [
-        record(lines, 1, text="   "), record(lines, 2, image="images/train/missing.png")])
-    run = train(data, tmp / "previous", "--strategy", "ddp", "--skip-bad-samples", "--inject-nan-at-steps", "2",
-                "--save-every", "4", "--max-steps", "4", nproc=2).check()
+    data = copy_data(
+        mm_data,
+        tmp / "skip_data",
+        lambda lines: lines + [record(lines, 1, text="   "), record(lines, 2, image="images/train/missing.png")],
+    )
+    run = train(
+        data,
+        tmp / "previous",
+        "--strategy",
+        "ddp",
+        "--skip-bad-samples",
+        "--inject-nan-at-steps",
+        "2",
+        "--save-every",
+        "4",
+        "--max-steps",
+        "4",
+        nproc=2,
+    ).check()
     return run
 
 
@@ -108,6 +142,7 @@ def test_skip_policy_skips_on_every_rank_and_counts(previous):
 
 # ---- config: all fail before torch is imported (or, for the strategy's own files, before any process group)
 
+
 def config_cases(tmp: Path, mm: Path) -> list:
     (tmp / "bad.json").write_text('{\n  "zero_optimization": {"stage": 2,}\n}\n')
     (tmp / "binary.json").write_bytes(b"\xff\xfe\x00garbage")
@@ -119,12 +154,18 @@ def config_cases(tmp: Path, mm: Path) -> list:
     (tmp / "policy_bad.yaml").write_text("wrap_classes: [RobertaLayer\nreshard_after_forward: true\n")
     (tmp / "policy_key.yaml").write_text("wrap_class: [RobertaLayer]\n")
     return [
-        ("unknown key", ["--config", str(write_yaml(tmp / "k.yaml", train={"max_step": 3}))],
-         ["unknown key 'train.max_step'", "did you mean 'max_steps'"]),
+        (
+            "unknown key",
+            ["--config", str(write_yaml(tmp / "k.yaml", train={"max_step": 3}))],
+            ["unknown key 'train.max_step'", "did you mean 'max_steps'"],
+        ),
         ("unknown flag", ["--per-device-batchsize", "4"], ["--per-device-batchsize", "did you mean"]),
         ("wrong type flag", ["--max-steps", "ten"], ["--max-steps", "expected an integer"]),
-        ("wrong type yaml", ["--config", str(write_yaml(tmp / "t.yaml", train={"lr": "fast"}))],
-         ["train.lr", "expected a number"]),
+        (
+            "wrong type yaml",
+            ["--config", str(write_yaml(tmp / "t.yaml", train={"lr": "fast"}))],
+            ["train.lr", "expected a number"],
+        ),
         ("zero batch", ["--per-device-batch-size", "0"], ["--per-device-batch-size", "must be positive"]),
         ("negative accum", ["--grad-accum", "-2"], ["--grad-accum (train.grad_accum) must be positive"]),
         ("zero lr", ["--lr", "0"], ["--lr (train.lr) must be positive"]),
@@ -132,28 +173,54 @@ def config_cases(tmp: Path, mm: Path) -> list:
         ("negative lr, argparse", ["--lr", "-1e-3"], ["--lr", "expected one argument", "write it as --flag=-1e-3"]),
         ("unknown precision", ["--precision", "fp8"], ["--precision", "'fp8' is not one of fp32, bf16, fp16"]),
         ("unknown strategy", ["--strategy", "zero9"], ["--strategy", "'zero9' is not one of"]),
-        ("ds with fsdp", ["--strategy", "fsdp", "--ds", str(REPO / "ds_configs/zero2.json")],
-         ["selects DeepSpeed, but --strategy is 'fsdp'"]),
+        (
+            "ds with fsdp",
+            ["--strategy", "fsdp", "--ds", str(REPO / "ds_configs/zero2.json")],
+            ["selects DeepSpeed, but --strategy is 'fsdp'"],
+        ),
         ("ds missing", ["--ds", str(tmp / "nope.json")], ["--ds", "file not found", "nope.json"]),
         ("ds not text", ["--ds", str(tmp / "binary.json")], ["--ds", "binary.json", "UTF-8"]),
         ("ds invalid json", ["--ds", str(tmp / "bad.json")], ["bad.json: invalid JSON at line 2, column"]),
-        ("ds micro batch", ["--ds", ds("mb.json", {"train_micro_batch_size_per_gpu": 8, "zero_optimization":
-                                                  {"stage": 2}})],
-         ['"train_micro_batch_size_per_gpu": 8 contradicts --per-device-batch-size=4']),
-        ("ds global batch", ["--ds", ds("gb.json", {"train_batch_size": 64, "zero_optimization": {"stage": 2}})],
-         ['"train_batch_size": 64 != per-device batch 4 x grad accum 1 x world size 1 = 4']),
-        ("ds stage", ["--ds", ds("s4.json", {"zero_optimization": {"stage": 4}})],
-         ["zero_optimization.stage=4 is not one of 1, 2, 3"]),
-        ("ds offload_param stage 2", ["--ds", ds("op.json", {"zero_optimization": {
-            "stage": 2, "offload_param": {"device": "cpu"}}})], ["offload_param needs stage 3"]),
-        ("policy invalid yaml", ["--strategy", "fsdp", "--fsdp-policy", str(tmp / "policy_bad.yaml")],
-         ["policy_bad.yaml: line", "invalid YAML"]),
-        ("policy unknown key", ["--strategy", "fsdp", "--fsdp-policy", str(tmp / "policy_key.yaml")],
-         ["unknown key 'wrap_class'", "did you mean 'wrap_classes'"]),
-        ("policy missing", ["--strategy", "fsdp", "--fsdp-policy", str(tmp / "none.yaml")],
-         ["--fsdp-policy", "file not found"]),
-        ("unfreeze beyond max_steps", ["--freeze-layers", "1", "--unfreeze-at-step", "100"],
-         ["--unfreeze-at-step (model.unfreeze_at_step)=100 is outside 1..max_steps (8)"]),
+        (
+            "ds micro batch",
+            ["--ds", ds("mb.json", {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 2}})],
+            ['"train_micro_batch_size_per_gpu": 8 contradicts --per-device-batch-size=4'],
+        ),
+        (
+            "ds global batch",
+            ["--ds", ds("gb.json", {"train_batch_size": 64, "zero_optimization": {"stage": 2}})],
+            ['"train_batch_size": 64 != per-device batch 4 x grad accum 1 x world size 1 = 4'],
+        ),
+        (
+            "ds stage",
+            ["--ds", ds("s4.json", {"zero_optimization": {"stage": 4}})],
+            ["zero_optimization.stage=4 is not one of 1, 2, 3"],
+        ),
+        (
+            "ds offload_param stage 2",
+            ["--ds", ds("op.json", {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})],
+            ["offload_param needs stage 3"],
+        ),
+        (
+            "policy invalid yaml",
+            ["--strategy", "fsdp", "--fsdp-policy", str(tmp / "policy_bad.yaml")],
+            ["policy_bad.yaml: line", "invalid YAML"],
+        ),
+        (
+            "policy unknown key",
+            ["--strategy", "fsdp", "--fsdp-policy", str(tmp / "policy_key.yaml")],
+            ["unknown key 'wrap_class'", "did you mean 'wrap_classes'"],
+        ),
+        (
+            "policy missing",
+            ["--strategy", "fsdp", "--fsdp-policy", str(tmp / "none.yaml")],
+            ["--fsdp-policy", "file not found"],
+        ),
+        (
+            "unfreeze beyond max_steps",
+            ["--freeze-layers", "1", "--unfreeze-at-step", "100"],
+            ["--unfreeze-at-step (model.unfreeze_at_step)=100 is outside 1..max_steps (8)"],
+        ),
         ("nan injection not steps", ["--inject-nan-at-steps", "two"], ["--inject-nan-at-steps", "step numbers"]),
     ]
 
@@ -177,28 +244,37 @@ def test_config_errors(previous, mm_data, tmp_path):
 
 def test_output_dir_not_writable(previous, mm_data, tmp_path):
     (tmp_path / "a_file").write_text("x")
-    for out, needle in ((tmp_path / "a_file" / "run", "a_file is a file, not a folder"),
-                        (Path("/proc/shardtrain-test/run"), "cannot write in /proc")):
+    for out, needle in (
+        (tmp_path / "a_file" / "run", "a_file is a file, not a folder"),
+        (Path("/proc/shardtrain-test/run"), "cannot write in /proc"),
+    ):
         line = error_line(train(mm_data, out), 2)
         assert "--output-dir (checkpoint.output_dir)" in line and needle in line
 
 
 # ---- data: found after the process group, before the model is built --------------------------------
 
+
 def data_cases(tmp: Path, mm: Path) -> list:
     train_file = lambda d: str(d / "train.jsonl")  # noqa: E731
     no_val = copy_data(mm, tmp / "no_val")
     (no_val / "validation.jsonl").unlink()
-    cases = [("missing folder", tmp / "nope", [f"--data-dir (data.data_dir): folder not found: {tmp / 'nope'}"]),
-             ("missing split", no_val, ["split file not found", str(no_val / "validation.jsonl")])]
+    cases = [
+        ("missing folder", tmp / "nope", [f"--data-dir (data.data_dir): folder not found: {tmp / 'nope'}"]),
+        ("missing split", no_val, ["split file not found", str(no_val / "validation.jsonl")]),
+    ]
     for name, edit, needle in (
-            ("malformed jsonl", set_line(7, '{"text": "a", "label": '), ":7: invalid JSON"),
-            ("missing field", lambda ls: set_line(9, record(ls, 9, label=...))(ls), ":9: missing field 'label'"),
-            ("label out of range", lambda ls: set_line(3, record(ls, 3, label=7))(ls), ":3: label 7 is outside 0..2"),
-            ("label not int", lambda ls: set_line(4, record(ls, 4, label=1.5))(ls), ":4: label 1.5 is not an integer"),
-            ("empty text", lambda ls: set_line(5, record(ls, 5, text=""))(ls), ":5: empty text"),
-            ("missing image", lambda ls: set_line(6, record(ls, 6, image="images/train/gone.png"))(ls),
-             ":6: image not found: images/train/gone.png")):
+        ("malformed jsonl", set_line(7, '{"text": "a", "label": '), ":7: invalid JSON"),
+        ("missing field", lambda ls: set_line(9, record(ls, 9, label=...))(ls), ":9: missing field 'label'"),
+        ("label out of range", lambda ls: set_line(3, record(ls, 3, label=7))(ls), ":3: label 7 is outside 0..2"),
+        ("label not int", lambda ls: set_line(4, record(ls, 4, label=1.5))(ls), ":4: label 1.5 is not an integer"),
+        ("empty text", lambda ls: set_line(5, record(ls, 5, text=""))(ls), ":5: empty text"),
+        (
+            "missing image",
+            lambda ls: set_line(6, record(ls, 6, image="images/train/gone.png"))(ls),
+            ":6: image not found: images/train/gone.png",
+        ),
+    ):
         d = copy_data(mm, tmp / name.replace(" ", "_"), edit)
         cases.append((name, d, [train_file(d) + needle]))
     # Every training image corrupt, so the first batch finds one whichever records the sampler picks.
@@ -226,8 +302,11 @@ def test_data_errors(previous, mm_data, tmp_path):
 
 
 def test_check_data_lists_every_problem(mm_data, tmp_path):
-    data = copy_data(mm_data, tmp_path / "d", lambda ls: [ls[0], "not json", record(ls, 3, label=9),
-                                                          record(ls, 4, text=" "), *ls[4:]])
+    data = copy_data(
+        mm_data,
+        tmp_path / "d",
+        lambda ls: [ls[0], "not json", record(ls, 3, label=9), record(ls, 4, text=" "), *ls[4:]],
+    )
     run = cli(["check-data", str(data)], check=False)
     assert run.returncode == 1 and "Traceback" not in run.output
     for needle in (":2: invalid JSON", ":3: label 9 is outside", ":4: empty text", "3 problem(s)"):
@@ -235,6 +314,7 @@ def test_check_data_lists_every_problem(mm_data, tmp_path):
 
 
 # ---- strategy checks that need the model ---------------------------------------------------------
+
 
 def test_fsdp_policy_needing_the_model(previous, mm_data, tmp_path):
     out = previous.output_dir
@@ -249,6 +329,7 @@ def test_fsdp_policy_needing_the_model(previous, mm_data, tmp_path):
 
 
 # ---- environment ----------------------------------------------------------------------------------
+
 
 def test_master_port_in_use(previous, mm_data):
     """A plain process (or srun task) takes MASTER_PORT from the environment. torchrun --master-port
@@ -268,11 +349,23 @@ def test_master_port_in_use(previous, mm_data):
 
 # ---- numerics and one-rank failures: two processes, bounded time ---------------------------------
 
-@pytest.mark.parametrize("strategy", [["--strategy", "fsdp"], ["--ds", str(REPO / "ds_configs/zero2.json")]],
-                         ids=["fsdp", "zero2"])
+
+@pytest.mark.parametrize(
+    "strategy", [["--strategy", "fsdp"], ["--ds", str(REPO / "ds_configs/zero2.json")]], ids=["fsdp", "zero2"]
+)
 def test_skip_then_abort_after_max_bad_steps(mm_data, tmp_path, strategy):
-    run = train(mm_data, tmp_path / "out", *strategy, "--inject-nan-at-steps", "2,4,5", "--max-bad-steps", "2",
-                "--max-steps", "6", nproc=2)
+    run = train(
+        mm_data,
+        tmp_path / "out",
+        *strategy,
+        "--inject-nan-at-steps",
+        "2,4,5",
+        "--max-bad-steps",
+        "2",
+        "--max-steps",
+        "6",
+        nproc=2,
+    )
     line = error_line(run, 1)
     assert "FloatingPointError" in line and "2 consecutive non-finite steps up to step 5" in line
     assert "step 2: non-finite loss on rank 1" in run.output
@@ -298,8 +391,7 @@ def test_error_on_one_rank_only(previous, mm_data, tmp_path):
 
     data = copy_data(mm_data, tmp_path / "d", images="copy")
     lines = (data / "train.jsonl").read_text().splitlines()
-    sampler = tud.DistributedSampler(range(len(lines)), num_replicas=2, rank=1, shuffle=True, seed=42,
-                                     drop_last=True)
+    sampler = tud.DistributedSampler(range(len(lines)), num_replicas=2, rank=1, shuffle=True, seed=42, drop_last=True)
     # The run resumes the previous one at step 4: rank 1 has read 4 batches of 4 and loads samples 16..19 next.
     first = list(sampler)[16:20]
     for i in first:

@@ -1,6 +1,7 @@
 """Checkpoints that never lose work: exact resume after kill -9 (each strategy), torn saves, torchrun
 restarts, preemption by SIGUSR1, a full disk, cross-strategy handover and export; the best checkpoint and early
 stopping across a kill. Real processes, gloo."""
+
 from __future__ import annotations
 
 import json
@@ -11,13 +12,17 @@ import time
 
 import pytest
 import torch
-
 from launch import REPO, test_env, tiny_args, torchrun, torchrun_background
+
 from shardtrain.checkpointing.portable import read_portable
 from shardtrain.checkpointing.store import checkpoints_root, committed_steps, latest_committed
 
-STRATEGIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
-              "zero2": ["--ds", "ds_configs/zero2.json"], "zero3": ["--ds", "ds_configs/zero3.json"]}
+STRATEGIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "zero2": ["--ds", "ds_configs/zero2.json"],
+    "zero3": ["--ds", "ds_configs/zero3.json"],
+}
 SMALL = ["--per-device-batch-size", "8", "--save-every", "2", "--keep-last", "3"]
 # The kill test's runs as users start them: dropout as every shipped real config has it, and the banner's memory
 # prediction on (the default: it builds and runs throwaway models at every start, each resume's included).
@@ -45,8 +50,7 @@ def uninterrupted(mm_data, tmp_path_factory) -> dict:
     from launch import run_plan
 
     root = tmp_path_factory.mktemp("uninterrupted")
-    plan = [{"name": s, "args": args(mm_data, root / s, s, "--max-steps", "6", "--dropout", "0.1")}
-            for s in STRATEGIES]
+    plan = [{"name": s, "args": args(mm_data, root / s, s, "--max-steps", "6", "--dropout", "0.1")} for s in STRATEGIES]
     run_plan(plan, root, timeout=600)
     return {s: root / s for s in STRATEGIES}
 
@@ -62,15 +66,22 @@ def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path, unint
     out = tmp_path / "killed"
     env = test_env(SHARDTRAIN_FAULT="step@3:1,save@4:0,step@5:0", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired")
     # Two spare restarts beyond the three faults: a slow restart must not fail the test by itself.
-    run = torchrun(args(mm_data, out, strategy, "--max-steps", "6", "--resume", "auto", *AS_SHIPPED), env=env,
-                   extra_launcher_args=["--max-restarts", "5"], timeout=900)
+    run = torchrun(
+        args(mm_data, out, strategy, "--max-steps", "6", "--resume", "auto", *AS_SHIPPED),
+        env=env,
+        extra_launcher_args=["--max-restarts", "5"],
+        timeout=900,
+    )
     resumed = [line.split(" at step ")[1] for line in run.output.splitlines() if line.startswith("resumed from ")]
     assert run.output.count("[fault injection]") == 3, run.tail()
     # The torn step-4 save is ignored: the restart after it resumes from step 2 again; the last from 4.
     assert resumed.count("2") >= 2 and resumed[-1] == "4" and resumed == sorted(resumed), run.tail()
     assert [p.name for p in committed_steps(checkpoints_root(out))] == ["step-000002", "step-000004", "step-000006"]
-    assert not [p for p in checkpoints_root(out).iterdir() if p.name.startswith("step-")
-                and p not in committed_steps(checkpoints_root(out))], "a partial step directory was left"
+    assert not [
+        p
+        for p in checkpoints_root(out).iterdir()
+        if p.name.startswith("step-") and p not in committed_steps(checkpoints_root(out))
+    ], "a partial step directory was left"
     ref_losses, got = losses(ref), losses(out)
     # Bit-exact, dropout on: the resumed ranks draw the masks the uninterrupted run drew.
     assert len(got) == 6 and got == ref_losses, (ref_losses, got)
@@ -78,9 +89,11 @@ def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path, unint
     final = read_portable(latest_committed(checkpoints_root(out)), optimizer=True)
     assert max_diff(final_ref["model"], final["model"]) <= 1e-6
     assert max_diff(final_ref["optim"], final["optim"]) <= 1e-6
-    print(f"\n{strategy}: max |loss diff| {max(abs(a - b) for a, b in zip(ref_losses, got)):.2e}, "
-          f"max |weight diff| {max_diff(final_ref['model'], final['model']):.2e}, "
-          f"save seconds {json.loads((ref / 'summary.json').read_text())['checkpoint_save_seconds']}")
+    print(
+        f"\n{strategy}: max |loss diff| {max(abs(a - b) for a, b in zip(ref_losses, got)):.2e}, "
+        f"max |weight diff| {max_diff(final_ref['model'], final['model']):.2e}, "
+        f"save seconds {json.loads((ref / 'summary.json').read_text())['checkpoint_save_seconds']}"
+    )
 
 
 def _wait_for(pred, proc, timeout=120.0):
@@ -100,8 +113,21 @@ def test_sigusr1_to_workers_then_kill9_of_the_job_then_resume(mm_data, tmp_path)
     """Preemption as documented for torchrun: SIGUSR1 to the agent's children (the workers; the agent
     itself would die of it). Then a real external SIGKILL of the whole job, and a resume that completes."""
     out = tmp_path / "run"
-    a = tiny_args("multimodal", mm_data, out, "--per-device-batch-size", "8", "--strategy", "ddp",
-                  "--max-steps", "200", "--save-every", "0", "--eval-every", "0")
+    a = tiny_args(
+        "multimodal",
+        mm_data,
+        out,
+        "--per-device-batch-size",
+        "8",
+        "--strategy",
+        "ddp",
+        "--max-steps",
+        "200",
+        "--save-every",
+        "0",
+        "--eval-every",
+        "0",
+    )
     proc = torchrun_background(a, log=tmp_path / "a.log")
     _wait_for(lambda: _steps_logged(out) >= 3, proc)
     subprocess.run(["pkill", "-USR1", "-P", str(proc.pid)], check=True)
@@ -123,8 +149,9 @@ def test_sigusr1_to_workers_then_kill9_of_the_job_then_resume(mm_data, tmp_path)
         os.kill(pid, signal.SIGKILL)
     proc.wait(timeout=60)
     killed_at = latest_committed(checkpoints_root(out))
-    done = torchrun(b[:b.index("--max-steps") + 1] + [str(int(killed_at.name[5:]) + 2)]
-                    + b[b.index("--max-steps") + 2:])
+    done = torchrun(
+        b[: b.index("--max-steps") + 1] + [str(int(killed_at.name[5:]) + 2)] + b[b.index("--max-steps") + 2 :]
+    )
     assert f"resumed from {killed_at}" in done.output
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, int(killed_at.name[5:]) + 3)), steps
@@ -133,11 +160,14 @@ def test_sigusr1_to_workers_then_kill9_of_the_job_then_resume(mm_data, tmp_path)
 def test_disk_full_while_saving_keeps_previous_checkpoint(mm_data, tmp_path):
     """Simulated ENOSPC (fault injection, not a real full filesystem) on rank 1 at the step-4 save."""
     out = tmp_path / "run"
-    run = torchrun(args(mm_data, out, "ddp", "--max-steps", "6"), env=test_env(SHARDTRAIN_FAULT="enospc@4:1"),
-                   check=False)
+    run = torchrun(
+        args(mm_data, out, "ddp", "--max-steps", "6"), env=test_env(SHARDTRAIN_FAULT="enospc@4:1"), check=False
+    )
     assert run.returncode != 0
     errors = [line for line in run.output.splitlines() if "shardtrain: error:" in line]
-    assert len(errors) == 1 and "No space left on device" in errors[0] and "step-000002 is intact" in errors[0], run.tail()
+    assert len(errors) == 1 and "No space left on device" in errors[0] and "step-000002 is intact" in errors[0], (
+        run.tail()
+    )
     assert 'File "' + str(REPO / "shardtrain") not in run.output  # no traceback through our code (torchrun
     # itself always prints its ChildFailedError report when a worker exits non-zero)
     root = checkpoints_root(out)
@@ -152,8 +182,7 @@ def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
     z2, fs, dp = tmp_path / "zero2", tmp_path / "fsdp", tmp_path / "ddp1"
     torchrun(args(mm_data, z2, "zero2", "--max-steps", "4"))
     torchrun(args(mm_data, fs, "fsdp", "--max-steps", "4", "--resume", str(z2 / "checkpoints" / "step-000004")))
-    torchrun(args(mm_data, dp, "ddp", "--max-steps", "4", "--resume", str(fs / "checkpoints" / "step-000004")),
-             nproc=1)
+    torchrun(args(mm_data, dp, "ddp", "--max-steps", "4", "--resume", str(fs / "checkpoints" / "step-000004")), nproc=1)
     back = tmp_path / "zero2-again"  # and back into DeepSpeed from another world size's checkpoint
     torchrun(args(mm_data, back, "zero2", "--max-steps", "4", "--resume", str(dp / "checkpoints" / "step-000004")))
     states = [read_portable(d / "checkpoints" / "step-000004", optimizer=True) for d in (z2, fs, dp, back)]
@@ -166,6 +195,7 @@ def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
     # Export from the DeepSpeed checkpoint, one process: the exported model reproduces the run's eval.
     exp = tmp_path / "export"
     from launch import cli
+
     exported = cli(["export", str(z2), str(exp), "--eval"])
     # Its own two lines and nothing else: no library warning, deprecation or progress bar (chatter.py).
     assert [line.split(" ")[0] for line in exported.output.splitlines()] == ["exported", "fp32"], exported.output
@@ -174,8 +204,10 @@ def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
     assert info["eval_fp32"]["accuracy"] == run_eval["accuracy"]
     assert info["eval_fp32"]["macro_f1"] == pytest.approx(run_eval["macro_f1"], abs=1e-12)
     from shardtrain.checkpointing.export import load_export
+
     model = load_export(exp)
     from safetensors.torch import load_file
+
     exported = load_file(str(exp / "model.safetensors"))
     assert max_diff({k: exported[k] for k in states[0]["model"]}, states[0]["model"]) == 0.0
     assert isinstance(model, torch.nn.Module)
@@ -200,8 +232,9 @@ def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, 
     run = torchrun(extend)
     notes = [line for line in run.output.splitlines() if "with changed settings" in line]
     assert len(notes) == 1, run.tail()
-    assert ("resuming from step 4 with changed settings: --max-steps 4 -> 6; the learning rate follows the new "
-            "schedule:") in notes[0] and "--per-device-batch-size 8 -> 2: global batch 16 -> 4" in notes[0], notes
+    assert (
+        "resuming from step 4 with changed settings: --max-steps 4 -> 6; the learning rate follows the new schedule:"
+    ) in notes[0] and "--per-device-batch-size 8 -> 2: global batch 16 -> 4" in notes[0], notes
     assert run.summary["final_step"] == 6 and run.summary["resumed_with_changes"]
     assert latest_committed(checkpoints_root(out)).name == "step-000006"
 
@@ -212,8 +245,21 @@ def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, 
     assert (out / "summary.json").read_bytes() == before
 
     unsaved = tmp_path / "unsaved"
-    torchrun(tiny_args("longformer", ld_data, unsaved, "--strategy", "ddp", "--max-steps", "3", "--save-every", "2",
-                       "--save-final", "false"))
+    torchrun(
+        tiny_args(
+            "longformer",
+            ld_data,
+            unsaved,
+            "--strategy",
+            "ddp",
+            "--max-steps",
+            "3",
+            "--save-every",
+            "2",
+            "--save-final",
+            "false",
+        )
+    )
     refused = cli(["export", str(unsaved), str(tmp_path / "exp")], check=False)
     assert refused.returncode == 2, refused.output
     assert "the newest checkpoint is step 2, but the run ended at step 3 (summary.json)" in refused.output
@@ -225,9 +271,26 @@ def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, 
 # so that every run stops at step 3 of 10. n_examples never changes, so its first evaluation stays the best; with
 # accuracy and a threshold of 1.0 no evaluation after the first can improve by more than it, while a larger
 # accuracy still becomes the best (HF's rule).
-EARLY = ["--per-device-batch-size", "8", "--max-steps", "10", "--eval-every", "1", "--save-every", "1",
-         "--keep-last", "1", "--early-stopping-patience", "2", "--max-eval-samples", "16", "--resume", "auto",
-         "--log-every", "100"]
+EARLY = [
+    "--per-device-batch-size",
+    "8",
+    "--max-steps",
+    "10",
+    "--eval-every",
+    "1",
+    "--save-every",
+    "1",
+    "--keep-last",
+    "1",
+    "--early-stopping-patience",
+    "2",
+    "--max-eval-samples",
+    "16",
+    "--resume",
+    "auto",
+    "--log-every",
+    "100",
+]
 BEST_RUNS = {  # the first is killed; its restart resumes it
     "zero3": ["--metric-for-best-model", "n_examples"],
     "ddp": ["--metric-for-best-model", "n_examples", "--final-model-checkpoint", "best"],
@@ -247,8 +310,10 @@ def test_best_checkpoint_and_early_stopping_on_every_strategy_across_a_kill(mm_d
     def final_model(s, extra):  # where --final-model-checkpoint best asks for it
         return ["--final-model-dir", str(tmp_path / s / "final_model")] if "--final-model-checkpoint" in extra else []
 
-    plan = [{"name": s, "args": args(mm_data, tmp_path / s, s, *EARLY, *extra, *final_model(s, extra))}
-            for s, extra in BEST_RUNS.items()]
+    plan = [
+        {"name": s, "args": args(mm_data, tmp_path / s, s, *EARLY, *extra, *final_model(s, extra))}
+        for s, extra in BEST_RUNS.items()
+    ]
     env = test_env(SHARDTRAIN_FAULT="step@3:1", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired")
     run, _ = run_plan(plan, tmp_path, timeout=900, env=env, extra_launcher_args=["--max-restarts", "2"])
     assert run.output.count("[fault injection]") == 1, run.tail()
@@ -262,8 +327,9 @@ def test_best_checkpoint_and_early_stopping_on_every_strategy_across_a_kill(mm_d
         values = [e[metric] for e in evals]
         best = 1 + max(range(3), key=lambda i: (values[i], -i))  # the earliest of the largest
         assert summary["final_step"] == 3 and summary["stopped_by"] == "early_stopping", (strategy, summary)
-        assert not summary["preempted"] and summary["eval"] == {k: v for k, v in evals[-1].items()
-                                                                 if k not in ("step", "final")}
+        assert not summary["preempted"] and summary["eval"] == {
+            k: v for k, v in evals[-1].items() if k not in ("step", "final")
+        }
         assert summary["best"]["metric"] == metric and summary["best"]["step"] == best, (strategy, summary["best"])
         assert summary["best"]["evals_without_improvement"] == 2, (strategy, summary["best"])
         root = checkpoints_root(out)

@@ -3,6 +3,7 @@ copies of the session's tiny data in the shapes users keep it: a folder of parqu
 arXiv style, some rows unlabelled), a Hyperpartisan-style jsonl with a bool label, a CSV pair with other column names,
 string labels and image paths relative to the CSV, an image folder with metadata.csv, a save_to_disk folder
 with embedded images; then check-data and cache-images on them."""
+
 from __future__ import annotations
 
 import csv
@@ -11,13 +12,24 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from launch import cli, tiny_args
 
 NAMES = ["negative", "neutral", "positive"]
 # No final checkpoint where nothing reads one (--final-model-dir still commits the one it exports).
-FAST = ["--nproc", "2", "--max-steps", "3", "--per-device-batch-size", "4", "--eval-every", "0", "--log-every", "1",
-        "--save-final", "false"]
+FAST = [
+    "--nproc",
+    "2",
+    "--max-steps",
+    "3",
+    "--per-device-batch-size",
+    "4",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--save-final",
+    "false",
+]
 
 
 def records(folder: Path, split: str) -> list[dict]:
@@ -38,14 +50,18 @@ def layouts(mm_data, ld_data, tmp_path_factory) -> dict[str, Path]:
     for split, name in (("train", "train"), ("validation", "test")):
         rows = records(ld_data, split)
         labels = [-1 if split == "train" and i < 5 else r["label"] for i, r in enumerate(rows)]
-        datasets.Dataset.from_dict({"text": [r["text"] for r in rows], "label": labels},
-                                   features=features).to_parquet(imdb / f"{name}.parquet")
+        datasets.Dataset.from_dict({"text": [r["text"] for r in rows], "label": labels}, features=features).to_parquet(
+            imdb / f"{name}.parquet"
+        )
     out["imdb"] = imdb
 
     # Hyperpartisan style: one jsonl, a bool label under its own name, no validation split.
     hyper = root / "hyperpartisan.jsonl"
-    hyper.write_text("".join(json.dumps({"text": r["text"], "hyperpartisan": r["label"] == 2}) + "\n"
-                             for r in records(ld_data, "train")))
+    hyper.write_text(
+        "".join(
+            json.dumps({"text": r["text"], "hyperpartisan": r["label"] == 2}) + "\n" for r in records(ld_data, "train")
+        )
+    )
     out["hyperpartisan"] = hyper
 
     # A CSV export: other column names, string labels, image paths relative to the CSV's folder (not the cwd).
@@ -74,14 +90,20 @@ def layouts(mm_data, ld_data, tmp_path_factory) -> dict[str, Path]:
     out["imagefolder"] = root / "imagefolder"
 
     # DatasetDict.save_to_disk: images embedded (an Image feature), labels a ClassLabel.
-    features = datasets.Features({"text": datasets.Value("string"), "image": datasets.Image(),
-                                  "label": datasets.ClassLabel(names=NAMES)})
+    features = datasets.Features(
+        {"text": datasets.Value("string"), "image": datasets.Image(), "label": datasets.ClassLabel(names=NAMES)}
+    )
     splits = {}
     for split in ("train", "validation"):
         rows = records(mm_data, split)
         splits[split] = datasets.Dataset.from_dict(
-            {"text": [r["text"] for r in rows], "image": [str(mm_data / r["image"]) for r in rows],
-             "label": [r["label"] for r in rows]}, features=features)
+            {
+                "text": [r["text"] for r in rows],
+                "image": [str(mm_data / r["image"]) for r in rows],
+                "label": [r["label"] for r in rows],
+            },
+            features=features,
+        )
     datasets.DatasetDict(splits).save_to_disk(str(root / "saved"))
     out["saved"] = root / "saved"
     return out
@@ -93,8 +115,17 @@ def train(workload: str, data_dir: Path, out: Path, *flags: str):
 
 def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
     # --data-dir is left at the session's jsonl folders: each source's flag must take precedence over it.
-    imdb = train("longformer", ld_data, tmp_path / "imdb", "--dataset-name", str(layouts["imdb"]),
-                 "--validation-split-name", "test", "--strategy", "fsdp")
+    imdb = train(
+        "longformer",
+        ld_data,
+        tmp_path / "imdb",
+        "--dataset-name",
+        str(layouts["imdb"]),
+        "--validation-split-name",
+        "test",
+        "--strategy",
+        "fsdp",
+    )
     s = imdb.summary
     assert s["final_step"] == 3 and s["resolved"]["labels"]["label_names"] == NAMES, imdb.tail()
     # What the data decided is recorded apart from what the user asked for (no --label-names, no --num-labels).
@@ -105,35 +136,82 @@ def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
     labels = json.loads((tmp_path / "imdb" / "labels.json").read_text())
     assert labels["label2id"] == {"negative": 0, "neutral": 1, "positive": 2}
 
-    hyper = train("longformer", ld_data, tmp_path / "hyper", "--train-file", str(layouts["hyperpartisan"]),
-                  "--label-column-name", "hyperpartisan", "--validation-split-percentage", "25",
-                  "--strategy", "ddp")
+    hyper = train(
+        "longformer",
+        ld_data,
+        tmp_path / "hyper",
+        "--train-file",
+        str(layouts["hyperpartisan"]),
+        "--label-column-name",
+        "hyperpartisan",
+        "--validation-split-percentage",
+        "25",
+        "--strategy",
+        "ddp",
+    )
     s = hyper.summary
     assert s["resolved"]["labels"] == {"num_labels": 2, "label_names": ["false", "true"]}
     split = s["data_source"]["validation_split"]
     assert (split["percentage"], split["seed"], split["validation_rows"]) == (25, 42, 32), split
     assert s["train_examples"] == 96 and s["eval"]["n_examples"] == 32
 
-    tweets = train("multimodal", mm_data, tmp_path / "tweets", "--train-file", str(layouts["tweets"] / "train.csv"),
-                   "--validation-file", str(layouts["tweets"] / "validation.csv"),
-                   "--text-column-names", "title,tweet", "--label-column-name", "sentiment",
-                   "--image-column-name", "photo", "--strategy", "ddp")
+    tweets = train(
+        "multimodal",
+        mm_data,
+        tmp_path / "tweets",
+        "--train-file",
+        str(layouts["tweets"] / "train.csv"),
+        "--validation-file",
+        str(layouts["tweets"] / "validation.csv"),
+        "--text-column-names",
+        "title,tweet",
+        "--label-column-name",
+        "sentiment",
+        "--image-column-name",
+        "photo",
+        "--strategy",
+        "ddp",
+    )
     s = tweets.summary
     # Sorted, not in order of appearance: the same mapping from any shuffle of the file.
     assert s["resolved"]["labels"]["label_names"] == NAMES and s["eval"]["n_examples"] == 64, tweets.tail()
 
-    folder = train("multimodal", mm_data, tmp_path / "imagefolder", "--train-dir",
-                   str(layouts["imagefolder"] / "train"), "--validation-dir", str(layouts["imagefolder"] / "validation"),
-                   "--strategy", "fsdp")
+    folder = train(
+        "multimodal",
+        mm_data,
+        tmp_path / "imagefolder",
+        "--train-dir",
+        str(layouts["imagefolder"] / "train"),
+        "--validation-dir",
+        str(layouts["imagefolder"] / "validation"),
+        "--strategy",
+        "fsdp",
+    )
     assert folder.summary["train_examples"] == 64 and folder.summary["eval"]["n_examples"] == 16, folder.tail()
 
     # Embedded images, decoded once by cache-images (keyed by their bytes' sha256) and read from the cache.
-    source = ["--dataset-name", str(layouts["saved"]), "--max-train-samples", "40", "--max-eval-samples", "10",
-              "--image-cache", str(tmp_path / "cache")]
+    source = [
+        "--dataset-name",
+        str(layouts["saved"]),
+        "--max-train-samples",
+        "40",
+        "--max-eval-samples",
+        "10",
+        "--image-cache",
+        str(tmp_path / "cache"),
+    ]
     cached = cli(["cache-images", "--jobs", "1", *tiny_args("multimodal", mm_data, tmp_path / "saved", *source)])
     assert "train split: 40 images at 32px" in cached.output, cached.tail()
-    saved = train("multimodal", mm_data, tmp_path / "saved", *source, "--strategy", "ddp",
-                  "--final-model-dir", str(tmp_path / "saved_model"))
+    saved = train(
+        "multimodal",
+        mm_data,
+        tmp_path / "saved",
+        *source,
+        "--strategy",
+        "ddp",
+        "--final-model-dir",
+        str(tmp_path / "saved_model"),
+    )
     assert saved.summary["train_examples"] == 40 and saved.summary["eval"]["n_examples"] == 10, saved.tail()
     assert "images from cache" in saved.output
     exported = json.loads((tmp_path / "saved_model" / "config.json").read_text())
@@ -141,21 +219,54 @@ def test_every_source_trains_on_two_ranks(layouts, ld_data, mm_data, tmp_path):
     assert exported["label2id"] == {"negative": 0, "neutral": 1, "positive": 2}
 
 
-def test_check_data_reads_a_source_as_training_does_and_train_refuses_before_launching(layouts, mm_data, ld_data,
-                                                                                     tmp_path):
-    flags = ["--train-file", str(layouts["tweets"] / "train.csv"), "--validation-file",
-             str(layouts["tweets"] / "validation.csv"), "--text-column-names", "title,tweet",
-             "--label-column-name", "sentiment", "--image-column-name", "photo"]
+def test_check_data_reads_a_source_as_training_does_and_train_refuses_before_launching(
+    layouts, mm_data, ld_data, tmp_path
+):
+    flags = [
+        "--train-file",
+        str(layouts["tweets"] / "train.csv"),
+        "--validation-file",
+        str(layouts["tweets"] / "validation.csv"),
+        "--text-column-names",
+        "title,tweet",
+        "--label-column-name",
+        "sentiment",
+        "--image-column-name",
+        "photo",
+    ]
     ok = cli(["check-data", *tiny_args("multimodal", mm_data, tmp_path / "x", *flags)])
     clean = [line for line in ok.output.splitlines() if line.endswith("no problems found")]
     assert clean and "train.csv" in clean[-1], ok.tail()  # every file it read is named, each with its own count
-    wrong = cli(["check-data", *tiny_args("multimodal", mm_data, tmp_path / "x", *flags, "--image-column-name", "pic")],
-                check=False)
-    assert wrong.returncode == 1 and "no column 'pic' in" in wrong.output and "(columns: title, tweet, photo, sentiment)" \
-        in wrong.output, wrong.tail()
+    wrong = cli(
+        ["check-data", *tiny_args("multimodal", mm_data, tmp_path / "x", *flags, "--image-column-name", "pic")],
+        check=False,
+    )
+    assert (
+        wrong.returncode == 1
+        and "no column 'pic' in" in wrong.output
+        and "(columns: title, tweet, photo, sentiment)" in wrong.output
+    ), wrong.tail()
     # The same reading refuses a contradicting --num-labels in the launcher, in one line, before any rank starts.
-    refused = cli(["train", *tiny_args("longformer", ld_data, tmp_path / "y", *FAST, "--train-file",
-                                       str(layouts["hyperpartisan"]), "--label-column-name", "hyperpartisan",
-                                       "--num-labels", "3")], check=False)
-    assert refused.returncode == 2 and "--num-labels (model.num_labels)=3, but the data has 2 classes (false, true)" \
-        in refused.output and "ChildFailedError" not in refused.output, refused.tail()
+    refused = cli(
+        [
+            "train",
+            *tiny_args(
+                "longformer",
+                ld_data,
+                tmp_path / "y",
+                *FAST,
+                "--train-file",
+                str(layouts["hyperpartisan"]),
+                "--label-column-name",
+                "hyperpartisan",
+                "--num-labels",
+                "3",
+            ),
+        ],
+        check=False,
+    )
+    assert (
+        refused.returncode == 2
+        and "--num-labels (model.num_labels)=3, but the data has 2 classes (false, true)" in refused.output
+        and "ChildFailedError" not in refused.output
+    ), refused.tail()

@@ -1,6 +1,7 @@
 """Losing a node and getting it back (docs/elastic.md): an elastic torchrun job on two namespace hosts
 (tests/hosts.py), node2 killed with SIGKILL mid-run, node1 going on alone from the last checkpoint, node2
 started again and the job back at world size 2, to max_steps, with the global batch and the data position kept."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,11 @@ GLOBAL_BATCH = 8  # micro-batch 4 x accum 1 x 2 ranks
 # The times a membership change takes are these (docs/elastic.md): the agent's monitor interval (torchrun's
 # default 0.1 s), how long a rendezvous waits for more nodes once the minimum is there (last_call_timeout),
 # and how soon a silent node is dropped from it (keep_alive_interval x keep_alive_max_attempt).
-LAUNCHER = ["--max-restarts=3", "--rdzv-id=elastic-test",
-            "--rdzv-conf=join_timeout=60,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3"]
+LAUNCHER = [
+    "--max-restarts=3",
+    "--rdzv-id=elastic-test",
+    "--rdzv-conf=join_timeout=60,last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
+]
 
 
 def wait_for(what: str, condition, procs: dict, logs: dict, timeout: float = 120.0):
@@ -31,8 +35,11 @@ def wait_for(what: str, condition, procs: dict, logs: dict, timeout: float = 120
             break
         time.sleep(0.1)
     # Only the logs of launches started so far: a missing one would hide this failure behind a FileNotFoundError.
-    tails = "\n".join(f"--- {name}\n" + "\n".join(Path(log).read_text().splitlines()[-30:])
-                      for name, log in logs.items() if Path(log).exists())
+    tails = "\n".join(
+        f"--- {name}\n" + "\n".join(Path(log).read_text().splitlines()[-30:])
+        for name, log in logs.items()
+        if Path(log).exists()
+    )
     raise AssertionError(f"waiting for {what}: {'ended: ' + ', '.join(ended) if ended else 'timed out'}\n{tails}")
 
 
@@ -57,8 +64,23 @@ def membership_record(out: Path, world: int):
 def test_a_lost_node_rejoins_and_the_job_ends_at_max_steps(namespace_hosts, mm_data, tmp_path):
     hosts = namespace_hosts(2)
     out, hold = tmp_path / "out", tmp_path / "hold"
-    args = tiny_args("multimodal", mm_data, out, "--resume", "auto", "--save-every", "2", "--max-steps",
-                     str(MAX_STEPS), "--per-device-batch-size", "4", "--log-every", "1", "--warmup-steps", "0")
+    args = tiny_args(
+        "multimodal",
+        mm_data,
+        out,
+        "--resume",
+        "auto",
+        "--save-every",
+        "2",
+        "--max-steps",
+        str(MAX_STEPS),
+        "--per-device-batch-size",
+        "4",
+        "--log-every",
+        "1",
+        "--warmup-steps",
+        "0",
+    )
     cmd = torchrun_nodes_cmd(args, nproc=1, nnodes="1:2", extra_launcher_args=LAUNCHER)
     # With torch's default, a rendezvous store shared with the workers, node2's agent could not re-join
     # (docs/elastic.md, "Pitfalls"). INFO: the agents' own lines, for a failure's log tail.
@@ -75,8 +97,9 @@ def test_a_lost_node_rejoins_and_the_job_ends_at_max_steps(namespace_hosts, mm_d
     # node2 first: it waits for node1's rendezvous store, so both join the first round (within last_call_timeout).
     procs = {"node2": start("node2", "node2"), "node1": start("node1", "node1")}
     try:
-        wait_for("a checkpoint at world size 2", lambda: list((out / "checkpoints").glob("step-*/COMMITTED")),
-                 procs, logs)
+        wait_for(
+            "a checkpoint at world size 2", lambda: list((out / "checkpoints").glob("step-*/COMMITTED")), procs, logs
+        )
         kill_tree(procs["node2"].pid)  # the whole node: nsenter's child, its torchrun agent and its worker
         killed_at = time.time()
         assert procs.pop("node2").wait(timeout=30) != 0
@@ -91,8 +114,10 @@ def test_a_lost_node_rejoins_and_the_job_ends_at_max_steps(namespace_hosts, mm_d
     finally:
         for p in procs.values():
             kill_tree(p.pid)
-    print(f"\nkill -> first step at world size 1: {alone['wall_time'] - killed_at:.1f} s; node2 started again -> "
-          f"first step at world size 2: {back['wall_time'] - rejoined_at:.1f} s")
+    print(
+        f"\nkill -> first step at world size 1: {alone['wall_time'] - killed_at:.1f} s; node2 started again -> "
+        f"first step at world size 2: {back['wall_time'] - rejoined_at:.1f} s"
+    )
 
     node1 = logs["node1"].read_text()
     assert "resumed from" in node1 and "world size 2 -> 1 at step" in node1, node1[-3000:]

@@ -3,6 +3,7 @@ launch (tests/dist/matrix_driver.py), with parity against DDP: fp32 step-1 grad-
 10-step losses within 1e-4 relative (1e-2 for the BatchNorm model); evaluation counts every validation example
 (token) once.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from launch import REPO, cli, predicted_metrics, strategy_variants, test_env, torchrun
 
 DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
@@ -31,8 +31,14 @@ def bert_tokenizer(data_dir: Path, out: Path) -> Path:
     """A word-level BERT tokenizer over the data's own words: no download."""
     from transformers import BertTokenizerFast
 
-    words = sorted({w for line in (data_dir / "train.jsonl").read_text().splitlines() if line.strip()
-                    for w in json.loads(line)["text"].lower().split()})
+    words = sorted(
+        {
+            w
+            for line in (data_dir / "train.jsonl").read_text().splitlines()
+            if line.strip()
+            for w in json.loads(line)["text"].lower().split()
+        }
+    )
     out.mkdir(parents=True, exist_ok=True)
     (out / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     BertTokenizerFast(vocab_file=str(out / "vocab.txt")).save_pretrained(str(out / "tok"))
@@ -43,7 +49,9 @@ def lm_text(data_dir: Path, out: Path) -> Path:
     """Local text for the causal LM: the records' sentences, one per line."""
     out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "validation"):
-        lines = [json.loads(x)["text"].lower() for x in (data_dir / f"{split}.jsonl").read_text().splitlines() if x.strip()]
+        lines = [
+            json.loads(x)["text"].lower() for x in (data_dir / f"{split}.jsonl").read_text().splitlines() if x.strip()
+        ]
         (out / f"{split}.txt").write_text("\n".join(lines) + "\n")
     return out
 
@@ -54,45 +62,130 @@ def examples(mm_data, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("examples")
     tok = bert_tokenizer(mm_data, root / "tokenizer")
     from transformers import AutoTokenizer
+
     vocab = len(AutoTokenizer.from_pretrained(str(tok)))
-    hf_text = {"data_dir": str(mm_data), "tokenizer": str(tok), "num_labels": 3, "max_length": 32,
-               "model_config": {"model_type": "bert", "vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2,
-                                "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64,
-                                "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}}
-    causal_lm = {"text_dir": str(lm_text(mm_data, root / "text")), "tokenizer": str(tok), "block_size": 32,
-                 "model_config": {"model_type": "gpt2", "vocab_size": vocab, "n_embd": 32, "n_layer": 2, "n_head": 2,
-                                  "n_positions": 64, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-                                  "tie_word_embeddings": True}}
-    custom_fusion = {"data_dir": str(mm_data), "tokenizer": str(tok), "num_labels": 3, "max_length": 32,
-                     "image_size": 32, "image_layers": [1, 1, 1, 1], "fusion_hidden": 32,
-                     "text_config": {"vocab_size": vocab, "hidden_size": 32, "num_hidden_layers": 2,
-                                     "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 64,
-                                     "pad_token_id": 0, "hidden_dropout_prob": 0.0,
-                                     "attention_probs_dropout_prob": 0.0}}
+    hf_text = {
+        "data_dir": str(mm_data),
+        "tokenizer": str(tok),
+        "num_labels": 3,
+        "max_length": 32,
+        "model_config": {
+            "model_type": "bert",
+            "vocab_size": vocab,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "max_position_embeddings": 64,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
+        },
+    }
+    causal_lm = {
+        "text_dir": str(lm_text(mm_data, root / "text")),
+        "tokenizer": str(tok),
+        "block_size": 32,
+        "model_config": {
+            "model_type": "gpt2",
+            "vocab_size": vocab,
+            "n_embd": 32,
+            "n_layer": 2,
+            "n_head": 2,
+            "n_positions": 64,
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+            "attn_pdrop": 0.0,
+            "tie_word_embeddings": True,
+        },
+    }
+    custom_fusion = {
+        "data_dir": str(mm_data),
+        "tokenizer": str(tok),
+        "num_labels": 3,
+        "max_length": 32,
+        "image_size": 32,
+        "image_layers": [1, 1, 1, 1],
+        "fusion_hidden": 32,
+        "text_config": {
+            "vocab_size": vocab,
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "intermediate_size": 64,
+            "max_position_embeddings": 64,
+            "pad_token_id": 0,
+            "hidden_dropout_prob": 0.0,
+            "attention_probs_dropout_prob": 0.0,
+        },
+    }
     # A smaller torchvision ResNet with BatchNorm for the report's resnet50 (resnet18: 11M parameters, 32x32 images),
     # with the report's own settings otherwise: its lower layers frozen in build_model, and RoBERTa's dropout (0.1).
-    moduledict_fusion = {"data_dir": str(mm_data), "tokenizer": str(tok), "num_labels": 3, "max_length": 32,
-                         "image_size": MODULEDICT_IMAGE_SIZE, "image_arch": "resnet18", "image_weights": None,
-                         "fusion_hidden": 32, "freeze_lower": True,
-                         "text_config": {**custom_fusion["text_config"], "hidden_dropout_prob": 0.1,
-                                         "attention_probs_dropout_prob": 0.1}}
+    moduledict_fusion = {
+        "data_dir": str(mm_data),
+        "tokenizer": str(tok),
+        "num_labels": 3,
+        "max_length": 32,
+        "image_size": MODULEDICT_IMAGE_SIZE,
+        "image_arch": "resnet18",
+        "image_weights": None,
+        "fusion_hidden": 32,
+        "freeze_lower": True,
+        "text_config": {
+            **custom_fusion["text_config"],
+            "hidden_dropout_prob": 0.1,
+            "attention_probs_dropout_prob": 0.1,
+        },
+    }
     # The example's own freeze_layers / unfreeze_at_step, scaled to the run: frozen for the first half.
     fusion_freeze = ["--freeze-layers", "1", "--unfreeze-at-step", str(FUSION_UNFREEZE_AT)]
     variants = strategy_variants()
     plan = []
 
     def add(name, example, args, strategy_flags, extra):
-        plan.append({"name": name, "args": [
-            "--config", str(REPO / "examples" / example / "config.yaml"), "--workload-args", json.dumps(args),
-            *strategy_flags, "--device", "cpu", "--output-dir", str(root / name), "--resume", "none",
-            "--max-steps", str(STEPS), "--per-device-batch-size", "8", "--lr", "1e-3", "--warmup-steps", "0",
-            "--num-workers", "0", "--log-every", "100", "--save-final", "false", "--predict-memory", "false",
-            "--report", "false", *extra]})
+        plan.append(
+            {
+                "name": name,
+                "args": [
+                    "--config",
+                    str(REPO / "examples" / example / "config.yaml"),
+                    "--workload-args",
+                    json.dumps(args),
+                    *strategy_flags,
+                    "--device",
+                    "cpu",
+                    "--output-dir",
+                    str(root / name),
+                    "--resume",
+                    "none",
+                    "--max-steps",
+                    str(STEPS),
+                    "--per-device-batch-size",
+                    "8",
+                    "--lr",
+                    "1e-3",
+                    "--warmup-steps",
+                    "0",
+                    "--num-workers",
+                    "0",
+                    "--log-every",
+                    "100",
+                    "--save-final",
+                    "false",
+                    "--predict-memory",
+                    "false",
+                    "--report",
+                    "false",
+                    *extra,
+                ],
+            }
+        )
 
     # The text classifier keeps its last step: predict's test below reads that checkpoint.
-    for example, args, extra in (("hf_text_classifier", hf_text, ["--save-final", "true"]),
-                                 ("causal_lm", causal_lm, ["--activation-checkpointing"]),
-                                 ("custom_fusion", custom_fusion, ["--freeze-layers", "0", "--unfreeze-at-step", "none"])):
+    for example, args, extra in (
+        ("hf_text_classifier", hf_text, ["--save-final", "true"]),
+        ("causal_lm", causal_lm, ["--activation-checkpointing"]),
+        ("custom_fusion", custom_fusion, ["--freeze-layers", "0", "--unfreeze-at-step", "none"]),
+    ):
         for s in STRATEGIES:
             add(f"{example}/{s}", example, args, variants[s], extra)
     for s in STRATEGIES:
@@ -100,17 +193,31 @@ def examples(mm_data, tmp_path_factory) -> dict:
     # The multimodal report's own code, at a learning rate where its BatchNorm-heavy ResNet stays within the
     # parity bound. FSDP and ZeRO-3 resume from their step-5 checkpoint in this launch.
     for s in STRATEGIES:
-        add(f"moduledict_fusion/{s}", "moduledict_fusion", moduledict_fusion, variants[s],
-            ["--save-every", str(MODULEDICT_RESUME_AT), "--lr", MODULEDICT_LR])
+        add(
+            f"moduledict_fusion/{s}",
+            "moduledict_fusion",
+            moduledict_fusion,
+            variants[s],
+            ["--save-every", str(MODULEDICT_RESUME_AT), "--lr", MODULEDICT_LR],
+        )
     for s in MODULEDICT_RESUMED:
-        add(f"moduledict_fusion/resumed/{s}", "moduledict_fusion", moduledict_fusion, variants[s],
-            ["--lr", MODULEDICT_LR, "--resume", str(root / "moduledict_fusion" / s / "checkpoints" / "step-000005")])
+        add(
+            f"moduledict_fusion/resumed/{s}",
+            "moduledict_fusion",
+            moduledict_fusion,
+            variants[s],
+            ["--lr", MODULEDICT_LR, "--resume", str(root / "moduledict_fusion" / s / "checkpoints" / "step-000005")],
+        )
     # A user's BatchNorm under bf16 (its weights must stay fp32), with FSDP2's mixed-precision parameters and
     # under ZeRO-2. FSDP2's 16-bit gathers are the shipped policies' default (mixed_precision: true).
-    for name, flags in (("fsdp_mp", ["--strategy", "fsdp"]),
-                        ("zero2", variants["zero2"])):
-        add(f"custom_fusion/{name}/bf16", "custom_fusion", custom_fusion, flags,
-            [*fusion_freeze, "--precision", "bf16", "--max-steps", "2", "--unfreeze-at-step", "2"])
+    for name, flags in (("fsdp_mp", ["--strategy", "fsdp"]), ("zero2", variants["zero2"])):
+        add(
+            f"custom_fusion/{name}/bf16",
+            "custom_fusion",
+            custom_fusion,
+            flags,
+            [*fusion_freeze, "--precision", "bf16", "--max-steps", "2", "--unfreeze-at-step", "2"],
+        )
     (root / "plan.json").write_text(json.dumps(plan))
     torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=1500)
     return json.loads((root / "results.json").read_text())
@@ -203,7 +310,11 @@ def test_custom_fusion_frozen_lower_layers_unfreeze_later(examples):
         assert r["ok"] and r["describe"]["params_frozen"] > 0 and r["eval"]["n_examples"] == 64, (s, r)
         assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0], (s, r["losses"])
         assert rel(r["grad_norms"][0], ref["grad_norms"][0]) <= GRAD_NORM_RTOL, (s, r["grad_norms"], ref["grad_norms"])
-        assert max(rel(a, b) for a, b in zip(r["losses"], ref["losses"])) <= BN_LOSS_RTOL, (s, r["losses"], ref["losses"])
+        assert max(rel(a, b) for a, b in zip(r["losses"], ref["losses"])) <= BN_LOSS_RTOL, (
+            s,
+            r["losses"],
+            ref["losses"],
+        )
     # Unfreezing changes what trains: the gradient norm jumps at the first step the lower layers join.
     g = ref["grad_norms"]
     assert g[FUSION_UNFREEZE_AT] > 1.5 * g[FUSION_UNFREEZE_AT - 1], g
@@ -249,9 +360,15 @@ def test_the_reports_moduledict_code_trains_resumes_and_exports_on_every_strateg
     env = test_env(PYTHONPATH=f"{REPO}:{REPO / 'examples' / 'moduledict_fusion'}")
     cli(["export", run_dir, str(tmp_path / "export"), "--eval"], env=env)
     from safetensors.torch import load_file
+
     names = set(load_file(str(tmp_path / "export" / "model.safetensors")))
-    assert {"text.embeddings.word_embeddings.weight", "img.conv1.weight", "img.bn1.running_mean",
-            "img.layer1.0.conv1.weight", "fusion.text_proj.weight"} <= names, sorted(names)[:5]
+    assert {
+        "text.embeddings.word_embeddings.weight",
+        "img.conv1.weight",
+        "img.bn1.running_mean",
+        "img.layer1.0.conv1.weight",
+        "fusion.text_proj.weight",
+    } <= names, sorted(names)[:5]
     assert not any(n.startswith(("module.", "model.")) for n in names), sorted(names)[:5]
     evaluated = json.loads((tmp_path / "export" / "shardtrain_export.json").read_text())["eval_fp32"]
     assert evaluated == pytest.approx(zero3["eval"], rel=1e-9), (evaluated, zero3["eval"])

@@ -3,6 +3,7 @@ trained with flags only), the export loads with plain transformers and reproduce
 unlabelled files row for row with their ids, `export --eval` reads the run's own data source, and a resume on
 other data says so. One launch of 2 ranks (tests/dist/matrix_driver.py) trains a tiny Longformer, a tiny
 multimodal model and the resume; the tests share it."""
+
 from __future__ import annotations
 
 import csv
@@ -10,14 +11,28 @@ import json
 from pathlib import Path
 
 import pytest
+from launch import REPO, run_plan
 from plain_transformers import fresh
 
-from launch import REPO, run_plan
-
 from shardtrain import cli
+
 LABELS = ["arts", "business", "politics", "science", "sports"]
-COMMON = ["--resume", "none", "--predict-memory", "false", "--report", "false", "--num-workers", "0",
-          "--log-every", "100", "--strategy", "ddp", "--device", "cpu"]
+COMMON = [
+    "--resume",
+    "none",
+    "--predict-memory",
+    "false",
+    "--report",
+    "false",
+    "--num-workers",
+    "0",
+    "--log-every",
+    "100",
+    "--strategy",
+    "ddp",
+    "--device",
+    "cpu",
+]
 
 
 def write_csv(path: Path, header: list[str], rows: list[list]) -> Path:
@@ -56,29 +71,91 @@ def jsonl(path: Path) -> list[dict]:
 def runs(ld_data, mm_data, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("after_training")
     docs = [json.loads(x) for x in (ld_data / "train.jsonl").read_text().splitlines()[:60]]
-    files = {"docs": write_csv(root / "docs.csv", ["id", "document", "category"],
-                               [[f"doc-{i:03d}", d["text"], LABELS[d["label"]]] for i, d in enumerate(docs)]),
-             "small": write_csv(root / "small.csv", ["id", "document", "category"],
-                                [[f"doc-{i:03d}", d["text"], LABELS[d["label"]]] for i, d in enumerate(docs[:20])])}
+    files = {
+        "docs": write_csv(
+            root / "docs.csv",
+            ["id", "document", "category"],
+            [[f"doc-{i:03d}", d["text"], LABELS[d["label"]]] for i, d in enumerate(docs)],
+        ),
+        "small": write_csv(
+            root / "small.csv",
+            ["id", "document", "category"],
+            [[f"doc-{i:03d}", d["text"], LABELS[d["label"]]] for i, d in enumerate(docs[:20])],
+        ),
+    }
     for split, n in (("train", 96), ("validation", 24)):  # the multimodal records as a csv with class names
         recs = [json.loads(x) for x in (mm_data / f"{split}.jsonl").read_text().splitlines()[:n]]
-        files[f"mm_{split}"] = write_csv(root / f"mm_{split}.csv", ["id", "text", "image", "label"],
-                                         [[f"post-{i}", r["text"], str(mm_data / r["image"]), ["neg", "neu", "pos"][r["label"]]]
-                                          for i, r in enumerate(recs)])
-    ld = ["--config", str(REPO / "configs/longformer_tiny.yaml"), *COMMON, "--text-column-names", "document",
-          "--label-column-name", "category", "--validation-split-percentage", "10", "--per-device-batch-size", "4",
-          "--lr", "5e-3", "--warmup-steps", "0"]
-    plan = [{"name": "ld", "args": [*ld, "--train-file", str(files["docs"]), "--output-dir", str(root / "ld"),
-                                    "--max-steps", "8"]},
-            {"name": "mm", "args": ["--config", str(REPO / "configs/multimodal_tiny.yaml"), *COMMON,
-                                    "--train-file", str(files["mm_train"]), "--validation-file",
-                                    str(files["mm_validation"]), "--output-dir", str(root / "mm"), "--max-steps", "4",
-                                    "--per-device-batch-size", "8", "--lr", "5e-3", "--warmup-steps", "0"]},
-            # Issue 32 item 6: the Longformer run resumed on another file (60 -> 20 rows) for one more step, into
-            # a folder of its own (with the run's tokenizer, as a resume in place would have) to leave `ld` as is.
-            {"name": "ld_changed", "args": [*ld, "--train-file", str(files["small"]), "--output-dir",
-                                            str(root / "ld_changed"), "--resume", str(root / "ld"), "--max-steps", "9",
-                                            "--tokenizer", str(root / "ld" / "tokenizer")]}]
+        files[f"mm_{split}"] = write_csv(
+            root / f"mm_{split}.csv",
+            ["id", "text", "image", "label"],
+            [
+                [f"post-{i}", r["text"], str(mm_data / r["image"]), ["neg", "neu", "pos"][r["label"]]]
+                for i, r in enumerate(recs)
+            ],
+        )
+    ld = [
+        "--config",
+        str(REPO / "configs/longformer_tiny.yaml"),
+        *COMMON,
+        "--text-column-names",
+        "document",
+        "--label-column-name",
+        "category",
+        "--validation-split-percentage",
+        "10",
+        "--per-device-batch-size",
+        "4",
+        "--lr",
+        "5e-3",
+        "--warmup-steps",
+        "0",
+    ]
+    plan = [
+        {
+            "name": "ld",
+            "args": [*ld, "--train-file", str(files["docs"]), "--output-dir", str(root / "ld"), "--max-steps", "8"],
+        },
+        {
+            "name": "mm",
+            "args": [
+                "--config",
+                str(REPO / "configs/multimodal_tiny.yaml"),
+                *COMMON,
+                "--train-file",
+                str(files["mm_train"]),
+                "--validation-file",
+                str(files["mm_validation"]),
+                "--output-dir",
+                str(root / "mm"),
+                "--max-steps",
+                "4",
+                "--per-device-batch-size",
+                "8",
+                "--lr",
+                "5e-3",
+                "--warmup-steps",
+                "0",
+            ],
+        },
+        # Issue 32 item 6: the Longformer run resumed on another file (60 -> 20 rows) for one more step, into
+        # a folder of its own (with the run's tokenizer, as a resume in place would have) to leave `ld` as is.
+        {
+            "name": "ld_changed",
+            "args": [
+                *ld,
+                "--train-file",
+                str(files["small"]),
+                "--output-dir",
+                str(root / "ld_changed"),
+                "--resume",
+                str(root / "ld"),
+                "--max-steps",
+                "9",
+                "--tokenizer",
+                str(root / "ld" / "tokenizer"),
+            ],
+        },
+    ]
     _, results = run_plan(plan, root, timeout=600)
     return {"root": root, "files": files, "results": results}
 
@@ -97,25 +174,35 @@ def test_a_longformer_export_is_two_lines_of_plain_transformers_and_reproduces_p
 
     # The user's file with every other label cell empty (item 2): every row predicted, metrics over the labelled.
     rows = read_csv(runs["files"]["docs"])
-    partial = write_csv(tmp_path / "partial.csv", ["id", "document", "category"],
-                        [[r["id"], r["document"], r["category"] if i % 2 else ""] for i, r in enumerate(rows)])
+    partial = write_csv(
+        tmp_path / "partial.csv",
+        ["id", "document", "category"],
+        [[r["id"], r["document"], r["category"] if i % 2 else ""] for i, r in enumerate(rows)],
+    )
     out = shardtrain(capsys, "predict", export, "--file", partial, "--output", tmp_path / "preds.jsonl")
     preds = jsonl(tmp_path / "preds.jsonl")
     assert [p["row"] for p in preds] == list(range(60)) and [p["id"] for p in preds] == [r["id"] for r in rows]
     assert "file metrics (over the 30 labelled rows): " in out, out
     metrics = printed_metrics(out, "file")
     assert metrics["n_examples"] == 30 == sum("true_label" in p for p in preds)
-    assert metrics["accuracy"] == pytest.approx(sum(p["label"] == p["true_label"] for p in preds if "true_label" in p) / 30)
+    assert metrics["accuracy"] == pytest.approx(
+        sum(p["label"] == p["true_label"] for p in preds if "true_label" in p) / 30
+    )
 
     got = fresh(export, [r["document"] for r in rows], tmp_path / "plain.json")
     from transformers import AutoTokenizer
+
     trained = AutoTokenizer.from_pretrained(str(run / "tokenizer"))
     assert got["vocab"] == len(trained) and got["model_max_length"] == 256
     assert got["input_ids"] == [trained(r["document"], truncation=True, max_length=256)["input_ids"] for r in rows]
     names = [got["id2label"][str(i)] for i in range(len(got["id2label"]))]
     assert names == summary["run"]["label_names"] == sorted({r["category"] for r in rows})
-    gap = max(abs(p["probs"].get(name, 0.0) - got["probs"][p["row"]][i]) for p in preds for i, name in enumerate(names)
-              if name in p["probs"])
+    gap = max(
+        abs(p["probs"].get(name, 0.0) - got["probs"][p["row"]][i])
+        for p in preds
+        for i, name in enumerate(names)
+        if name in p["probs"]
+    )
     agree = sum(p["label"] == names[max(range(len(names)), key=lambda i: got["probs"][p["row"]][i])] for p in preds)
     print(f"\nplain transformers vs shardtrain predict: {agree}/60 rows agree, max probability gap {gap:.2e}")
     assert agree == 60 and gap <= 1e-5, (agree, gap)
@@ -127,8 +214,11 @@ def test_predict_takes_new_unlabelled_files_row_for_row_with_their_ids(runs, tmp
     """Items 2 and 3: a file without the label column, its ids in another column, the rows reversed: every row
     once, in the file's order, each with its row and id, no metrics; the run's own held-out split by row and id."""
     run, rows = runs["root"] / "ld", read_csv(runs["files"]["docs"])
-    new = write_csv(tmp_path / "new.csv", ["doc_id", "document"], [[f"new-{i}", r["document"]] for i, r in
-                                                                    enumerate(reversed(rows))])
+    new = write_csv(
+        tmp_path / "new.csv",
+        ["doc_id", "document"],
+        [[f"new-{i}", r["document"]] for i, r in enumerate(reversed(rows))],
+    )
     out = shardtrain(capsys, "predict", run, "--file", new, "--id-column", "doc_id", "--output", tmp_path / "p.jsonl")
     preds = jsonl(tmp_path / "p.jsonl")
     assert [p["row"] for p in preds] == list(range(60)) and [p["id"] for p in preds] == [f"new-{i}" for i in range(60)]
@@ -136,8 +226,9 @@ def test_predict_takes_new_unlabelled_files_row_for_row_with_their_ids(runs, tmp
     # The run's own validation split: which rows of docs.csv it holds, by row and id.
     out = shardtrain(capsys, "predict", run, "--output", tmp_path / "v.jsonl")
     held = jsonl(tmp_path / "v.jsonl")
-    assert printed_metrics(out, "validation") == pytest.approx(json.loads((run / "summary.json").read_text())["eval"],
-                                                               rel=1e-9)
+    assert printed_metrics(out, "validation") == pytest.approx(
+        json.loads((run / "summary.json").read_text())["eval"], rel=1e-9
+    )
     assert all(p["id"] == rows[p["row"]]["id"] and p["true_label"] == rows[p["row"]]["category"] for p in held)
     assert "shuffled (--validation-split-percentage 10" in out
 
@@ -153,16 +244,19 @@ def test_a_multimodal_export_hands_plain_transformers_its_tokenizer_and_class_na
     texts = [r["text"] for r in rows] + [" ".join(["long"] * 200)]  # one text past max_length (64)
     got = fresh(export, texts, tmp_path / "plain.json", "--tokenizer-only")
     from transformers import AutoTokenizer
+
     trained = AutoTokenizer.from_pretrained(str(run / "tokenizer"))
     assert got["model_max_length"] == 64 and got["vocab"] == len(trained)
     assert got["input_ids"] == [trained(t, truncation=True, max_length=64)["input_ids"] for t in texts]
     assert len(got["input_ids"][-1]) == 64
     assert got["id2label"] == {"0": "neg", "1": "neu", "2": "pos"}
     # The run's --validation-file, predicted from the export, is the run's final eval.
-    out = shardtrain(capsys, "predict", export, "--file", runs["files"]["mm_validation"], "--output",
-                     tmp_path / "p.jsonl")
-    assert printed_metrics(out, "file") == pytest.approx(json.loads((run / "summary.json").read_text())["eval"],
-                                                         rel=1e-9), out
+    out = shardtrain(
+        capsys, "predict", export, "--file", runs["files"]["mm_validation"], "--output", tmp_path / "p.jsonl"
+    )
+    assert printed_metrics(out, "file") == pytest.approx(
+        json.loads((run / "summary.json").read_text())["eval"], rel=1e-9
+    ), out
     assert [p["id"] for p in jsonl(tmp_path / "p.jsonl")] == [r["id"] for r in rows]
 
 

@@ -19,6 +19,7 @@ with --freeze-layers 1 / --unfreeze-at-step 3 on top (its freezable names overla
 - the unfreeze trains the --freeze-layers head block only; the summary counts the backbone as frozen.
 FSDP's root unit holds the frozen embeddings and BatchNorm beside the trainable output layer.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,20 +28,28 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run_plan, strategy_variants, tiny_args
+
 from shardtrain.checkpointing.portable import read_portable
 
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 STEPS, UNFREEZE_AT = 6, 3
 # (resumed under, checkpoint of, at step): before the unfreeze (2) and after it (4)
-RESUMES = (("zero2", "zero2", 2), ("zero2", "zero2", 4), ("zero3", "zero3", 2), ("zero3", "zero3", 4),
-           ("zero3", "ddp", 2), ("ddp", "zero3", 2), ("ddp", "ddp", 4), ("fsdp", "zero2", 4))
+RESUMES = (
+    ("zero2", "zero2", 2),
+    ("zero2", "zero2", 4),
+    ("zero3", "zero3", 2),
+    ("zero3", "zero3", 4),
+    ("zero3", "ddp", 2),
+    ("ddp", "zero3", 2),
+    ("ddp", "ddp", 4),
+    ("fsdp", "zero2", 4),
+)
 RTOL = 1e-4
 USER_RESUMES = (("zero3", "zero3", 4), ("zero3", "ddp", 2), ("fsdp", "zero2", 4))
 
 # A user's workload file, as users write one: the backbone stands for a pretrained encoder, frozen by hand.
-USER_WORKLOAD = '''
+USER_WORKLOAD = """
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -115,7 +124,7 @@ class FrozenBackbone(Workload):
     def freezable_parameter_names(self, n):
         prefixes = ("backbone.embed.", *(f"blocks.{i}." for i in range(n)))
         return [name for name, _ in Classifier().named_parameters() if name.startswith(prefixes)]
-'''
+"""
 USER_CONFIG = """workload:
   target: frozen_backbone:FrozenBackbone
 train:
@@ -134,27 +143,77 @@ def runs(ld_data, tmp_path_factory) -> dict:
     plan = []
 
     def add(name, strategy, *extra):
-        plan.append({"name": name, "args": tiny_args(
-            "longformer", ld_data, root / name.replace("/", "_"), *flags[strategy], "--max-steps", str(STEPS),
-            "--freeze-layers", "1", "--unfreeze-at-step", str(UNFREEZE_AT), "--log-every", "100",
-            "--max-eval-samples", "8", "--memory-every", "5", *extra)})
+        plan.append(
+            {
+                "name": name,
+                "args": tiny_args(
+                    "longformer",
+                    ld_data,
+                    root / name.replace("/", "_"),
+                    *flags[strategy],
+                    "--max-steps",
+                    str(STEPS),
+                    "--freeze-layers",
+                    "1",
+                    "--unfreeze-at-step",
+                    str(UNFREEZE_AT),
+                    "--log-every",
+                    "100",
+                    "--max-eval-samples",
+                    "8",
+                    "--memory-every",
+                    "5",
+                    *extra,
+                ),
+            }
+        )
 
     (root / "frozen_backbone.py").write_text(USER_WORKLOAD)
     (root / "frozen_backbone.yaml").write_text(USER_CONFIG)
 
     def add_user(name, strategy, *extra):
-        plan.append({"name": name, "args": [
-            "--config", str(root / "frozen_backbone.yaml"), *flags[strategy], "--output-dir",
-            str(root / name.replace("/", "_")), "--resume", "none", "--max-steps", str(STEPS), "--freeze-layers", "1",
-            "--unfreeze-at-step", str(UNFREEZE_AT), "--log-every", "100", "--memory-every", "5", "--report", "false",
-            *extra]})
+        plan.append(
+            {
+                "name": name,
+                "args": [
+                    "--config",
+                    str(root / "frozen_backbone.yaml"),
+                    *flags[strategy],
+                    "--output-dir",
+                    str(root / name.replace("/", "_")),
+                    "--resume",
+                    "none",
+                    "--max-steps",
+                    str(STEPS),
+                    "--freeze-layers",
+                    "1",
+                    "--unfreeze-at-step",
+                    str(UNFREEZE_AT),
+                    "--log-every",
+                    "100",
+                    "--memory-every",
+                    "5",
+                    "--report",
+                    "false",
+                    *extra,
+                ],
+            }
+        )
 
     for s in STRATEGIES:
         add(f"full/{s}", s, "--save-every", "2", "--keep-last", "5")
     for under, writer, step in RESUMES:
         ckpt = root / f"full_{writer}" / "checkpoints" / f"step-{step:06d}"
-        add(f"resume/{under}/{writer}@{step}", under, "--resume", str(ckpt), "--save-every", "0",
-            "--save-final", "false")
+        add(
+            f"resume/{under}/{writer}@{step}",
+            under,
+            "--resume",
+            str(ckpt),
+            "--save-every",
+            "0",
+            "--save-final",
+            "false",
+        )
     for s in STRATEGIES:
         add_user(f"user/{s}", s, "--save-every", "2", "--keep-last", "5")
     for under, writer, step in USER_RESUMES:
@@ -184,8 +243,10 @@ def test_frozen_parameters_hold_no_gradient_or_optimizer_state(runs):
         frozen, unfrozen = mem_at(runs[f"full/{s}"], 2), mem_at(runs[f"full/{s}"], 5)
         for key in ("grads", "optimizer"):
             ratio = frozen[key] / unfrozen[key]
-            print(f"{s:<6} {key:<9} frozen {frozen[key]:>8} B, unfrozen {unfrozen[key]:>8} B: {ratio:.3f} "
-                  f"(trainable share {share:.3f})")
+            print(
+                f"{s:<6} {key:<9} frozen {frozen[key]:>8} B, unfrozen {unfrozen[key]:>8} B: {ratio:.3f} "
+                f"(trainable share {share:.3f})"
+            )
             assert ratio <= 1.2 * share, (s, key, frozen[key], unfrozen[key], share)
 
 
@@ -206,8 +267,7 @@ def test_trajectory_matches_ddp_across_the_unfreeze(runs):
 def test_resume_across_the_unfreeze_continues_the_run(runs, under, writer, step):
     full, resumed = runs[f"full/{under}"], runs[f"resume/{under}/{writer}@{step}"]
     assert len(resumed["losses"]) == STEPS - step, resumed["losses"]
-    pairs = list(zip(resumed["losses"] + resumed["grad_norms"],
-                     full["losses"][step:] + full["grad_norms"][step:]))
+    pairs = list(zip(resumed["losses"] + resumed["grad_norms"], full["losses"][step:] + full["grad_norms"][step:]))
     worst = max(rel(a, b) for a, b in pairs)
     print(f"{under} resumed from {writer}'s step {step}: max rel {worst:.1e}")
     assert worst <= RTOL, (resumed["losses"], full["losses"][step:])
@@ -244,8 +304,10 @@ def test_what_the_users_build_model_froze_stays_frozen(runs):
         final = read_portable(Path(run["dir"]) / "checkpoints" / f"step-{STEPS:06d}", optimizer=True)
         moved = sorted(n for n in held if not torch.equal(final["model"][n], built[n]))
         with_state = sorted(k for k in final["optim"] if k.rsplit(".", 1)[0] in backbone)
-        print(f"{name:<24} frozen {summary['params_frozen']:,} of {total:,}; backbone tensors moved: {len(moved)}, "
-              f"with optimizer state: {len(with_state)}")
+        print(
+            f"{name:<24} frozen {summary['params_frozen']:,} of {total:,}; backbone tensors moved: {len(moved)}, "
+            f"with optimizer state: {len(with_state)}"
+        )
         assert not moved and not with_state, (name, moved, with_state)
         # the unfreeze reached the --freeze-layers block (not frozen by the user), and trained it
         assert all(not torch.equal(final["model"][n], built[n]) for n in head_block), name

@@ -7,6 +7,7 @@
 Data comes from the two channel folders, checkpoints from the folder SageMaker syncs (a tmp dir through
 SHARDTRAIN_SM_CHECKPOINT_DIR, the override of /opt/ml/checkpoints), the final model goes to SM_MODEL_DIR.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,12 +34,28 @@ def _channels(src, root):
 def test_sagemaker_plain_python_then_torchrun_resume(mm_data, tmp_path):
     train, val = _channels(mm_data, tmp_path / "input")
     ckpt, model = tmp_path / "checkpoints", tmp_path / "model"
-    env = launch_env(SM_CHANNEL_TRAIN=train, SM_CHANNEL_VALIDATION=val, SM_MODEL_DIR=model,
-                   SM_HOSTS='["algo-1"]', SM_CURRENT_HOST="algo-1", SM_NUM_GPUS=0,
-                   SHARDTRAIN_SM_CHECKPOINT_DIR=ckpt)
+    env = launch_env(
+        SM_CHANNEL_TRAIN=train,
+        SM_CHANNEL_VALIDATION=val,
+        SM_MODEL_DIR=model,
+        SM_HOSTS='["algo-1"]',
+        SM_CURRENT_HOST="algo-1",
+        SM_NUM_GPUS=0,
+        SHARDTRAIN_SM_CHECKPOINT_DIR=ckpt,
+    )
     # Hyperparameters spelled as SageMaker passes them: verbatim names, underscores.
-    hp = ["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--device", "cpu",
-          "--per_device_batch_size", "4", "--save_every", "2", "--log_every", "1"]
+    hp = [
+        "--config",
+        str(REPO / "configs/multimodal_tiny.yaml"),
+        "--device",
+        "cpu",
+        "--per_device_batch_size",
+        "4",
+        "--save_every",
+        "2",
+        "--log_every",
+        "1",
+    ]
 
     first = cli(["train", *hp, "--max_steps", "2", "--nproc", "2"], env=env)
     assert "starting 2 processes" in first.output

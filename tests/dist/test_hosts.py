@@ -1,13 +1,13 @@
 """The namespace hosts themselves (tests/hosts.py): separate hostnames, addresses only inside them, a working
 link between them, and nothing left behind."""
+
 from __future__ import annotations
 
 import subprocess
 import sys
 
-import pytest
-
 import hosts as hosts_module
+import pytest
 
 PY = sys.executable
 
@@ -15,13 +15,23 @@ PY = sys.executable
 def test_nodes_are_separate_hosts_on_one_link(namespace_hosts):
     hosts = namespace_hosts(2)
     node1, node2 = hosts["node1"], hosts["node2"]
-    server = node1.popen([PY, "-c", "import socket; s = socket.create_server(('0.0.0.0', 29555)); c, _ = s.accept();"
-                                    "c.sendall(socket.gethostname().encode())"], stdout=subprocess.PIPE, text=True)
-    probe = ("import socket, time\n"
-             "for _ in range(100):\n"
-             "    try: c = socket.create_connection(('node1', 29555), timeout=1); break\n"
-             "    except OSError: time.sleep(0.05)\n"
-             "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()), c.recv(64).decode())")
+    server = node1.popen(
+        [
+            PY,
+            "-c",
+            "import socket; s = socket.create_server(('0.0.0.0', 29555)); c, _ = s.accept();"
+            "c.sendall(socket.gethostname().encode())",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    probe = (
+        "import socket, time\n"
+        "for _ in range(100):\n"
+        "    try: c = socket.create_connection(('node1', 29555), timeout=1); break\n"
+        "    except OSError: time.sleep(0.05)\n"
+        "print(socket.gethostname(), socket.gethostbyname(socket.gethostname()), c.recv(64).decode())"
+    )
     seen = node2.run([PY, "-c", probe], capture_output=True, text=True, timeout=30)
     server.wait(timeout=30)
     assert seen.returncode == 0, seen.stderr
@@ -55,16 +65,18 @@ def test_teardown_removes_everything_and_a_leftover_is_named(namespace_hosts, tm
 def test_torchrun_rendezvous_across_two_nodes(namespace_hosts):
     """The launch helpers' multi-node form: one torchrun per node, c10d rendezvous at node1."""
     from launch import run_together, torchrun_nodes_cmd
+
     hosts = namespace_hosts(2)
     probe = hosts.dir / "probe.py"
-    probe.write_text("import os, socket, torch.distributed as dist\n"
-                     "dist.init_process_group('gloo')\n"
-                     "names = [None] * dist.get_world_size()\n"
-                     "dist.all_gather_object(names, socket.gethostname())\n"
-                     "print('hosts', dist.get_rank(), ','.join(names))\n"
-                     "dist.destroy_process_group()\n")
-    runs = run_together([node.wrap(torchrun_nodes_cmd([], nproc=1, script=probe)) for node in hosts.nodes],
-                        timeout=120)
+    probe.write_text(
+        "import os, socket, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "names = [None] * dist.get_world_size()\n"
+        "dist.all_gather_object(names, socket.gethostname())\n"
+        "print('hosts', dist.get_rank(), ','.join(names))\n"
+        "dist.destroy_process_group()\n"
+    )
+    runs = run_together([node.wrap(torchrun_nodes_cmd([], nproc=1, script=probe)) for node in hosts.nodes], timeout=120)
     seen = [next(line.split()[1:] for line in r.output.splitlines() if line.startswith("hosts ")) for r in runs]
     assert sorted(rank for rank, _ in seen) == ["0", "1"]
     assert all(sorted(names.split(",")) == ["node1", "node2"] for _, names in seen), seen

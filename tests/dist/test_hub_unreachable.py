@@ -4,6 +4,7 @@ and its flag within seconds, or, when the files are in the local HF cache, a run
 HF_ENDPOINT points at 127.0.0.1 only (a socket that listens and never answers, a port that refuses); HF_HUB_OFFLINE
 is unset in these runs' environment alone. Before shardtrain/runtime/hub.py the first took ~56 s of retries and blamed
 --tokenizer, the second ~220 s (every file retried before the cache was used)."""
+
 from __future__ import annotations
 
 import socket
@@ -22,9 +23,27 @@ def unreachable_env(hf_home: Path, endpoint: str) -> dict:
 
 
 def hub_args(data: Path, out: Path, *extra: str) -> list[str]:
-    return ["train", *tiny_args("multimodal", data, out, "--pretrained", "true", "--text-model", MODEL,
-                                "--text-config", "{}", "--max-length", "32", "--max-steps", "2",
-                                "--max-eval-samples", "8", *extra)]
+    return [
+        "train",
+        *tiny_args(
+            "multimodal",
+            data,
+            out,
+            "--pretrained",
+            "true",
+            "--text-model",
+            MODEL,
+            "--text-config",
+            "{}",
+            "--max-length",
+            "32",
+            "--max-steps",
+            "2",
+            "--max-eval-samples",
+            "8",
+            *extra,
+        ),
+    ]
 
 
 def cache_tiny_model(hf_home: Path, data: Path) -> None:
@@ -41,8 +60,16 @@ def cache_tiny_model(hf_home: Path, data: Path) -> None:
     (folder / "refs" / "main").write_text("0" * 40)
     tok = train_bpe(list(read_texts(split_path(str(data), "train"))), 300)
     tok.save_pretrained(str(snapshot))
-    RobertaModel(RobertaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               intermediate_size=64, max_position_embeddings=40)).save_pretrained(str(snapshot))
+    RobertaModel(
+        RobertaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=40,
+        )
+    ).save_pretrained(str(snapshot))
 
 
 def test_silent_hub_fails_in_seconds_naming_the_model(mm_data, tmp_path):
@@ -56,8 +83,9 @@ def test_silent_hub_fails_in_seconds_naming_the_model(mm_data, tmp_path):
     print(f"\nsilent hub: exit {run.returncode} after {seconds:.1f} s")
     lines = [line for line in run.output.splitlines() if line.startswith("shardtrain: error")]
     assert run.returncode == 2 and len(lines) == 1 and "Traceback" not in run.output, run.tail()
-    assert lines[0].startswith(f"shardtrain: error: --text-model (model.text_model) {MODEL}: the Hugging Face hub "
-                               f"http://127.0.0.1:")
+    assert lines[0].startswith(
+        f"shardtrain: error: --text-model (model.text_model) {MODEL}: the Hugging Face hub http://127.0.0.1:"
+    )
     assert "(no answer within 3 s)" in lines[0] and "not in the local cache" in lines[0]
     assert seconds < 25  # interpreter + imports + the 3 s probe; before: ~56 s, then --tokenizer was blamed
     assert not (tmp_path / "out").exists()

@@ -4,6 +4,7 @@ in editable mode.
 
 The shared venv is left alone: a throwaway venv that sees its packages through a .pth file stands in for VENV,
 and PIP_NO_INDEX=1 keeps pip off the network (every requirement is already there)."""
+
 from __future__ import annotations
 
 import os
@@ -25,8 +26,9 @@ def throwaway_venv(path: Path) -> Path:
 def make_venv(venv: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PIP_NO_INDEX"] = "1"
-    return subprocess.run(["make", "-s", "-C", str(REPO), "venv", f"VENV={venv}"], env=env, capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        ["make", "-s", "-C", str(REPO), "venv", f"VENV={venv}"], env=env, capture_output=True, text=True, timeout=180
+    )
 
 
 def test_make_venv_installs_the_shardtrain_command(tmp_path):
@@ -36,12 +38,21 @@ def test_make_venv_installs_the_shardtrain_command(tmp_path):
     outside = tmp_path / "elsewhere"
     outside.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    for cmd in ([str(venv / "bin" / "shardtrain"), "--help"], [str(venv / "bin" / "python"), "-m", "shardtrain", "--help"]):
+    for cmd in (
+        [str(venv / "bin" / "shardtrain"), "--help"],
+        [str(venv / "bin" / "python"), "-m", "shardtrain", "--help"],
+    ):
         run = subprocess.run(cmd, cwd=outside, env=env, capture_output=True, text=True, timeout=60)
         assert run.returncode == 0 and "usage: shardtrain <command>" in run.stdout, (cmd, run.stdout + run.stderr)
         assert "train " in run.stdout
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import shardtrain; print(shardtrain.__file__)"],
-                           cwd=outside, env=env, capture_output=True, text=True, timeout=60)
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import shardtrain; print(shardtrain.__file__)"],
+        cwd=outside,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert Path(where.stdout.strip()) == REPO / "shardtrain" / "__init__.py"  # this checkout, not a copy
     # Installed once per checkout: the next make (every `make demo`) does not run pip again.
     assert (venv / ".editable-checkout").read_text().startswith(f"{REPO} ")

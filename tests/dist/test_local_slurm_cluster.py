@@ -22,10 +22,22 @@ def test_local_cluster_runs_typed_gpu_job(local_slurm, tmp_path: Path) -> None:
     env = dict(os.environ, SLURM_CONF=slurm_conf)
     out = tmp_path / "job.out"
     job = subprocess.run(
-        ["sbatch", "--wait", "--gres=gpu:a100:3", "--cpus-per-task=12", "--mem=64G",
-         "--time=2", f"--output={out}",
-         "--wrap", 'echo "CVD=$CUDA_VISIBLE_DEVICES"; echo "NGPU=$SLURM_GPUS_ON_NODE"'],
-        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+        [
+            "sbatch",
+            "--wait",
+            "--gres=gpu:a100:3",
+            "--cpus-per-task=12",
+            "--mem=64G",
+            "--time=2",
+            f"--output={out}",
+            "--wrap",
+            'echo "CVD=$CUDA_VISIBLE_DEVICES"; echo "NGPU=$SLURM_GPUS_ON_NODE"',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
     )
     assert job.returncode == 0, f"sbatch failed:\n{job.stdout}\n{job.stderr}"
     lines = dict(line.split("=", 1) for line in out.read_text().splitlines() if "=" in line)
@@ -68,12 +80,23 @@ def test_srun_gpus_per_task_gives_each_rank_its_one_gpu(local_slurm, tmp_path: P
         env.pop(k, None)
     rows = {}
     for name, gpus in (("per_task", ["--gpus-per-task=1"]), ("shared", ["--gres=gpu:a100:2"])):
-        job = subprocess.run(["srun", "--ntasks=2", "--time=2", *gpus, sys.executable, "-c", PICK_DEVICE],
-                             capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+        job = subprocess.run(
+            ["srun", "--ntasks=2", "--time=2", *gpus, sys.executable, "-c", PICK_DEVICE],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=tmp_path,
+        )
         assert job.returncode == 0, f"srun failed:\n{job.stdout}\n{job.stderr}"
-        rows[name] = sorted((json.loads(line[5:]) for line in job.stdout.splitlines() if line.startswith("TASK ")),
-                            key=lambda r: r["rank"])
+        rows[name] = sorted(
+            (json.loads(line[5:]) for line in job.stdout.splitlines() if line.startswith("TASK ")),
+            key=lambda r: r["rank"],
+        )
     per_task, shared = rows["per_task"], rows["shared"]
     assert [len(r["visible"]) for r in per_task] == [1, 1] and per_task[0]["visible"] != per_task[1]["visible"]
-    assert [(r["local_rank"], r["device"], r["set_device"]) for r in per_task] == [(0, "cuda:0", [0]), (1, "cuda:0", [0])]
+    assert [(r["local_rank"], r["device"], r["set_device"]) for r in per_task] == [
+        (0, "cuda:0", [0]),
+        (1, "cuda:0", [0]),
+    ]
     assert [(r["local_rank"], r["device"]) for r in shared] == [(0, "cuda:0"), (1, "cuda:1")]

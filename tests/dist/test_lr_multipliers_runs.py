@@ -4,25 +4,46 @@ the new head. One launch of tests/dist/matrix_driver.py (2 CPU ranks, tiny multi
 fsdp. A factor of 0 is the sharpest check that each strategy applies the part's rate: AdamW with a zero rate
 (decoupled weight decay included) leaves the text encoder bit-identical, while the image encoder and the fusion head
 train. The per-group rates are in every checkpoint and survive the cross-strategy resume."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from launch import run_plan, tiny_args
+
 from shardtrain.checkpointing.portable import read_portable
 
-STRATEGIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
-              "zero2": ["--ds", "ds_configs/zero2.json"], "zero3": ["--ds", "ds_configs/zero3.json"]}
+STRATEGIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "zero2": ["--ds", "ds_configs/zero2.json"],
+    "zero3": ["--ds", "ds_configs/zero3.json"],
+}
 MULTIPLIERS = '{"text": 0, "image": 0.5}'
 RTOL = 1e-4
 
 
 def run_args(data, out, strategy, *extra):
-    return tiny_args("multimodal", data, out, *STRATEGIES[strategy], "--max-steps", "4", "--save-every", "2",
-                     "--per-device-batch-size", "8", "--dropout", "0.0", "--lr", "1e-3",
-                     "--lr-multipliers", MULTIPLIERS, *extra)
+    return tiny_args(
+        "multimodal",
+        data,
+        out,
+        *STRATEGIES[strategy],
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--per-device-batch-size",
+        "8",
+        "--dropout",
+        "0.0",
+        "--lr",
+        "1e-3",
+        "--lr-multipliers",
+        MULTIPLIERS,
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +52,12 @@ def runs(mm_data, tmp_path_factory):
     plan = [{"name": s, "args": run_args(mm_data, root / s, s)} for s in STRATEGIES]
     plan[0]["weights"] = True  # the initial weights, rebuilt as train() builds them
     z2_step2 = root / "zero2" / "checkpoints" / "step-000002"
-    plan.append({"name": "fsdp_from_zero2",
-                 "args": run_args(mm_data, root / "fsdp_from_zero2", "fsdp", "--resume", str(z2_step2))})
+    plan.append(
+        {
+            "name": "fsdp_from_zero2",
+            "args": run_args(mm_data, root / "fsdp_from_zero2", "fsdp", "--resume", str(z2_step2)),
+        }
+    )
     _, results = run_plan(plan, root, timeout=900)
     return root, results
 
@@ -71,7 +96,7 @@ def test_every_strategy_follows_ddp_and_keeps_each_groups_rate(runs):
     assert len(ddp_rates) == 6 and sorted(set(ddp_rates))[0] == 0.0
     for name in [*STRATEGIES, "fsdp_from_zero2"]:
         got = results[name]
-        assert got["losses"] == pytest.approx(ref["losses"][-len(got["losses"]):], rel=RTOL), name
-        assert got["lrs"] == pytest.approx(ref["lrs"][-len(got["lrs"]):], rel=1e-12), name
+        assert got["losses"] == pytest.approx(ref["losses"][-len(got["losses"]) :], rel=RTOL), name
+        assert got["lrs"] == pytest.approx(ref["lrs"][-len(got["lrs"]) :], rel=1e-12), name
         assert group_rates(root / name, 4) == pytest.approx(ddp_rates, rel=1e-12), name
     assert len(results["fsdp_from_zero2"]["losses"]) == 2  # steps 3 and 4: it resumed at 2

@@ -11,6 +11,7 @@ train() as shardtrain/main.py, once per configuration, in one process group of 2
 
 Each strategy also runs once through shardtrain/main.py itself: tests/dist/test_entry_points.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,6 @@ import math
 from pathlib import Path
 
 import pytest
-
 from launch import REPO, cli, predicted_metrics, run_plan, strategy_variants, tiny_args
 
 # The one strategy-name -> flags map (shardtrain parity's); the matrix leaves FSDP offload to test_memory.
@@ -42,37 +42,88 @@ def _plan(data_dirs: dict, root: Path) -> list[dict]:
         # make its save the harder one (every strategy x precision x checkpointing save still runs once), and on
         # the Longformer run that the predict test below reads; the freeze runs' come from --save-every.
         no_save = ["--save-final", "false"] if workload == "longformer" and name != PREDICTED_LONGFORMER else []
-        args = tiny_args(workload, data_dirs[workload], out, *STRATEGIES[strategy], "--report", "false", "--predict-memory", "false",
-                         "--max-eval-samples", "16", "--log-every", "100", *no_save, *extra)
+        args = tiny_args(
+            workload,
+            data_dirs[workload],
+            out,
+            *STRATEGIES[strategy],
+            "--report",
+            "false",
+            "--predict-memory",
+            "false",
+            "--max-eval-samples",
+            "16",
+            "--log-every",
+            "100",
+            *no_save,
+            *extra,
+        )
         plan.append({"name": name, "args": args, **opts})
 
     for workload in WORKLOADS:
         for strategy in STRATEGIES:
             add(f"{workload}/{strategy}/fp32", workload, strategy, "--max-steps", str(PARITY_STEPS))
-            add(f"{workload}/{strategy}/ac", workload, strategy, "--max-steps", str(AC_STEPS),
-                "--activation-checkpointing")
+            add(
+                f"{workload}/{strategy}/ac",
+                workload,
+                strategy,
+                "--max-steps",
+                str(AC_STEPS),
+                "--activation-checkpointing",
+            )
     for strategy in STRATEGIES:  # longformer_tiny's micro-batch is 8; BatchNorm would see different batches
-        add(f"longformer/{strategy}/accum", "longformer", strategy, "--max-steps", str(ACCUM_STEPS),
-            "--per-device-batch-size", "4", "--grad-accum", "2")
+        add(
+            f"longformer/{strategy}/accum",
+            "longformer",
+            strategy,
+            "--max-steps",
+            str(ACCUM_STEPS),
+            "--per-device-batch-size",
+            "4",
+            "--grad-accum",
+            "2",
+        )
     for strategy in FREEZE_STRATEGIES:
-        add(f"multimodal/{strategy}/freeze", "multimodal", strategy, "--max-steps", str(FREEZE_STEPS),
-            "--freeze-layers", "1", "--unfreeze-at-step", str(FREEZE_AT), "--save-every", str(FREEZE_AT),
-            "--keep-last", "5", weights=True)
+        add(
+            f"multimodal/{strategy}/freeze",
+            "multimodal",
+            strategy,
+            "--max-steps",
+            str(FREEZE_STEPS),
+            "--freeze-layers",
+            "1",
+            "--unfreeze-at-step",
+            str(FREEZE_AT),
+            "--save-every",
+            str(FREEZE_AT),
+            "--keep-last",
+            "5",
+            weights=True,
+        )
     for strategy in STRATEGIES:
         add(f"multimodal/{strategy}/bf16", "multimodal", strategy, "--max-steps", "2", "--precision", "bf16")
     # The shipped policies gather 16-bit parameters under bf16/fp16 (mixed_precision: true); this one keeps the
     # autocast-only path (fp32 gathers) a policy can still choose.
     fp32_gathers = root / "fsdp_fp32_gathers.yaml"
-    fp32_gathers.write_text((REPO / "fsdp_policies/default.yaml").read_text()
-                            .replace("mixed_precision: true", "mixed_precision: false"))
-    add("multimodal/fsdp_fp32_gathers/bf16", "multimodal", "fsdp", "--max-steps", "2", "--precision", "bf16",
-        "--fsdp-policy", str(fp32_gathers))
+    fp32_gathers.write_text(
+        (REPO / "fsdp_policies/default.yaml").read_text().replace("mixed_precision: true", "mixed_precision: false")
+    )
+    add(
+        "multimodal/fsdp_fp32_gathers/bf16",
+        "multimodal",
+        "fsdp",
+        "--max-steps",
+        "2",
+        "--precision",
+        "bf16",
+        "--fsdp-policy",
+        str(fp32_gathers),
+    )
     for workload in WORKLOADS:
         for strategy in NATIVE:
             add(f"{workload}/{strategy}/fp16", workload, strategy, "--max-steps", "2", "--precision", "fp16")
     # A probe, last: DeepSpeed's fp16 engine on the CPU accelerator (recorded, not required to work).
-    add("longformer/zero2/fp16", "longformer", "zero2", "--max-steps", "2", "--precision", "fp16",
-        expect_error=True)
+    add("longformer/zero2/fp16", "longformer", "zero2", "--max-steps", "2", "--precision", "fp16", expect_error=True)
     return plan
 
 
@@ -85,8 +136,10 @@ def matrix(data_dirs, tmp_path_factory) -> dict:
         if p.get("expect_error"):
             r = results[p["name"]]
             print(f"\nprobe {p['name']}: " + ("trains: losses " + str(r["losses"]) if r["ok"] else r["error"]))
-    print(f"\nmatrix: {len(plan)} configurations in one launch, "
-          f"{sum(r['seconds'] for r in results.values()):.0f}s of train() calls")
+    print(
+        f"\nmatrix: {len(plan)} configurations in one launch, "
+        f"{sum(r['seconds'] for r in results.values()):.0f}s of train() calls"
+    )
     return results
 
 
@@ -99,7 +152,11 @@ def test_every_strategy_workload_and_checkpointing_mode_trains(matrix):
         for strategy in STRATEGIES:
             for arm, steps in (("fp32", PARITY_STEPS), ("ac", AC_STEPS)):
                 r = matrix[f"{workload}/{strategy}/{arm}"]
-                assert len(r["losses"]) == steps and all(math.isfinite(x) for x in r["losses"]), (workload, strategy, arm)
+                assert len(r["losses"]) == steps and all(math.isfinite(x) for x in r["losses"]), (
+                    workload,
+                    strategy,
+                    arm,
+                )
                 assert r["eval"]["n_examples"] == 16
                 # checkpointing really wrapped blocks, and only when asked
                 assert (r["describe"]["recompute_blocks"] > 0) == (arm == "ac"), r["describe"]
@@ -120,20 +177,25 @@ def parity_table(matrix) -> dict:
                 n = len(r["losses"])
                 table[(workload, strategy, arm)] = (
                     rel(r["grad_norms"][0], ref["grad_norms"][0]),
-                    max(rel(a, b) for a, b in zip(r["losses"], ref["losses"][:n])))
+                    max(rel(a, b) for a, b in zip(r["losses"], ref["losses"][:n])),
+                )
     return table
 
 
 def test_parity_across_strategies(matrix):
     table = parity_table(matrix)
-    print("\nparity against ddp (fp32, dropout 0, same seed/data): workload strategy arm | "
-          "step-1 grad-norm rel | max per-step loss rel")
-    for (workload, strategy, arm), (g, l) in table.items():
-        print(f"  {workload:<10} {strategy:<14} {arm:<4} | {g:.2e} | {l:.2e}")
+    print(
+        "\nparity against ddp (fp32, dropout 0, same seed/data): workload strategy arm | "
+        "step-1 grad-norm rel | max per-step loss rel"
+    )
+    for (workload, strategy, arm), (g, loss) in table.items():
+        print(f"  {workload:<10} {strategy:<14} {arm:<4} | {g:.2e} | {loss:.2e}")
     for workload in WORKLOADS:
         rows = {k: v for k, v in table.items() if k[0] == workload}
-        print(f"max {workload}: grad-norm {max(g for g, _ in rows.values()):.2e}, "
-              f"loss {max(l for _, l in rows.values()):.2e}")
+        print(
+            f"max {workload}: grad-norm {max(g for g, _ in rows.values()):.2e}, "
+            f"loss {max(loss for _, loss in rows.values()):.2e}"
+        )
     bad = {k: v for k, v in table.items() if v[0] > GRAD_NORM_RTOL or v[1] > LOSS_RTOL[k[0]]}
     assert not bad, f"beyond tolerance (grad norm {GRAD_NORM_RTOL}, loss {LOSS_RTOL}): {bad}"
 
@@ -144,19 +206,22 @@ def test_accumulation_matches_a_bigger_micro_batch(matrix):
         accum, whole = matrix[f"longformer/{strategy}/accum"], matrix[f"longformer/{strategy}/fp32"]
         assert accum["describe"]["grad_accum"] == 2 and accum["describe"]["global_batch_size"] == 16
         g = max(rel(a, b) for a, b in zip(accum["grad_norms"], whole["grad_norms"][:ACCUM_STEPS]))
-        l = max(rel(a, b) for a, b in zip(accum["losses"], whole["losses"][:ACCUM_STEPS]))
-        worst = (max(worst[0], g), max(worst[1], l))
-        assert rel(accum["grad_norms"][0], whole["grad_norms"][0]) <= GRAD_NORM_RTOL, (strategy, accum["grad_norms"],
-                                                                                      whole["grad_norms"])
+        loss = max(rel(a, b) for a, b in zip(accum["losses"], whole["losses"][:ACCUM_STEPS]))
+        worst = (max(worst[0], g), max(worst[1], loss))
+        assert rel(accum["grad_norms"][0], whole["grad_norms"][0]) <= GRAD_NORM_RTOL, (
+            strategy,
+            accum["grad_norms"],
+            whole["grad_norms"],
+        )
         # Later grad norms follow weights that Adam moved from slightly different sums: the loss tolerance.
-        assert g <= LOSS_RTOL["longformer"] and l <= LOSS_RTOL["longformer"], (strategy, g, l)
+        assert g <= LOSS_RTOL["longformer"] and loss <= LOSS_RTOL["longformer"], (strategy, g, loss)
     print(f"\naccumulation 4x2 vs 8x1, max rel over {ACCUM_STEPS} steps: grad norm {worst[0]:.2e}, loss {worst[1]:.2e}")
 
 
 @pytest.mark.parametrize("strategy", FREEZE_STRATEGIES)
 def test_frozen_layers_stay_bit_identical_until_unfrozen(matrix, strategy):
-    from safetensors.torch import load_file
     import torch
+    from safetensors.torch import load_file
 
     r = matrix[f"multimodal/{strategy}/freeze"]
     w = r["weights"]
@@ -210,9 +275,14 @@ def _run_dir(result: dict) -> str:
     return result["args"][result["args"].index("--output-dir") + 1]
 
 
-@pytest.mark.parametrize("name, flags", [("multimodal/ddp/fp32", ["--top-k", "2"]),
-                                         (PREDICTED_LONGFORMER, []),
-                                         ("multimodal/zero3/fp32", ["--nproc", "2", "--batch-size", "3"])])
+@pytest.mark.parametrize(
+    "name, flags",
+    [
+        ("multimodal/ddp/fp32", ["--top-k", "2"]),
+        (PREDICTED_LONGFORMER, []),
+        ("multimodal/zero3/fp32", ["--nproc", "2", "--batch-size", "3"]),
+    ],
+)
 def test_predict_from_each_strategy_reproduces_the_runs_final_eval(matrix, name, flags, tmp_path):
     """predict RUN on the run's validation split: the same metrics as the run's own final evaluation (summary.json
     `eval`), from any strategy's checkpoint; with --nproc 2 every example once, in input order."""
@@ -224,8 +294,14 @@ def test_predict_from_each_strategy_reproduces_the_runs_final_eval(matrix, name,
     k = 2 if "--top-k" in flags else 3  # 3 classes: the default --top-k 5 gives all of them
     for x in lines:
         # Each line ties back to its source row (and the id column where the data has one).
-        assert {"index", "row", "label", "probs", "true_label"} <= set(x) <= {"index", "row", "id", "label", "probs",
-                                                                     "true_label"} and len(x["probs"]) == k, x
+        assert {"index", "row", "label", "probs", "true_label"} <= set(x) <= {
+            "index",
+            "row",
+            "id",
+            "label",
+            "probs",
+            "true_label",
+        } and len(x["probs"]) == k, x
         assert x["label"] == next(iter(x["probs"])) and x["label"] in ("0", "1", "2"), x
         assert list(x["probs"].values()) == sorted(x["probs"].values(), reverse=True), x
     accuracy = sum(x["label"] == x["true_label"] for x in lines) / len(lines)

@@ -1,5 +1,5 @@
-"""Memory accounting (shardtrain.memory.accounting) against the planner's prediction (shardtrain.memory.planner), every strategy;
---oom-recovery and --strategy auto. 2 CPU ranks, ONE launch (tests/dist/matrix_driver.py runs each
+"""Memory accounting (shardtrain.memory.accounting) against the planner's prediction (shardtrain.memory.planner),
+every strategy; --oom-recovery and --strategy auto. 2 CPU ranks, ONE launch (tests/dist/matrix_driver.py runs each
 configuration through parse_cli -> train).
 
 The planner predicts from the config alone (meta-device count, activations measured at batch 1 on a 1- and
@@ -15,31 +15,54 @@ finish at micro-batch 8 x accum 2 with the same global batch and the same losses
 1e-5) as a run started at micro-batch 8 x accum 2. At micro-batch 1 it must give up with a clear message.
 Auto: two --memory-budget-gb values lead to two different choices, each recorded in summary.json.
 """
+
 from __future__ import annotations
 
 import json
 
-import pytest
-
 import launch
+import pytest
 from launch import REPO, strategy_variants, tiny_args, torchrun
 
 DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 VARIANTS = strategy_variants()
 # Every text truncated to the same length, so every rank's activations have the planner's shape.
-COMMON = ["--max-steps", "2", "--max-length", "16", "--max-eval-samples", "8", "--report", "false",
-          "--log-every", "100"]
+COMMON = [
+    "--max-steps",
+    "2",
+    "--max-length",
+    "16",
+    "--max-eval-samples",
+    "8",
+    "--report",
+    "false",
+    "--log-every",
+    "100",
+]
 TOLERANCE = 0.10
 OOM_STRATEGIES = ("ddp", "fsdp", "zero2")
-OOM_COMMON = ["--max-steps", "2", "--max-length", "16", "--max-eval-samples", "8", "--report", "false",
-              "--log-every", "100"]
+OOM_COMMON = [
+    "--max-steps",
+    "2",
+    "--max-length",
+    "16",
+    "--max-eval-samples",
+    "8",
+    "--report",
+    "false",
+    "--log-every",
+    "100",
+]
 BUDGETS = {"roomy": "1.0", "tight": "0.06"}  # GiB per rank; the tiny model needs ~0.08 under DDP
 DOCS_CLAIM = 0.04
 # (workload, precision, extra flags): the configs as shipped, and the multimodal one at --max-length 16, where
 # every text is cut to 16 tokens and so every batch has the banner's shape (the synthetic texts are ~20 tokens,
 # under its max_length 64; the Longformer data's batches reach its 256).
-TINY = [("multimodal", p, ()) for p in ("fp32", "bf16")] + [("longformer", p, ()) for p in ("fp32", "bf16")] + \
-       [("multimodal", p, ("--max-length", "16")) for p in ("fp32", "bf16")]
+TINY = (
+    [("multimodal", p, ()) for p in ("fp32", "bf16")]
+    + [("longformer", p, ()) for p in ("fp32", "bf16")]
+    + [("multimodal", p, ("--max-length", "16")) for p in ("fp32", "bf16")]
+)
 
 
 def tiny_name(workload: str, precision: str, extra: tuple) -> str:
@@ -62,8 +85,23 @@ def launched(mm_data, ld_data, tmp_path_factory):
     # First, as in a fresh process: after every strategy's run in this process (DeepSpeed's included), the
     # banner's bf16 measurement came out 1% off the same measurement in a fresh process.
     for workload, precision, extra in TINY:
-        add(tiny_name(workload, precision, extra), "--strategy", "fsdp", "--precision", precision, "--max-steps", "2",
-            "--max-eval-samples", "8", "--log-every", "100", "--predict-memory", "true", *extra, workload=workload)
+        add(
+            tiny_name(workload, precision, extra),
+            "--strategy",
+            "fsdp",
+            "--precision",
+            precision,
+            "--max-steps",
+            "2",
+            "--max-eval-samples",
+            "8",
+            "--log-every",
+            "100",
+            "--predict-memory",
+            "true",
+            *extra,
+            workload=workload,
+        )
     for v, flags in VARIANTS.items():
         add(v, *flags, *COMMON)
     for s in OOM_STRATEGIES:
@@ -73,17 +111,33 @@ def launched(mm_data, ld_data, tmp_path_factory):
         add(f"auto-{name}", "--strategy", "auto", "--memory-budget-gb", gb, *OOM_COMMON)
     # Last: it ends in an error (every rank raises the same one, after the step's all-reduce). 64 px images:
     # at micro-batch 1 the ResNet's BatchNorm needs more than one value per channel.
-    add("oom-gives-up", *VARIANTS["ddp"], *OOM_COMMON, "--image-size", "64", "--per-device-batch-size", "2",
-        "--inject-oom-above", "0", expect_error=True)
+    add(
+        "oom-gives-up",
+        *VARIANTS["ddp"],
+        *OOM_COMMON,
+        "--image-size",
+        "64",
+        "--per-device-batch-size",
+        "2",
+        "--inject-oom-above",
+        "0",
+        expect_error=True,
+    )
     (root / "plan.json").write_text(json.dumps(plan))
-    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=600, env=launch.test_env(),
-                   check=False)
+    run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=600, env=launch.test_env(), check=False)
     assert run.returncode == 0, run.tail(80)
     results = json.loads((root / "results.json").read_text())
-    summaries = {p["name"]: json.loads((root / p["name"] / "summary.json").read_text())
-                 for p in plan if (root / p["name"] / "summary.json").exists()}
-    return {"plan": {p["name"]: p["args"] for p in plan}, "results": results, "summaries": summaries,
-            "output": run.output}
+    summaries = {
+        p["name"]: json.loads((root / p["name"] / "summary.json").read_text())
+        for p in plan
+        if (root / p["name"] / "summary.json").exists()
+    }
+    return {
+        "plan": {p["name"]: p["args"] for p in plan},
+        "results": results,
+        "summaries": summaries,
+        "output": run.output,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -135,8 +189,11 @@ def test_banner_and_plan_predict_the_tiny_configs_within_the_readme_claim(launch
         for rank, rec in s["memory"]["per_rank"].items():
             at = s["memory"]["predicted"][rank]
             assert at["batch"] == f"{rec['batch'][0]} x {rec['batch'][1]} tokens", (name, rank, at, rec["batch"])
-            measured = {"model_state": rec["model_state"], "activations": rec["activations"],
-                        "total": rec["model_state"] + rec["activations"]}
+            measured = {
+                "model_state": rec["model_state"],
+                "activations": rec["activations"],
+                "total": rec["model_state"] + rec["activations"],
+            }
             predicted = {"model_state": at["model_state_gib"] * GIB, "activations": at["activations_gib"] * GIB}
             predicted["total"] = predicted["model_state"] + predicted["activations"]
             if at["batch"] == banner["batch"]:  # the batch had the banner's shape: its figure must hold too
@@ -145,12 +202,17 @@ def test_banner_and_plan_predict_the_tiny_configs_within_the_readme_claim(launch
                 table.append((name, rank, key, value, predicted[key], at["batch"], banner["batch"]))
                 assert rel(predicted[key], value) < DOCS_CLAIM, table[-1]
         cfg = parse_cli(launched["plan"][name])
-        row = next(r for r in plan(cfg, 2, GIB, cuda=False)["rows"]
-                   if r["variant"] == banner["variant"] and not r["activation_checkpointing"]
-                   and r["micro_batch_size"] == cfg.train.per_device_batch_size)
+        row = next(
+            r
+            for r in plan(cfg, 2, GIB, cuda=False)["rows"]
+            if r["variant"] == banner["variant"]
+            and not r["activation_checkpointing"]
+            and r["micro_batch_size"] == cfg.train.per_device_batch_size
+        )
         assert row["gpu_bytes"]["activations"] / GIB == pytest.approx(banner["activations_gib"], rel=1e-9), name
-        assert (row["gpu_bytes"]["params"] + row["gpu_bytes"]["grads"] + row["gpu_bytes"]["optimizer"]) / GIB == \
-            pytest.approx(banner["model_state_gib"], rel=1e-9), name
+        assert (
+            row["gpu_bytes"]["params"] + row["gpu_bytes"]["grads"] + row["gpu_bytes"]["optimizer"]
+        ) / GIB == pytest.approx(banner["model_state_gib"], rel=1e-9), name
     assert launched["output"].count("plan 1 ") >= len(TINY)  # the end-of-run table shows the prediction
     print("\nrun, rank, part: measured vs predicted bytes (at the measured batch; banner's batch)")
     for r in table:
@@ -172,7 +234,7 @@ def test_each_rank_holds_its_share(runs):
 
 @pytest.mark.parametrize("strategy", OOM_STRATEGIES)
 def test_oom_recovery_keeps_global_batch_and_trajectory(launched, strategy):
-    results, summaries, output = launched["results"], launched["summaries"], launched["output"]
+    results, summaries = launched["results"], launched["summaries"]
     got, ref = results[f"oom-{strategy}"], results[f"ref-{strategy}"]
     s = summaries[f"oom-{strategy}"]
     assert s["oom_recovery"]["events"] == [{"step": 1, "ranks": 1, "from": [16, 1], "to": [8, 2]}]

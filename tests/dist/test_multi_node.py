@@ -10,6 +10,7 @@
   the next start resumes from the last committed checkpoint;
 - a link that goes silent: every rank fails after --dist-timeout with one line that says so.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,12 @@ from pathlib import Path
 from launch import BIN, DRIVER, MAIN, REPO, kill_tree, run_plan, run_together, test_env, tiny_args, torchrun_nodes_cmd
 
 LOSS_RTOL, GRAD_NORM_RTOL = 1e-4, 1e-5  # as tests/dist/test_matrix.py's parity on Longformer
-PARITY_STRATEGIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
-                     "zero2": ["--strategy", "zero2"], "zero3": ["--strategy", "zero3"]}
+PARITY_STRATEGIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "zero2": ["--strategy", "zero2"],
+    "zero3": ["--strategy", "zero3"],
+}
 
 
 def rel(a: float, b: float) -> float:
@@ -40,32 +45,52 @@ def test_torchrun_c10d_parity_across_hosts_that_share_one_hostname(namespace_hos
     # writes /etc/hosts): torch's agent on node1 cannot tell that the endpoint node1 is itself, and would
     # advertise `trainhost` to the other node as the workers' MASTER_ADDR, and gloo each rank's address as loopback.
     same = hosts.dir / "hosts-same-name"
-    same.write_text("127.0.0.1 localhost\n127.0.1.1 trainhost\n"
-                    + "".join(f"{n.address} {n.name}\n" for n in hosts.nodes))
+    same.write_text(
+        "127.0.0.1 localhost\n127.0.1.1 trainhost\n" + "".join(f"{n.address} {n.name}\n" for n in hosts.nodes)
+    )
     for node in hosts.nodes:
         node.hostname, node.hosts_file = "trainhost", same
 
     # Without the settings nobody would host the rendezvous store: node1's agent asks torch whether the endpoint
     # is itself, and torch says no (a launch that shows it waits out read_timeout: docs/multi-node.md).
-    probe = ("from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname as is_me\n"
-             "print('endpoint-is-me', is_me('node1'), is_me('10.213.0.1'))")
+    probe = (
+        "from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname as is_me\n"
+        "print('endpoint-is-me', is_me('node1'), is_me('10.213.0.1'))"
+    )
     seen = hosts["node1"].run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert "endpoint-is-me False False" in seen.stdout, seen.stdout + seen.stderr
 
-    # With them (and GLOO_SOCKET_IFNAME): the four strategies in one process group of two hosts, against the same plan on one host.
+    # With them (and GLOO_SOCKET_IFNAME): the four strategies in one process group of two hosts, against the same
+    # plan on one host.
     def plan(root: Path) -> list[dict]:
-        return [{"name": name, "args": _short(ld_data, root / name, *flags, "--max-steps", "3")}
-                for name, flags in PARITY_STRATEGIES.items()]
+        return [
+            {"name": name, "args": _short(ld_data, root / name, *flags, "--max-steps", "3")}
+            for name, flags in PARITY_STRATEGIES.items()
+        ]
 
     nodes_root, one_root = tmp_path / "nodes", tmp_path / "one_host"
     nodes_root.mkdir(), one_root.mkdir()
     (nodes_root / "plan.json").write_text(json.dumps(plan(nodes_root)))
-    runs = run_together([
-        node.wrap(torchrun_nodes_cmd([str(nodes_root / "plan.json"), str(nodes_root)], endpoint="node1:29402",
-                                     script=DRIVER,
-                                     extra_launcher_args=["--rdzv-conf", f"is_host={int(node.name == 'node1')}",
-                                                          "--local-addr", node.address]))
-        for node in hosts.nodes], timeout=600, env=test_env(GLOO_SOCKET_IFNAME="eth0"))
+    runs = run_together(
+        [
+            node.wrap(
+                torchrun_nodes_cmd(
+                    [str(nodes_root / "plan.json"), str(nodes_root)],
+                    endpoint="node1:29402",
+                    script=DRIVER,
+                    extra_launcher_args=[
+                        "--rdzv-conf",
+                        f"is_host={int(node.name == 'node1')}",
+                        "--local-addr",
+                        node.address,
+                    ],
+                )
+            )
+            for node in hosts.nodes
+        ],
+        timeout=600,
+        env=test_env(GLOO_SOCKET_IFNAME="eth0"),
+    )
     across = json.loads((nodes_root / "results.json").read_text())
     _, one_host = run_plan(plan(one_root), one_root, timeout=600)
     for name in PARITY_STRATEGIES:
@@ -73,8 +98,13 @@ def test_torchrun_c10d_parity_across_hosts_that_share_one_hostname(namespace_hos
         assert len(a["losses"]) == 3, (name, a)
         assert rel(a["grad_norms"][0], b["grad_norms"][0]) < GRAD_NORM_RTOL, (name, a["grad_norms"], b["grad_norms"])
         assert max(rel(x, y) for x, y in zip(a["losses"], b["losses"])) < LOSS_RTOL, (name, a["losses"], b["losses"])
-    print("\n" + "\n".join(f"{name}: across hosts {across[name]['losses']} one host {one_host[name]['losses']}"
-                            for name in PARITY_STRATEGIES))
+    print(
+        "\n"
+        + "\n".join(
+            f"{name}: across hosts {across[name]['losses']} one host {one_host[name]['losses']}"
+            for name in PARITY_STRATEGIES
+        )
+    )
     assert sum("[matrix]" in r.output for r in runs) >= 1
 
 
@@ -83,10 +113,25 @@ def test_deepspeed_launcher_without_ssh_and_the_banner_sees_two_hosts(namespace_
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node1 slots=1\nnode2 slots=1\n")
     out = tmp_path / "run"
-    cmds = [node.wrap([str(BIN / "deepspeed"), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(k),
-                       "--master_addr", "node1", "--master_port", "29500", str(MAIN),
-                       *_short(ld_data, out, "--ds", "ds_configs/zero2.json", "--max-steps", "2")])
-            for k, node in enumerate(hosts.nodes)]
+    cmds = [
+        node.wrap(
+            [
+                str(BIN / "deepspeed"),
+                "--hostfile",
+                str(hostfile),
+                "--no_ssh",
+                "--node_rank",
+                str(k),
+                "--master_addr",
+                "node1",
+                "--master_port",
+                "29500",
+                str(MAIN),
+                *_short(ld_data, out, "--ds", "ds_configs/zero2.json", "--max-steps", "2"),
+            ]
+        )
+        for k, node in enumerate(hosts.nodes)
+    ]
     t0 = time.monotonic()
     node1, _ = run_together(cmds, timeout=300)
     print(f"\ndeepspeed launcher across 2 hosts: {time.monotonic() - t0:.1f}s")
@@ -108,15 +153,24 @@ def test_an_output_dir_one_host_cannot_see_fails_at_start_naming_it(namespace_ho
     out.mkdir()
     hosts["node2"].private_dirs = [out]  # node2 sees its own empty tmpfs there, as a host without the share would
     t0 = time.monotonic()
-    runs = run_together([node.wrap(torchrun_nodes_cmd(_short(ld_data, out, "--max-steps", "2"),
-                                                      endpoint="node1:29403"))
-                         for node in hosts.nodes], timeout=180, check=False)
+    runs = run_together(
+        [
+            node.wrap(torchrun_nodes_cmd(_short(ld_data, out, "--max-steps", "2"), endpoint="node1:29403"))
+            for node in hosts.nodes
+        ],
+        timeout=180,
+        check=False,
+    )
     seconds = time.monotonic() - t0
     assert all(r.returncode != 0 for r in runs)
     lines = [line for r in runs for line in r.output.splitlines() if line.startswith("shardtrain: error")]
     assert lines, runs[0].tail(30)
-    assert all("--output-dir (checkpoint.output_dir)" in line and "is not shared: node2 (rank 1)" in line
-               and "on node1" in line for line in lines), lines
+    assert all(
+        "--output-dir (checkpoint.output_dir)" in line
+        and "is not shared: node2 (rank 1)" in line
+        and "on node1" in line
+        for line in lines
+    ), lines
     assert not (out / "checkpoints").exists() and not list(out.glob(".shardtrain-shared-*"))
     print(f"\nunshared output dir refused in {seconds:.1f}s: {lines[0]}")
 
@@ -137,15 +191,22 @@ def _committed_step(out: Path) -> int | None:
         return None
 
 
-def test_losing_the_store_host_ends_the_job_in_seconds_and_the_next_start_resumes(namespace_hosts, ld_data,
-                                                                                   tmp_path):
+def test_losing_the_store_host_ends_the_job_in_seconds_and_the_next_start_resumes(namespace_hosts, ld_data, tmp_path):
     hosts = namespace_hosts(2)
     node1, node2 = hosts["node1"], hosts["node2"]
     out = tmp_path / "run"
     args = _short(ld_data, out, "--max-steps", "400", "--save-every", "2", "--eval-every", "0")
     logs = [tmp_path / f"{n.name}.log" for n in hosts.nodes]
-    procs = [node.popen(torchrun_nodes_cmd(args, endpoint="node1:29404"), cwd=str(REPO), env=test_env(),
-                        stdout=open(log, "w"), stderr=subprocess.STDOUT) for node, log in zip(hosts.nodes, logs)]
+    procs = [
+        node.popen(
+            torchrun_nodes_cmd(args, endpoint="node1:29404"),
+            cwd=str(REPO),
+            env=test_env(),
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
+        for node, log in zip(hosts.nodes, logs)
+    ]
     try:
         _wait_for(lambda: (_committed_step(out) or 0) >= 4, 240, "checkpoint at step 4", procs)
         kill_tree(procs[0].pid)  # node1: its torchrun agent (the store host) and its worker, at once
@@ -175,9 +236,18 @@ def test_losing_the_store_host_ends_the_job_in_seconds_and_the_next_start_resume
     last = _committed_step(out)
     assert last is not None and last >= 4
     t0 = time.monotonic()
-    resumed = run_together([node.wrap(torchrun_nodes_cmd(
-        _short(ld_data, out, "--max-steps", str(last + 2), "--resume", "auto", "--eval-every", "0"),
-        endpoint="node1:29405")) for node in hosts.nodes], timeout=240)
+    resumed = run_together(
+        [
+            node.wrap(
+                torchrun_nodes_cmd(
+                    _short(ld_data, out, "--max-steps", str(last + 2), "--resume", "auto", "--eval-every", "0"),
+                    endpoint="node1:29405",
+                )
+            )
+            for node in hosts.nodes
+        ],
+        timeout=240,
+    )
     assert f"at step {last}" in resumed[0].output and "resumed from" in resumed[0].output, resumed[0].tail(30)
     assert json.loads((out / "summary.json").read_text())["final_step"] == last + 2
     print(f"resumed on both nodes from step {last} and ended at {last + 2} in {time.monotonic() - t0:.1f}s")
@@ -189,8 +259,16 @@ def test_a_silent_link_fails_every_rank_after_dist_timeout(namespace_hosts, ld_d
     timeout_s = 5
     args = _short(ld_data, out, "--max-steps", "400", "--eval-every", "0", "--dist-timeout", str(timeout_s))
     logs = [tmp_path / f"{n.name}.log" for n in hosts.nodes]
-    procs = [node.popen(torchrun_nodes_cmd(args, endpoint="node1:29406"), cwd=str(REPO), env=test_env(),
-                        stdout=open(log, "w"), stderr=subprocess.STDOUT) for node, log in zip(hosts.nodes, logs)]
+    procs = [
+        node.popen(
+            torchrun_nodes_cmd(args, endpoint="node1:29406"),
+            cwd=str(REPO),
+            env=test_env(),
+            stdout=open(log, "w"),
+            stderr=subprocess.STDOUT,
+        )
+        for node, log in zip(hosts.nodes, logs)
+    ]
     metrics = out / "metrics.jsonl"
     said = "a collective waited --dist-timeout (parallel.dist_timeout) = 5 s"
     try:
@@ -212,6 +290,8 @@ def test_a_silent_link_fails_every_rank_after_dist_timeout(namespace_hosts, ld_d
     for text in texts:
         ours = [line for line in text.splitlines() if said in line]
         assert len(ours) == 1 and "went silent" in ours[0] and "--resume auto" in ours[0], text[-3000:]
-    print(f"\nlink down: both ranks said so after {said_after:.1f}s, node1's torchrun exited {code1} after "
-          f"{node1_after:.1f}s (--dist-timeout {timeout_s})")
+    print(
+        f"\nlink down: both ranks said so after {said_after:.1f}s, node1's torchrun exited {code1} after "
+        f"{node1_after:.1f}s (--dist-timeout {timeout_s})"
+    )
     assert said_after < timeout_s + 30

@@ -1,6 +1,7 @@
 """Observability on real 2-process gloo runs: banner, plain log lines, quiet libraries, the loggers (the offline W&B
 run, TensorBoard and MLflow: one run each per job, continued after a resume, no API key anywhere), the automatic
 report, and `shardtrain parity`."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,13 @@ from shardtrain.checkpointing.store import TRAINER_STATE, checkpoints_root, step
 # Two sequential 2-process runs; a DeepSpeed one took ~4 min on the shared 2-core box under load.
 PARITY_TIMEOUT = 900
 SECRET = "sk-test-0123456789abcdef-not-a-real-key"
-CHATTER = ("FutureWarning", "built successfully", "No CUDA runtime is found", "Setting ds_accelerator",
-           "Setting accelerator to CPU")
+CHATTER = (
+    "FutureWarning",
+    "built successfully",
+    "No CUDA runtime is found",
+    "Setting ds_accelerator",
+    "Setting accelerator to CPU",
+)
 
 
 def _no_secret(out, text: str) -> None:
@@ -31,10 +37,28 @@ def test_loggers_banner_report_and_resume(ld_data, tmp_path, monkeypatch):
     store = (tmp_path / "mlruns").as_uri()  # an MLflow server's stand-in: a file store outside the run
     env = launch.test_env(WANDB_API_KEY=SECRET, MLFLOW_TRACKING_URI=store, MLFLOW_ALLOW_FILE_STORE="true",
                           MLFLOW_EXPERIMENT_NAME="obs")  # fmt: skip
-    common = ["--strategy", "ddp", "--report-to", "wandb,tensorboard,mlflow", "--wandb-run-name", "obs-test",
-              "--log-every", "1", "--eval-every", "1", "--save-every", "2", "--max-eval-samples", "8"]
-    first = torchrun(tiny_args("longformer", ld_data, out, *common, "--max-steps", "2",
-                               "--predict-memory", "true", "--report", "true"), env=env)
+    common = [
+        "--strategy",
+        "ddp",
+        "--report-to",
+        "wandb,tensorboard,mlflow",
+        "--wandb-run-name",
+        "obs-test",
+        "--log-every",
+        "1",
+        "--eval-every",
+        "1",
+        "--save-every",
+        "2",
+        "--max-eval-samples",
+        "8",
+    ]
+    first = torchrun(
+        tiny_args(
+            "longformer", ld_data, out, *common, "--max-steps", "2", "--predict-memory", "true", "--report", "true"
+        ),
+        env=env,
+    )
 
     # Banner: every rank, the batch arithmetic, the memory prediction; plain lines, no chatter.
     text = first.output
@@ -80,8 +104,12 @@ def test_loggers_banner_report_and_resume(ld_data, tmp_path, monkeypatch):
 
     # A resumed job continues the same W&B run.
     # tiny_args says --resume none; the later flag wins.
-    second = torchrun(tiny_args("longformer", ld_data, out, *common, "--max-steps", "3", "--resume", "auto",
-                                "--predict-memory", "false"), env=env)
+    second = torchrun(
+        tiny_args(
+            "longformer", ld_data, out, *common, "--max-steps", "3", "--resume", "auto", "--predict-memory", "false"
+        ),
+        env=env,
+    )
     runs = sorted((out / "wandb").glob("offline-run-*"))
     assert len(runs) == 2
     resumed = read_run(next(runs[-1].glob("run-*.wandb")))
@@ -96,9 +124,26 @@ def test_loggers_banner_report_and_resume(ld_data, tmp_path, monkeypatch):
 
 
 def test_parity_agrees_across_strategies(ld_data, tmp_path):
-    run = cli(["parity", "--config", "configs/longformer_tiny.yaml", "--strategies", "ddp,fsdp", "--steps", "3",
-               "--nproc", "2", "--out", str(tmp_path), "--data-dir", str(ld_data), "--max-eval-samples", "8"],
-              timeout=PARITY_TIMEOUT)
+    run = cli(
+        [
+            "parity",
+            "--config",
+            "configs/longformer_tiny.yaml",
+            "--strategies",
+            "ddp,fsdp",
+            "--steps",
+            "3",
+            "--nproc",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--data-dir",
+            str(ld_data),
+            "--max-eval-samples",
+            "8",
+        ],
+        timeout=PARITY_TIMEOUT,
+    )
     assert "parity: OK" in run.output
     report = json.loads((tmp_path / "parity.json").read_text())
     assert [r["step"] for r in report["steps"]] == [1, 2, 3] and report["first_divergence"] is None
@@ -106,10 +151,29 @@ def test_parity_agrees_across_strategies(ld_data, tmp_path):
 
 def test_parity_exits_nonzero_on_divergence(ld_data, tmp_path):
     # A different learning rate changes nothing at step 1 (loss before any update) and everything after.
-    run = cli(["parity", "--config", "configs/longformer_tiny.yaml", "--strategies", "ddp,zero2", "--steps", "2",
-               "--nproc", "2", "--out", str(tmp_path), "--data-dir", str(ld_data), "--max-eval-samples", "8",
-               "--args-for", "zero2=--lr 5e-3"],
-              check=False, timeout=PARITY_TIMEOUT)
+    run = cli(
+        [
+            "parity",
+            "--config",
+            "configs/longformer_tiny.yaml",
+            "--strategies",
+            "ddp,zero2",
+            "--steps",
+            "2",
+            "--nproc",
+            "2",
+            "--out",
+            str(tmp_path),
+            "--data-dir",
+            str(ld_data),
+            "--max-eval-samples",
+            "8",
+            "--args-for",
+            "zero2=--lr 5e-3",
+        ],
+        check=False,
+        timeout=PARITY_TIMEOUT,
+    )
     assert run.returncode == 1, run.tail()
     assert "DIVERGED at step 2: zero2 vs ddp" in run.output
     report = json.loads((tmp_path / "parity.json").read_text())

@@ -7,6 +7,7 @@ old code logs, and exports it. Both read the gathered portable form DeepSpeed wr
 today's ZeRO ranks each read their own partition out of it (issue 28); the second test does so under ZeRO-3, from
 the last commit before each rank wrote only its own partition (GATHERED_FORM).
 """
+
 from __future__ import annotations
 
 import io
@@ -21,10 +22,15 @@ GATHERED_FORM = "a4e8e27456c5705db18d11a7f00b7089b7fb631a"  # the last commit wh
 
 
 def old_checkout(dest, commit=FLAT_PACKAGE):
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "shardtrain", "configs", "ds_configs",
-                              "fsdp_policies"], capture_output=True, check=False)
-    assert archive.returncode == 0, (f"git archive {commit[:7]} failed (a shallow clone? this test needs the "
-                                     f"repository's history): {archive.stderr.decode()[-300:]}")
+    archive = subprocess.run(
+        ["git", "-C", str(REPO), "archive", commit, "shardtrain", "configs", "ds_configs", "fsdp_policies"],
+        capture_output=True,
+        check=False,
+    )
+    assert archive.returncode == 0, (
+        f"git archive {commit[:7]} failed (a shallow clone? this test needs the "
+        f"repository's history): {archive.stderr.decode()[-300:]}"
+    )
     with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
         tar.extractall(dest, filter="data")
     return dest
@@ -33,8 +39,17 @@ def old_checkout(dest, commit=FLAT_PACKAGE):
 def test_a_checkpoint_of_the_flat_package_resumes_exactly_and_exports(mm_data, tmp_path):
     old = old_checkout(tmp_path / "old")
     env = test_env(PYTHONPATH=str(old))  # the old package first on the path, in every rank
-    args = tiny_args("multimodal", mm_data, tmp_path / "run", "--ds", str(old / "ds_configs" / "zero2.json"),
-                     "--per-device-batch-size", "8", "--save-every", "2")
+    args = tiny_args(
+        "multimodal",
+        mm_data,
+        tmp_path / "run",
+        "--ds",
+        str(old / "ds_configs" / "zero2.json"),
+        "--per-device-batch-size",
+        "8",
+        "--save-every",
+        "2",
+    )
     args[args.index("--config") + 1] = str(old / "configs" / "multimodal_tiny.yaml")
     reference = torchrun(args[:] + ["--max-steps", "3"], env=env, script=old / "shardtrain" / "main.py")
     reference_losses = [m["loss"] for m in reference.metrics]
@@ -57,8 +72,19 @@ def test_a_checkpoint_of_the_flat_package_resumes_exactly_and_exports(mm_data, t
 def test_a_gathered_zero3_checkpoint_resumes_exactly_with_each_rank_reading_its_partition(mm_data, tmp_path):
     old = old_checkout(tmp_path / "old", GATHERED_FORM)
     env = test_env(PYTHONPATH=str(old))
-    args = tiny_args("multimodal", mm_data, tmp_path / "run", "--ds", str(old / "ds_configs" / "zero3.json"),
-                     "--per-device-batch-size", "8", "--save-every", "2", "--eval-every", "0")
+    args = tiny_args(
+        "multimodal",
+        mm_data,
+        tmp_path / "run",
+        "--ds",
+        str(old / "ds_configs" / "zero3.json"),
+        "--per-device-batch-size",
+        "8",
+        "--save-every",
+        "2",
+        "--eval-every",
+        "0",
+    )
     args[args.index("--config") + 1] = str(old / "configs" / "multimodal_tiny.yaml")
     reference = torchrun(args[:] + ["--max-steps", "3"], env=env, script=old / "shardtrain" / "main.py")
     reference_losses = [m["loss"] for m in reference.metrics]

@@ -15,22 +15,38 @@ Launches (each stop ends its job, so it comes last in its launch, or alone):
 - ZeRO-3, an OOM in the backward on both ranks; ZeRO-2, in the recomputation: shardtrain/main.py, the file
   torchrun runs, under DETAIL.
 """
+
 from __future__ import annotations
 
 import json
 import time
 from pathlib import Path
 
-import pytest
-
 import launch
+import pytest
 from launch import REPO, strategy_variants, tiny_args, torchrun
 
 DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 VARIANTS = strategy_variants()
 TIMEOUT = 60  # --dist-timeout: a wait in a collective would end only there
-COMMON = ["--max-steps", "2", "--max-length", "16", "--max-eval-samples", "8", "--report", "false",
-          "--log-every", "100", "--save-final", "false", "--dropout", "0.1", "--dist-timeout", str(TIMEOUT)]
+COMMON = [
+    "--max-steps",
+    "2",
+    "--max-length",
+    "16",
+    "--max-eval-samples",
+    "8",
+    "--report",
+    "false",
+    "--log-every",
+    "100",
+    "--save-final",
+    "false",
+    "--dropout",
+    "0.1",
+    "--dist-timeout",
+    str(TIMEOUT),
+]
 # A stopped run saves step 1 first: that checkpoint must be the one left, committed and untouched.
 STOPPED = ["--save-every", "1"]
 
@@ -49,8 +65,11 @@ def run_plan(root: Path, plan: list[dict], debug: str):
     run = torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=900, env=env, check=False)
     ended = time.time()
     results = json.loads((root / "results.json").read_text()) if (root / "results.json").exists() else {}
-    summaries = {p["name"]: json.loads((root / p["name"] / "summary.json").read_text())
-                 for p in plan if (root / p["name"] / "summary.json").exists()}
+    summaries = {
+        p["name"]: json.loads((root / p["name"] / "summary.json").read_text())
+        for p in plan
+        if (root / p["name"] / "summary.json").exists()
+    }
     return run, ended, results, summaries
 
 
@@ -64,6 +83,7 @@ def assert_stopped(run, ended: float, out: Path, what: str, saved_step: int | No
     waited = ended - newest_mtime(out)
     assert waited < TIMEOUT / 2, (waited, run.tail(20))  # the step up to the OOM included, on a loaded machine
     from shardtrain.checkpointing.store import find_resume_dir
+
     found = find_resume_dir("auto", out)
     if saved_step is None:
         assert found is None, found
@@ -86,16 +106,54 @@ def ddp_launch(mm_data, tmp_path_factory):
         add("forward", "--per-device-batch-size", "16", "--inject-oom", "forward@1:0", "--inject-oom-above", "8"),
         add("ref-8x2", "--per-device-batch-size", "8", "--grad-accum", "2"),
         # Mid-backward of a no_sync micro-step on rank 1; the recomputation on both ranks: 8 x 2 -> 4 x 4.
-        add("backward", "--per-device-batch-size", "8", "--grad-accum", "2", "--inject-oom", "backward@1:1",
-            "--inject-oom-above", "4"),
-        add("recompute", "--per-device-batch-size", "8", "--grad-accum", "2", "--activation-checkpointing", "true",
-            "--inject-oom", "recompute@1:0,recompute@1:1", "--inject-oom-above", "4"),
+        add(
+            "backward",
+            "--per-device-batch-size",
+            "8",
+            "--grad-accum",
+            "2",
+            "--inject-oom",
+            "backward@1:1",
+            "--inject-oom-above",
+            "4",
+        ),
+        add(
+            "recompute",
+            "--per-device-batch-size",
+            "8",
+            "--grad-accum",
+            "2",
+            "--activation-checkpointing",
+            "true",
+            "--inject-oom",
+            "recompute@1:0,recompute@1:1",
+            "--inject-oom-above",
+            "4",
+        ),
         add("ref-4x4", "--per-device-batch-size", "4", "--grad-accum", "4"),
         # A later step: a real allocation failure on both ranks, and a raised OOM on one, must redo step 2 alike.
-        add("alloc-step2", "--per-device-batch-size", "8", "--grad-accum", "2", "--inject-oom", "alloc@2:0,alloc@2:1",
-            "--inject-oom-above", "4"),
-        add("forward-step2", "--per-device-batch-size", "8", "--grad-accum", "2", "--inject-oom", "forward@2:1",
-            "--inject-oom-above", "4"),
+        add(
+            "alloc-step2",
+            "--per-device-batch-size",
+            "8",
+            "--grad-accum",
+            "2",
+            "--inject-oom",
+            "alloc@2:0,alloc@2:1",
+            "--inject-oom-above",
+            "4",
+        ),
+        add(
+            "forward-step2",
+            "--per-device-batch-size",
+            "8",
+            "--grad-accum",
+            "2",
+            "--inject-oom",
+            "forward@2:1",
+            "--inject-oom-above",
+            "4",
+        ),
         # Last: the optimizer step of step 2 on rank 0 stops the job.
         add("step-stop", "--per-device-batch-size", "8", "--inject-oom", "step@2:0", *STOPPED),
     ]
@@ -107,12 +165,22 @@ def sharded_launch(mm_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("oom_sharded")
 
     def add(name, variant, *flags):
-        return {"name": name, "args": tiny_args("multimodal", mm_data, root / name, *VARIANTS[variant], *COMMON,
-                                                *flags)}
+        return {
+            "name": name,
+            "args": tiny_args("multimodal", mm_data, root / name, *VARIANTS[variant], *COMMON, *flags),
+        }
 
     plan = [
-        add("zero2-forward", "zero2", "--per-device-batch-size", "16", "--inject-oom", "forward@1:1",
-            "--inject-oom-above", "8"),
+        add(
+            "zero2-forward",
+            "zero2",
+            "--per-device-batch-size",
+            "16",
+            "--inject-oom",
+            "forward@1:1",
+            "--inject-oom-above",
+            "8",
+        ),
         add("zero2-ref-8x2", "zero2", "--per-device-batch-size", "8", "--grad-accum", "2"),
         # Last: rank 1 fails to allocate inside the forward, between FSDP units' all-gathers.
         add("fsdp-alloc-stop", "fsdp", "--per-device-batch-size", "8", "--inject-oom", "alloc@2:1", *STOPPED),
@@ -130,8 +198,10 @@ def assert_same_trajectory(got: dict, ref: dict, steps=(0, 1)):
 def test_ddp_recovers_forward_backward_recompute_and_real_allocation_failures(ddp_launch):
     root, plan, run, ended, results, summaries = ddp_launch
     assert all(results.get(p["name"], {}).get("ok") for p in plan[:-1]), run.tail(80)
-    events = {name: summaries[name]["oom_recovery"]["events"] for name in
-              ("forward", "backward", "recompute", "alloc-step2", "forward-step2")}
+    events = {
+        name: summaries[name]["oom_recovery"]["events"]
+        for name in ("forward", "backward", "recompute", "alloc-step2", "forward-step2")
+    }
     assert events["forward"] == [{"step": 1, "ranks": 1, "from": [16, 1], "to": [8, 2]}]
     assert events["backward"] == [{"step": 1, "ranks": 1, "from": [8, 2], "to": [4, 4]}]
     assert events["recompute"] == [{"step": 1, "ranks": 2, "from": [8, 2], "to": [4, 4]}]
@@ -156,7 +226,8 @@ def test_ddp_oom_in_the_optimizer_step_stops_every_rank_at_once(ddp_launch):
 def test_zero2_recovers_a_forward_oom(sharded_launch):
     root, plan, run, ended, results, summaries = sharded_launch
     assert summaries["zero2-forward"]["oom_recovery"]["events"] == [
-        {"step": 1, "ranks": 1, "from": [16, 1], "to": [8, 2]}], run.tail(60)
+        {"step": 1, "ranks": 1, "from": [16, 1], "to": [8, 2]}
+    ], run.tail(60)
     assert_same_trajectory(results["zero2-forward"], results["zero2-ref-8x2"])
 
 
@@ -168,15 +239,29 @@ def test_fsdp_allocation_failure_inside_the_forward_stops_every_rank_at_once(sha
     print(f"\nstopped {waited:.1f}s after the run's last file: {line[:200]}")
 
 
-@pytest.mark.parametrize("variant,inject,what,extra", [
-    ("zero3", "backward@2:0,backward@2:1", "backward", ()),
-    ("zero2", "recompute@2:0", "backward", ("--activation-checkpointing", "true")),
-])
+@pytest.mark.parametrize(
+    "variant,inject,what,extra",
+    [
+        ("zero3", "backward@2:0,backward@2:1", "backward", ()),
+        ("zero2", "recompute@2:0", "backward", ("--activation-checkpointing", "true")),
+    ],
+)
 def test_oom_inside_a_sharded_pass_stops_every_rank_at_once(mm_data, tmp_path, variant, inject, what, extra):
     """Through shardtrain/main.py, as torchrun users run it."""
     out = tmp_path / variant
-    args = tiny_args("multimodal", mm_data, out, *VARIANTS[variant], *COMMON, *STOPPED, "--per-device-batch-size",
-                     "8", "--inject-oom", inject, *extra)
+    args = tiny_args(
+        "multimodal",
+        mm_data,
+        out,
+        *VARIANTS[variant],
+        *COMMON,
+        *STOPPED,
+        "--per-device-batch-size",
+        "8",
+        "--inject-oom",
+        inject,
+        *extra,
+    )
     run = torchrun(args, check=False, timeout=900, env=launch.test_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"))
     ended = time.time()
     step = int(inject.split("@")[1].split(":")[0])

@@ -5,23 +5,45 @@ dropout 0), in one launch of tests/dist/matrix_driver.py:
 - adafactor under ddp, and its step-2 checkpoint resumed under ddp continues it exactly (the factored moments
   are in the checkpoint).
 The choices a strategy cannot run are one line each (tests/unit/test_optim_choice.py)."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from launch import run_plan, tiny_args
+
 from shardtrain.checkpointing.portable import read_portable
 
-STRATEGIES = {"ddp": ["--strategy", "ddp"], "fsdp": ["--strategy", "fsdp"],
-              "zero2": ["--ds", "ds_configs/zero2.json"], "zero3": ["--ds", "ds_configs/zero3.json"]}
+STRATEGIES = {
+    "ddp": ["--strategy", "ddp"],
+    "fsdp": ["--strategy", "fsdp"],
+    "zero2": ["--ds", "ds_configs/zero2.json"],
+    "zero3": ["--ds", "ds_configs/zero3.json"],
+}
 RTOL = 1e-4
 
 
 def run_args(data, out, strategy, optim, *extra):
-    return tiny_args("multimodal", data, out, *STRATEGIES[strategy], "--optim", optim, "--max-steps", "4",
-                     "--save-every", "2", "--per-device-batch-size", "8", "--dropout", "0.0", "--lr", "3e-3", *extra)
+    return tiny_args(
+        "multimodal",
+        data,
+        out,
+        *STRATEGIES[strategy],
+        "--optim",
+        optim,
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--per-device-batch-size",
+        "8",
+        "--dropout",
+        "0.0",
+        "--lr",
+        "3e-3",
+        *extra,
+    )
 
 
 def _moved(run_dir) -> bool:
@@ -35,12 +57,20 @@ def runs(mm_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("optim")
     plan = [{"name": f"sgd_{s}", "args": run_args(mm_data, root / f"sgd_{s}", s, "sgd")} for s in STRATEGIES]
     step2 = root / "sgd_zero2" / "checkpoints" / "step-000002"
-    plan.append({"name": "sgd_fsdp_from_zero2",
-                 "args": run_args(mm_data, root / "sgd_fsdp_from_zero2", "fsdp", "sgd", "--resume", str(step2))})
+    plan.append(
+        {
+            "name": "sgd_fsdp_from_zero2",
+            "args": run_args(mm_data, root / "sgd_fsdp_from_zero2", "fsdp", "sgd", "--resume", str(step2)),
+        }
+    )
     plan.append({"name": "adafactor_ddp", "args": run_args(mm_data, root / "adafactor_ddp", "ddp", "adafactor")})
     step2 = root / "adafactor_ddp" / "checkpoints" / "step-000002"
-    plan.append({"name": "adafactor_ddp_resumed",
-                 "args": run_args(mm_data, root / "adafactor_resumed", "ddp", "adafactor", "--resume", str(step2))})
+    plan.append(
+        {
+            "name": "adafactor_ddp_resumed",
+            "args": run_args(mm_data, root / "adafactor_resumed", "ddp", "adafactor", "--resume", str(step2)),
+        }
+    )
     _, results = run_plan(plan, root, timeout=900)
     return root, results
 
@@ -54,8 +84,11 @@ def test_sgd_trains_alike_on_every_strategy_and_resumes_across_them(runs):
         assert results[f"sgd_{s}"]["losses"] == pytest.approx(ref, rel=RTOL), s
     assert results["sgd_fsdp_from_zero2"]["losses"] == pytest.approx(ref[2:], rel=RTOL)
     for s in ("ddp", "zero3"):  # SGD without momentum has no state to keep
-        assert not [k for k in read_portable(root / f"sgd_{s}" / "checkpoints" / "step-000004", optimizer=True)
-                    ["optim"] if ".state." in k], s
+        assert not [
+            k
+            for k in read_portable(root / f"sgd_{s}" / "checkpoints" / "step-000004", optimizer=True)["optim"]
+            if ".state." in k
+        ], s
     summary = json.loads((root / "sgd_zero2" / "summary.json").read_text())
     assert summary["config"]["train"]["optim"] == "sgd"
 

@@ -8,6 +8,7 @@ entrypoint runs as PID 1 of a PID namespace of its own, with the SDK's volumes b
 /opt/ml/checkpoints kept across jobs, as SageMaker syncs it to checkpoint_s3_uri. Everything is under
 tmp_path; the namespaces end with their processes, pass or fail.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,37 +21,64 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import REPO, kill_tree, test_env, tiny_args, torchrun
 
 pytest.importorskip("sagemaker.train", reason="the SageMaker SDK v3 (requirements-sagemaker.txt) is not installed")
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
-                                reason="emulated containers need root and unshare (namespaces, mounts)")
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("unshare"),
+    reason="emulated containers need root and unshare (namespaces, mounts)",
+)
 
 JOB = REPO / "tests" / "sm_job.py"
 STEPS = 12
-HP = {"config": "configs/longformer_tiny.yaml", "device": "cpu", "max_steps": STEPS, "predict_memory": False,
-      "report": False, "log_every": 1}
+HP = {
+    "config": "configs/longformer_tiny.yaml",
+    "device": "cpu",
+    "max_steps": STEPS,
+    "predict_memory": False,
+    "report": False,
+    "log_every": 1,
+}
 
 
 class Job:
     """One SageMaker training job (the SDK's local mode, docker replaced) started in the background."""
 
-    def __init__(self, tmp: Path, name: str, emulator_dir: Path, channels: dict, env: dict | None = None,
-                 hyperparameters: dict | None = None, instance_count: int = 1, run_id: str | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        name: str,
+        emulator_dir: Path,
+        channels: dict,
+        env: dict | None = None,
+        hyperparameters: dict | None = None,
+        instance_count: int = 1,
+        run_id: str | None = None,
+    ):
         self.root, self.emulator_dir, self.log = tmp / name, emulator_dir, tmp / f"{name}.log"
         self.root.mkdir()
         emulator_dir.mkdir(exist_ok=True)
-        spec = {"root": str(self.root), "emulator_dir": str(emulator_dir), "channels": channels,
-                "hyperparameters": {**HP, **(hyperparameters or {})}, "processes_per_node": 2,
-                "instance_count": instance_count, "run_id": run_id}
+        spec = {
+            "root": str(self.root),
+            "emulator_dir": str(emulator_dir),
+            "channels": channels,
+            "hyperparameters": {**HP, **(hyperparameters or {})},
+            "processes_per_node": 2,
+            "instance_count": instance_count,
+            "run_id": run_id,
+        }
         self.run_id = run_id
         (tmp / f"{name}.json").write_text(json.dumps(spec))
         full_env = test_env(AWS_DEFAULT_REGION="us-east-1", **(env or {}))
         full_env.pop("PYTHONPATH")  # the code channel carries shardtrain into the container
         with open(self.log, "w") as out:
-            self.proc = subprocess.Popen([sys.executable, str(JOB), str(tmp / f"{name}.json")], cwd=REPO,
-                                         env=full_env, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, str(JOB), str(tmp / f"{name}.json")],
+                cwd=REPO,
+                env=full_env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
 
     @property
     def checkpoints(self) -> Path:
@@ -105,8 +133,9 @@ def test_spot_interruption_saves_and_the_next_job_resumes(ld_data, tmp_path):
         except subprocess.TimeoutExpired:
             os.kill(first.pid1(), signal.SIGKILL)
             first.proc.wait()
-            raise AssertionError(f"the stop never reached training (SIGKILL after 90 s):\n{first.output()[-3000:]}") \
-                from None
+            raise AssertionError(
+                f"the stop never reached training (SIGKILL after 90 s):\n{first.output()[-3000:]}"
+            ) from None
     finally:
         if first.proc.poll() is None:
             first.kill()
@@ -124,12 +153,26 @@ def test_spot_interruption_saves_and_the_next_job_resumes(ld_data, tmp_path):
     assert (second.root / "artifacts" / "model" / "model.safetensors").is_file(), out2[-3000:]
 
     reference = tmp_path / "reference"
-    torchrun(tiny_args("longformer", ld_data, reference, "--strategy", "ddp", "--device", "cpu",
-                       "--max-steps", str(STEPS), "--save-every", "200"))
+    torchrun(
+        tiny_args(
+            "longformer",
+            ld_data,
+            reference,
+            "--strategy",
+            "ddp",
+            "--device",
+            "cpu",
+            "--max-steps",
+            str(STEPS),
+            "--save-every",
+            "200",
+        )
+    )
     resumed, expected = _losses(first.checkpoints), _losses(reference)
     assert sorted(resumed) == list(range(1, STEPS + 1)), resumed
     assert [resumed[s] for s in range(1, STEPS + 1)] == pytest.approx(
-        [expected[s] for s in range(1, STEPS + 1)], rel=1e-6, abs=1e-7)
+        [expected[s] for s in range(1, STEPS + 1)], rel=1e-6, abs=1e-7
+    )
 
     # A restart after completion (the finished run's checkpoints restored: a spot interruption between the last
     # checkpoint and the export, or a job that continues the run, --continue-run): nothing to train, and before,
@@ -139,8 +182,9 @@ def test_spot_interruption_saves_and_the_next_job_resumes(ld_data, tmp_path):
     assert third.wait() == 0, third.output()[-3000:]
     assert "nothing to train" in third.output(), third.output()[-3000:]
     model = third.root / "artifacts" / "model"
-    assert (model / "model.safetensors").is_file() and (model / "shardtrain_export.json").is_file(), \
-        third.output()[-3000:]
+    assert (model / "model.safetensors").is_file() and (model / "shardtrain_export.json").is_file(), third.output()[
+        -3000:
+    ]
 
 
 def test_a_bad_hyperparameter_is_the_jobs_failure_reason(ld_data, tmp_path):
@@ -150,8 +194,9 @@ def test_a_bad_hyperparameter_is_the_jobs_failure_reason(ld_data, tmp_path):
     job = Job(tmp_path, "job", tmp_path / "sm", {"train": str(ld_data)}, hyperparameters={"save_evry": 200})
     assert job.wait() != 0, job.output()[-3000:]
     failure = job.root / "artifacts" / "output" / "failure"  # the SDK gathers /opt/ml/output there
-    assert failure.read_text() == ("shardtrain: error: unknown hyperparameter 'save_evry'; did you mean "
-                                   "'save_every' (--save-every)?\n"), job.output()[-3000:]
+    assert failure.read_text() == (
+        "shardtrain: error: unknown hyperparameter 'save_evry'; did you mean 'save_every' (--save-every)?\n"
+    ), job.output()[-3000:]
 
 
 def test_two_instances_are_refused_in_one_line_that_names_what_works(ld_data, tmp_path):

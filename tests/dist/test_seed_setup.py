@@ -6,6 +6,7 @@ The plan is computed for real, through the CLI users run (about 1.5 min of CPU: 
 longformer-base's shape at 1024 and 1536 tokens). The sbatch script runs for real too, outside Slurm, with an
 `srun` that only exits: its own "launch:" line says what it would start.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,7 +16,6 @@ import re
 import subprocess
 
 import pytest
-
 from launch import REPO, cli, test_env
 
 CONFIG = "configs/longformer_4096.yaml"
@@ -37,9 +37,9 @@ def launch_args(line: str) -> list[str] | None:
     words = line.strip().lstrip("#").split(" #")[0].replace("`", " ").split()  # launch lines quote nothing
     for i, word in enumerate(words):
         if word == "shardtrain/main.py":
-            return words[i + 1:]
-        if word == "shardtrain" and words[i + 1:i + 2] == ["train"]:
-            return words[i + 2:]
+            return words[i + 1 :]
+        if word == "shardtrain" and words[i + 1 : i + 2] == ["train"]:
+            return words[i + 2 :]
     return None
 
 
@@ -64,10 +64,21 @@ def sbatch_launch(tmp_path) -> list[str]:
         (shims / name).write_text("#!/bin/sh\nexit 0\n")
         (shims / name).chmod(0o755)
     env = {k: v for k, v in test_env().items() if k not in ("CONFIG", "DS_CONFIG", "STRATEGY", "PRECISION")}
-    env.update(PATH=f"{shims}{os.pathsep}{env['PATH']}", SHARDTRAIN_ROOT=str(REPO), SLURM_GPUS_ON_NODE="4",
-               SLURM_JOB_ID="1", SLURM_JOB_NODELIST="localhost")
-    out = subprocess.run(["bash", str(REPO / "slurm/train_4xv100.sbatch")], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
+    env.update(
+        PATH=f"{shims}{os.pathsep}{env['PATH']}",
+        SHARDTRAIN_ROOT=str(REPO),
+        SLURM_GPUS_ON_NODE="4",
+        SLURM_JOB_ID="1",
+        SLURM_JOB_NODELIST="localhost",
+    )
+    out = subprocess.run(
+        ["bash", str(REPO / "slurm/train_4xv100.sbatch")],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     (line,) = [ln for ln in out.stdout.splitlines() if "shardtrain-slurm: launch:" in ln]
     return launch_args(line)
@@ -87,14 +98,25 @@ def test_shipped_longformer_launches_are_what_plan_recommends(recommendation, tm
     from shardtrain.memory.planner import variant_of
 
     monkeypatch.chdir(REPO)  # the launch lines name files relative to the repository root
-    launches = {"slurm/train_4xv100.sbatch": sbatch_launch(tmp_path), "examples/sagemaker": sagemaker_launch(),
-                **documented_launch_lines()}
+    launches = {
+        "slurm/train_4xv100.sbatch": sbatch_launch(tmp_path),
+        "examples/sagemaker": sagemaker_launch(),
+        **documented_launch_lines(),
+    }
     assert len(launches) >= 5, launches  # the sbatch script, SageMaker, README and docs lines, the config comment
-    want = (recommendation["variant"], recommendation["activation_checkpointing"],
-            recommendation["micro_batch_size"], recommendation["grad_accum"])
+    want = (
+        recommendation["variant"],
+        recommendation["activation_checkpointing"],
+        recommendation["micro_batch_size"],
+        recommendation["grad_accum"],
+    )
     for where, args in launches.items():
         assert re.search(r"longformer_4096\.yaml$", args[args.index("--config") + 1]), (where, args)
         cfg = parse_cli(args)
-        got = (variant_of(cfg), cfg.train.activation_checkpointing, cfg.train.per_device_batch_size,
-               cfg.train.grad_accum)
+        got = (
+            variant_of(cfg),
+            cfg.train.activation_checkpointing,
+            cfg.train.per_device_batch_size,
+            cfg.train.grad_accum,
+        )
         assert got == want, f"{where} launches {got}; shardtrain plan recommends {want}: {args}"

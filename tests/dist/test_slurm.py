@@ -6,6 +6,7 @@ gpu:v100:4, so jobs get CUDA_VISIBLE_DEVICES / SLURM_GPUS_ON_NODE but no CUDA). 
 start.sh exits 3: the munge/slurm Debian packages are missing and cannot be installed. Jobs inherit this
 process's environment (sbatch --export=ALL), which is how SLURM_CONF and SHARDTRAIN_VENV reach them.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 import launch
+import pytest
 from launch import BIN, REPO, tiny_args, torchrun
 
 pytestmark = pytest.mark.slurm
@@ -41,8 +41,21 @@ def job_env(slurm_conf: str) -> dict:
     env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
     if (Path(sys.prefix) / "bin" / "activate").is_file():
         env["SHARDTRAIN_VENV"] = sys.prefix
-    for var in ("CONFIG", "STRATEGY", "DS_CONFIG", "PRECISION", "DEVICE", "EXTRA_ARGS", "NPROC_PER_NODE",
-                "OUTPUT_DIR", "DATA_DIR", "SRUN_ARGS", "SHARDTRAIN_ROOT", "MASTER_ADDR", "MASTER_PORT"):
+    for var in (
+        "CONFIG",
+        "STRATEGY",
+        "DS_CONFIG",
+        "PRECISION",
+        "DEVICE",
+        "EXTRA_ARGS",
+        "NPROC_PER_NODE",
+        "OUTPUT_DIR",
+        "DATA_DIR",
+        "SRUN_ARGS",
+        "SHARDTRAIN_ROOT",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+    ):
         env.pop(var, None)  # only what a test sets
     return env
 
@@ -66,8 +79,13 @@ class Job:
 
     def listed(self) -> bool:
         """Still known to Slurm (pending, running, requeued, completing)."""
-        q = subprocess.run([*self.client, "squeue", "-h", "-j", self.id, "-o", "%T"], capture_output=True, text=True,
-                           env=self.env, timeout=30)
+        q = subprocess.run(
+            [*self.client, "squeue", "-h", "-j", self.id, "-o", "%T"],
+            capture_output=True,
+            text=True,
+            env=self.env,
+            timeout=30,
+        )
         return q.returncode == 0 and bool(q.stdout.strip())
 
     def cancel(self) -> None:
@@ -78,8 +96,9 @@ def _read(path: Path) -> str:
     return path.read_text(errors="replace") if path.is_file() else f"<{path.name} missing>"
 
 
-def submit(script: str, cwd: Path, env: dict, overrides: dict, sbatch_args: tuple = (),
-           wait: bool = True, client: tuple = ()) -> tuple[Job, int]:
+def submit(
+    script: str, cwd: Path, env: dict, overrides: dict, sbatch_args: tuple = (), wait: bool = True, client: tuple = ()
+) -> tuple[Job, int]:
     """`sbatch [--wait] slurm/<script>` from `cwd` (where the %j logs go), the script itself untouched."""
     job_env = {**env, **{k: str(v) for k, v in overrides.items()}}
     cmd = [*client, "sbatch", "--parsable", *(["--wait"] if wait else []), *sbatch_args, str(REPO / "slurm" / script)]
@@ -117,9 +136,19 @@ def check_banner(job: Job, gpus: int, world: int) -> None:
 
 def test_3xa100_fsdp(slurm_env, mm_data, tmp_path):
     out = tmp_path / "out"
-    job, rc = submit("train_3xa100.sbatch", tmp_path, slurm_env, {
-        "CONFIG": "configs/multimodal_tiny.yaml", "DEVICE": "cpu", "PRECISION": "fp32",
-        "DATA_DIR": mm_data, "OUTPUT_DIR": out, "EXTRA_ARGS": f"--max-steps 3 {COMMON}"})
+    job, rc = submit(
+        "train_3xa100.sbatch",
+        tmp_path,
+        slurm_env,
+        {
+            "CONFIG": "configs/multimodal_tiny.yaml",
+            "DEVICE": "cpu",
+            "PRECISION": "fp32",
+            "DATA_DIR": mm_data,
+            "OUTPUT_DIR": out,
+            "EXTRA_ARGS": f"--max-steps 3 {COMMON}",
+        },
+    )
     assert rc == 0, f"job {job.id} exit {rc}\n{job.logs()}"
     check_banner(job, gpus=3, world=3)
     s = summary(out)
@@ -131,9 +160,19 @@ def test_4xv100_ddp(slurm_env, ld_data, tmp_path):
     # The script's own strategy: DDP, shardtrain plan's pick (tests/dist/test_seed_setup.py); fp32 because fp16
     # needs a GPU. DS_CONFIG (DeepSpeed under srun) is exercised by the multinode test.
     out = tmp_path / "out"
-    job, rc = submit("train_4xv100.sbatch", tmp_path, slurm_env, {
-        "CONFIG": "configs/longformer_tiny.yaml", "DEVICE": "cpu", "PRECISION": "fp32",
-        "DATA_DIR": ld_data, "OUTPUT_DIR": out, "EXTRA_ARGS": f"--max-steps 2 --per-device-batch-size 4 {COMMON}"})
+    job, rc = submit(
+        "train_4xv100.sbatch",
+        tmp_path,
+        slurm_env,
+        {
+            "CONFIG": "configs/longformer_tiny.yaml",
+            "DEVICE": "cpu",
+            "PRECISION": "fp32",
+            "DATA_DIR": ld_data,
+            "OUTPUT_DIR": out,
+            "EXTRA_ARGS": f"--max-steps 2 --per-device-batch-size 4 {COMMON}",
+        },
+    )
     assert rc == 0, f"job {job.id} exit {rc}\n{job.logs()}"
     check_banner(job, gpus=4, world=4)
     assert "--strategy ddp" in job.out, job.logs()
@@ -145,10 +184,21 @@ def test_multinode_two_tasks_deepspeed(slurm_env, mm_data, tmp_path):
     # Two tasks on the one node stand in for two nodes: ranks from SLURM_PROCID, MASTER_ADDR from the
     # first host, the port from the job id, and DeepSpeed joining that group without its ssh launcher.
     out = tmp_path / "out"
-    job, rc = submit("train_multinode.sbatch", tmp_path, slurm_env, {
-        "CONFIG": "configs/multimodal_tiny.yaml", "DS_CONFIG": "ds_configs/zero3.json", "DEVICE": "cpu",
-        "PRECISION": "fp32", "DATA_DIR": mm_data, "OUTPUT_DIR": out, "EXTRA_ARGS": f"--max-steps 2 {COMMON}"},
-        sbatch_args=("--nodes=1", "--ntasks-per-node=2", "--gres=gpu:a100:2"))
+    job, rc = submit(
+        "train_multinode.sbatch",
+        tmp_path,
+        slurm_env,
+        {
+            "CONFIG": "configs/multimodal_tiny.yaml",
+            "DS_CONFIG": "ds_configs/zero3.json",
+            "DEVICE": "cpu",
+            "PRECISION": "fp32",
+            "DATA_DIR": mm_data,
+            "OUTPUT_DIR": out,
+            "EXTRA_ARGS": f"--max-steps 2 {COMMON}",
+        },
+        sbatch_args=("--nodes=1", "--ntasks-per-node=2", "--gres=gpu:a100:2"),
+    )
     assert rc == 0, f"job {job.id} exit {rc}\n{job.logs()}"
     check_banner(job, gpus=2, world=2)
     assert f"MASTER_ADDR=localhost MASTER_PORT={15000 + int(job.id) % 20000} " in job.out, job.logs()
@@ -162,10 +212,21 @@ def test_preemption_requeue_resume(slurm_env, mm_data, tmp_path):
     steps = 12
     out = tmp_path / "out"
     train_args = f"--strategy fsdp --precision fp32 --device cpu --max-steps {steps}"
-    job, _ = submit("train_3xa100.sbatch", tmp_path, slurm_env, {
-        "CONFIG": "configs/multimodal_tiny.yaml", "DEVICE": "cpu", "PRECISION": "fp32", "DATA_DIR": mm_data,
-        "OUTPUT_DIR": out, "EXTRA_ARGS": f"--max-steps {steps} --report false"},  # --resume auto: the default
-        sbatch_args=("--gres=gpu:a100:2", "--ntasks-per-node=2"), wait=False)
+    job, _ = submit(
+        "train_3xa100.sbatch",
+        tmp_path,
+        slurm_env,
+        {
+            "CONFIG": "configs/multimodal_tiny.yaml",
+            "DEVICE": "cpu",
+            "PRECISION": "fp32",
+            "DATA_DIR": mm_data,
+            "OUTPUT_DIR": out,
+            "EXTRA_ARGS": f"--max-steps {steps} --report false",
+        },  # --resume auto: the default
+        sbatch_args=("--gres=gpu:a100:2", "--ntasks-per-node=2"),
+        wait=False,
+    )
     try:
         deadline = time.monotonic() + JOB_TIMEOUT
         while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
@@ -192,7 +253,8 @@ def test_preemption_requeue_resume(slurm_env, mm_data, tmp_path):
     assert sorted(resumed) == list(range(1, steps + 1)), resumed
     assert resumed[steps] == pytest.approx(reference[steps], rel=1e-6, abs=1e-7), (resumed, reference)
     assert [resumed[i] for i in range(k + 1, steps + 1)] == pytest.approx(
-        [reference[i] for i in range(k + 1, steps + 1)], rel=1e-6, abs=1e-7)
+        [reference[i] for i in range(k + 1, steps + 1)], rel=1e-6, abs=1e-7
+    )
 
 
 def test_scancel_saves_and_exits_0(slurm_env, ld_data, tmp_path):
@@ -201,10 +263,21 @@ def test_scancel_saves_and_exits_0(slurm_env, ld_data, tmp_path):
     cluster, 30 s by default). Before, the DataLoader workers died of it and both tasks exited 1 with no
     checkpoint. Now every task finishes its step, saves and exits 0; a cancelled job is not requeued."""
     out = tmp_path / "out"
-    job, _ = submit("train_4xv100.sbatch", tmp_path, slurm_env, {
-        "CONFIG": "configs/longformer_tiny.yaml", "DEVICE": "cpu", "PRECISION": "fp32", "DATA_DIR": ld_data,
-        "OUTPUT_DIR": out, "EXTRA_ARGS": f"--max-steps 500 --num-workers 2 --log-every 1 {COMMON}"},
-        sbatch_args=("--gres=gpu:v100:2", "--ntasks-per-node=2"), wait=False)
+    job, _ = submit(
+        "train_4xv100.sbatch",
+        tmp_path,
+        slurm_env,
+        {
+            "CONFIG": "configs/longformer_tiny.yaml",
+            "DEVICE": "cpu",
+            "PRECISION": "fp32",
+            "DATA_DIR": ld_data,
+            "OUTPUT_DIR": out,
+            "EXTRA_ARGS": f"--max-steps 500 --num-workers 2 --log-every 1 {COMMON}",
+        },
+        sbatch_args=("--gres=gpu:v100:2", "--ntasks-per-node=2"),
+        wait=False,
+    )
     try:
         deadline = time.monotonic() + JOB_TIMEOUT
         while len(_read(out / "metrics.jsonl").splitlines()) < 2:

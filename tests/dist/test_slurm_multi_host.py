@@ -7,6 +7,7 @@ cluster's home is. Clients (sbatch, squeue, scancel) run on a host too: the mach
 to the cluster. What one host cannot show: the first host's name as MASTER_ADDR, the store and gloo on the
 address that name resolves to, srun's tasks on two hosts, and a requeue that brings both back.
 """
+
 from __future__ import annotations
 
 import re
@@ -18,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from launch import tiny_args, torchrun
 from local_slurm import PACKAGES_UNAVAILABLE, START, STOP, alive
 from test_slurm import JOB_TIMEOUT, check_banner, job_env, losses, requeued_and_resumed, submit, summary
@@ -34,9 +34,9 @@ PER_HOST = ("--nodes=2", "--ntasks-per-node=1", "--gres=gpu:a100:1")
 @dataclass
 class HostsCluster:
     hosts: object  # tests/hosts.py's Hosts
-    state: Path    # start.sh's STATE_DIR
+    state: Path  # start.sh's STATE_DIR
     client: tuple  # runs a Slurm client on the controller's host
-    env: dict      # what sbatch exports to the jobs
+    env: dict  # what sbatch exports to the jobs
 
     def daemons(self) -> dict[str, int]:
         """munged, slurmctld, slurmd-node1, ... -> pid, from the pid files start.sh and the daemons write."""
@@ -52,11 +52,27 @@ def slurm_hosts(namespace_hosts):
     nodes = ",".join(f"{n}={hosts[n].address}" for n in COMPUTE)
     try:
         # The default ports: inside the namespaces they cannot collide with anyone's.
-        start = subprocess.run(["bash", str(START), state, "--hosts", nodes,
-                                "--controller", f"{CONTROLLER}={hosts[CONTROLLER].address}", "--run-on", str(run_on)],
-                               capture_output=True, text=True, timeout=300,
-                               env={**job_env(f"{state}/slurm.conf"), "SHARDTRAIN_SLURMCTLD_PORT": "6817",
-                                    "SHARDTRAIN_SLURMD_PORT": "6818"})
+        start = subprocess.run(
+            [
+                "bash",
+                str(START),
+                state,
+                "--hosts",
+                nodes,
+                "--controller",
+                f"{CONTROLLER}={hosts[CONTROLLER].address}",
+                "--run-on",
+                str(run_on),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={
+                **job_env(f"{state}/slurm.conf"),
+                "SHARDTRAIN_SLURMCTLD_PORT": "6817",
+                "SHARDTRAIN_SLURMD_PORT": "6818",
+            },
+        )
         if start.returncode == PACKAGES_UNAVAILABLE:
             pytest.skip(f"Slurm unavailable (start.sh exit 3): {start.stderr.strip()[-300:]}")
         assert start.returncode == 0, f"start.sh --hosts failed ({start.returncode}):\n{start.stdout}\n{start.stderr}"
@@ -85,16 +101,34 @@ def test_multinode_sbatch_across_two_hosts(slurm_hosts, mm_data, tmp_path):
     ranks know which host they are on (banner, summary, and the GPU guard's reading of that table)."""
     # Each daemon where it belongs: a slurmd in each compute host's namespace, slurmctld in node3's, munged here.
     hosts = slurm_hosts.hosts
-    where = {name: subprocess.run(["ip", "netns", "identify", str(pid)], capture_output=True, text=True,
-                                  check=True).stdout.strip() for name, pid in slurm_hosts.daemons().items()}
-    assert where == {"munged": "", "slurmctld": hosts[CONTROLLER].netns,
-                     **{f"slurmd-{n}": hosts[n].netns for n in COMPUTE}}, where
+    where = {
+        name: subprocess.run(
+            ["ip", "netns", "identify", str(pid)], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        for name, pid in slurm_hosts.daemons().items()
+    }
+    assert where == {
+        "munged": "",
+        "slurmctld": hosts[CONTROLLER].netns,
+        **{f"slurmd-{n}": hosts[n].netns for n in COMPUTE},
+    }, where
 
     out = tmp_path / "out"
-    job, rc = submit("train_multinode.sbatch", tmp_path, slurm_hosts.env, {
-        "CONFIG": "configs/multimodal_tiny.yaml", "DEVICE": "cpu", "PRECISION": "fp32", "DATA_DIR": mm_data,
-        "OUTPUT_DIR": out, "EXTRA_ARGS": "--max-steps 3 --resume none --report false"},
-        sbatch_args=PER_HOST, client=slurm_hosts.client)
+    job, rc = submit(
+        "train_multinode.sbatch",
+        tmp_path,
+        slurm_hosts.env,
+        {
+            "CONFIG": "configs/multimodal_tiny.yaml",
+            "DEVICE": "cpu",
+            "PRECISION": "fp32",
+            "DATA_DIR": mm_data,
+            "OUTPUT_DIR": out,
+            "EXTRA_ARGS": "--max-steps 3 --resume none --report false",
+        },
+        sbatch_args=PER_HOST,
+        client=slurm_hosts.client,
+    )
     assert rc == 0, f"job {job.id} exit {rc}\n{job.logs()}"
     check_banner(job, gpus=1, world=2)
     assert "shardtrain-slurm: hosts: node1 node2" in job.out, job.logs()
@@ -108,6 +142,7 @@ def test_multinode_sbatch_across_two_hosts(slurm_hosts, mm_data, tmp_path):
     # job per host, is two GPUs, not one shared. (On this CPU machine the table says cpu; the guard's verdict
     # on the same hosts with cuda:0 is what a GPU cluster gets.)
     from shardtrain.runtime.gpu_guard import check_rank_table
+
     assert check_rank_table(s["ranks"]).error is None
     as_on_gpus = [{**r, "device": "cuda:0", "visible_gpus": 1, "device_uuid": ""} for r in s["ranks"]]
     verdict = check_rank_table(as_on_gpus)
@@ -122,18 +157,34 @@ def test_preemption_requeue_across_two_hosts(slurm_hosts, mm_data, tmp_path):
     job comes back on both hosts, resumes, and ends at max_steps with the losses of an uninterrupted run."""
     steps = 12
     out = tmp_path / "out"
-    job, _ = submit("train_multinode.sbatch", tmp_path, slurm_hosts.env, {
-        "CONFIG": "configs/multimodal_tiny.yaml", "DEVICE": "cpu", "PRECISION": "fp32", "DATA_DIR": mm_data,
-        "OUTPUT_DIR": out, "EXTRA_ARGS": f"--max-steps {steps} --report false"},  # --resume auto: the default
-        sbatch_args=PER_HOST, wait=False, client=slurm_hosts.client)
+    job, _ = submit(
+        "train_multinode.sbatch",
+        tmp_path,
+        slurm_hosts.env,
+        {
+            "CONFIG": "configs/multimodal_tiny.yaml",
+            "DEVICE": "cpu",
+            "PRECISION": "fp32",
+            "DATA_DIR": mm_data,
+            "OUTPUT_DIR": out,
+            "EXTRA_ARGS": f"--max-steps {steps} --report false",
+        },  # --resume auto: the default
+        sbatch_args=PER_HOST,
+        wait=False,
+        client=slurm_hosts.client,
+    )
     try:
         deadline = time.monotonic() + JOB_TIMEOUT
         while not ((out / "metrics.jsonl").is_file() and (out / "metrics.jsonl").read_text().strip()):
             assert job.listed() and time.monotonic() < deadline, f"no training step seen\n{job.logs()}"
             time.sleep(0.2)
         # The tasks on both hosts and the batch shell on node1, as Slurm's --signal=USR1@N plus a B: signal.
-        subprocess.run([*slurm_hosts.client, "scancel", "-s", "USR1", "--full", job.id], env=slurm_hosts.env,
-                       check=True, timeout=30)
+        subprocess.run(
+            [*slurm_hosts.client, "scancel", "-s", "USR1", "--full", job.id],
+            env=slurm_hosts.env,
+            check=True,
+            timeout=30,
+        )
         while job.listed():  # running -> requeued (pending) -> running again -> gone
             assert time.monotonic() < deadline, f"job {job.id} not finished after {JOB_TIMEOUT}s\n{job.logs()}"
             time.sleep(1)
@@ -148,9 +199,24 @@ def test_preemption_requeue_across_two_hosts(slurm_hosts, mm_data, tmp_path):
 
     # The same run without the interruption, on one host.
     ref_out = tmp_path / "ref"
-    torchrun(tiny_args("multimodal", mm_data, ref_out, "--strategy", "fsdp", "--precision", "fp32", "--device",
-                       "cpu", "--max-steps", str(steps)), nproc=2)
+    torchrun(
+        tiny_args(
+            "multimodal",
+            mm_data,
+            ref_out,
+            "--strategy",
+            "fsdp",
+            "--precision",
+            "fp32",
+            "--device",
+            "cpu",
+            "--max-steps",
+            str(steps),
+        ),
+        nproc=2,
+    )
     resumed, reference = losses(out), losses(ref_out)
     assert sorted(resumed) == list(range(1, steps + 1)), resumed
     assert [resumed[i] for i in range(1, steps + 1)] == pytest.approx(
-        [reference[i] for i in range(1, steps + 1)], rel=1e-6, abs=1e-7)
+        [reference[i] for i in range(1, steps + 1)], rel=1e-6, abs=1e-7
+    )

@@ -1,15 +1,15 @@
 """--profile-steps under ddp (with activation checkpointing), fsdp and zero2 on 2 CPU ranks: a torch.profiler
 trace per rank in OUT/profile/, and summary.json's `profile`, where each rank's step time splits into data,
 compute, communication, recompute, host syncs, optimizer and the rest, which add up to the step; the marked
-parts cover it (the unmarked rest under 10%). Steps 3-4: step 2 also gathers the memory table (unmarked). One launch of tests/dist/matrix_driver.py for the three runs,
-and one through torchrun shardtrain/main.py, the user's entry, for the console table and report.html."""
+parts cover it (the unmarked rest under 10%). Steps 3-4: step 2 also gathers the memory table (unmarked). One
+launch of tests/dist/matrix_driver.py for the three runs, and one through torchrun shardtrain/main.py, the
+user's entry, for the console table and report.html."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-
 from launch import run_plan, tiny_args, torchrun
 
 STRATEGIES = {

@@ -4,6 +4,7 @@ exits 0 or 130 with one line; a second Ctrl-C stops at once; a reader that goes 
 Every launch here goes through an entry point users run: `python -m shardtrain train` (which relaunches
 itself under torchrun with --nproc 2) or torchrun itself.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from launch import BIN, MAIN, REPO, cli_background, free_port, kill_tree, test_env, tiny_args, torchrun_background
 
 LONG = ["--strategy", "ddp", "--max-steps", "500", "--device", "cpu", "--log-every", "1"]
@@ -55,8 +55,9 @@ def _committed_at_final_step(out: Path) -> int:
     return step
 
 
-@pytest.mark.parametrize("sig,target", [(signal.SIGUSR1, "parent"), (signal.SIGTERM, "parent"),
-                                        (signal.SIGTERM, "agent")])
+@pytest.mark.parametrize(
+    "sig,target", [(signal.SIGUSR1, "parent"), (signal.SIGTERM, "parent"), (signal.SIGTERM, "agent")]
+)
 def test_preemption_signal_to_shardtrain_train_saves_and_exits_0(ld_data, tmp_path, sig, target):
     """What SageMaker and Slurm signal is the parent `shardtrain train` (or, by a user's hand, the torchrun
     agent it started): the workers must hear it and save, and the command must exit 0 with no traceback (a
@@ -64,8 +65,9 @@ def test_preemption_signal_to_shardtrain_train_saves_and_exits_0(ld_data, tmp_pa
     import psutil
 
     out, log = tmp_path / "run", tmp_path / "log"
-    proc = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2",
-                                               "--num-workers", "2")], log=log)
+    proc = cli_background(
+        ["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2", "--num-workers", "2")], log=log
+    )
     _wait_until(lambda: _steps_logged(out) >= 2, proc, log)
     (psutil.Process(proc.pid).children()[0] if target == "agent" else proc).send_signal(sig)
     code, output = _finish(proc, log)
@@ -91,8 +93,7 @@ def _sigterm_every_process(root_pid: int, times: int) -> None:
                 pass
 
 
-@pytest.mark.parametrize("launcher,times", [("shardtrain --nproc 2", 1), ("shardtrain --nproc 2", 2),
-                                            ("torchrun", 2)])
+@pytest.mark.parametrize("launcher,times", [("shardtrain --nproc 2", 1), ("shardtrain --nproc 2", 2), ("torchrun", 2)])
 def test_sigterm_to_every_process_at_once_saves_and_exits_0(ld_data, tmp_path, launcher, times):
     """Every process signalled at once, once or twice in a row. Before, the agent's handler re-entered itself
     mid-import (the second SIGTERM: direct, plus the one its parent relays) and exited 1 with a traceback, and
@@ -119,8 +120,9 @@ def test_ctrl_c_finishes_the_step_saves_and_exits_130(ld_data, tmp_path, nproc):
     """Ctrl-C in a terminal signals the whole foreground process group: with --nproc 1 that includes the
     DataLoader workers, which must not die of it before the step is finished and saved."""
     out, log = tmp_path / "run", tmp_path / "log"
-    proc = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", nproc,
-                                               "--num-workers", "2")], log=log)
+    proc = cli_background(
+        ["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", nproc, "--num-workers", "2")], log=log
+    )
     _wait_until(lambda: _steps_logged(out) >= 2, proc, log)
     os.killpg(proc.pid, signal.SIGINT)
     code, output = _finish(proc, log)
@@ -147,8 +149,7 @@ def test_second_ctrl_c_stops_at_once_without_saving(ld_data, tmp_path):
     step; the second one, during the stall, must end the job within seconds, not after the step."""
     out, log = tmp_path / "run", tmp_path / "log"
     env = test_env(SHARDTRAIN_FAULT="stall@3:0")
-    proc = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2")],
-                          log=log, env=env)
+    proc = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2")], log=log, env=env)
     _wait_until(lambda: "stalling at stall@3" in log.read_text(), proc, log)
     os.killpg(proc.pid, signal.SIGINT)
     time.sleep(1.0)
@@ -165,22 +166,29 @@ def test_a_reader_that_goes_away_does_not_hang_training(ld_data, tmp_path, launc
     """`| head -n 5`: the console output is dropped once the pipe closes; training, metrics and the final
     checkpoint go on. Before, rank 0 died of BrokenPipeError and its exit waited for ranks still training."""
     out = tmp_path / "run"
-    args = tiny_args("longformer", ld_data, out, "--strategy", "ddp", "--max-steps", "6", "--device", "cpu",
-                     "--log-every", "1")
+    args = tiny_args(
+        "longformer", ld_data, out, "--strategy", "ddp", "--max-steps", "6", "--device", "cpu", "--log-every", "1"
+    )
     if launcher == "torchrun":
-        cmd = [str(BIN / "torchrun"), "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(MAIN), *args]
+        cmd = [
+            str(BIN / "torchrun"),
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(MAIN),
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", "shardtrain", "train", *args, "--nproc", "2"]
     script = " ".join(f"'{a}'" for a in cmd) + f" 2>'{tmp_path / 'stderr'}' | head -n 5; echo ${{PIPESTATUS[0]}}"
-    proc = subprocess.Popen(["bash", "-c", script], cwd=REPO, env=test_env(), stdout=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["bash", "-c", script], cwd=REPO, env=test_env(), stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, _ = proc.communicate(timeout=150)
     except subprocess.TimeoutExpired:
         kill_tree(proc.pid)
-        raise AssertionError(f"hung after its reader went away:\n{(tmp_path / 'stderr').read_text()[-3000:]}") \
-            from None
+        raise AssertionError(f"hung after its reader went away:\n{(tmp_path / 'stderr').read_text()[-3000:]}") from None
     lines = stdout.splitlines()
     assert len(lines) == 6 and lines[-1] == "0", stdout + (tmp_path / "stderr").read_text()[-3000:]
     summary = json.loads((out / "summary.json").read_text())
@@ -190,7 +198,6 @@ def test_a_reader_that_goes_away_does_not_hang_training(ld_data, tmp_path, launc
 
 def test_help_into_head_ends_quietly(tmp_path):
     script = f"'{sys.executable}' -m shardtrain --help 2>'{tmp_path / 'stderr'}' | head -n 1; echo ${{PIPESTATUS[0]}}"
-    done = subprocess.run(["bash", "-c", script], cwd=REPO, env=test_env(), capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(["bash", "-c", script], cwd=REPO, env=test_env(), capture_output=True, text=True, timeout=60)
     assert done.stdout.splitlines() == ["usage: shardtrain <command> [options]", "0"], done.stdout
     assert (tmp_path / "stderr").read_text() == ""

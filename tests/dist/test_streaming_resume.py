@@ -1,4 +1,5 @@
 """--streaming under 2 ranks: kill -9 mid-run, resume, the losses of an uninterrupted run. Real processes, gloo."""
+
 from __future__ import annotations
 
 import json
@@ -7,8 +8,22 @@ from launch import test_env, tiny_args, torchrun
 
 # 45 examples split by node: 23 and 22, so the ranks' passes end at different steps and mid-batch; 8 per
 # batch, the kill at step 5 falls in every rank's second pass, and the resume reads from the step-4 position.
-STREAM = ["--streaming", "true", "--max-train-samples", "45", "--per-device-batch-size", "8",
-          "--save-every", "2", "--max-steps", "6", "--eval-every", "0", "--max-eval-samples", "16"]
+STREAM = [
+    "--streaming",
+    "true",
+    "--max-train-samples",
+    "45",
+    "--per-device-batch-size",
+    "8",
+    "--save-every",
+    "2",
+    "--max-steps",
+    "6",
+    "--eval-every",
+    "0",
+    "--max-eval-samples",
+    "16",
+]
 
 
 def losses(out) -> list[float]:
@@ -24,8 +39,12 @@ def test_streaming_kill9_resumes_exactly_under_two_ranks(mm_data, tmp_path):
     assert "streamed train" in ref.output and "validation: 16 token sequences tokenised and cached" in ref.output
     out = tmp_path / "killed"
     env = test_env(SHARDTRAIN_FAULT="step@5:1", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired", HF_DATASETS_CACHE=cache)
-    run = torchrun(tiny_args("multimodal", mm_data, out, *STREAM, "--resume", "auto"), env=env,
-                   extra_launcher_args=["--max-restarts", "2"], timeout=600)
+    run = torchrun(
+        tiny_args("multimodal", mm_data, out, *STREAM, "--resume", "auto"),
+        env=env,
+        extra_launcher_args=["--max-restarts", "2"],
+        timeout=600,
+    )
     assert run.output.count("[fault injection]") == 1, run.tail()
     resumed = [line.split(" at step ")[1] for line in run.output.splitlines() if line.startswith("resumed from ")]
     assert resumed == ["4"], run.tail()

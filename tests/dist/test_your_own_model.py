@@ -1,5 +1,6 @@
 """README's "Your own model" section, as a new user would use it: its workload file and YAML, copied out of the
 README, trained with `shardtrain train` on 2 ranks; and `shardtrain.fit` from a plain `python my_script.py`."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from launch import REPO, cli, run
 
 SECTION = REPO.joinpath("README.md").read_text().split("## Your own model", 1)[1].split("\n## ", 1)[0]
@@ -27,50 +27,110 @@ def user_dir(mm_data, tmp_path_factory) -> Path:
     d = tmp_path_factory.mktemp("user")
     (d / "my_tasks.py").write_text(block("python"))
     (d / "my_run.yaml").write_text(block("yaml"))
-    words = sorted({w for line in (mm_data / "train.jsonl").read_text().splitlines() if line.strip()
-                    for w in json.loads(line)["text"].split()})
+    words = sorted(
+        {
+            w
+            for line in (mm_data / "train.jsonl").read_text().splitlines()
+            if line.strip()
+            for w in json.loads(line)["text"].split()
+        }
+    )
     (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     model_dir = d / "tiny-roberta"
     tok = BertTokenizerFast(vocab_file=str(d / "vocab.txt"))
     tok.save_pretrained(str(model_dir))
-    cfg = RobertaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=300, pad_token_id=0, num_labels=3,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cfg = RobertaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=300,
+        pad_token_id=0,
+        num_labels=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     RobertaForSequenceClassification(cfg).save_pretrained(str(model_dir))
     return d
 
 
 def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, tmp_path, capsys):
     args = json.dumps({"model": str(user_dir / "tiny-roberta"), "data": str(mm_data), "num_labels": 3})
-    r = cli(["train", "--config", str(user_dir / "my_run.yaml"), "--workload-args", args, "--strategy", "fsdp",
-             "--nproc", "2", "--device", "cpu", "--precision", "fp32", "--max-steps", "3",
-             "--per-device-batch-size", "8", "--num-workers", "0", "--output-dir", str(tmp_path / "run"),
-             "--resume", "none", "--predict-memory", "false", "--report", "false"],
-            timeout=300)
+    r = cli(
+        [
+            "train",
+            "--config",
+            str(user_dir / "my_run.yaml"),
+            "--workload-args",
+            args,
+            "--strategy",
+            "fsdp",
+            "--nproc",
+            "2",
+            "--device",
+            "cpu",
+            "--precision",
+            "fp32",
+            "--max-steps",
+            "3",
+            "--per-device-batch-size",
+            "8",
+            "--num-workers",
+            "0",
+            "--output-dir",
+            str(tmp_path / "run"),
+            "--resume",
+            "none",
+            "--predict-memory",
+            "false",
+            "--report",
+            "false",
+        ],
+        timeout=300,
+    )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_step"] == 3 and summary["eval"]["n_examples"] == 64, r.tail()
     assert summary["units"] == 2, summary  # RobertaLayer x 2, from the model's _no_split_modules
 
     # `shardtrain export` of the run: the workload (imported from the working directory) rebuilds the model
     # and writes it with Workload.export's default: model.safetensors + workload.json.
-    run([sys.executable, "-m", "shardtrain", "export", str(tmp_path / "run"), str(tmp_path / "export")],
-        cwd=user_dir)
+    run([sys.executable, "-m", "shardtrain", "export", str(tmp_path / "run"), str(tmp_path / "export")], cwd=user_dir)
     from safetensors.torch import load_file
+
     exported = load_file(str(tmp_path / "export" / "model.safetensors"))
-    assert "classifier.out_proj.weight" in exported and exported["roberta.embeddings.word_embeddings.weight"].shape[1] == 32
+    assert (
+        "classifier.out_proj.weight" in exported
+        and exported["roberta.embeddings.word_embeddings.weight"].shape[1] == 32
+    )
     assert json.loads((tmp_path / "export" / "workload.json").read_text())["target"] == "my_tasks:Sentiment"
 
     # --workload / --workload-args on export: rebuild with other args (here the data's place on "this machine")
     # and evaluate the exported weights with the workload's own metrics.
     moved = json.dumps({"model": str(user_dir / "tiny-roberta"), "data": str(mm_data), "num_labels": 3})
-    r = run([sys.executable, "-m", "shardtrain", "export", str(tmp_path / "run"), str(tmp_path / "export2"),
-             "--workload", "my_tasks:Sentiment", "--workload-args", moved, "--eval"], cwd=user_dir)
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "shardtrain",
+            "export",
+            str(tmp_path / "run"),
+            str(tmp_path / "export2"),
+            "--workload",
+            "my_tasks:Sentiment",
+            "--workload-args",
+            moved,
+            "--eval",
+        ],
+        cwd=user_dir,
+    )
     evaluated = json.loads((tmp_path / "export2" / "shardtrain_export.json").read_text())["eval_fp32"]
     assert evaluated["n_examples"] == 64 and "validation: accuracy" in r.output, r.tail()
     assert abs(evaluated["accuracy"] - summary["eval"]["accuracy"]) < 1e-9, (evaluated, summary["eval"])
 
     # report --workload reads the run: it shows the workload and its metrics, and refuses another workload.
     from shardtrain import cli as shardtrain_cli
+
     assert shardtrain_cli.main(["report", str(tmp_path / "run"), "--workload", "my_tasks:Sentiment"]) == 0
     html = (tmp_path / "run" / "report.html").read_text()
     assert "<h2>workload</h2>" in html and "my_tasks:Sentiment" in html and "macro_f1" in html
@@ -83,7 +143,8 @@ def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
     Its validation set is one example: fewer validation batches than ranks must neither hang ZeRO-3 nor
     count anything twice."""
     script = tmp_path / "my_script.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import json, sys
         import torch
         from torch import nn
@@ -111,7 +172,8 @@ def test_fit_from_a_plain_script_relaunches_with_nproc(mm_data, tmp_path):
                                      resume="none", predict_memory=False, report=False, save_final=False)
             print("SUMMARY", json.dumps({{"steps": summary["final_step"], "world": summary["world_size"],
                                          "n": summary["eval"]["n_examples"]}}))
-    """))
+    """)
+    )
     r = run([sys.executable, str(script), "zero3", str(tmp_path / "out")], cwd=tmp_path, timeout=300)
     line = next(x for x in r.output.splitlines() if x.startswith("SUMMARY"))
     # One validation example for two ranks: ZeRO-3's rank without one still joins the forward, counts nothing.
@@ -184,21 +246,49 @@ def test_pitfalls_a_weight_read_in_the_loss_and_a_non_finite_first_loss(tmp_path
     (tmp_path / "pitfall_tasks.py").write_text(PITFALLS)
     variants = strategy_variants()
     plan = []
-    for name, target, strategy, expect_error in (("l2/ddp", "WeightDecayInLoss", "ddp", False),
-                                                 ("nan/ddp", "NanLoss", "ddp", True),
-                                                 ("l2/fsdp", "WeightDecayInLoss", "fsdp", True),
-                                                 ("l2/zero3", "WeightDecayInLoss", "zero3", True)):
+    for name, target, strategy, expect_error in (
+        ("l2/ddp", "WeightDecayInLoss", "ddp", False),
+        ("nan/ddp", "NanLoss", "ddp", True),
+        ("l2/fsdp", "WeightDecayInLoss", "fsdp", True),
+        ("l2/zero3", "WeightDecayInLoss", "zero3", True),
+    ):
         (tmp_path / f"{target}.yaml").write_text(f"workload: pitfall_tasks:{target}\n")
-        plan.append({"name": name, "expect_error": expect_error, "args": [
-            "--config", str(tmp_path / f"{target}.yaml"), *variants[strategy], "--device", "cpu",
-            "--output-dir", str(tmp_path / name), "--resume", "none", "--max-steps", "2",
-            "--per-device-batch-size", "8", "--num-workers", "0", "--save-final", "false",
-            "--predict-memory", "false", "--report", "false"]})
+        plan.append(
+            {
+                "name": name,
+                "expect_error": expect_error,
+                "args": [
+                    "--config",
+                    str(tmp_path / f"{target}.yaml"),
+                    *variants[strategy],
+                    "--device",
+                    "cpu",
+                    "--output-dir",
+                    str(tmp_path / name),
+                    "--resume",
+                    "none",
+                    "--max-steps",
+                    "2",
+                    "--per-device-batch-size",
+                    "8",
+                    "--num-workers",
+                    "0",
+                    "--save-final",
+                    "false",
+                    "--predict-memory",
+                    "false",
+                    "--report",
+                    "false",
+                ],
+            }
+        )
     _, results = run_plan(plan, tmp_path, timeout=300)
     assert results["l2/ddp"]["ok"] and len(results["l2/ddp"]["losses"]) == 2, results["l2/ddp"]
     assert results["nan/ddp"]["error"].startswith(
-        "ConfigError: step 1: NanLoss.loss returned a non-finite loss (nan) on rank 0, 1 before any update"), results
+        "ConfigError: step 1: NanLoss.loss returned a non-finite loss (nan) on rank 0, 1 before any update"
+    ), results
     for s in ("fsdp", "zero3"):
         assert results[f"l2/{s}"]["error"].startswith(
             f"ConfigError: WeightDecayInLoss.loss reads blocks.0.lin.weight outside the model's forward, where {s} "
-            f"holds only this rank's shard of it: read parameters inside forward"), (s, results[f"l2/{s}"])
+            f"holds only this rank's shard of it: read parameters inside forward"
+        ), (s, results[f"l2/{s}"])

@@ -8,14 +8,15 @@ Checked: after one step at lr 1e-5 every pretrained weight in ZeRO-3's checkpoin
 step (<= lr) of the files; step-1 loss and gradient norm match DDP's; --final-model-dir exports the checkpoint's
 weights; a resume from step 1 reproduces step 2.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
 import torch
-
 from launch import run_plan, tiny_args
+
 from shardtrain.checkpointing.portable import read_portable
 
 ZERO3 = ["--ds", "ds_configs/zero3.json"]
@@ -47,8 +48,16 @@ def pretrained_roberta(data: Path, folder: Path) -> dict[str, torch.Tensor]:
     from transformers import RobertaConfig, RobertaModel
 
     tok = _tokenizer(data, folder)
-    model = RobertaModel(RobertaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=1,
-                                       num_attention_heads=2, intermediate_size=64, max_position_embeddings=40))
+    model = RobertaModel(
+        RobertaConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=40,
+        )
+    )
     weights = _randomise(model, 1)
     model.save_pretrained(str(folder))
     return {f"text.{k}": v for k, v in weights.items() if not k.startswith("pooler.")}  # multimodal has no pooler
@@ -68,9 +77,18 @@ def pretrained_longformer(data: Path, folder: Path) -> dict[str, torch.Tensor]:
     from transformers import LongformerConfig, LongformerForSequenceClassification
 
     tok = _tokenizer(data, folder)
-    model = LongformerForSequenceClassification(LongformerConfig(
-        vocab_size=len(tok), hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=260, attention_window=16, num_labels=3))
+    model = LongformerForSequenceClassification(
+        LongformerConfig(
+            vocab_size=len(tok),
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=260,
+            attention_window=16,
+            num_labels=3,
+        )
+    )
     weights = _randomise(model, 3)
     model.save_pretrained(str(folder))
     return {f"hf.{k}": v for k, v in weights.items()}
@@ -85,24 +103,78 @@ def max_diff(got: dict, want: dict) -> float:
 @pytest.fixture(scope="module")
 def runs(mm_data, ld_data, tmp_path_factory) -> tuple[Path, dict, dict]:
     root = tmp_path_factory.mktemp("zero3_pretrained")
-    want = {"multimodal": {**pretrained_roberta(mm_data, root / "roberta"),
-                           **pretrained_resnet(root / "resnet.safetensors")},
-            "longformer": pretrained_longformer(ld_data, root / "longformer")}
-    common = ["--pretrained", "true", "--text-config", "{}", "--lr", str(LR), "--warmup-steps", "0",
-              "--max-eval-samples", "8", "--log-every", "100", "--save-every", "1", "--keep-last", "5"]
-    mm = [*common, "--text-model", str(root / "roberta"), "--image-weights", str(root / "resnet.safetensors"),
-          "--max-length", "32", "--per-device-batch-size", "8"]
+    want = {
+        "multimodal": {
+            **pretrained_roberta(mm_data, root / "roberta"),
+            **pretrained_resnet(root / "resnet.safetensors"),
+        },
+        "longformer": pretrained_longformer(ld_data, root / "longformer"),
+    }
+    common = [
+        "--pretrained",
+        "true",
+        "--text-config",
+        "{}",
+        "--lr",
+        str(LR),
+        "--warmup-steps",
+        "0",
+        "--max-eval-samples",
+        "8",
+        "--log-every",
+        "100",
+        "--save-every",
+        "1",
+        "--keep-last",
+        "5",
+    ]
+    mm = [
+        *common,
+        "--text-model",
+        str(root / "roberta"),
+        "--image-weights",
+        str(root / "resnet.safetensors"),
+        "--max-length",
+        "32",
+        "--per-device-batch-size",
+        "8",
+    ]
     ld = [*common, "--text-model", str(root / "longformer"), "--per-device-batch-size", "4"]
     plan = [
         {"name": "mm/ddp", "args": tiny_args("multimodal", mm_data, root / "mm_ddp", *mm, *DDP, "--max-steps", "2")},
-        {"name": "mm/zero3", "args": tiny_args("multimodal", mm_data, root / "mm_zero3", *mm, *ZERO3,
-                                               "--max-steps", "2", "--final-model-dir", str(root / "mm_final"))},
-        {"name": "mm/zero3/resumed", "args": tiny_args(
-            "multimodal", mm_data, root / "mm_resumed", *mm, *ZERO3, "--max-steps", "2",
-            "--resume", str(root / "mm_zero3" / "checkpoints" / "step-000001"))},
+        {
+            "name": "mm/zero3",
+            "args": tiny_args(
+                "multimodal",
+                mm_data,
+                root / "mm_zero3",
+                *mm,
+                *ZERO3,
+                "--max-steps",
+                "2",
+                "--final-model-dir",
+                str(root / "mm_final"),
+            ),
+        },
+        {
+            "name": "mm/zero3/resumed",
+            "args": tiny_args(
+                "multimodal",
+                mm_data,
+                root / "mm_resumed",
+                *mm,
+                *ZERO3,
+                "--max-steps",
+                "2",
+                "--resume",
+                str(root / "mm_zero3" / "checkpoints" / "step-000001"),
+            ),
+        },
         {"name": "ld/ddp", "args": tiny_args("longformer", ld_data, root / "ld_ddp", *ld, *DDP, "--max-steps", "1")},
-        {"name": "ld/zero3", "args": tiny_args("longformer", ld_data, root / "ld_zero3", *ld, *ZERO3,
-                                               "--max-steps", "1")},
+        {
+            "name": "ld/zero3",
+            "args": tiny_args("longformer", ld_data, root / "ld_zero3", *ld, *ZERO3, "--max-steps", "1"),
+        },
     ]
     _, results = run_plan(plan, root, timeout=300)
     print(f"\nzero3 pretrained: {len(plan)} runs, {sum(r['seconds'] for r in results.values()):.0f}s of train()")
@@ -121,8 +193,10 @@ def test_zero3_starts_from_the_pretrained_weights(runs, workload):
     diff = max_diff(step1, want)
     z3, ddp = results[f"{workload}/zero3"], results[f"{workload}/ddp"]
     g, loss = rel(z3["grad_norms"][0], ddp["grad_norms"][0]), rel(z3["losses"][0], ddp["losses"][0])
-    print(f"\n{workload}: {len(want)} pretrained tensors, max |step-1 weight - file| {diff:.2e} (lr {LR}); "
-          f"step 1 vs ddp: grad norm rel {g:.2e}, loss rel {loss:.2e}")
+    print(
+        f"\n{workload}: {len(want)} pretrained tensors, max |step-1 weight - file| {diff:.2e} (lr {LR}); "
+        f"step 1 vs ddp: grad norm rel {g:.2e}, loss rel {loss:.2e}"
+    )
     assert diff <= 1.5 * LR
     assert g <= GRAD_NORM_RTOL and loss <= LOSS_RTOL, (z3["losses"], ddp["losses"], z3["grad_norms"], ddp["grad_norms"])
 

@@ -9,11 +9,12 @@ and ZeRO-3 with DeepSpeed's engine files asked for (`--engine-files`), and ZeRO-
 Exact resume of the partitioned form after kill -9 (sync, async) is in test_checkpoints.py and
 test_async_checkpoints.py; the gathered form of older checkpoints in test_old_checkpoints.py.
 """
+
 from __future__ import annotations
 
 import torch
-
 from launch import run_plan, tiny_args
+
 from shardtrain.checkpointing.dcp_state import MODEL_DIR, read_metadata
 from shardtrain.checkpointing.portable import read_portable
 
@@ -21,20 +22,43 @@ FLAGS = {"zero2": ["--ds", "ds_configs/zero2.json"], "zero3": ["--ds", "ds_confi
 
 
 def test_zero_writes_its_partitions_once_and_engine_files_only_when_asked(mm_data, tmp_path):
-    runs = {"zero2-engine": ("zero2", ["--engine-files"]), "zero3-engine": ("zero3", ["--engine-files"]),
-            "zero3": ("zero3", [])}
-    plan = [{"name": name, "args": tiny_args("multimodal", mm_data, tmp_path / name, *FLAGS[s], *extra,
-                                             "--per-device-batch-size", "8", "--max-steps", "2", "--save-every", "2",
-                                             "--eval-every", "0")}
-            for name, (s, extra) in runs.items()]
+    runs = {
+        "zero2-engine": ("zero2", ["--engine-files"]),
+        "zero3-engine": ("zero3", ["--engine-files"]),
+        "zero3": ("zero3", []),
+    }
+    plan = [
+        {
+            "name": name,
+            "args": tiny_args(
+                "multimodal",
+                mm_data,
+                tmp_path / name,
+                *FLAGS[s],
+                *extra,
+                "--per-device-batch-size",
+                "8",
+                "--max-steps",
+                "2",
+                "--save-every",
+                "2",
+                "--eval-every",
+                "0",
+            ),
+        }
+        for name, (s, extra) in runs.items()
+    ]
     (tmp_path / "plan").mkdir()
     run_plan(plan, tmp_path / "plan", timeout=600)
     ckpt = {name: tmp_path / name / "checkpoints" / "step-000002" for name in runs}
 
     assert not (ckpt["zero3"] / "engine").exists() and (ckpt["zero3-engine"] / "engine").is_dir()
     metadata = read_metadata(ckpt["zero3"]).state_dict_metadata
-    chunked = {k: m for k, m in metadata.items() if k.startswith(("model.", "optim.state.")) and len(m.size) == 2
-               and m.size.numel() >= 1000}
+    chunked = {
+        k: m
+        for k, m in metadata.items()
+        if k.startswith(("model.", "optim.state.")) and len(m.size) == 2 and m.size.numel() >= 1000
+    }
     assert chunked, sorted(metadata)[:10]
     for key, meta in chunked.items():
         assert len(meta.chunks) >= 2 and all(tuple(c.sizes) != tuple(meta.size) for c in meta.chunks), (key, meta)
@@ -47,6 +71,7 @@ def test_zero_writes_its_partitions_once_and_engine_files_only_when_asked(mm_dat
         assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a), part
 
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
     for name in ("zero2-engine", "zero3-engine"):
         theirs = get_fp32_state_dict_from_zero_checkpoint(str(ckpt[name]), tag="engine")
         ours = portable[name]["model"]
