@@ -15,6 +15,14 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--num-labels", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("--min-words", type=int, default=200, help="longdoc: the shortest document")
+    parser.add_argument("--max-words", type=int, default=1000, help="longdoc: the longest document")
+    parser.add_argument(
+        "--lengths",
+        choices=["uniform", "lognormal"],
+        default="uniform",
+        help="longdoc: document lengths uniform between the two, or log-normal (a real corpus's shape)",
+    )
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
 
@@ -28,6 +36,9 @@ def main(argv: list[str]) -> int:
         seed=args.seed,
         num_labels=args.num_labels,
         overwrite=args.overwrite,
+        min_words=args.min_words,
+        max_words=args.max_words,
+        lengths=args.lengths,
     )
     (path / DATASET_INFO).write_text(json.dumps({"kind": args.kind, "num_labels": args.num_labels}) + "\n")
     print(f"wrote {args.n_train} train / {args.n_val} validation {args.kind} examples to {path}")

@@ -115,6 +115,11 @@ class DataConfig:
         None, "read data_dir as this research dataset's published layout; unset: the jsonl splits"
     )
     streaming: bool = setting(False, "read the training split as a stream, not into memory: data bigger than RAM")
+    group_by_length: bool = setting(
+        False,
+        "train on batches of texts of similar length (HF's group_by_length): each random run of "
+        "50 x per_device_batch_size x grad_accum samples is sorted by length, so batches pad less",
+    )
     preprocessing_num_workers: Optional[int] = setting(
         None, "processes that tokenise through datasets.map (cached); unset: this process"
     )
@@ -1176,6 +1181,11 @@ def _check_early_stopping(t: TrainConfig, c: CheckpointConfig) -> None:
 
 
 def _check_streaming_source(d: DataConfig) -> None:
+    if d.streaming and d.group_by_length:
+        raise ConfigError(
+            f"{where('group_by_length')} needs every training text's length before the epoch starts, which "
+            f"{where('streaming')} does not read ahead: use one or the other"
+        )
     other = next((f for f in IN_MEMORY_SOURCES if getattr(d, f)), None)
     if d.streaming and other:
         raise ConfigError(

@@ -19,10 +19,9 @@ that every epoch leaves out: fewer than W' (drop_last) plus what does not fill a
 
 from __future__ import annotations
 
-import os
 import random
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -83,8 +82,14 @@ class TrainStream:
         world_size: int,
         seed: int,
         loader_kwargs: dict,
+        lengths: Optional[Sequence[int]] = None,
+        group_size: int = 0,
     ):
         self.dataset, self.collate, self.loader_kwargs = dataset, collate, loader_kwargs
+        # --group-by-length: each run of `group_size` samples of the permutation sorted by length, longest
+        # first (HF's LengthGroupedSampler rule). The runs do not depend on the world size or the micro-batch,
+        # so a resume at any world size, or after OOM recovery changed the micro-batch, continues the same order.
+        self.lengths, self.group_size = (lengths, group_size) if lengths is not None and group_size > 1 else (None, 0)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         # The whole epoch's permutation, the same at every world size: DistributedSampler's own, taken with one
         # replica; this rank's share is strided out of it (at the epoch's start, exactly what
@@ -133,9 +138,17 @@ class TrainStream:
     def epoch_indices(self) -> list[int]:
         """This rank's samples from epoch_start to the epoch's end."""
         # Same permutation as an uninterrupted run: DistributedSampler seeds with seed + epoch.
-        self.order.set_epoch(self.epoch)
         end = self.epoch_start + self._share * self.world_size
-        return list(self.order)[self.epoch_start + self.rank : end : self.world_size]
+        return self.epoch_order()[self.epoch_start + self.rank : end : self.world_size]
+
+    def epoch_order(self) -> list[int]:
+        """The whole epoch's sample order, the same at every world size."""
+        self.order.set_epoch(self.epoch)
+        order = list(self.order)
+        if self.lengths is None:
+            return order
+        g, length = self.group_size, self.lengths.__getitem__
+        return [i for k in range(0, len(order), g) for i in sorted(order[k : k + g], key=length, reverse=True)]
 
     def _start(self) -> None:
         self._positions.indices = self.epoch_indices()[self.samples_in_epoch :]
@@ -148,7 +161,8 @@ class TrainStream:
             batch = next(self._iter)  # never exhausted: _roll_over() ends the epoch before that
         except ConfigError as e:
             # From a worker, the DataLoader re-raises with the worker's traceback in the message; the CLI
-            # promises one line, which is the traceback's last: "shardtrain.config.settings.ConfigError: file:line: ...".
+            # promises one line, which is the traceback's last:
+            # "shardtrain.config.settings.ConfigError: file:line: ...".
             raise ConfigError(str(e).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]) from None
         self.samples_in_epoch += self.micro_batch_size
         self._roll_over()
@@ -181,11 +195,21 @@ class TrainStream:
             "micro_batch_size": self.micro_batch_size,
             "world_size": self.world_size,
             "global_samples_in_epoch": self.epoch_start + self.samples_in_epoch * self.world_size,
+            "length_group_size": self.group_size,
         }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("streaming"):
             raise ConfigError(f"the checkpoint was saved with {where('streaming')} on; resume with it on")
+        saved_groups = int(state.get("length_group_size", 0))
+        if saved_groups != self.group_size:
+            # The position counts samples of the saved order; another order would repeat some, skip others.
+            asked = f"on (runs of {self.group_size})" if self.group_size else "off"
+            was = f"on (runs of {saved_groups})" if saved_groups else "off"
+            raise ConfigError(
+                f"{where('group_by_length')} is {asked}, but the checkpoint's epoch was ordered with it {was}; "
+                "resume with the setting it was saved with (and the same per_device_batch_size x grad_accum)"
+            )
         self.epoch = int(state["epoch"])
         seen = state.get("global_samples_in_epoch")
         if seen is None:  # saved before the global position was kept
@@ -233,6 +257,28 @@ class Loaders:
         shut_down_workers(self.eval)
 
 
+def train_lengths(train_ds: Dataset) -> list[int]:
+    if not callable(getattr(train_ds, "lengths", None)):
+        raise ConfigError(
+            f"{where('group_by_length')} needs the training set's lengths: give the train dataset that "
+            f"Workload.datasets() returns a lengths() method (one token count per item); "
+            f"{type(train_ds).__name__} has none"
+        )
+    lengths = list(train_ds.lengths())
+    if len(lengths) != len(train_ds):
+        raise ConfigError(
+            f"{where('group_by_length')}: {type(train_ds).__name__}.lengths() gave {len(lengths)} lengths "
+            f"for {len(train_ds)} items"
+        )
+    return lengths
+
+
+def length_group_size(cfg: Config) -> int:
+    """--group-by-length's runs: HF's 50 batches, of the configured micro-batch x accumulation, not of the world
+    size (so that the order survives a resize)."""
+    return 50 * cfg.train.per_device_batch_size * cfg.train.grad_accum if cfg.data.group_by_length else 0
+
+
 def build_loaders(
     cfg: Config,
     tokenizer,
@@ -244,8 +290,9 @@ def build_loaders(
     collate: Optional[Callable] = None,
     geometry: Optional[BatchGeometry] = None,
 ) -> Loaders:
-    """`collate`: the workload's (shardtrain.workloads.base.CheckedCollate); None tokenizes jsonl records with `tokenizer`.
-    `eval_ds` None: no validation set, so no evaluation. `geometry`: the run's batch geometry (the flags' when None)."""
+    """`collate`: the workload's (shardtrain.workloads.base.CheckedCollate); None tokenizes jsonl records with
+    `tokenizer`. `eval_ds` None: no validation set, so no evaluation. `geometry`: the run's batch geometry (the
+    flags' when None)."""
     geometry = geometry or BatchGeometry.configured(cfg, world_size)
     collate = collate or make_collator(cfg, tokenizer)
     workers = cfg.data.num_workers
@@ -264,7 +311,18 @@ def build_loaders(
         train = streaming_train(train_ds, collate, cfg, rank, world_size, geometry.micro)
         train_size, steps_per_epoch = None, None  # a stream's length is unknown until it has been read
     else:
-        train = TrainStream(train_ds, collate, geometry.micro, rank, world_size, cfg.train.seed, loader_kwargs(0))
+        lengths = train_lengths(train_ds) if cfg.data.group_by_length else None
+        train = TrainStream(
+            train_ds,
+            collate,
+            geometry.micro,
+            rank,
+            world_size,
+            cfg.train.seed,
+            loader_kwargs(0),
+            lengths,
+            length_group_size(cfg),
+        )
         train_size, steps_per_epoch = len(train_ds), max(1, train.batches_per_epoch // geometry.accum)
 
     if eval_ds is None:

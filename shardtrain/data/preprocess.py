@@ -11,6 +11,7 @@ content instead, so the same training text gives the same tokenizer and the same
 Only truncation happens here; padding stays in collate (to the longest text of each batch, and to Longformer's
 window multiple), so the ids a batch holds are those today's tokenize-in-collate path gives.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from shardtrain.config.settings import ConfigError
+from shardtrain.config.settings import ConfigError, where
 
 # Bump when what `Tokenize` writes changes: cache files of the old form must stop matching.
 FORMAT_VERSION = 1
@@ -61,14 +62,28 @@ def cache_dir() -> Path:
 
 @dataclass
 class Preprocessed:
-    dataset: "object"      # the datasets.Dataset with input_ids / attention_mask added
+    dataset: "object"  # the datasets.Dataset with input_ids / attention_mask added
     cache_file: Path
-    from_cache: bool       # True: loaded from an earlier run's file, no text was tokenised
+    from_cache: bool  # True: loaded from an earlier run's file, no text was tokenised
     seconds: float
 
 
-def tokenize_table(table, tokenizer, max_length: int, num_proc: Optional[int], is_rank0: bool,
-                   barrier: Callable[[], None]) -> Preprocessed:
+def token_counts(table) -> list[int]:
+    """Each row's number of token ids in a table tokenize_table() wrote, read from the Arrow column (no row
+    is decoded); a selection of rows is honoured."""
+    if table is None or "input_ids" not in table.column_names:
+        raise ConfigError(
+            f"{where('group_by_length')} needs the training texts' token counts, and this training set has "
+            "no token ids: it is tokenised in collate (a stream), or its workload did not tokenise it ahead"
+        )
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(table.with_format("arrow")[:]["input_ids"]).to_pylist()
+
+
+def tokenize_table(
+    table, tokenizer, max_length: int, num_proc: Optional[int], is_rank0: bool, barrier: Callable[[], None]
+) -> Preprocessed:
     """`table` (a datasets.Dataset with a `text` column) with token ids added, through the cache.
 
     Rank 0 tokenises (or finds the file) first; the other ranks then load the file it wrote, so no two
@@ -81,8 +96,10 @@ def tokenize_table(table, tokenizer, max_length: int, num_proc: Optional[int], i
         path.parent.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=path.parent).close()  # datasets writes beside the file, then renames
     except OSError as e:
-        raise ConfigError(f"HF_DATASETS_CACHE: cannot write the tokenised splits in {path.parent} "
-                          f"({e.strerror}); point HF_DATASETS_CACHE to a writable folder") from None
+        raise ConfigError(
+            f"HF_DATASETS_CACHE: cannot write the tokenised splits in {path.parent} "
+            f"({e.strerror}); point HF_DATASETS_CACHE to a writable folder"
+        ) from None
     t0 = time.perf_counter()
     # With num_proc, datasets writes one file per worker with a `_0000N_of_0000M` suffix beside `path`.
     from_cache = any(path.parent.glob(f"{fingerprint}*.arrow"))
@@ -93,8 +110,14 @@ def tokenize_table(table, tokenizer, max_length: int, num_proc: Optional[int], i
         was_off = are_progress_bars_disabled()
         disable_progress_bars()  # a "Map" bar per rank and split; the workload prints one line instead
         try:
-            return table.map(Tokenize(tokenizer, max_length), batched=True, num_proc=num_proc,
-                             new_fingerprint=fingerprint, cache_file_name=str(path), load_from_cache_file=True)
+            return table.map(
+                Tokenize(tokenizer, max_length),
+                batched=True,
+                num_proc=num_proc,
+                new_fingerprint=fingerprint,
+                cache_file_name=str(path),
+                load_from_cache_file=True,
+            )
         finally:
             if not was_off:
                 enable_progress_bars()

@@ -4,6 +4,7 @@ Items are what the Collator takes, as JsonlDataset gives them: {"text", "label"}
 has one) and, for the multimodal model, "image": a uint8 [3, S, S] tensor decoded from the image's file or its
 embedded bytes, or read from the image cache's memory map.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -17,8 +18,17 @@ from shardtrain.data.sources import column_values, image_key, image_source
 
 
 class SplitDataset(Dataset):
-    def __init__(self, table, origin: str, image_size: int, multimodal: bool, skipped: list[str],
-                 cache: Optional[ImageCache] = None, unlabelled: int = 0, source: Optional[dict] = None):
+    def __init__(
+        self,
+        table,
+        origin: str,
+        image_size: int,
+        multimodal: bool,
+        skipped: list[str],
+        cache: Optional[ImageCache] = None,
+        unlabelled: int = 0,
+        source: Optional[dict] = None,
+    ):
         self.table, self.origin, self.image_size = table, origin, image_size
         self.multimodal, self.cache = multimodal, cache
         # Read by the loop for the banner and summary.json: bad rows left out (--skip-bad-samples), rows
@@ -29,6 +39,12 @@ class SplitDataset(Dataset):
 
     def __len__(self) -> int:
         return len(self.table)
+
+    def lengths(self) -> list[int]:
+        """Each row's token count (--group-by-length), read from the ids tokenize() wrote."""
+        from shardtrain.data.preprocess import token_counts
+
+        return token_counts(self.tokens)
 
     def tokenize(self, tokenizer, max_length: int, num_proc: Optional[int], is_rank0: bool, barrier):
         """Token ids for every row, through datasets.map's cache (data/preprocess.py). Only the text columns are
@@ -50,8 +66,11 @@ class SplitDataset(Dataset):
         if self.multimodal:
             image = row["image"]
             try:
-                item["image"] = (self.cache.load(image_key(image)) if self.cache is not None else
-                                 load_image(image_source(image), self.image_size))
+                item["image"] = (
+                    self.cache.load(image_key(image))
+                    if self.cache is not None
+                    else load_image(image_source(image), self.image_size)
+                )
             except Exception as e:
                 why = str(e) if isinstance(e, UndecodableImage) else f"{type(e).__name__}: {e}"
                 name = image if isinstance(image, str) else image.get("path") or "(embedded)"
@@ -69,8 +88,12 @@ def write_label_file(cfg, label_names: list[str]) -> None:
 
     out = Path(cfg.checkpoint.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / LABELS_FILE).write_text(json.dumps({"id2label": dict(enumerate(label_names)),
-                                               "label2id": {n: i for i, n in enumerate(label_names)}}, indent=1) + "\n")
+    (out / LABELS_FILE).write_text(
+        json.dumps(
+            {"id2label": dict(enumerate(label_names)), "label2id": {n: i for i, n in enumerate(label_names)}}, indent=1
+        )
+        + "\n"
+    )
 
 
 def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDataset]]:
@@ -96,8 +119,18 @@ def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDa
             cache = open_source_image_cache(cfg, split, keys)
             table, dropped = _without_undecodable(table, keys, cache, splits.source[split], cfg.data.skip_bad_samples)
             skipped = skipped + dropped
-        made.append(SplitDataset(table, splits.source[split], cfg.data.image_size, multimodal, skipped, cache,
-                                 splits.unlabelled.get(split, 0), splits.source))
+        made.append(
+            SplitDataset(
+                table,
+                splits.source[split],
+                cfg.data.image_size,
+                multimodal,
+                skipped,
+                cache,
+                splits.unlabelled.get(split, 0),
+                splits.source,
+            )
+        )
     made[0].labels = splits.labels
     return made[0], made[1]
 

@@ -11,6 +11,7 @@ Bad data policy:
   reaches training and nothing has to be substituted mid-epoch (which would break deterministic resume).
   The messages are kept in `dataset.skipped`. Cost: one decode of every image at start-up.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -32,15 +33,25 @@ class JsonlDataset(Dataset):
     decoded from its file or, with an image cache, read from the cache's memory map; + "text_pair": str when
     the records have one."""
 
-    def __init__(self, path: Path, kind: str, records: list[Record], image_size: int, skipped: list[str],
-                 cache: Optional[ImageCache] = None):
+    def __init__(
+        self,
+        path: Path,
+        kind: str,
+        records: list[Record],
+        image_size: int,
+        skipped: list[str],
+        cache: Optional[ImageCache] = None,
+    ):
         import datasets  # heavy import, only when data is actually built
 
         self.path, self.kind, self.image_size, self.cache = path, kind, image_size, cache
         self.root = path.parent
         self.skipped = skipped
-        rows = {"line": [r.line for r in records], "text": [r.text for r in records],
-                "label": [r.label for r in records]}
+        rows = {
+            "line": [r.line for r in records],
+            "text": [r.text for r in records],
+            "label": [r.label for r in records],
+        }
         if kind == "multimodal":
             rows["image"] = [r.image for r in records]
         if any(r.text_pair is not None for r in records):
@@ -59,13 +70,21 @@ class JsonlDataset(Dataset):
             item["input_ids"], item["attention_mask"] = row["input_ids"], row["attention_mask"]
         if self.kind == "multimodal":
             try:
-                item["image"] = (self.cache.load(row["image"]) if self.cache is not None else
-                                 load_image(self.root / row["image"], self.image_size))
+                item["image"] = (
+                    self.cache.load(row["image"])
+                    if self.cache is not None
+                    else load_image(self.root / row["image"], self.image_size)
+                )
             except Exception as e:
                 why = str(e) if isinstance(e, UndecodableImage) else f"{type(e).__name__}: {e}"
                 raise ConfigError(f"{self.path}:{row['line']}: cannot decode image {row['image']}: {why}") from None
         return item
 
+    def lengths(self) -> list[int]:
+        """Each row's token count (--group-by-length), read from the ids tokenize() wrote."""
+        from shardtrain.data.preprocess import token_counts
+
+        return token_counts(self.table)
 
     def tokenize(self, tokenizer, max_length: int, num_proc: Optional[int], is_rank0: bool, barrier):
         """Adds input_ids / attention_mask to every row, through datasets.map's cache (data/preprocess.py)."""
@@ -76,8 +95,9 @@ class JsonlDataset(Dataset):
         return done
 
 
-def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Optional[int],
-               cache: Optional[ImageCache] = None):
+def read_split(
+    path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Optional[int], cache: Optional[ImageCache] = None
+):
     """(records, skipped messages). Raises on the first problem unless skip_bad. Stops at `limit` good records.
     With skip_bad every image is decoded once here, unless a cache already knows which ones do not decode."""
     records, skipped = [], []
@@ -98,7 +118,8 @@ def read_split(path: Path, kind: str, num_labels: int, skip_bad: bool, limit: Op
 
 
 def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlDataset]:
-    """(train_ds, eval_ds), validated. `tokenizer` is unused here (JsonlDataset.tokenize adds the ids), kept for the API."""
+    """(train_ds, eval_ds), validated. `tokenizer` is unused here (JsonlDataset.tokenize adds the ids), kept for
+    the API."""
     if cfg.data.dataset_format:
         return layout_datasets(cfg)
     return build_split(cfg, "train"), build_split(cfg, "validation")
@@ -141,17 +162,21 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
         records, skipped = _decodable(path, records, d.skip_bad_samples, limit, cache)
         if not records:
             dropped = "; ".join(f"{n} {why}" for why, n in sorted(layout.dropped.items())) or "nothing dropped"
-            raise ConfigError(f"--dataset-format {d.dataset_format}: no usable {split} posts in {layout.root} "
-                              f"({dropped}; shardtrain check-data {layout.root} --dataset-format "
-                              f"{d.dataset_format} shows why)")
+            raise ConfigError(
+                f"--dataset-format {d.dataset_format}: no usable {split} posts in {layout.root} "
+                f"({dropped}; shardtrain check-data {layout.root} --dataset-format "
+                f"{d.dataset_format} shows why)"
+            )
         out.append(JsonlDataset(path, "multimodal", records, d.image_size, skipped, cache))
     report, lines = layout.report(), layout.report_lines()
     if held_out:
-        report["validation_held_out"] = {"percent": percent, "seed": cfg.train.seed,
-                                         "posts": len(splits["validation"])}
-        lines.insert(1, f"--dataset-format {d.dataset_format}: no validation split of its own; "
-                        f"{len(splits['validation'])} posts (--validation-split-percentage {percent}, chosen by train.seed "
-                        f"{cfg.train.seed}) held out for validation")
+        report["validation_held_out"] = {"percent": percent, "seed": cfg.train.seed, "posts": len(splits["validation"])}
+        lines.insert(
+            1,
+            f"--dataset-format {d.dataset_format}: no validation split of its own; "
+            f"{len(splits['validation'])} posts (--validation-split-percentage {percent}, chosen by train.seed "
+            f"{cfg.train.seed}) held out for validation",
+        )
     out[0].data_report, out[0].data_report_lines = report, lines
     out[0].labels = ClassLabels(len(layout.labels), tuple(layout.labels))
     return out[0], out[1]
@@ -181,8 +206,9 @@ def open_layout_image_cache(cfg: Config, layout) -> Optional[ImageCache]:
     return open_source_image_cache(cfg, layout.fmt, layout_images(layout))
 
 
-def _decodable(path: Path, records: list[Record], skip_bad: bool, limit: Optional[int],
-               cache: Optional[ImageCache] = None):
+def _decodable(
+    path: Path, records: list[Record], skip_bad: bool, limit: Optional[int], cache: Optional[ImageCache] = None
+):
     """(records, skipped messages), at most `limit` records. With skip_bad every image is decoded once here (or
     looked up in the image cache's build), as read_split does for the jsonl splits; without, a bad image stops
     the run when it is loaded."""
@@ -207,8 +233,15 @@ class Collator:
     rounded up to a multiple of the attention window: Longformer would otherwise pad inside forward, on every step.
     """
 
-    def __init__(self, tokenizer, max_length: int, multimodal: bool, pad_to_multiple_of: Optional[int] = None,
-                 image_root: Optional[Path] = None, image_size: int = 224):
+    def __init__(
+        self,
+        tokenizer,
+        max_length: int,
+        multimodal: bool,
+        pad_to_multiple_of: Optional[int] = None,
+        image_root: Optional[Path] = None,
+        image_size: int = 224,
+    ):
         self.tokenizer, self.max_length = tokenizer, max_length
         self.multimodal, self.pad_to_multiple_of = multimodal, pad_to_multiple_of
         # Streamed examples carry the image's path (relative to the data file's folder), decoded here.
@@ -217,14 +250,23 @@ class Collator:
     def __call__(self, items: list[dict]) -> dict[str, torch.Tensor]:
         if "input_ids" in items[0]:
             # Tokenised (and truncated) ahead through datasets.map: only padding is left, to the same ids.
-            enc = self.tokenizer.pad([{"input_ids": it["input_ids"], "attention_mask": it["attention_mask"]}
-                                      for it in items], padding="longest", return_tensors="pt")
+            enc = self.tokenizer.pad(
+                [{"input_ids": it["input_ids"], "attention_mask": it["attention_mask"]} for it in items],
+                padding="longest",
+                return_tensors="pt",
+            )
         else:
             # A sentence pair (a layout's tweet and its target) is encoded as one sequence with the tokenizer's
             # own separators; truncation trims the longer of the two first.
             pairs = [it["text_pair"] for it in items] if "text_pair" in items[0] else None
-            enc = self.tokenizer([it["text"] for it in items], pairs, padding="longest", truncation=True,
-                                 max_length=self.max_length, return_tensors="pt")
+            enc = self.tokenizer(
+                [it["text"] for it in items],
+                pairs,
+                padding="longest",
+                truncation=True,
+                max_length=self.max_length,
+                return_tensors="pt",
+            )
         ids, mask = enc["input_ids"], enc["attention_mask"]
         if self.pad_to_multiple_of:
             # Padded here, not with the tokenizer's pad_to_multiple_of: transformers refuses that unless
@@ -232,8 +274,11 @@ class Collator:
             extra = -ids.shape[1] % self.pad_to_multiple_of
             ids = torch.nn.functional.pad(ids, (0, extra), value=self.tokenizer.pad_token_id)
             mask = torch.nn.functional.pad(mask, (0, extra), value=0)
-        batch = {"input_ids": ids, "attention_mask": mask,
-                 "labels": torch.tensor([it["label"] for it in items], dtype=torch.long)}
+        batch = {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": torch.tensor([it["label"] for it in items], dtype=torch.long),
+        }
         if self.multimodal:
             batch["pixel_values"] = torch.stack([self._image(it["image"]) for it in items])
         return batch
@@ -249,6 +294,11 @@ class Collator:
 
 def make_collator(cfg: Config, tokenizer) -> Collator:
     longdoc = data_kind(cfg.model.name) == "longdoc"
-    return Collator(tokenizer, cfg.data.max_length, multimodal=not longdoc,
-                    pad_to_multiple_of=cfg.model.attention_window if longdoc else None,
-                    image_root=Path(cfg.data.data_dir), image_size=cfg.data.image_size)
+    return Collator(
+        tokenizer,
+        cfg.data.max_length,
+        multimodal=not longdoc,
+        pad_to_multiple_of=cfg.model.attention_window if longdoc else None,
+        image_root=Path(cfg.data.data_dir),
+        image_size=cfg.data.image_size,
+    )

@@ -5,6 +5,7 @@ text, with words from other classes as distractors; multimodal images carry a cl
 orientation and tint under pixel noise. About `label_noise` of the labels are then replaced by another class,
 so no model can reach 100% and accuracy well above chance shows that learning happened.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,9 +23,11 @@ CLASS_WORDS = [
     ["terrible", "awful", "boring", "dreadful", "horrible", "disappointing", "poor", "tedious", "messy"],
     ["average", "ordinary", "adequate", "typical", "moderate", "standard", "usual", "plain", "fair"],
 ]
-FILLER = ("the a of and to in it was is this that with for on as at by from story film product day "
-          "place time people thing way year work city room book music food service color house "
-          "street morning evening window table paper water light sound road tree").split()
+FILLER = (
+    "the a of and to in it was is this that with for on as at by from story film product day "
+    "place time people thing way year work city room book music food service color house "
+    "street morning evening window table paper water light sound road tree"
+).split()
 
 
 def class_words(label: int) -> list[str]:
@@ -48,8 +51,8 @@ def make_text(rng: np.random.Generator, label: int, num_labels: int, n_words: in
 def make_image(rng: np.random.Generator, label: int, size: int) -> np.ndarray:
     """Stripes whose orientation and tint depend on the class, with random phase, contrast and noise."""
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
-    angle = np.pi * (label % 4) / 4 + rng.normal(0, 0.15)       # 0, 45, 90, 135 degrees, jittered
-    period = size / (3 + (label // 4) % 3)                       # more classes: different frequencies too
+    angle = np.pi * (label % 4) / 4 + rng.normal(0, 0.15)  # 0, 45, 90, 135 degrees, jittered
+    period = size / (3 + (label // 4) % 3)  # more classes: different frequencies too
     wave = np.sin(2 * np.pi * (xx * np.cos(angle) + yy * np.sin(angle)) / period + rng.uniform(0, 2 * np.pi))
     tint = np.array([[0.9, 0.4, 0.4], [0.4, 0.4, 0.9], [0.4, 0.9, 0.4]][label % 3], dtype=np.float32)
     contrast = rng.uniform(0.15, 0.35)
@@ -57,14 +60,35 @@ def make_image(rng: np.random.Generator, label: int, size: int) -> np.ndarray:
     return (np.clip(img, 0, 1) * 255).astype(np.uint8)
 
 
-def make_data(kind: str, out_dir, n_train: int = 512, n_val: int = 128, seed: int = 0, num_labels: int = 3,
-              overwrite: bool = False, image_size: int = 32, label_noise: float = 0.07,
-              min_words: int = 200, max_words: int = 1000) -> Path:
+def doc_words(rng: np.random.Generator, low: int, high: int, lengths: str) -> int:
+    if lengths == "uniform":
+        return int(rng.integers(low, high + 1))
+    # Median at a sixth of the range's top, one sigma a factor of 2.7: most documents short, a few near the top.
+    return int(np.clip(rng.lognormal(np.log(max(low, high / 6)), 1.0), low, high))
+
+
+def make_data(
+    kind: str,
+    out_dir,
+    n_train: int = 512,
+    n_val: int = 128,
+    seed: int = 0,
+    num_labels: int = 3,
+    overwrite: bool = False,
+    image_size: int = 32,
+    label_noise: float = 0.07,
+    min_words: int = 200,
+    max_words: int = 1000,
+    lengths: str = "uniform",
+) -> Path:
     """Write train.jsonl / validation.jsonl (+ images/<split>/*.png for multimodal). Returns the folder.
 
     Longdoc documents have min_words..max_words words with signal words sparse (~1 in 40): still present in
-    the first few hundred tokens, so a short max_length can learn them.
+    the first few hundred tokens, so a short max_length can learn them. `lengths`: "uniform" over that range,
+    or "lognormal", a real corpus's shape (many short posts, a long tail of reports), clipped to it.
     """
+    if lengths not in ("uniform", "lognormal"):
+        raise ConfigError(f"make-data --lengths: uniform or lognormal, got {lengths!r}")
     kind = normalize_kind(kind)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -81,7 +105,7 @@ def make_data(kind: str, out_dir, n_train: int = 512, n_val: int = 128, seed: in
             if kind == "multimodal":
                 text = make_text(rng, true, num_labels, int(rng.integers(8, 20)), signal_every=6)
             else:
-                text = make_text(rng, true, num_labels, int(rng.integers(min_words, max_words + 1)), signal_every=40)
+                text = make_text(rng, true, num_labels, doc_words(rng, min_words, max_words, lengths), signal_every=40)
             label = true
             if num_labels > 1 and rng.random() < label_noise:
                 label = int((true + rng.integers(1, num_labels)) % num_labels)

@@ -1,5 +1,6 @@
 """The benchmarks' CPU dry-run modes (the benchmarks themselves are not part of `make test`): each script
 runs end to end through real processes and writes JSON of the documented shape."""
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,22 @@ def test_overhead_dry_run(tmp_path):
     # Every contender script once, on the one cell they all run (tiny Longformer, DDP: 6 steps each), and a cell
     # where two peers refuse the strategy on CPU: their own error lines must land in the JSON, not a crash.
     peers = "shardtrain,handwritten,accelerate,fabric,hf_trainer"
-    run([sys.executable, str(BENCH / "overhead.py"), "--dry-run", "--cells", "longformer_tiny:ddp,longformer_tiny:fsdp",
-         "--contenders", peers, "--work", str(tmp_path / "work"), "--out", str(out)], timeout=600)
+    run(
+        [
+            sys.executable,
+            str(BENCH / "overhead.py"),
+            "--dry-run",
+            "--cells",
+            "longformer_tiny:ddp,longformer_tiny:fsdp",
+            "--contenders",
+            peers,
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        timeout=600,
+    )
     result = json.loads(out.read_text())
     assert result["dry_run"] is True and result["nproc"] == 2
     ddp, fsdp = result["cells"]
@@ -37,16 +52,34 @@ def test_startup_dry_run(tmp_path):
     out = tmp_path / "startup.json"
     # shardtrain through torchrun and through `shardtrain train --nproc 2` (the parent relaunch), and the
     # hand-written loop: one warm DDP round each.
-    run([sys.executable, str(BENCH / "startup.py"), "--dry-run", "--contenders", "shardtrain,shardtrain_cli,handwritten",
-         "--work", str(tmp_path / "work"), "--out", str(out)], timeout=400)
+    run(
+        [
+            sys.executable,
+            str(BENCH / "startup.py"),
+            "--dry-run",
+            "--contenders",
+            "shardtrain,shardtrain_cli,handwritten",
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+        ],
+        timeout=400,
+    )
     result = json.loads(out.read_text())
     entries = {e["contender"]: e for e in result["entries"]}
     assert set(entries) == {"shardtrain", "shardtrain_cli", "handwritten"}
-    assert all(e["strategy"] == "ddp" and e["warm_seconds"] > 0 and e["cold_seconds"] is None
-               for e in entries.values())
+    assert all(e["strategy"] == "ddp" and e["warm_seconds"] > 0 and e["cold_seconds"] is None for e in entries.values())
     phases = entries["shardtrain_cli"]["warm_phases_median"]
-    assert list(phases) == ["imports", "process_group", "data", "model_build", "strategy_setup",
-                            "banner_and_prediction", "first_step"]
+    assert list(phases) == [
+        "imports",
+        "process_group",
+        "data",
+        "model_build",
+        "strategy_setup",
+        "banner_and_prediction",
+        "first_step",
+    ]
     assert all(v >= 0 for v in phases.values())
     # the phases tile the whole start-up: launch to the end of step 1
     assert abs(sum(phases.values()) - entries["shardtrain_cli"]["warm_seconds"]) < 0.01
@@ -62,8 +95,25 @@ def test_gpu_suite_dry_run(tmp_path):
     cases = "fp16_ddp_grad_scaler,oom_recovery_real,fsdp_offload,strategy_zero3_offload"
     env = test_env(PY=sys.executable, GPU_SUITE_TEST_DIE_AFTER="fsdp_offload")
     env.pop("DS_ACCELERATOR", None)  # the dry run sets it for its own CPU cases
-    run([str(REPO / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--cases", cases, "--work", str(tmp_path / "work"),
-         "--out", str(out), "--budget-s", "200", "--case-timeout-s", "200"], timeout=400, env=env, check=False)
+    run(
+        [
+            str(REPO / "benchmarks" / "gpu_suite.sh"),
+            "--dry-run",
+            "--cases",
+            cases,
+            "--work",
+            str(tmp_path / "work"),
+            "--out",
+            str(out),
+            "--budget-s",
+            "200",
+            "--case-timeout-s",
+            "200",
+        ],
+        timeout=400,
+        env=env,
+        check=False,
+    )
     result = json.loads(out.read_text())
     assert result["dry_run"] is True and result["environment"]["cuda_available"] is False
     assert result["complete"] is True and result["budget_s"] == 200
@@ -91,8 +141,11 @@ def test_gpu_suite_dry_run(tmp_path):
 
 def test_loader_dry_run(tmp_path):
     out = tmp_path / "loader.json"
-    run([sys.executable, str(BENCH / "loader.py"), "--dry-run", "--work", str(tmp_path / "work"), "--out", str(out)],
-        timeout=300, env=test_env())
+    run(
+        [sys.executable, str(BENCH / "loader.py"), "--dry-run", "--work", str(tmp_path / "work"), "--out", str(out)],
+        timeout=300,
+        env=test_env(),
+    )
     result = json.loads(out.read_text())
     assert result["dry_run"] is True and result["shipped_num_workers"] == 4
     rates = result["loader_samples_per_sec_median"]
@@ -104,3 +157,17 @@ def test_loader_dry_run(tmp_path):
     assert all(needed[s][g] > 0 for s in rates for g in ("A100", "H100"))
     assert result["cache_build_images_per_sec"] > 0
     assert all(v > 0 for rates in result["decode_images_per_sec_one_core"].values() for v in rates.values())
+
+
+def test_length_batching_dry_run(tmp_path):
+    # Both contenders as 2-rank torchrun jobs on a log-normal corpus: --group-by-length pads less, and the JSON
+    # holds the paired ratio, each run's peak RSS and the padding the loop's own order gives.
+    out = tmp_path / "length_batching.json"
+    run([sys.executable, str(BENCH / "length_batching.py"), "--dry-run", "--work", str(tmp_path / "work"),
+         "--out", str(out)], timeout=400)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["dry_run"] is True and result["nproc"] == 2
+    assert result["paired_speedup_median"] > 0 and len(result["paired_speedup_per_round"]) == 1
+    padding = result["padding_share_median"]
+    assert 0 <= padding["group_by_length"] < padding["pad_to_longest"] / 2
+    assert all(v > 100 for v in result["peak_rss_mib_median"].values())
