@@ -115,3 +115,28 @@ def test_a_dataset_without_lengths_and_a_stream_are_refused_by_name(longdoc, tmp
         train_lengths(torch.utils.data.TensorDataset(torch.arange(4)))
     with pytest.raises(ConfigError, match=r"--group-by-length .*--streaming"):
         cfg_for(longdoc, tmp_path, "--group-by-length", "--streaming")
+
+
+@pytest.mark.parametrize("fmt", ["mvsa-single", "twitter2015"])
+def test_the_seed_layouts_give_token_counts_that_group(fmt, tmp_path):
+    """The reports' own layouts (MVSA; Twitter, whose items are text pairs) read through SplitDataset."""
+    from layout_copies import make_mvsa, make_twitter
+
+    from shardtrain.config.settings import from_dict, validate
+
+    root = make_mvsa(tmp_path / "mvsa") if fmt.startswith("mvsa") else make_twitter(tmp_path / "t15")
+    cfg = validate(from_dict({
+        "model": {"pretrained": False}, "train": {"per_device_batch_size": 2},
+        "data": {"dataset_format": fmt, "data_dir": str(root), "image_size": 16, "num_workers": 0,
+                 "group_by_length": True},
+        "checkpoint": {"output_dir": str(tmp_path / "run")},
+    }))  # fmt: skip
+    tok = build_tokenizer(cfg, tmp_path / "run", True, lambda: None)
+    train, val = build_datasets(cfg, tok)
+    train.tokenize(tok, cfg.data.max_length, None, True, lambda: None)
+    lengths = train.lengths()
+    assert lengths == [len(train[i]["input_ids"]) for i in range(len(train))]  # MVSA's copy: all alike
+    stream = build_loaders(cfg, tok, train, val, 0, 1, "cpu").train
+    order = stream.epoch_order()
+    assert [lengths[i] for i in order] == sorted(lengths, reverse=True)  # the small set is one run
+    assert stream.next_batch()["input_ids"].shape[0] == 2
