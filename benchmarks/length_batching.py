@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import statistics
 import sys
 import time
@@ -33,7 +32,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 import launch  # noqa: E402  tests/launch.py: the one way this repo starts torchrun jobs
-from overhead import steady_rate  # noqa: E402
+from overhead import run_one, steady_rate  # noqa: E402
 
 CONTENDERS = {"pad_to_longest": [], "group_by_length": ["--group-by-length"]}
 CONFIG = REPO / "configs" / "longformer_tiny.yaml"
@@ -65,27 +64,22 @@ def padding_share(run_args: list[str], steps: int, nproc: int) -> float:
 
 
 def one_run(name: str, a, data: Path, work: Path) -> dict:
-    """One torchrun job under GNU time (%M: the largest process's peak RSS, in KiB)."""
+    """One torchrun job (overhead.run_one) under GNU time (%M: the largest process's peak RSS, in KiB)."""
     out = work / "runs" / name
-    if out.exists():
-        shutil.rmtree(out)
-    args = [
-        "--config", str(CONFIG), "--data-dir", str(data), "--output-dir", str(out), "--resume", "none",
-        "--max-steps", str(a.steps), "--eval-every", "0", "--save-every", "0", "--save-final", "false",
-        "--max-length", str(a.max_length), "--per-device-batch-size", str(a.micro), "--log-every", "1",
-        "--predict-memory", "false", "--report", "false", *CONTENDERS[name],
+    extra = [
+        "--save-final", "false", "--max-length", str(a.max_length), "--per-device-batch-size", str(a.micro),
+        "--log-every", "1", "--predict-memory", "false", "--report", "false", *CONTENDERS[name],
     ]  # fmt: skip
     maxrss = work / f"{name}.maxrss"
-    cmd = [
-        "/usr/bin/time", "-f", "%M", "-o", str(maxrss), str(launch.BIN / "torchrun"), f"--nproc_per_node={a.nproc}",
-        "--master_addr=127.0.0.1", f"--master_port={launch.free_port()}", str(launch.MAIN), *args,
-    ]  # fmt: skip
-    run = launch.run(cmd, timeout=1800, check=False)
+    run = run_one(
+        launch.MAIN, extra, CONFIG, data, out, a.steps, a.nproc, ("/usr/bin/time", "-f", "%M", "-o", str(maxrss))
+    )
     if run.returncode != 0:
         raise RuntimeError(f"{name} failed (rc {run.returncode}):\n{run.output[-3000:]}")
     rate = steady_rate(out / "metrics.jsonl", a.micro * a.nproc, a.warmup)
     if name not in PADDING:  # the same order every round
-        PADDING[name] = padding_share(args, a.steps, a.nproc)
+        run_args = ["--config", str(CONFIG), "--data-dir", str(data), "--output-dir", str(out), *extra]
+        PADDING[name] = padding_share(run_args, a.steps, a.nproc)
     return {**rate, "peak_rss_mib": int(maxrss.read_text().split()[-1]) / 1024, "padding_share": PADDING[name]}
 
 

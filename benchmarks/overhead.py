@@ -99,8 +99,11 @@ def steady_rate(metrics_path: Path, global_batch: int, warmup: int) -> dict:
     }
 
 
-def run_one(script: Path, extra: list[str], config: Path, data: Path, out: Path, steps: int, nproc: int):
-    """One torchrun job; the launch.Run (check=False: a peer's refusal is read from its output)."""
+def run_one(
+    script: Path, extra: list[str], config: Path, data: Path, out: Path, steps: int, nproc: int, prefix: tuple = ()
+):
+    """One torchrun job; the launch.Run (check=False: a peer's refusal is read from its output). `prefix`: a
+    command the job runs under (benchmarks/length_batching.py: GNU time)."""
     if out.exists():
         shutil.rmtree(out)
     args = [
@@ -121,6 +124,7 @@ def run_one(script: Path, extra: list[str], config: Path, data: Path, out: Path,
         *extra,
     ]
     cmd = [
+        *prefix,
         str(launch.BIN / "torchrun"),
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
