@@ -57,7 +57,9 @@ def probe(url: str, seconds: float = PROBE_SECONDS) -> str | None:
     def ask():
         try:
             # huggingface_hub's own client: the same proxies and certificates as the downloads it stands for.
-            status = get_session().head(url, timeout=seconds, follow_redirects=False).status_code
+            # Its timeout is longer than the join below, so that the join alone bounds the wait: with equal
+            # ones, a loaded machine raced the two and a silent hub was reported as "timed out".
+            status = get_session().head(url, timeout=2 * seconds, follow_redirects=False).status_code
             # 5xx is what huggingface_hub retries with back-off: as good as no answer for a run about to start.
             result.append(f"it answered HTTP {status}" if status >= 500 else None)
         except Exception as e:  # noqa: BLE001 - connection refused, unknown host, timeout, TLS: all "unreachable"
