@@ -2,7 +2,7 @@
 
 The flat package's last commit (FLAT_PACKAGE) is unpacked from git and trains two steps under ZeRO-2 (DeepSpeed's
 engine files are pickles, the format most likely to name a module path) with its own `shardtrain/main.py`;
-today's code then resumes that checkpoint for a third step, which must log the loss an uninterrupted run of the
+today's code then resumes that checkpoint (the step-2 save of the old code's own 3-step reference run) for a third step, which must log the loss an uninterrupted run of the
 old code logs, and exports it. Both read the gathered portable form DeepSpeed wrote beside its engine files then:
 today's ZeRO ranks each read their own partition out of it (issue 28); the second test does so under ZeRO-3, from
 the last commit before each rank wrote only its own partition (GATHERED_FORM).
@@ -36,6 +36,30 @@ def old_checkout(dest, commit=FLAT_PACKAGE):
     return dest
 
 
+def old_run(args, env, old):
+    """The old code's uninterrupted 3-step run (the reference), which saves at step 2 on its way: the
+    checkpoint under test, written exactly as a run stopped there would have written it."""
+    reference = torchrun(args + ["--max-steps", "3"], env=env, script=old / "shardtrain" / "main.py")
+    ckpt = reference.output_dir / "checkpoints" / "step-000002"
+    assert (ckpt / "COMMITTED").exists(), reference.tail()
+    return reference, ckpt
+
+
+def resume_with_todays_code(args, ckpt, out):
+    """Today's main.py resumes the old checkpoint (its config and ds config files as they were) for the third
+    step, in a run folder of its own."""
+    args = args[:]
+    args[args.index("--output-dir") + 1] = str(out)
+    return torchrun(args + ["--max-steps", "3", "--resume", str(ckpt)])
+
+
+def assert_step3_matches(resumed, reference):
+    reference_losses = [m["loss"] for m in reference.metrics]
+    step3 = resumed.metrics[-1]
+    assert step3["step"] == 3, resumed.tail()
+    assert abs(step3["loss"] - reference_losses[2]) <= 1e-6 * abs(reference_losses[2]), (step3, reference_losses)
+
+
 def test_a_checkpoint_of_the_flat_package_resumes_exactly_and_exports(mm_data, tmp_path):
     old = old_checkout(tmp_path / "old")
     env = test_env(PYTHONPATH=str(old))  # the old package first on the path, in every rank
@@ -51,20 +75,11 @@ def test_a_checkpoint_of_the_flat_package_resumes_exactly_and_exports(mm_data, t
         "2",
     )
     args[args.index("--config") + 1] = str(old / "configs" / "multimodal_tiny.yaml")
-    reference = torchrun(args[:] + ["--max-steps", "3"], env=env, script=old / "shardtrain" / "main.py")
-    reference_losses = [m["loss"] for m in reference.metrics]
-    written = tmp_path / "run_old"
-    reference.output_dir.rename(tmp_path / "reference")
-    args[args.index("--output-dir") + 1] = str(written)
-    torchrun(args + ["--max-steps", "2"], env=env, script=old / "shardtrain" / "main.py")
-    assert (written / "checkpoints" / "step-000002" / "COMMITTED").exists()
+    reference, ckpt = old_run(args, env, old)
+    resumed = resume_with_todays_code(args, ckpt, tmp_path / "resumed")
+    assert_step3_matches(resumed, reference)
 
-    resumed = torchrun(args + ["--max-steps", "3", "--resume", "auto"])  # today's code, today's main.py
-    step3 = resumed.metrics[-1]
-    assert step3["step"] == 3, resumed.tail()
-    assert abs(step3["loss"] - reference_losses[2]) <= 1e-6 * abs(reference_losses[2]), (step3, reference_losses)
-
-    exported = cli(["export", str(written), str(tmp_path / "export")])
+    exported = cli(["export", str(resumed.output_dir), str(tmp_path / "export")])
     assert "step-000003" in exported.output
     assert json.loads((tmp_path / "export" / "config.json").read_text()), "export wrote an empty config.json"
 
@@ -86,15 +101,6 @@ def test_a_gathered_zero3_checkpoint_resumes_exactly_with_each_rank_reading_its_
         "0",
     )
     args[args.index("--config") + 1] = str(old / "configs" / "multimodal_tiny.yaml")
-    reference = torchrun(args[:] + ["--max-steps", "3"], env=env, script=old / "shardtrain" / "main.py")
-    reference_losses = [m["loss"] for m in reference.metrics]
-    written = tmp_path / "run_old"
-    args[args.index("--output-dir") + 1] = str(written)
-    torchrun(args + ["--max-steps", "2"], env=env, script=old / "shardtrain" / "main.py")
-    ckpt = written / "checkpoints" / "step-000002"
-    assert (ckpt / "COMMITTED").exists() and (ckpt / "engine").is_dir()  # the old form: engine files + gathered
-
-    resumed = torchrun(args + ["--max-steps", "3", "--resume", "auto"])
-    step3 = resumed.metrics[-1]
-    assert step3["step"] == 3, resumed.tail()
-    assert abs(step3["loss"] - reference_losses[2]) <= 1e-6 * abs(reference_losses[2]), (step3, reference_losses)
+    reference, ckpt = old_run(args, env, old)
+    assert (ckpt / "engine").is_dir()  # the old form: engine files + gathered
+    assert_step3_matches(resume_with_todays_code(args, ckpt, tmp_path / "resumed"), reference)
