@@ -1,11 +1,11 @@
 """Checkpoints written by older code load with today's code: exact resume and export.
 
-The flat package's last commit (FLAT_PACKAGE) is unpacked from git and trains two steps under ZeRO-2 (DeepSpeed's
-engine files are pickles, the format most likely to name a module path) with its own `shardtrain/main.py`;
-today's code then resumes that checkpoint (the step-2 save of the old code's own 3-step reference run) for a third step, which must log the loss an uninterrupted run of the
-old code logs, and exports it. Both read the gathered portable form DeepSpeed wrote beside its engine files then:
-today's ZeRO ranks each read their own partition out of it (issue 28); the second test does so under ZeRO-3, from
-the last commit before each rank wrote only its own partition (GATHERED_FORM).
+The flat package's last commit (FLAT_PACKAGE) is unpacked from git and trains three steps under ZeRO-2
+(DeepSpeed's engine files are pickles, the format most likely to name a module path) with its own
+`shardtrain/main.py`, saving at step 2 on its way. Today's code then resumes that step-2 checkpoint for the third
+step, which must log the loss the old run logged, and exports it. Both read the gathered portable form DeepSpeed
+wrote beside its engine files then: today's ZeRO ranks each read their own partition out of it (issue 28); the
+second test does so under ZeRO-3, from the last commit before each rank wrote only its own partition (GATHERED_FORM).
 """
 
 from __future__ import annotations
