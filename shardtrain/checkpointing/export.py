@@ -76,6 +76,10 @@ def rebuild_from_checkpoint(ckpt_dir: Path):
     cfg = from_dict(run_config_dict(state), source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
     weights = read_portable(ckpt_dir)["model"]
     model = build_model(cfg.model, cfg.data, _vocab_size(weights), load_weights=False)
+    if cfg.peft.peft:  # trained with adapters: their names, then folded in (a built-in exports the plain model)
+        from shardtrain.workloads.adapters import with_lora
+
+        model = with_lora(model, cfg.peft, cfg.model.name)
     own = model.state_dict()
     missing = sorted(set(own) - set(weights))
     unexpected = sorted(set(weights) - set(own))
@@ -86,6 +90,8 @@ def rebuild_from_checkpoint(ckpt_dir: Path):
             f"unexpected {unexpected[:4]}, shape mismatches {sorted(shapes)[:4]}"
         )
     model.load_state_dict(weights, strict=True)
+    if cfg.peft.peft:
+        model = model.merge_and_unload()
     return model.eval(), cfg
 
 
@@ -97,10 +103,13 @@ def export_checkpoint(
     workload_args: str | None = None,
     evaluate: bool = False,
     which: str = "final",
+    merge: bool = False,
 ) -> dict:
     """`workload` / `workload_args` (--workload, --workload-args): rebuild the model with this workload instead
     of the one the run recorded (its module moved, or its args name paths of another machine). `which`
-    (--checkpoint): a run folder's final or best checkpoint."""
+    (--checkpoint): a run folder's final or best checkpoint. `merge` (--merge): a LoRA run's adapters folded into
+    its base weights, written as the plain model (without it, a user's PeftModel is written in peft's adapter
+    format; a built-in's export is always merged, its format being the plain model's)."""
     ckpt_dir = _resolve(ckpt, which)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -111,7 +120,7 @@ def export_checkpoint(
     if workload is not None or workload_args is not None:
         run_cfg = _with_workload(run_cfg, workload, workload_args)
     if not is_builtin_workload(run_cfg):
-        return export_workload(ckpt_dir, run_cfg, out, int8, evaluate)
+        return export_workload(ckpt_dir, run_cfg, out, int8, evaluate, merge)
     model, cfg = rebuild_from_checkpoint(ckpt_dir)
     info = {
         "checkpoint": str(ckpt_dir),
@@ -226,12 +235,13 @@ def load_fitting_weights(model: nn.Module, weights: dict, workload, what: str) -
     return model
 
 
-def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool = False) -> dict:
+def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool = False, merge: bool = False) -> dict:
     """A user's workload: its model rebuilt as training built it (same seed), the checkpoint's weights loaded,
     then written by Workload.export (by default model.safetensors + workload.json)."""
     from shardtrain.checkpointing.portable import read_portable
     from shardtrain.config.settings import add_import_paths
     from shardtrain.runtime.training_rng import aside
+    from shardtrain.workloads.adapters import is_peft_model, merged
     from shardtrain.workloads.base import load_workload
 
     add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
@@ -239,6 +249,8 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     with aside(seed=cfg.train.seed):  # the caller's random numbers (shardtrain.fit's, a notebook's) stay as they were
         model = workload.build_model()
     load_fitting_weights(model, read_portable(ckpt_dir)["model"], workload, f"export {ckpt_dir}")
+    if merge:  # a PeftModel's export is its adapters (PeftModel.from_pretrained); merged, the plain model's
+        model = merged(model, f"export {ckpt_dir}")
     workload.export(model.eval(), out)
     for f in out.glob("*.safetensors"):
         normal_mode(f)
@@ -246,6 +258,7 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
         "checkpoint": str(ckpt_dir),
         "workload": cfg.workload.workload,
         "workload_args": cfg.workload.workload_args,
+        "adapters": "merged" if merge else "peft" if is_peft_model(model) else None,
         **label_maps(cfg),
         "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors")),
         "config": cfg.to_dict(),

@@ -29,6 +29,12 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="also write a torchao INT8 copy (model_int8.pt) for CPU inference (not for training)",
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA run: fold the adapters into the base weights and write the plain model, which "
+        "AutoModel*.from_pretrained loads (default: peft's adapter format, which PeftModel.from_pretrained loads)",
+    )
     parser.add_argument("--eval", action="store_true", help="report accuracy/macro-F1 on the validation set")
     parser.add_argument(
         "--data-dir",
@@ -51,6 +57,7 @@ def main(argv: list[str]) -> int:
         workload_args=args.workload_args,
         evaluate=args.eval,
         which=args.which,
+        merge=args.merge,
     )
     print(f"exported {info['checkpoint']} -> {args.out} ({info['bytes_fp32'] / 1e6:.2f} MB fp32)")
     if "workload" in info:  # a user's workload: evaluated by its own metrics, if asked

@@ -295,7 +295,11 @@ def _export_source(path: Path, args, given: dict) -> Source:
             f"{meta.get('checkpoint')} is gone: export the checkpoint again"
         )
     cfg = _with_flags(saved, given, run_dir=path, where=str(path))
-    from shardtrain.config.settings import is_builtin_workload
+    from shardtrain.config.settings import is_builtin_workload, replace_fields
+
+    adapters = meta.get("adapters")  # a LoRA run's export: peft's adapter files, or the merged plain model
+    if adapters == "merged":
+        cfg = replace_fields(cfg, peft=None)
 
     if ("model" in meta) != is_builtin_workload(cfg):
         raise ConfigError(
@@ -318,6 +322,8 @@ def _export_source(path: Path, args, given: dict) -> Source:
 
         from shardtrain.checkpointing.export import load_fitting_weights
 
+        if adapters == "peft":
+            return _with_exported_adapters(workload, cfg, path)
         file = path / "model.safetensors"
         if not file.is_file():
             raise ConfigError(
@@ -329,6 +335,28 @@ def _export_source(path: Path, args, given: dict) -> Source:
         ).eval()
 
     return Source(cfg, workload, load_model, names, str(path))
+
+
+def _with_exported_adapters(workload, cfg, path: Path):
+    """The base model build_model loads (the pretrained weights the run started from and kept frozen) with the
+    export's adapters in it, read as PeftModel.from_pretrained reads them."""
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from shardtrain.runtime.training_rng import aside
+
+    file = path / "adapter_model.safetensors"
+    with aside(seed=cfg.train.seed):  # a base built from a config (no pretrained weights) is built as training did
+        model = workload.build_model()
+    result = set_peft_model_state_dict(model, _readable(lambda: load_file(str(file)), file))
+    wanted = {k for k, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(wanted & set(result.missing_keys))
+    if result.unexpected_keys or missing:
+        raise ConfigError(
+            f"predict: {file} does not fit {type(workload).__name__}.build_model() with --peft lora: "
+            f"missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
+        )
+    return model.eval()
 
 
 def _readable(load, file: Path):

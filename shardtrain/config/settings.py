@@ -377,9 +377,31 @@ class WorkloadConfig:
 
 
 @dataclass(frozen=True)
+class PeftConfig:
+    # The peft library's LoraConfig spellings and defaults (r is lora_r: the flag --r would say nothing).
+    peft: Optional[Literal["lora"]] = setting(
+        None, "train LoRA adapters (the peft library) on the frozen model build_model returns; unset: the whole model"
+    )
+    lora_r: int = setting(8, "rank of each LoRA adapter")
+    lora_alpha: int = setting(8, "LoRA's scaling numerator: an adapter's update is scaled by lora_alpha / lora_r")
+    lora_dropout: float = setting(0.0, "dropout on each adapter's input (0..1)")
+    target_modules: list = setting(
+        [],
+        "the Linear modules that get adapters, by name or name suffix (query, value); empty: peft's default for "
+        "the Hugging Face model inside",
+    )
+    modules_to_save: list = setting(
+        [],
+        "modules trained in full beside the adapters (a new head); empty: a classifier or score head when the "
+        "model has one",
+    )
+
+
+@dataclass(frozen=True)
 class Config:
     workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -484,7 +506,7 @@ def flag_of(name: str) -> str:
 
 
 # Keys whose YAML spelling is not section.field: `workload: {target, args}` reads better than workload.workload.
-YAML_KEYS = {"workload": "workload.target", "workload_args": "workload.args"}
+YAML_KEYS = {"workload": "workload.target", "workload_args": "workload.args", "peft": "peft.method"}
 
 
 def key_of(name: str) -> str:
@@ -740,6 +762,8 @@ def _section_values(section: str, values: Any, at) -> Iterator[tuple[str, str, A
         return
     if section == "workload":
         values = _workload_section(values, at)
+    if section == "peft":
+        values = _peft_section(values)
     if not isinstance(values, dict):
         raise ConfigError(f"{at(section)}: section '{section}' must be a mapping, got {values!r}")
     own = {f.name for f in fields(_section_classes()[section])}
@@ -772,6 +796,15 @@ def replace_fields(cfg: Config, **values: Any) -> Config:
     return replace_sections(
         cfg, **{section: dataclasses.replace(getattr(cfg, section), **v) for section, v in by_section.items()}
     )
+
+
+def _peft_section(values) -> Any:
+    """`peft: lora` or `{method: lora, lora_r: 16, ...}` -> the section's own field names."""
+    if isinstance(values, str):
+        return {"peft": values}
+    if isinstance(values, dict) and "method" in values:
+        return {("peft" if k == "method" else k): v for k, v in values.items()}
+    return values
 
 
 def _workload_section(values, at) -> dict:
@@ -1050,6 +1083,7 @@ def _validate(cfg: Config) -> Config:
     _check_best_metric(cfg.train)
     _check_early_stopping(cfg.train, cfg.checkpoint)
     _check_unfreeze_at_step(cfg.model, cfg.train)
+    _check_lora(cfg)
     cfg = replace_fields(cfg, inject_nan_at_steps=_nan_steps(cfg.train.inject_nan_at_steps))
     _check_longformer_length(cfg)
     _check_deepspeed_file(cfg.parallel)
@@ -1087,6 +1121,8 @@ POSITIVE = (
     "eval_batch_size",
     "num_labels",
     "early_stopping_patience",
+    "lora_r",
+    "lora_alpha",
 )
 NOT_NEGATIVE = (
     "weight_decay",
@@ -1177,6 +1213,17 @@ def _check_early_stopping(t: TrainConfig, c: CheckpointConfig) -> None:
         raise ConfigError(
             f"{where('final_model_checkpoint')} best: no best checkpoint is kept; set "
             f"--metric-for-best-model NAME (or --early-stopping-patience N)"
+        )
+
+
+def _check_lora(cfg: Config) -> None:
+    p = cfg.peft
+    if not 0 <= p.lora_dropout < 1:
+        raise ConfigError(f"{where('lora_dropout')} must be in [0, 1), got {p.lora_dropout}")
+    if p.peft and cfg.model.freeze_layers:
+        raise ConfigError(
+            f"{where('freeze_layers')}: {where('peft')} already freezes every weight of the model but its "
+            f"adapters (and modules_to_save): drop one of them"
         )
 
 

@@ -42,6 +42,7 @@ from shardtrain.runtime.startup_gc import restore_collections
 from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
 from shardtrain.strategies.optim import base_lr
+from shardtrain.workloads.adapters import apply_lora
 from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load_workload
 
 
@@ -92,6 +93,7 @@ class Trainer:
         # ---- strategy first: a bad DeepSpeed JSON or FSDP policy fails before any data or model work.
         # The user's model, data, loss and metrics: the loop calls only the Workload's methods for them.
         self.workload = workload = workload if workload is not None else load_workload(cfg)
+        apply_lora(workload, cfg.peft)  # a workload given as an object (shardtrain.fit) too
         self.task = type(workload).__name__  # errors name the workload method to look at
         self.strategy = strategy = make_strategy(cfg, dist_info, workload, self.geometry)
         self._build_data()

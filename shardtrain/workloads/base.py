@@ -155,12 +155,14 @@ def _named_inputs(module: nn.Module) -> tuple[list[inspect.Parameter], bool]:
 
 
 def innermost(model: nn.Module) -> nn.Module:
-    """Through the wrappers whose forward is only (*args, **kwargs): DDP, the DeepSpeed engine, torch.compile.
-    FSDP2 keeps the model's own class, and so its forward's signature."""
+    """Through the wrappers whose forward is only (*args, **kwargs): DDP, the DeepSpeed engine, torch.compile,
+    peft's PeftModel. FSDP2 keeps the model's own class, and so its forward's signature."""
     seen = 0
     while seen < 8:
         named, _ = _named_inputs(model)
         inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if inner is None and callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
         if named or not isinstance(inner, nn.Module):
             return model
         model, seen = inner, seen + 1
@@ -316,10 +318,14 @@ def workload_class(cfg: Config) -> type[Workload]:
 
 
 def load_workload(cfg: Config) -> Workload:
+    from shardtrain.workloads.adapters import apply_lora
+
     cls = workload_class(cfg)
     try:
-        return cls(cfg, **cfg.workload.workload_args)
+        workload = cls(cfg, **cfg.workload.workload_args)
     except TypeError as e:
         raise ConfigError(
             f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}"
         ) from None
+    apply_lora(workload, cfg.peft)  # --peft lora: its build_model returns the model with adapters
+    return workload

@@ -1,0 +1,117 @@
+"""`--peft lora`: LoRA adapters (the peft library) on the model a workload's build_model returns.
+
+apply_lora wraps the workload's build_model, so that every place that builds the model (training on each
+strategy, its meta-device copies, plan, check-data, export and predict) builds the same PeftModel, with the same
+parameter names. What the strategies then see is a model whose base weights came frozen: they keep them frozen
+(strategies/capabilities.py, Freezing.user_frozen) and train only the adapters and modules_to_save.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from torch import nn
+
+from shardtrain.config.settings import ConfigError, PeftConfig, where
+
+# The heads of transformers' *ForSequenceClassification models (peft's own SEQ_CLS task adds the same two).
+CLASSIFIER_HEADS = ("classifier", "score")
+
+
+def apply_lora(workload, peft: PeftConfig) -> None:
+    """With --peft lora, workload.build_model() returns its model with adapters (a peft PeftModel)."""
+    if peft.peft != "lora" or getattr(workload, "lora_applied", False):
+        return
+    build = workload.build_model
+    workload_name = type(workload).__name__
+
+    def build_with_adapters() -> nn.Module:
+        return with_lora(build(), peft, workload_name)
+
+    workload.build_model = build_with_adapters
+    workload.lora_applied = True
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    """Without importing peft (seconds) for the runs that do not use it."""
+    peft_module = sys.modules.get("peft")
+    return peft_module is not None and isinstance(model, peft_module.PeftModel)
+
+
+def with_lora(model: nn.Module, peft: PeftConfig, workload_name: str) -> nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    hf = _hf_model_inside(model)
+    targets = list(peft.target_modules) or _default_targets(hf)
+    if not targets:
+        raise ConfigError(
+            f"{where('target_modules')}: peft has no default for {type(model).__name__} (from "
+            f"{workload_name}.build_model()); name its Linear modules: {linear_module_names(model)}"
+        )
+    missing = [t for t in targets if not _matches(model, t)]
+    if missing:
+        raise ConfigError(
+            f"{where('target_modules')}: {', '.join(missing)} matches no Linear module of {type(model).__name__} "
+            f"(from {workload_name}.build_model()); its Linear modules: {linear_module_names(model)}"
+        )
+    # peft's SEQ_CLS model trains a transformers classifier's head by itself; any other model's head is named.
+    seq_cls = hf is model and type(model).__name__.endswith("ForSequenceClassification")
+    to_save = list(peft.modules_to_save) or ([] if seq_cls else [h for h in CLASSIFIER_HEADS if _has_module(model, h)])
+    config = LoraConfig(
+        r=peft.lora_r,
+        lora_alpha=peft.lora_alpha,
+        lora_dropout=peft.lora_dropout,
+        target_modules=targets,
+        modules_to_save=to_save or None,
+        # A transformers classifier gets peft's SEQ_CLS model: the one PeftModel.from_pretrained rebuilds for an
+        # AutoModelForSequenceClassification.
+        task_type="SEQ_CLS" if seq_cls else None,
+    )
+    return get_peft_model(model, config)
+
+
+def merged(model: nn.Module, what: str) -> nn.Module:
+    """The model with its adapters folded into the base weights (peft's merge_and_unload): a plain model again,
+    which AutoModel*.from_pretrained loads without peft."""
+    if not is_peft_model(model):
+        raise ConfigError(
+            f"{what} --merge: this run trained no adapters (no --peft lora, and build_model returned no PeftModel)"
+        )
+    return model.merge_and_unload()
+
+
+def _hf_model_inside(model: nn.Module):
+    """The model itself if it is a transformers PreTrainedModel, else the first one inside it (a built-in's
+    encoder), else None."""
+    from transformers import PreTrainedModel
+
+    return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def _default_targets(hf) -> list[str]:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING
+
+    model_type = getattr(getattr(hf, "config", None), "model_type", None)
+    return list(TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.get(model_type) or [])
+
+
+def _matches(model: nn.Module, target: str) -> bool:
+    # peft's own rule for a list of names: the full name, or its last components.
+    return any(
+        isinstance(m, nn.Linear) and (name == target or name.endswith("." + target))
+        for name, m in model.named_modules()
+    )
+
+
+def _has_module(model: nn.Module, target: str) -> bool:
+    return any(name == target or name.endswith("." + target) for name, _ in model.named_modules())
+
+
+def linear_module_names(model: nn.Module) -> str:
+    """The distinct last names of the model's Linear modules, each with one full name: `query
+    (encoder.layer.0.attention.self.query)`; what target_modules takes."""
+    first: dict[str, str] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            first.setdefault(name.rsplit(".", 1)[-1], name)
+    return ", ".join(f"{short} ({full})" if short != full else short for short, full in first.items()) or "none"
