@@ -108,6 +108,7 @@ def main(plan_path: str, out_dir: str) -> int:
                         "micro_batch_size",
                         "global_batch_size",
                         "params_frozen",
+                        "params_trainable",
                         "param_dtype",
                         "reduce_dtype",
                     )
