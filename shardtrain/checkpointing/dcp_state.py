@@ -34,9 +34,14 @@ MODEL_DIR = "model_optim"
 EXTRA_FILE = "strategy_state.json"
 
 
-def save_dcp(ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool) -> None:
+def save_dcp(ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool, leave_out=frozenset()) -> None:
+    """`leave_out`: parameter names not written (a LoRA model's frozen base, which build_model rebuilds)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    save_portable(ckpt_dir, model_sd, optim_sd["state"], extra, is_rank0)
+    save_portable(ckpt_dir, _without(model_sd, leave_out), optim_sd["state"], extra, is_rank0)
+
+
+def _without(model_sd: dict, leave_out) -> dict:
+    return {k: v for k, v in model_sd.items() if k not in leave_out} if leave_out else model_sd
 
 
 def save_portable(ckpt_dir: Path, model_sd: dict, optim_state: dict, extra: dict, is_rank0: bool) -> None:
@@ -50,7 +55,9 @@ def save_portable(ckpt_dir: Path, model_sd: dict, optim_state: dict, extra: dict
         (ckpt_dir / EXTRA_FILE).write_text(json.dumps(extra))
 
 
-def save_dcp_async(ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool, group) -> AsyncWrite:
+def save_dcp_async(
+    ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool, group, leave_out=frozenset()
+) -> AsyncWrite:
     """The same files as save_dcp, written by a background thread. Returns once the state is copied off the live
     tensors into fresh host memory (the writer's own staging: training may then change the tensors); the
     returned write is done when this rank's files are written and fsynced and DCP's metadata is out.
@@ -62,7 +69,7 @@ def save_dcp_async(ckpt_dir: Path, model, optimizer, extra: dict, is_rank0: bool
     on kill -9, leaving no writer process behind."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     future = dcp.async_save(
-        {"model": model_sd, "optim": {"state": optim_sd["state"]}},
+        {"model": _without(model_sd, leave_out), "optim": {"state": optim_sd["state"]}},
         storage_writer=storage_writer(ckpt_dir),
         process_group=group,
         async_checkpointer_type=AsyncCheckpointerType.THREAD,
@@ -146,10 +153,12 @@ def tensor_shapes(metadata) -> dict[str, tuple]:
     return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
-def check_model_fits(ckpt_dir: Path, wanted: dict[str, tuple], saved: dict[str, tuple]) -> None:
-    """One line listing the parameters that are missing, unexpected or differently shaped."""
-    want = {k: v for k, v in wanted.items()}
+def check_model_fits(ckpt_dir: Path, wanted: dict[str, tuple], saved: dict[str, tuple], leave_out=frozenset()) -> None:
+    """One line listing the parameters that are missing, unexpected or differently shaped. `leave_out`: names
+    that may be in the checkpoint or not (a LoRA base: a full checkpoint has it, an adapter-only one not)."""
+    want = {k: v for k, v in wanted.items() if k not in leave_out}
     have = {k[len("model.") :]: v for k, v in saved.items() if k.startswith("model.")}
+    have = {k: v for k, v in have.items() if k not in leave_out}
     missing = sorted(set(want) - set(have))
     unexpected = sorted(set(have) - set(want))
     shapes = [f"{k} {list(have[k])} vs {list(want[k])}" for k in sorted(set(want) & set(have)) if have[k] != want[k]]
@@ -166,11 +175,16 @@ def check_model_fits(ckpt_dir: Path, wanted: dict[str, tuple], saved: dict[str, 
         raise ConfigError(f"--resume {ckpt_dir}: checkpoint is from another model: " + "; ".join(parts))
 
 
-def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn=print) -> dict:
+def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn=print, leave_out=frozenset()) -> dict:
+    """`leave_out`: parameters kept as the model has them (a LoRA model's frozen base, as build_model built it),
+    whether or not the checkpoint holds them."""
     metadata = read_metadata(ckpt_dir)
     shapes = tensor_shapes(metadata)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    check_model_fits(ckpt_dir, {k: tuple(v.shape) for k, v in model_sd.items()}, shapes)
+    model_sd = _without(model_sd, leave_out)
+    check_model_fits(
+        ckpt_dir, {k: tuple(v.shape) for k, v in model_sd.items()}, {k: v for k, v in shapes.items()}, leave_out
+    )
     state = {"model": model_sd}
     optim_state = optim_sd["state"]
     if load_optimizer:
@@ -196,7 +210,7 @@ def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn
         optimizer,
         model_state_dict=state["model"],
         optim_state_dict=optim_sd if load_optimizer else {},
-        options=StateDictOptions(strict=True),
+        options=StateDictOptions(strict=not leave_out),
     )
     extra = ckpt_dir / EXTRA_FILE
     return json.loads(extra.read_text()) if extra.exists() else {}

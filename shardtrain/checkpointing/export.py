@@ -75,11 +75,22 @@ def rebuild_from_checkpoint(ckpt_dir: Path):
     state = checkpoint.read_trainer_state(ckpt_dir)
     cfg = from_dict(run_config_dict(state), source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
     weights = read_portable(ckpt_dir)["model"]
-    model = build_model(cfg.model, cfg.data, _vocab_size(weights), load_weights=False)
+    base = state.get("base")
+    if base is None:
+        model = build_model(cfg.model, cfg.data, _vocab_size(weights), load_weights=False)
+    else:  # a LoRA run's adapters only: the base rebuilt as training built it (seed, vocabulary, weights)
+        from shardtrain.runtime.training_rng import aside
+
+        vocab = None if cfg.model.pretrained else len(run_tokenizer(cfg, ckpt_dir.parent.parent))
+        with aside(seed=cfg.train.seed):
+            model = build_model(cfg.model, cfg.data, vocab, load_weights=True)
     if cfg.peft.peft:  # trained with adapters: their names, then folded in (a built-in exports the plain model)
-        from shardtrain.workloads.adapters import with_lora
+        from shardtrain.workloads.adapters import base_fingerprint, check_same_base, frozen_base, with_lora
 
         model = with_lora(model, cfg.peft, cfg.model.name)
+        check_same_base(base, base_fingerprint(model), f"export {ckpt_dir}", cfg.model.name)
+        if base is not None:
+            weights = {**{k: v for k, v in model.state_dict().items() if k in frozen_base(model)}, **weights}
     own = model.state_dict()
     missing = sorted(set(own) - set(weights))
     unexpected = sorted(set(weights) - set(own))
@@ -219,10 +230,16 @@ def _with_workload(run_cfg, workload: str | None, workload_args: str | None):
     return replace_fields(run_cfg, **changes)
 
 
-def load_fitting_weights(model: nn.Module, weights: dict, workload, what: str) -> nn.Module:
+def load_fitting_weights(model: nn.Module, weights: dict, workload, what: str, base: dict | None = None) -> nn.Module:
     """Strict: weights of another workload or model size are refused in one line naming the keys, not half-loaded.
-    `what` starts the message (`export CKPT`, `predict CKPT`)."""
+    `what` starts the message (`export CKPT`, `predict CKPT`). `base`: the trainer state's record of a LoRA
+    checkpoint's base, which the checkpoint leaves out: `model` must be built with that base's weights."""
+    from shardtrain.workloads.adapters import base_fingerprint, check_same_base, frozen_base
+
     own = model.state_dict()
+    if base is not None:
+        check_same_base(base, base_fingerprint(model), what, type(workload).__name__)
+        own = {k: v for k, v in own.items() if k not in frozen_base(model)}
     missing, unexpected = sorted(set(own) - set(weights)), sorted(set(weights) - set(own))
     shapes = sorted(k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape))
     if missing or unexpected or shapes:
@@ -231,7 +248,7 @@ def load_fitting_weights(model: nn.Module, weights: dict, workload, what: str) -
             f"of another workload or size?): missing {missing[:3]}, unexpected {unexpected[:3]}, "
             f"shape mismatches {shapes[:3]}"
         )
-    model.load_state_dict(weights, strict=True)
+    model.load_state_dict(weights, strict=base is None)
     return model
 
 
@@ -248,7 +265,8 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     workload = load_workload(cfg)  # imported from the working directory (and PYTHONPATH)
     with aside(seed=cfg.train.seed):  # the caller's random numbers (shardtrain.fit's, a notebook's) stay as they were
         model = workload.build_model()
-    load_fitting_weights(model, read_portable(ckpt_dir)["model"], workload, f"export {ckpt_dir}")
+    base = checkpoint.read_trainer_state(ckpt_dir).get("base")  # a LoRA run's: build_model loaded it (above)
+    load_fitting_weights(model, read_portable(ckpt_dir)["model"], workload, f"export {ckpt_dir}", base)
     if merge:  # a PeftModel's export is its adapters (PeftModel.from_pretrained); merged, the plain model's
         model = merged(model, f"export {ckpt_dir}")
     workload.export(model.eval(), out)

@@ -272,7 +272,9 @@ def _checkpoint_source(path: Path, given: dict, which: str = "final") -> Source:
         from shardtrain.checkpointing.portable import read_portable
 
         weights = read_portable(ckpt)["model"]
-        return load_fitting_weights(_build(workload, cfg), weights, workload, f"predict {ckpt}").eval()
+        base = state.get("base")  # a LoRA run's checkpoint leaves its base out: build_model loads it
+        model = _build(workload, cfg, load_weights=base is not None)
+        return load_fitting_weights(model, weights, workload, f"predict {ckpt}", base).eval()
 
     return Source(cfg, workload, load_model, list(cfg.data.label_names), str(ckpt))
 
@@ -424,10 +426,10 @@ def _workload(cfg):
     return load_workload(cfg)
 
 
-def _build(workload, cfg):
+def _build(workload, cfg, load_weights: bool = False):
     from shardtrain.runtime.training_rng import aside
 
-    workload.loads_weights = False  # the checkpoint's weights replace any pretrained ones
+    workload.loads_weights = load_weights  # by default the checkpoint's weights replace any pretrained ones
     try:
         with aside(seed=cfg.train.seed):  # built as training built it, leaving the caller's random numbers alone
             return workload.build_model()

@@ -34,7 +34,7 @@ from shardtrain.observability.step_profile import StepProfiler
 from shardtrain.observability.tracking import Console, Throughput, Tracker, library_versions, now
 from shardtrain.runtime import faults
 from shardtrain.runtime.device_defaults import cuda_math
-from shardtrain.runtime.distributed import barrier, gather_rank_info, init_distributed
+from shardtrain.runtime.distributed import barrier, broadcast_object, gather_rank_info, init_distributed
 from shardtrain.runtime.gpu_guard import check_devices
 from shardtrain.runtime.preemption import StopFlag, requeue_if_slurm
 from shardtrain.runtime.shared_dir import require_shared_output_dir
@@ -42,7 +42,7 @@ from shardtrain.runtime.startup_gc import restore_collections
 from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
 from shardtrain.strategies.optim import base_lr
-from shardtrain.workloads.adapters import apply_lora
+from shardtrain.workloads.adapters import apply_lora, base_fingerprint, check_same_base
 from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load_workload
 
 
@@ -389,6 +389,8 @@ class Trainer:
         self.frozen = set(self.workload.freezable_parameter_names(freeze)) if freeze else set()
         with construction_memory(self.dist) as self.built:  # peak host RSS while the strategy materialises it
             self.strategy.setup(self.model_factory, self.frozen)
+        # A LoRA model's checkpoints leave its frozen base out and name it instead; rank 0 built it whole.
+        self.base = broadcast_object(self.model_factory.base) if self.strategy.base_not_saved else None
         self.startup["strategy_setup"] = time.time()
         self.strategy.hold_frozen_norms(self.frozen)  # frozen BatchNorm keeps its running statistics until unfrozen
 
@@ -400,6 +402,8 @@ class Trainer:
             # and a frozen parameter has none to load it into (DeepSpeed: not even a partition).
             self.unfrozen = True
             self.strategy.set_frozen(self.frozen, False)
+        # Adapters only (a LoRA run's checkpoint): they fit the base they were trained on, which build_model rebuilt.
+        check_same_base(state.get("base"), self.base, f"--resume {self.resume_dir}", self.task)
         self.strategy.load(self.resume_dir, state)  # a foreign strategy's checkpoint goes through the portable form
         self.loaders.train.load_state_dict(state["data"])
         self.step = state["step"]
@@ -457,6 +461,7 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "resolved": self._resolved(),
             **self.best.checkpoint_state(),  # best step, value and patience count (loop/best.py)
+            **({"base": self.base} if self.base else {}),  # a LoRA run's base, left out of the checkpoint
         }
 
     def _resolved(self) -> dict:
@@ -519,10 +524,15 @@ def make_model_factory(workload: Workload, seed: int, device: torch.device, star
                 if on_meta:
                     with torch.device("meta"):
                         return workload.build_model()
-                return workload.build_model()
+                model = workload.build_model()
+            if load_weights and factory.base is None:  # the first full build with its weights: rank 0's at least
+                factory.base = base_fingerprint(model)
+            return model
         finally:
             workload.loads_weights = True
             if not on_meta:
                 startup.setdefault("model_build_seconds", time.time() - t_build)
 
+    # A LoRA model's frozen base, as built (workloads/adapters.py): what its adapter-only checkpoints name.
+    factory.base = None
     return factory

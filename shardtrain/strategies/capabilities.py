@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from shardtrain.config.geometry import BatchGeometry
+from shardtrain.workloads.adapters import frozen_base
 
 
 class Freezing:
@@ -30,6 +31,9 @@ class Freezing:
     # PEFT model's base weights). It stays frozen for the whole run, under every strategy: setup keeps it so
     # and set_frozen (--freeze-layers' unfreeze_at_step) never unfreezes it.
     user_frozen: frozenset[str] = frozenset()
+    # A LoRA model's frozen base (workloads/adapters.py, frozen_base): checkpoints leave it out, since
+    # build_model rebuilds it; they hold the adapters, the head and their optimizer state.
+    base_not_saved: frozenset[str] = frozenset()
     _frozen_norms: list = []
 
     def set_frozen(self, names: set[str], frozen: bool) -> None:
@@ -42,6 +46,7 @@ class Freezing:
         """Setup's freezing of the model build_model returned: `frozen_names` (--freeze-layers) on top of what
         it came frozen with (recorded as user_frozen); every other parameter trains. Returns both together."""
         self.user_frozen = frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+        self.base_not_saved = frozen_base(model)
         frozen = set(frozen_names) | self.user_frozen
         for name, p in model.named_parameters():
             p.requires_grad_(name not in frozen)

@@ -81,6 +81,7 @@ class NativeStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strate
             self.optimizer,
             extra_state(self.scheduler, self.optimizer, self.scaler),
             self.dist.is_rank0,
+            leave_out=self.base_not_saved,
         )
 
     def save_async(self, ckpt_dir: Path):
@@ -92,10 +93,13 @@ class NativeStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strate
             extra_state(self.scheduler, self.optimizer, self.scaler),
             self.dist.is_rank0,
             self._save_group,
+            leave_out=self.base_not_saved,
         )
 
     def load(self, ckpt_dir: Path, saved: dict | None = None, load_optimizer: bool = True):
         # Every checkpoint has the portable model_optim/ (DeepSpeed writes it too), so one path serves
         # DDP, FSDP and foreign checkpoints at any world size.
-        extra = load_dcp(ckpt_dir, self.unwrapped, self.optimizer, load_optimizer, warn=self._warn)
+        extra = load_dcp(
+            ckpt_dir, self.unwrapped, self.optimizer, load_optimizer, warn=self._warn, leave_out=self.base_not_saved
+        )
         load_extra_state(extra if load_optimizer else {}, self.scheduler, self.optimizer, self.scaler)

@@ -288,6 +288,8 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
 
         model_sd, optim_state = {}, {}
         for name, p in self._inner.named_parameters():
+            if name in self.base_not_saved:  # a LoRA model's frozen base: build_model rebuilds it
+                continue
             shape, start, local = self._local_range(p)
             if p.requires_grad:
                 model_sd[name] = FlatRange(shape, own(local(None)), start)
@@ -466,7 +468,10 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         params = dict(self._inner.named_parameters())
         full_shape = {n: tuple(getattr(p, "ds_shape", None) or p.shape) for n, p in params.items()}
         buffers = self._persistent_buffers()
-        check_model_fits(ckpt_dir, {**full_shape, **{n: tuple(b.shape) for n, b in buffers.items()}}, shapes)
+        check_model_fits(
+            ckpt_dir, {**full_shape, **{n: tuple(b.shape) for n, b in buffers.items()}}, shapes, self.base_not_saved
+        )
+        params = {n: p for n, p in params.items() if n not in self.base_not_saved}  # kept as build_model built it
         keys = (*self._moments, "step")
         # A frozen parameter has no optimizer state, in the checkpoint (saved while frozen, by any strategy)
         # or here (its saved moments, if any, wait in the checkpoint until a resume past the unfreeze).

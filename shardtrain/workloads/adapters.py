@@ -8,8 +8,10 @@ parameter names. What the strategies then see is a model whose base weights came
 
 from __future__ import annotations
 
+import math
 import sys
 
+import torch
 from torch import nn
 
 from shardtrain.config.settings import ConfigError, PeftConfig, where
@@ -36,6 +38,61 @@ def is_peft_model(model: nn.Module) -> bool:
     """Without importing peft (seconds) for the runs that do not use it."""
     peft_module = sys.modules.get("peft")
     return peft_module is not None and isinstance(model, peft_module.PeftModel)
+
+
+def frozen_base(model: nn.Module) -> frozenset[str]:
+    """The names a checkpoint leaves out: a PeftModel's frozen base, which build_model rebuilds (the pretrained
+    weights it loads, or a seeded initialisation) at every resume, export and predict. Empty for any other model:
+    what a user froze by hand may not be rebuilt alike, so it is saved."""
+    if not is_peft_model(model):
+        return frozenset()
+    return frozenset(n for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def base_fingerprint(model: nn.Module) -> dict | None:
+    """What a LoRA checkpoint records of the base its adapters belong to, from a full build of it: its name
+    (peft's base_model_name_or_path), its size, and the float64 sum and sum of squares of its weights. A rebuild
+    on another device or from other pretrained weights gives other sums; a reduction in another order, the same
+    ones to ~1e-15 (same_base's tolerance is 1e-9). None for a model that is not a PeftModel."""
+    if not is_peft_model(model):
+        return None
+    names = frozen_base(model)
+    total = sum_sq = 0.0
+    count = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in names:
+                values = p.detach().double()
+                total += values.sum().item()
+                sum_sq += values.square().sum().item()
+                count += p.numel()
+    config = next(iter(model.peft_config.values()), None)
+    return {
+        "name_or_path": getattr(config, "base_model_name_or_path", None),
+        "params": count,
+        "sum": total,
+        "sum_sq": sum_sq,
+    }
+
+
+def same_base(a: dict, b: dict) -> bool:
+    return a["params"] == b["params"] and all(
+        math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-9) for k in ("sum", "sum_sq")
+    )
+
+
+def check_same_base(recorded: dict | None, built: dict | None, what: str, workload_name: str) -> None:
+    """A LoRA checkpoint's adapters on the base they were trained on, or one line saying they are not."""
+    if recorded is None:
+        return
+    if built is None or not same_base(recorded, built):
+        name = recorded.get("name_or_path") or "the run's own build"
+        got = "no PeftModel" if built is None else f"{built['params']:,} parameters, other weights"
+        raise ConfigError(
+            f"{what}: the checkpoint holds LoRA adapters only, trained on the base {name} "
+            f"({recorded['params']:,} parameters); {workload_name}.build_model() now gives another base "
+            f"({got}): give the run's base (--workload-args), or resume and export where the run was trained"
+        )
 
 
 def with_lora(model: nn.Module, peft: PeftConfig, workload_name: str) -> nn.Module:
