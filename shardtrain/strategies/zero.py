@@ -114,7 +114,16 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
                 no_init_weights(),
                 deepspeed.zero.Init(config_dict_or_path=self.ds_config, remote_device=self._param_device()),
             ):
-                model = build_model(on_meta=False, load_weights=False)
+                try:
+                    model = build_model(on_meta=False, load_weights=False)
+                except RuntimeError as e:
+                    if "ignore_mismatched_sizes" not in str(e):
+                        raise
+                    raise ConfigError(
+                        f"{type(self.workload).__name__}.build_model() loaded pretrained weights inside ZeRO-3's "
+                        f"zero.Init, where its parameters are empty shards: while self.loads_weights is False, "
+                        f"build from the config (from_config); rank 0's weights are copied in afterwards"
+                    ) from None
             if hasattr(model, "tie_weights"):
                 # no_init_weights() also skips Hugging Face's weight tying (transformers 5): GPT-2's lm_head would
                 # be a separate copy of the token embeddings, each half-trained (measured: grad norm 8% low).

@@ -102,15 +102,21 @@ class Workload:
         )
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
-        """model.safetensors, and workload.json: the workload's target and args, which rebuild the model."""
+        """model.safetensors (a PeftModel: peft's own adapter files, which PeftModel.from_pretrained loads), and
+        workload.json: the workload's target and args, which rebuild the model."""
         import json
 
         from safetensors.torch import save_file
 
+        from shardtrain.workloads.adapters import is_peft_model
+
         out_dir = Path(out_dir)
-        save_file(
-            {k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors")
-        )
+        if is_peft_model(model):
+            model.save_pretrained(str(out_dir))
+        else:
+            save_file(
+                {k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors")
+            )
         (out_dir / "workload.json").write_text(
             json.dumps({"target": target_of(type(self)), "args": self.args}, indent=1, default=str)
         )
