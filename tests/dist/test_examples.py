@@ -360,10 +360,11 @@ def test_lora_trains_only_the_adapters_on_every_strategy_with_parity(examples):
 
 
 def test_lora_adapters_of_zero3_load_in_peft_itself_and_merge_into_plain_transformers(examples, mm_data, tmp_path):
-    """Issue 27 item 1 (the peers' ZeRO-3 bug: empty adapters saved): ZeRO-3's export, with and without offload,
-    is peft's own format. A fresh process loads it with PeftModel.from_pretrained(base, EXPORT): the adapters are
-    the trained values in the checkpoint, and the model predicts what `shardtrain predict RUN` predicts. The
-    --merge export loads with AutoModelForSequenceClassification alone and predicts the same."""
+    """Issue 27 item 1 (the peers' ZeRO-3 bug: empty adapters saved): ZeRO-3's export is peft's own format. A
+    fresh process loads it with PeftModel.from_pretrained(base, EXPORT): the adapters are the trained values in
+    the checkpoint, and the model predicts what `shardtrain predict RUN` predicts. The --merge export loads with
+    AutoModelForSequenceClassification alone and predicts the same. (ZeRO-3 with offload writes its adapters
+    through the same partition writer: the checkpoint checks of the test above cover it.)"""
     from plain_peft import fresh_peft
     from plain_transformers import fresh
 
@@ -372,7 +373,7 @@ def test_lora_adapters_of_zero3_load_in_peft_itself_and_merge_into_plain_transfo
 
     env = test_env(PYTHONPATH=f"{REPO}:{REPO / 'examples' / 'hf_text_classifier'}")
     texts = [json.loads(x)["text"] for x in (mm_data / "validation.jsonl").read_text().splitlines() if x.strip()]
-    for s in ("zero3", "zero3_offload"):
+    for s in ("zero3",):  # zero3_offload's adapters: the checkpoint checks above (the same writer)
         r = examples[f"hf_lora/{s}"]
         run_dir = Path(r["args"][r["args"].index("--output-dir") + 1])
         base = Path(json.loads(r["args"][r["args"].index("--workload-args") + 1])["model"])
