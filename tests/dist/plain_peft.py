@@ -12,7 +12,6 @@ get_peft_model_state_dict, the names its adapter files use), "shardtrain_importe
 """
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -36,25 +35,10 @@ def main(base: str, export: str, texts_file: str, out_file: str) -> None:
 
 
 def fresh_peft(base: Path, export: Path, texts: list, out: Path) -> dict:
-    """This file in a fresh `python -I` (no PYTHONPATH, no working directory on sys.path); asserts that
-    shardtrain was never imported."""
-    from launch import test_env
+    """This file in a fresh `python -I`: peft, transformers and torch, nothing of the repository."""
+    from plain_transformers import run_isolated
 
-    texts_file = out.parent / f"{out.stem}-texts.json"
-    texts_file.write_text(json.dumps(texts))
-    env = {k: v for k, v in test_env().items() if k != "PYTHONPATH"}
-    proc = subprocess.run(
-        [sys.executable, "-I", __file__, str(base), str(export), str(texts_file), str(out)],
-        cwd=out.parent,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
-    assert result["shardtrain_imported"] == [], result["shardtrain_imported"]
-    return result
+    return run_isolated(Path(__file__), [str(base), str(export)], texts, out)
 
 
 if __name__ == "__main__":

@@ -36,15 +36,20 @@ def main(export: str, texts_file: str, out_file: str, tokenizer_only: bool) -> N
 
 
 def fresh(export: Path, texts: list, out: Path, *flags: str) -> dict:
-    """This file in a fresh `python -I` (no PYTHONPATH, no working directory on sys.path): the venv's
-    transformers and torch, nothing of the repository; asserts that shardtrain was never imported."""
+    """This file in a fresh `python -I`: the venv's transformers and torch, nothing of the repository."""
+    return run_isolated(Path(__file__), [str(export)], texts, out, *flags)
+
+
+def run_isolated(script: Path, leading: list[str], texts: list, out: Path, *flags: str) -> dict:
+    """`python -I script *leading TEXTS.json OUT.json *flags` (no PYTHONPATH, no working directory on sys.path);
+    asserts that shardtrain was never imported and returns OUT.json."""
     from launch import test_env
 
     texts_file = out.parent / f"{out.stem}-texts.json"
     texts_file.write_text(json.dumps(texts))
     env = {k: v for k, v in test_env().items() if k != "PYTHONPATH"}
     proc = subprocess.run(
-        [sys.executable, "-I", __file__, str(export), str(texts_file), str(out), *flags],
+        [sys.executable, "-I", str(script), *leading, str(texts_file), str(out), *flags],
         cwd=out.parent,
         env=env,
         capture_output=True,
