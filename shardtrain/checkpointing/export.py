@@ -16,6 +16,7 @@ Runs in one process with no process group: it reads the checkpoint's portable `m
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -115,15 +116,61 @@ def export_checkpoint(
     evaluate: bool = False,
     which: str = "final",
     merge: bool = False,
+    keep_others: bool = False,
 ) -> dict:
     """`workload` / `workload_args` (--workload, --workload-args): rebuild the model with this workload instead
     of the one the run recorded (its module moved, or its args name paths of another machine). `which`
     (--checkpoint): a run folder's final or best checkpoint. `merge` (--merge): a LoRA run's adapters folded into
     its base weights, written as the plain model (without it, a user's PeftModel is written in peft's adapter
-    format; a built-in's export is always merged, its format being the plain model's)."""
+    format; a built-in's export is always merged, its format being the plain model's). `keep_others`: see
+    export_folder."""
     ckpt_dir = _resolve(ckpt, which)
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    with export_folder(Path(out), keep_others=keep_others) as staging:
+        return _export(ckpt_dir, staging, int8, workload, workload_args, evaluate, merge)
+
+
+STAGING = ".export-in-progress"
+
+
+@contextlib.contextmanager
+def export_folder(out: Path, keep_others: bool = False):
+    """Where an export writes: a staging folder inside OUT, whose files replace OUT's once all are written.
+    A previous export in OUT goes entirely: its files would otherwise mix with the new ones (a stale
+    adapter_config.json beside merged weights makes transformers apply the old adapters, without an error).
+    Other files in OUT are refused, before any work (`keep_others`: left where they are, for --final-model-dir,
+    which may be a folder the platform made, SageMaker's /opt/ml/model). A failed export leaves OUT as it was,
+    and no OUT at all if it made it."""
+    made = not out.exists()
+    if not made and not out.is_dir():
+        raise ConfigError(f"export: {out} is a file; give a folder to export into")
+    previous = (out / EXPORT_META).is_file()
+    others = [] if made or previous else [p.name for p in out.iterdir() if p.name != STAGING]
+    if others and not keep_others:
+        raise ConfigError(
+            f"export: {out} holds files that are no shardtrain export ({', '.join(sorted(others)[:3])}): give a new "
+            f"or empty folder (a previous export there is replaced)"
+        )
+    staging = out / STAGING
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(out if made else staging, ignore_errors=True)
+        raise
+    for entry in out.iterdir() if previous else ():
+        if entry.name == STAGING:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for entry in staging.iterdir():
+        os.replace(entry, out / entry.name)
+    staging.rmdir()
+
+
+def _export(ckpt_dir: Path, out: Path, int8, workload, workload_args, evaluate, merge) -> dict:
     from shardtrain.config.settings import is_builtin_workload
 
     state = checkpoint.read_trainer_state(ckpt_dir)

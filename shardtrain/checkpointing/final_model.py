@@ -36,7 +36,7 @@ def write_final_model(strategy, trainer_state: dict, cfg, console) -> Path | Non
 
         written = final_model_folder(cfg)
         ckpt = chosen_checkpoint(ckpt, cfg, console)
-        export_checkpoint(ckpt, written)
+        export_checkpoint(ckpt, written, keep_others=True)
         console.info(f"final model: {written} (from {ckpt})")
     barrier()
     return written
@@ -67,6 +67,6 @@ def export_final_model_if_missing(ckpt: Path, cfg, is_rank0: bool, console) -> N
         from shardtrain.checkpointing.export import export_checkpoint
 
         ckpt = chosen_checkpoint(ckpt, cfg, console)
-        export_checkpoint(ckpt, folder)
+        export_checkpoint(ckpt, folder, keep_others=True)
         console.info(f"final model: {folder} (from {ckpt}: the run had finished)")
     barrier()
