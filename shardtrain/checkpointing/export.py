@@ -306,10 +306,12 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     from shardtrain.config.settings import add_import_paths
     from shardtrain.runtime.training_rng import aside
     from shardtrain.workloads.adapters import is_peft_model, merged
-    from shardtrain.workloads.base import load_workload
+    from shardtrain.workloads.base import load_workload, with_import_root
 
     add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
-    workload = load_workload(cfg)  # imported from the working directory (and PYTHONPATH)
+    root = (checkpoint.read_trainer_state(ckpt_dir).get("resolved") or {}).get("workload_import_root")
+    with_import_root(root)  # after the working directory and PYTHONPATH: where training imported it from
+    workload = load_workload(cfg)
     with aside(seed=cfg.train.seed):  # the caller's random numbers (shardtrain.fit's, a notebook's) stay as they were
         model = workload.build_model()
     base = checkpoint.read_trainer_state(ckpt_dir).get("base")  # a LoRA run's: build_model loaded it (above)
@@ -324,6 +326,7 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
         "workload": cfg.workload.workload,
         "workload_args": cfg.workload.workload_args,
         "adapters": "merged" if merge else "peft" if is_peft_model(model) else None,
+        "workload_import_root": root,
         **label_maps(cfg),
         "bytes_fp32": sum(f.stat().st_size for f in out.glob("*.safetensors")),
         "config": cfg.to_dict(),

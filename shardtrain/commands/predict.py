@@ -265,7 +265,7 @@ def _checkpoint_source(path: Path, given: dict, which: str = "final") -> Source:
     ckpt = checkpoint.find_checkpoint(path, which, label="predict")
     state = checkpoint.read_trainer_state(ckpt)
     cfg = _with_flags(run_config_dict(state), given, run_dir=ckpt.parent.parent, where=str(ckpt))
-    workload = _workload(cfg)
+    workload = _workload(cfg, (state.get("resolved") or {}).get("workload_import_root"))
 
     def load_model():
         from shardtrain.checkpointing.export import load_fitting_weights
@@ -308,7 +308,7 @@ def _export_source(path: Path, args, given: dict) -> Source:
             f"predict --workload: {path} holds {meta.get('model') or meta.get('workload')}'s model, "
             f"which --workload {cfg.workload.workload} cannot rebuild"
         )
-    workload = _workload(cfg)
+    workload = _workload(cfg, meta.get("workload_import_root"))
     names = list(cfg.data.label_names) or [meta["id2label"][str(i)] for i in range(len(meta.get("id2label", {})))]
 
     def load_model():
@@ -418,11 +418,13 @@ def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
     return cfg
 
 
-def _workload(cfg):
+def _workload(cfg, import_root: str | None = None):
+    """`import_root`: where training imported the workload from (the run's record), after the working directory."""
     from shardtrain.config.settings import add_import_paths
-    from shardtrain.workloads.base import load_workload
+    from shardtrain.workloads.base import load_workload, with_import_root
 
     add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
+    with_import_root(import_root)
     return load_workload(cfg)
 
 

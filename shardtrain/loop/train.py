@@ -43,7 +43,7 @@ from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
 from shardtrain.strategies.optim import base_lr
 from shardtrain.workloads.adapters import apply_lora, base_fingerprint, check_same_base
-from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, load_workload
+from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, import_root, load_workload
 
 
 def train(cfg: Config, workload: Workload | None = None) -> dict:
@@ -467,7 +467,13 @@ class Trainer:
     def _resolved(self) -> dict:
         """What the run decided, kept apart from the user's config: the batch geometry, the data's classes."""
         labels = {"labels": self.labels.as_record()} if self.labels else {}
-        return {"batch_geometry": self.geometry.as_record(), **labels}
+        # Where the workload's module was imported from: export and predict find it from any folder.
+        root = import_root(type(self.workload))
+        return {
+            "batch_geometry": self.geometry.as_record(),
+            **labels,
+            **({"workload_import_root": root} if root else {}),
+        }
 
     def _summarise(self) -> dict:
         d, mem = self.dist, self.mem

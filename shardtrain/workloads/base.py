@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -290,6 +291,26 @@ def hf_no_split_modules(model: nn.Module) -> list[str]:
 
 
 # ---- finding and constructing the workload -------------------------------------------------------------
+def import_root(cls: type) -> str | None:
+    """The folder that puts `cls`'s module on the import path (a tasks.py's folder; for my_pkg.tasks, the folder
+    holding my_pkg): what a run records, so that export and predict find the workload from any folder."""
+    module = sys.modules.get(cls.__module__)
+    file = getattr(module, "__file__", None)
+    if not file:
+        return None
+    root = Path(file).resolve().parent
+    for _ in range(cls.__module__.count(".") + (Path(file).name == "__init__.py")):
+        root = root.parent
+    return str(root)
+
+
+def with_import_root(folder: str | None) -> None:
+    """A run's recorded import root, after the working directory and PYTHONPATH (which win: a workload moved
+    since is found where the user says)."""
+    if folder and Path(folder).is_dir() and folder not in sys.path:
+        sys.path.append(folder)
+
+
 def target_of(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 

@@ -141,7 +141,8 @@ def test_a_users_peft_model_saves_only_its_adapters_and_resumes_under_zero3(mm_d
     assert params and all(".lora_" in k or ".modules_to_save." in k for k in params), params[:4]
     assert not any(as_base_name(k).endswith("attention.self.query.weight") for k in saved)  # the base's own
 
-    env = test_env(PYTHONPATH=f"{REPO}:{user}")
+    # From a folder that is not the workload's, its folder on no path: the run recorded where it imported it from.
+    env = test_env(PYTHONPATH=str(REPO))
     cli(["export", str(tmp_path / "zero3"), str(tmp_path / "export")], env=env)
     adapter = json.loads((tmp_path / "export" / "adapter_config.json").read_text())
     assert (adapter["r"], adapter["base_model_name_or_path"]) == (4, str(base)), adapter
@@ -155,3 +156,7 @@ def test_a_users_peft_model_saves_only_its_adapters_and_resumes_under_zero3(mm_d
     # predict from the export (the base from build_model, the adapters from peft's files) scores the run's eval
     run = cli(["predict", str(tmp_path / "export"), "--output", str(tmp_path / "preds.jsonl")], env=env)
     assert predicted_metrics(run) == pytest.approx(zero3["eval"], rel=1e-9), run.tail()
+    # A merged export over it replaces it whole: no adapter file of the old export is left for transformers to apply.
+    cli(["export", str(tmp_path / "zero3"), str(tmp_path / "export"), "--merge"], env=env)
+    left = sorted(p.name for p in (tmp_path / "export").iterdir())
+    assert "model.safetensors" in left and not [n for n in left if n.startswith("adapter_")], left
