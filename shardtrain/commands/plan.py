@@ -41,19 +41,21 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--debug", action="store_true")
-    from shardtrain.config.settings import FIELDS, FLAG_ALIASES, flag_of
+    from shardtrain.config.settings import FIELDS, FLAG_ALIASES, flag_of, key_of
 
     # train's data flags (--train-file, --text-column-names, ...): the vocabulary and the classes come from the data;
     # its peft flags (--peft lora, --lora-r, --target-modules, ...): the adapters change what trains
     for name, (section, _, typ) in FIELDS.items():
         if section in ("data", "peft") and name != "max_length":
-            extra = {"nargs": "?", "const": "true", "metavar": "{true,false}"} if typ is bool else {}
+            extra = (
+                {"nargs": "?", "const": "true", "metavar": "{true,false}"} if typ is bool else {"metavar": name.upper()}
+            )
             parser.add_argument(
                 flag_of(name),
                 *FLAG_ALIASES.get(name, []),
                 dest=f"data__{name}",
                 default=None,
-                help=f"as in train ({section}.{name})",
+                help=f"as in train ({key_of(name)})",
                 **extra,
             )
     args = parser.parse_args(argv)

@@ -480,6 +480,8 @@ MEANT = {
     "use_fsdp": ("strategy", "--strategy fsdp; the wrap policy is --fsdp-policy"),
     "eval_strategy": ("eval_every", "--eval-every N evaluates every N steps, 0 only at the end"),
     "save_strategy": ("save_every", "--save-every N saves every N steps, and a finished run saves its last"),
+    # peft's LoraConfig(r=...): one letter says nothing beside the other flags
+    "r": ("lora_r", "peft's LoraConfig(r=8) is --lora-r 8 here"),
     "load_best_model_at_end": (
         "final_model_checkpoint",
         "--final-model-checkpoint best hands over checkpoints/best; export and predict take --checkpoint best",

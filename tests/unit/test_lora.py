@@ -123,3 +123,10 @@ def test_plan_counts_the_frozen_base_and_the_trainable_adapters(capsys):
     ddp = next(v for v in result["rows"] if v["variant"] == "ddp")["gpu_bytes"]
     # fp32 AdamW: every weight, but gradients and two moments for the trainable ones alone
     assert (ddp["params"], ddp["grads"], ddp["optimizer"]) == (4 * (full + trainable), 4 * trainable, 8 * trainable)
+
+
+def test_peft_s_own_r_is_pointed_at_lora_r():
+    with pytest.raises(ConfigError, match=r"unknown key 'peft.r'; did you mean 'peft.lora_r'\? \(peft's LoraConfig"):
+        from_dict({"peft": {"method": "lora", "r": 4}})
+    with pytest.raises(ConfigError, match=r"unknown argument '--r'; did you mean '--lora-r'\?"):
+        parse_cli(["--r", "4"])
