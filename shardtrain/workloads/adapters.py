@@ -98,6 +98,11 @@ def check_same_base(recorded: dict | None, built: dict | None, what: str, worklo
 def with_lora(model: nn.Module, peft: PeftConfig, workload_name: str) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
+    if is_peft_model(model):
+        raise ConfigError(
+            f"{where('peft')}: {workload_name}.build_model() returns a PeftModel already, with its own adapters: "
+            f"drop --peft (or return the plain model)"
+        )
     hf = _hf_model_inside(model)
     targets = list(peft.target_modules) or _default_targets(hf)
     if not targets:

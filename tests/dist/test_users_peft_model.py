@@ -141,6 +141,20 @@ def test_a_users_peft_model_saves_only_its_adapters_and_resumes_under_zero3(mm_d
     assert params and all(".lora_" in k or ".modules_to_save." in k for k in params), params[:4]
     assert not any(as_base_name(k).endswith("attention.self.query.weight") for k in saved)  # the base's own
 
+    # Mistakes, refused by `shardtrain train --nproc 2` in one line before any process starts (no run folder made):
+    # --peft lora on a model that has adapters already, and a target module the model does not have.
+    example = ["--config", str(REPO / "examples" / "hf_text_classifier" / "config.yaml")]
+    example += ["--workload-args", json.dumps({"model": str(base), "data_dir": str(mm_data), "num_labels": 3})]
+    for flags, line in (
+        (["--config", str(user / "config.yaml")], "--peft (peft.method): MyLoraClassifier.build_model() returns a "),
+        ([*example, "--target-modules", "qkv"], "--target-modules (peft.target_modules): qkv matches no Linear "),
+    ):
+        out = tmp_path / "refused"
+        bad = cli(["train", "--nproc", "2", *flags, "--peft", "lora", "--output-dir", str(out)], check=False)
+        errors = [x for x in bad.output.splitlines() if x.startswith("shardtrain: error:")]
+        assert bad.returncode == 2 and len(errors) == 1 and line in errors[0], bad.tail()
+        assert not out.exists() and "Traceback" not in bad.output, bad.tail()
+
     # From a folder that is not the workload's, its folder on no path: the run recorded where it imported it from.
     env = test_env(PYTHONPATH=str(REPO))
     cli(["export", str(tmp_path / "zero3"), str(tmp_path / "export")], env=env)

@@ -130,3 +130,16 @@ def test_peft_s_own_r_is_pointed_at_lora_r():
         from_dict({"peft": {"method": "lora", "r": 4}})
     with pytest.raises(ConfigError, match=r"unknown argument '--r'; did you mean '--lora-r'\?"):
         parse_cli(["--r", "4"])
+
+
+def test_lora_on_a_model_that_has_adapters_already_is_refused():
+    from peft import LoraConfig, get_peft_model
+
+    class HasAdapters(Task):
+        def build_model(self):
+            return get_peft_model(Classifier(), LoraConfig(target_modules=["query"]))
+
+    workload = HasAdapters(lora_cfg("--target-modules", "query"))
+    apply_lora(workload, workload.cfg.peft)
+    with pytest.raises(ConfigError, match=r"^--peft \(peft.method\): HasAdapters.build_model\(\) returns a PeftModel"):
+        workload.build_model()
