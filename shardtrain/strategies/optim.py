@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from shardtrain.config.settings import ConfigError, TrainConfig, where
+from shardtrain.workloads.adapters import PEFT_PREFIX
 
 NO_DECAY_MARKERS = ("bias", "LayerNorm.weight", "layer_norm.weight", "norm.weight", "bn", ".norm")
 
@@ -35,9 +36,15 @@ def part_prefixes(multipliers: dict[str, float], parts: dict[str, str], names: I
     lists what would."""
     names = list(names)
     out = {}
+
+    def covers(prefix: str) -> bool:
+        return any(n == prefix or n.startswith(prefix + ".") for n in names)
+
     for key, factor in multipliers.items():
         prefix = parts.get(key, key).rstrip(".")
-        if not any(n == prefix or n.startswith(prefix + ".") for n in names):
+        if not covers(prefix) and covers(PEFT_PREFIX + prefix):  # the same part inside a LoRA model (--peft lora)
+            prefix = PEFT_PREFIX + prefix
+        if not covers(prefix):
             top = sorted({n.split(".")[0] for n in names})
             named = f"the workload's parts: {', '.join(parts)}; " if parts else ""
             raise ConfigError(

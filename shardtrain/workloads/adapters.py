@@ -16,6 +16,8 @@ from torch import nn
 
 from shardtrain.config.settings import ConfigError, PeftConfig, where
 
+# What peft puts before every parameter name of the model it wraps (PeftModel.base_model, LoraModel.model).
+PEFT_PREFIX = "base_model.model."
 # The heads of transformers' *ForSequenceClassification models (peft's own SEQ_CLS task adds the same two).
 CLASSIFIER_HEADS = ("classifier", "score")
 

@@ -143,3 +143,13 @@ def test_lora_on_a_model_that_has_adapters_already_is_refused():
     apply_lora(workload, workload.cfg.peft)
     with pytest.raises(ConfigError, match=r"^--peft \(peft.method\): HasAdapters.build_model\(\) returns a PeftModel"):
         workload.build_model()
+
+
+def test_lr_multipliers_name_the_same_parts_inside_a_lora_model():
+    from shardtrain.strategies.optim import part_prefixes
+
+    workload = Task(lora_cfg("--target-modules", "query,value"))
+    apply_lora(workload, workload.cfg.peft)
+    names = [n for n, _ in workload.build_model().named_parameters()]
+    prefixes = part_prefixes({"text": 0.1, "classifier": 1.0}, {"text": "encoder"}, names)
+    assert prefixes == {"base_model.model.encoder": ("text", 0.1), "base_model.model.classifier": ("classifier", 1.0)}
