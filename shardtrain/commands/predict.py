@@ -323,9 +323,13 @@ def _export_source(path: Path, args, given: dict) -> Source:
         from safetensors.torch import load_file
 
         from shardtrain.checkpointing.export import load_fitting_weights
+        from shardtrain.workloads.adapters import is_peft_model
 
         if adapters == "peft":
             return _with_exported_adapters(workload, cfg, path)
+        model = _build(workload, cfg)
+        if adapters == "merged" and is_peft_model(model):  # build_model's own PeftModel: the merged names
+            model = model.merge_and_unload()
         file = path / "model.safetensors"
         if not file.is_file():
             raise ConfigError(
@@ -333,7 +337,7 @@ def _export_source(path: Path, args, given: dict) -> Source:
                 f"its own files; predict from the run's checkpoint instead"
             )
         return load_fitting_weights(
-            _build(workload, cfg), _readable(lambda: load_file(str(file)), file), workload, f"predict {path}"
+            model, _readable(lambda: load_file(str(file)), file), workload, f"predict {path}"
         ).eval()
 
     return Source(cfg, workload, load_model, names, str(path))

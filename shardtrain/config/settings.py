@@ -1220,6 +1220,15 @@ def _check_early_stopping(t: TrainConfig, c: CheckpointConfig) -> None:
 
 def _check_lora(cfg: Config) -> None:
     p = cfg.peft
+    defaults = PeftConfig()
+    unused = next(
+        (f.name for f in fields(p) if f.name != "peft" and getattr(p, f.name) != getattr(defaults, f.name)), None
+    )
+    if p.peft is None and unused:
+        raise ConfigError(
+            f"{where(unused)} configures the adapters of {flag_of('peft')} lora, which is unset: add --peft lora "
+            f"(a build_model that returns its own PeftModel brings its own LoraConfig)"
+        )
     if not 0 <= p.lora_dropout < 1:
         raise ConfigError(f"{where('lora_dropout')} must be in [0, 1), got {p.lora_dropout}")
     if p.peft and cfg.model.freeze_layers:

@@ -104,7 +104,8 @@ class Workload:
 
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """model.safetensors (a PeftModel: peft's own adapter files, which PeftModel.from_pretrained loads), and
-        workload.json: the workload's target and args, which rebuild the model."""
+        workload.json: the workload's target and args, which rebuild the model. A transformers model's
+        config.json and the workload's `self.tokenizer` go beside them, so that the Auto classes load the folder."""
         import json
 
         from safetensors.torch import save_file
@@ -118,6 +119,13 @@ class Workload:
             save_file(
                 {k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors")
             )
+            config = getattr(model, "config", None)
+            if callable(getattr(config, "save_pretrained", None)):  # a merged LoRA model's, too
+                config.architectures = [type(model).__name__]
+                config.save_pretrained(str(out_dir))
+        tokenizer = getattr(self, "tokenizer", None)
+        if callable(getattr(tokenizer, "save_pretrained", None)):
+            tokenizer.save_pretrained(str(out_dir))
         (out_dir / "workload.json").write_text(
             json.dumps({"target": target_of(type(self)), "args": self.args}, indent=1, default=str)
         )

@@ -174,3 +174,14 @@ def test_a_users_peft_model_saves_only_its_adapters_and_resumes_under_zero3(mm_d
     cli(["export", str(tmp_path / "zero3"), str(tmp_path / "export"), "--merge"], env=env)
     left = sorted(p.name for p in (tmp_path / "export").iterdir())
     assert "model.safetensors" in left and not [n for n in left if n.startswith("adapter_")], left
+    # The default Workload.export of the merged transformers model: config.json and the workload's tokenizer
+    # beside the weights, so plain transformers loads it; shardtrain predict reads it too.
+    from plain_transformers import fresh
+
+    merged = cli(["predict", str(tmp_path / "export"), "--output", str(tmp_path / "merged.jsonl")], env=env)
+    assert predicted_metrics(merged) == pytest.approx(zero3["eval"], rel=1e-9), merged.tail()
+    texts = [json.loads(x)["text"] for x in (mm_data / "validation.jsonl").read_text().splitlines() if x.strip()]
+    plain = fresh(tmp_path / "export", texts, tmp_path / "plain.json")
+    predicted = [json.loads(x) for x in (tmp_path / "merged.jsonl").read_text().splitlines()]
+    gap = max(abs(p["probs"][str(i)] - plain["probs"][p["row"]][i]) for p in predicted for i in range(3))
+    assert gap <= 1e-5, gap

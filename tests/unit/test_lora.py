@@ -153,3 +153,11 @@ def test_lr_multipliers_name_the_same_parts_inside_a_lora_model():
     names = [n for n, _ in workload.build_model().named_parameters()]
     prefixes = part_prefixes({"text": 0.1, "classifier": 1.0}, {"text": "encoder"}, names)
     assert prefixes == {"base_model.model.encoder": ("text", 0.1), "base_model.model.classifier": ("classifier", 1.0)}
+
+
+def test_lora_settings_without_peft_lora_are_refused_not_ignored():
+    with pytest.raises(
+        ConfigError, match=r"^--target-modules \(peft.target_modules\) configures the adapters of --peft"
+    ):
+        validate(parse_cli(["--target-modules", "query"]))
+    assert parse_cli([]).peft.peft is None  # the defaults alone: no adapters, nothing refused
