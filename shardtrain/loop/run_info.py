@@ -5,6 +5,7 @@ from __future__ import annotations
 from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config
 from shardtrain.memory.planner import memory_prediction
+from shardtrain.workloads.adapters import describe_adapters
 
 
 def describe_run(
@@ -88,7 +89,9 @@ def parameter_counts(strategy, frozen: set[str]) -> dict:
         total += n
         if name not in frozen:
             trainable += n
-    return {"params_total": total, "params_trainable": trainable, "params_frozen": total - trainable}
+    adapters = describe_adapters(strategy.unwrapped)
+    counts = {"params_total": total, "params_trainable": trainable, "params_frozen": total - trainable}
+    return {**counts, **({"adapters": adapters} if adapters else {})}
 
 
 def skipped(ds) -> list:

@@ -64,7 +64,7 @@ def format_banner(info: dict) -> str:
         lines.append(f"  cuda math   {', '.join(on) + ' on' if on else 'TF32 and cudnn.benchmark off'}{switch}")
     lines.append(
         f"  params      {info['params_total']:,} total | {info['params_trainable']:,} trainable | "
-        f"{info['params_frozen']:,} frozen"
+        f"{info['params_frozen']:,} frozen" + (f" | adapters: {info['adapters']}" if info.get("adapters") else "")
     )
     lines.append(
         f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "

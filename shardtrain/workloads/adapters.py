@@ -77,6 +77,20 @@ def base_fingerprint(model: nn.Module) -> dict | None:
     }
 
 
+def describe_adapters(model: nn.Module) -> str | None:
+    """`lora r=8, alpha 8, dropout 0.0 on query, value; trained whole: classifier` for the banner; None for a
+    model without adapters."""
+    if not is_peft_model(model):
+        return None
+    config = next(iter(model.peft_config.values()))
+    targets = ", ".join(sorted(config.target_modules)) if config.target_modules else "peft's defaults"
+    saved = ", ".join(sorted({m for m in config.modules_to_save or [] if _has_module(model, m)}))  # SEQ_CLS names two
+    return (
+        f"{str(config.peft_type.value).lower()} r={config.r}, alpha {config.lora_alpha}, dropout {config.lora_dropout} "
+        f"on {targets}" + (f"; trained whole: {saved}" if saved else "")
+    )
+
+
 def same_base(a: dict, b: dict) -> bool:
     return a["params"] == b["params"] and all(
         math.isclose(a[k], b[k], rel_tol=1e-9, abs_tol=1e-9) for k in ("sum", "sum_sq")

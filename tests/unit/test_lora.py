@@ -161,3 +161,13 @@ def test_lora_settings_without_peft_lora_are_refused_not_ignored():
     ):
         validate(parse_cli(["--target-modules", "query"]))
     assert parse_cli([]).peft.peft is None  # the defaults alone: no adapters, nothing refused
+
+
+def test_the_banner_names_the_adapters():
+    from shardtrain.workloads.adapters import describe_adapters
+
+    workload = Task(lora_cfg("--target-modules", "query,value", "--lora-r", "2", "--lora-alpha", "4"))
+    apply_lora(workload, workload.cfg.peft)
+    line = describe_adapters(workload.build_model())
+    assert line == "lora r=2, alpha 4, dropout 0.0 on query, value; trained whole: classifier", line
+    assert describe_adapters(Classifier()) is None
