@@ -182,9 +182,7 @@ def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn
     shapes = tensor_shapes(metadata)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     model_sd = _without(model_sd, leave_out)
-    check_model_fits(
-        ckpt_dir, {k: tuple(v.shape) for k, v in model_sd.items()}, {k: v for k, v in shapes.items()}, leave_out
-    )
+    check_model_fits(ckpt_dir, {k: tuple(v.shape) for k, v in model_sd.items()}, shapes, leave_out)
     state = {"model": model_sd}
     optim_state = optim_sd["state"]
     if load_optimizer:

@@ -309,12 +309,13 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     from shardtrain.workloads.base import load_workload, with_import_root
 
     add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
-    root = (checkpoint.read_trainer_state(ckpt_dir).get("resolved") or {}).get("workload_import_root")
+    state = checkpoint.read_trainer_state(ckpt_dir)
+    root = (state.get("resolved") or {}).get("workload_import_root")
     with_import_root(root)  # after the working directory and PYTHONPATH: where training imported it from
     workload = load_workload(cfg)
     with aside(seed=cfg.train.seed):  # the caller's random numbers (shardtrain.fit's, a notebook's) stay as they were
         model = workload.build_model()
-    base = checkpoint.read_trainer_state(ckpt_dir).get("base")  # a LoRA run's: build_model loaded it (above)
+    base = state.get("base")  # a LoRA run's checkpoint leaves it out: build_model loaded it (above)
     load_fitting_weights(model, read_portable(ckpt_dir)["model"], workload, f"export {ckpt_dir}", base)
     if merge:  # a PeftModel's export is its adapters (PeftModel.from_pretrained); merged, the plain model's
         model = merged(model, f"export {ckpt_dir}")

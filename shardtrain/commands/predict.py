@@ -359,7 +359,7 @@ def _with_exported_adapters(workload, cfg, path: Path):
     missing = sorted(wanted & set(result.missing_keys))
     if result.unexpected_keys or missing:
         raise ConfigError(
-            f"predict: {file} does not fit {type(workload).__name__}.build_model() with --peft lora: "
+            f"predict: {file} does not fit the adapters of {type(workload).__name__}.build_model(): "
             f"missing {missing[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
         )
     return model.eval()
