@@ -103,7 +103,9 @@ def launch_line(p: dict, args, argv: list[str]) -> str | None:
         "--grad-accum",
         str(rec["grad_accum"]),
     ]
-    if rec["activation_checkpointing"]:
+    if rec["activation_checkpointing"] == "auto":  # the fewest blocks that fit: the run chooses them again
+        flags += ["--activation-checkpointing", "auto"]
+    elif rec["activation_checkpointing"]:
         flags.append("--activation-checkpointing")
     return "shardtrain train " + " ".join(flags)
 

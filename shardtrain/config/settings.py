@@ -22,6 +22,11 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Iterator, Literal, Mapping, Optional, Union, get_args, get_origin, get_type_hints
 
 from shardtrain.config.errors import ConfigError  # everyone imports it from here; sagemaker_env, below us, from errors
+from shardtrain.config.recompute import every_n
+
+
+class RecomputeSetting:
+    """The type of activation_checkpointing: true, false, auto or every-N (config/recompute.py)."""
 
 
 def setting(default: Any, help: str) -> Any:
@@ -192,8 +197,11 @@ class TrainConfig:
     precision: Literal["fp32", "bf16", "fp16"] = setting(
         "fp32", "compute precision: fp32, or bf16 / fp16 under autocast (fp16 with a loss scaler)"
     )
-    activation_checkpointing: bool = setting(
-        False, "recompute each block's activations in backward: less memory, about one more forward per step"
+    activation_checkpointing: RecomputeSetting = setting(
+        False,
+        "recompute blocks' activations in backward: less memory, up to one more forward per step. true: every "
+        "block; every-N: every N-th; auto: the fewest that make the planner's predicted peak fit the device "
+        "(its memory, or memory_budget_gb)",
     )
     eval_every: int = setting(0, "evaluate every N optimizer steps; 0: only at the end")
     # The best checkpoint and early stopping (loop/best.py), in HF TrainingArguments' and EarlyStoppingCallback's
@@ -285,7 +293,9 @@ class ParallelConfig:
         "(the process group's timeout): bounds a hang on a silent node or link",
     )
     memory_budget_gb: Optional[float] = setting(
-        None, "memory per device (GB) that --strategy auto must fit in; unset: the GPU's own (required on CPU)"
+        None,
+        "memory per device (GB) that --strategy auto and --activation-checkpointing auto must fit in; unset: "
+        "the GPU's own (required on CPU)",
     )
 
 
@@ -647,6 +657,17 @@ def _to_str(value: Any, origin_desc: str) -> str:
     return str(value)
 
 
+def _to_recompute(value: Any, origin_desc: str) -> bool | str:
+    if isinstance(value, str) and (value == "auto" or (every_n(value) or 0) >= 1):
+        return value
+    try:
+        return _to_bool(value, origin_desc)
+    except ConfigError:
+        raise ConfigError(
+            f"{origin_desc}: expected true, false, auto or every-N (every N-th block, N >= 1), got {value!r}"
+        ) from None
+
+
 def _to_dict(value: Any, origin_desc: str) -> dict:
     if isinstance(value, str):  # from a flag: JSON
         try:
@@ -674,6 +695,7 @@ _COERCERS = {
     str: _to_str,
     dict: _to_dict,
     list: _to_list,
+    RecomputeSetting: _to_recompute,
 }
 
 
@@ -841,10 +863,11 @@ def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
     parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
     for name, (_section, _f, typ) in FIELDS.items():
         names = [flag_of(name)] + FLAG_ALIASES.get(name, [])
-        if typ in (bool, Optional[bool]):
+        if typ in (bool, Optional[bool], RecomputeSetting):
             # `--activation-checkpointing` alone means true; `--activation-checkpointing false` also works.
+            choices = "{true,false,auto,every-N}" if typ is RecomputeSetting else "{true,false}"
             parser.add_argument(
-                *names, dest=name, nargs="?", const="true", default=None, metavar="{true,false}", help=help_of(name)
+                *names, dest=name, nargs="?", const="true", default=None, metavar=choices, help=help_of(name)
             )
         else:
             parser.add_argument(*names, dest=name, default=None, metavar=_choices(typ), help=help_of(name))
@@ -1090,6 +1113,7 @@ def _validate(cfg: Config) -> Config:
     _check_longformer_length(cfg)
     _check_deepspeed_file(cfg.parallel)
     _check_auto_strategy(cfg)
+    _check_auto_recompute(cfg)
     _check_nproc(cfg.parallel.nproc)
     _check_not_negative(cfg, "memory_every")
     _check_engine_features(cfg)
@@ -1304,6 +1328,24 @@ def _check_auto_strategy(cfg: Config) -> None:
             f"measures for the built-in workloads only, not {workload_target(cfg)}; choose "
             f"--strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
             f"model-state memory)"
+        )
+
+
+def _check_auto_recompute(cfg: Config) -> None:
+    """--activation-checkpointing auto chooses from the planner's activation model (the built-ins'), for a
+    device whose memory it knows."""
+    if cfg.train.activation_checkpointing != "auto":
+        return
+    if not is_builtin_workload(cfg):
+        raise ConfigError(
+            f"{where('activation_checkpointing')}=auto chooses blocks from predicted activation memory, which "
+            f"shardtrain measures for the built-in workloads only, not {workload_target(cfg)}; use true, or "
+            f"every-N to checkpoint every N-th block"
+        )
+    if cfg.parallel.device == "cpu" and cfg.parallel.memory_budget_gb is None:
+        raise ConfigError(
+            f"{where('activation_checkpointing')}=auto on cpu needs {where('memory_budget_gb')}: there is no "
+            f"device memory to fit"
         )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from shardtrain.config.geometry import BatchGeometry
+from shardtrain.config.recompute import RecomputePlan
 from shardtrain.config.settings import Config
 from shardtrain.memory.planner import memory_prediction
 from shardtrain.workloads.adapters import describe_adapters
@@ -20,6 +21,7 @@ def describe_run(
     cuda_math: dict,
     predictable: bool,
     prediction: dict,
+    recompute: RecomputePlan,
 ) -> dict:
     """`predictable`: the planner knows the model (a built-in); `prediction`: its banner prediction (rank 0)."""
     train_ds, eval_ds = datasets
@@ -37,6 +39,7 @@ def describe_run(
         "steps_per_epoch": loaders.steps_per_epoch,
         "image_cache": cfg.data.image_cache,
         "activation_checkpointing": t.activation_checkpointing,
+        **({"recompute_choice": recompute.why} if recompute.why else {}),
         **parameter_counts(strategy, frozen),
         "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
         # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
@@ -56,7 +59,13 @@ def describe_run(
 
 
 def predicted_memory(
-    cfg: Config, geometry: BatchGeometry, vocab_size: int | None, predictable: bool, task: str, is_rank0: bool
+    cfg: Config,
+    geometry: BatchGeometry,
+    vocab_size: int | None,
+    predictable: bool,
+    task: str,
+    is_rank0: bool,
+    recompute: RecomputePlan,
 ) -> dict:
     """The banner's memory prediction (rank 0; {} elsewhere). The planner knows the built-ins' architectures from
     the config alone (`vocab_size`: their tokenizer's, None for a pretrained model); a user's model it has not
@@ -68,16 +77,21 @@ def predicted_memory(
             "note": f"not predicted: activations are measured for the built-in models, not {task} "
             f"(shardtrain plan --workload counts its model states)"
         }
-    return memory_prediction(geometry.applied_to(cfg), geometry.world, vocab_size)
+    return memory_prediction(geometry.applied_to(cfg), geometry.world, vocab_size, recompute=recompute)
 
 
-def measured_shape_prediction(cfg: Config, geometry: BatchGeometry, vocab_size, per_rank: dict) -> dict:
+def measured_shape_prediction(
+    cfg: Config, geometry: BatchGeometry, vocab_size, per_rank: dict, recompute: RecomputePlan
+) -> dict:
     """The banner's prediction again, at the [micro-batch, tokens] each rank measured (rank 0; {} elsewhere):
     the banner's is for max_length, and a batch is only as long as its longest text."""
     if not cfg.log.predict_memory or not per_rank:
         return {}
     c = geometry.applied_to(cfg)
-    return {rank: memory_prediction(c, geometry.world, vocab_size, rec.get("batch")) for rank, rec in per_rank.items()}
+    return {
+        rank: memory_prediction(c, geometry.world, vocab_size, rec.get("batch"), recompute)
+        for rank, rec in per_rank.items()
+    }
 
 
 def parameter_counts(strategy, frozen: set[str]) -> dict:

@@ -30,6 +30,7 @@ from shardtrain.loop.saves import Saves
 from shardtrain.loop.step_health import BadStepPolicy, agree
 from shardtrain.memory.accounting import MemoryMonitor, construction_memory, format_table
 from shardtrain.memory.autoplan import resolve_auto_strategy
+from shardtrain.memory.recompute_choice import resolve_recompute
 from shardtrain.observability.step_profile import StepProfiler
 from shardtrain.observability.tracking import Console, Throughput, Tracker, library_versions, now
 from shardtrain.runtime import faults
@@ -89,13 +90,16 @@ class Trainer:
             console.info(auto_line)
         self.cfg = cfg
         self.geometry = auto_geometry or self.members.geometry
+        # Which blocks recompute their activations: --activation-checkpointing auto's choice is made here, for
+        # this strategy and geometry, on rank 0 for every rank (memory/recompute_choice.py).
+        self.recompute = resolve_recompute(cfg, dist_info, self.geometry)
 
         # ---- strategy first: a bad DeepSpeed JSON or FSDP policy fails before any data or model work.
         # The user's model, data, loss and metrics: the loop calls only the Workload's methods for them.
         self.workload = workload = workload if workload is not None else load_workload(cfg)
         apply_lora(workload, cfg.peft)  # a workload given as an object (shardtrain.fit) too
         self.task = type(workload).__name__  # errors name the workload method to look at
-        self.strategy = strategy = make_strategy(cfg, dist_info, workload, self.geometry)
+        self.strategy = strategy = make_strategy(cfg, dist_info, workload, self.geometry, self.recompute)
         self._build_data()
         self._build_model()
         self.step, self.unfrozen = 0, False
@@ -421,7 +425,7 @@ class Trainer:
         """The banner's facts (summary.json `run`), the data's report lines, and the tracker that prints them."""
         cfg, d = self.cfg, self.dist
         prediction = predicted_memory(
-            self.model_cfg, self.geometry, self.vocab_size, self.predictable, self.task, d.is_rank0
+            self.model_cfg, self.geometry, self.vocab_size, self.predictable, self.task, d.is_rank0, self.recompute
         )
         self.run_info = describe_run(
             self.model_cfg,
@@ -435,6 +439,7 @@ class Trainer:
             self.cuda_math,
             self.predictable,
             prediction,
+            self.recompute,
         )
         for line in getattr(self.datasets[0], "data_report_lines", None) or []:
             self.console.info(line)
@@ -471,6 +476,7 @@ class Trainer:
         root = import_root(type(self.workload))
         return {
             "batch_geometry": self.geometry.as_record(),
+            "recompute": self.recompute.as_record(self.strategy.recompute_count, self.strategy.block_count),
             **labels,
             **({"workload_import_root": root} if root else {}),
         }
@@ -497,7 +503,7 @@ class Trainer:
                 **mem.summary(),
                 "construction": self.built.per_rank,
                 "predicted": (
-                    measured_shape_prediction(self.model_cfg, self.geometry, self.vocab_size, mem.last)
+                    measured_shape_prediction(self.model_cfg, self.geometry, self.vocab_size, mem.last, self.recompute)
                     if self.predictable
                     else {}
                 ),

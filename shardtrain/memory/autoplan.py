@@ -13,19 +13,19 @@ import dataclasses
 import torch
 
 from shardtrain.config.geometry import BatchGeometry
+from shardtrain.config.recompute import checkpointed_text
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.memory.planner import GIB, REPO, VARIANTS, plan
 from shardtrain.runtime.distributed import DistInfo, broadcast_object
 
 
-def capacity_bytes(cfg: Config, dist_info: DistInfo) -> float:
+def capacity_bytes(cfg: Config, dist_info: DistInfo, what: str = "--strategy auto") -> float:
     if cfg.parallel.memory_budget_gb is not None:
         return cfg.parallel.memory_budget_gb * GIB
     if dist_info.device.type == "cuda":
         return float(torch.cuda.get_device_properties(dist_info.device).total_memory)
     raise ConfigError(
-        f"--strategy auto on {dist_info.device.type} needs {where('memory_budget_gb')}: "
-        f"there is no device memory to plan for"
+        f"{what} on {dist_info.device.type} needs {where('memory_budget_gb')}: there is no device memory to plan for"
     )
 
 
@@ -58,6 +58,7 @@ def choose(cfg: Config, dist_info: DistInfo) -> dict:
         "strategy": strategy,
         "path": str(REPO / path) if path else None,
         "activation_checkpointing": rec["activation_checkpointing"],
+        "checkpointed": checkpointed_text(rec["checkpointed_blocks"], rec["blocks"]),
         "micro": rec["micro_batch_size"],
         "accum": rec["grad_accum"],
         "why": why,
@@ -87,8 +88,7 @@ def resolve_auto_strategy(cfg: Config, dist_info: DistInfo) -> tuple[Config, Bat
     )
     geometry = BatchGeometry(choice["micro"], choice["accum"], dist_info.world_size)
     line = (
-        f"--strategy auto: {choice['variant']}, activation checkpointing "
-        f"{'on' if choice['activation_checkpointing'] else 'off'}, micro-batch {choice['micro']} x accum "
-        f"{choice['accum']}: {choice['why']}"
+        f"--strategy auto: {choice['variant']}, activation checkpointing {choice['checkpointed']}, "
+        f"micro-batch {choice['micro']} x accum {choice['accum']}: {choice['why']}"
     )
     return resolved, geometry, line

@@ -43,6 +43,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtrain.config.recompute import checkpointed_text
+
 GIB = 1024**3
 REPO = Path(__file__).resolve().parents[2]
 
@@ -101,6 +103,7 @@ class ModelCount:
     small_params: int  # parameters in tensors below ZeRO-3's persistence threshold (kept whole)
     buffer_bytes: int
     layers: int  # repeated text encoder layers
+    blocks: int = 0  # instances of the block classes (what activation checkpointing wraps)
     # Parameters frozen for the whole run (freeze_layers without unfreeze_at_step, and whatever the model is built
     # frozen with): no gradient and no optimizer state under any strategy. freeze_layers' with unfreeze_at_step
     # get both before the end, so they count in full.
@@ -172,6 +175,7 @@ def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | Non
         small_params=sum(n for n in params if n < persistence_threshold),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         layers=text_cfg.num_hidden_layers,
+        blocks=len(units),
         frozen=_frozen_count(model, frozen),
         optimizer_state=_optimizer_state(cfg, model, frozen),
     )
@@ -319,13 +323,16 @@ def activation_bytes(
     cfg,
     batch: int,
     seq_len: int,
-    recompute: bool,
+    recompute: float,
     precision: str,
     layers: int,
     planned_length: int | None = None,
     gathered_16bit: bool = False,
 ) -> dict:
     """Predicted bytes saved for backward per micro-batch, and one layer's worth (the recompute working set).
+    `recompute`: the share of the blocks checkpointed (True: all). Between none and all the saved bytes are
+    interpolated: each checkpointed block keeps its input instead of everything inside it, which for blocks of
+    one kind (Longformer's layers) is the per-layer measurement exactly.
     `planned_length`: the length the measurement is planned for (default seq_len); the end of a run evaluates
     the banner's fit (planned for max_length) at the length a batch really had."""
     w = _window(cfg)
@@ -334,12 +341,39 @@ def activation_bytes(
     d = cfg.to_dict()
     cfg_json = json.dumps({k: v for k, v in d.items() if k in ("model", "data")}, sort_keys=True)
     lengths = tuple(sample_lengths(cfg, planned_length or seq_len))
-    fixed, per_layer, fixed_forward, layer_forward = _activation_model(
-        cfg_json, recompute, precision, lengths, gathered_16bit
-    )
+
+    def saved(checkpointed: bool) -> float:
+        fixed, per_layer, fixed_forward, layer_forward = _activation_model(
+            cfg_json, checkpointed, precision, lengths, gathered_16bit
+        )
+        return batch * (fixed(seq_len) + layers * per_layer(seq_len)) + fixed_forward + layers * layer_forward
+
     _, per_layer_full, _, layer_forward_full = _activation_model(cfg_json, False, precision, lengths, gathered_16bit)
-    total = batch * (fixed(seq_len) + layers * per_layer(seq_len)) + fixed_forward + layers * layer_forward
+    share = float(recompute)
+    total = saved(False) if share == 0 else saved(False) + share * (saved(True) - saved(False))
     return {"saved": max(0.0, total), "one_layer": max(0.0, batch * per_layer_full(seq_len) + layer_forward_full)}
+
+
+def gpu_bytes(cfg, variant: str, m: ModelCount, n: int, micro: int, precision: str, recompute: float, cuda: bool):
+    """(bytes per rank on the GPU by part, host bytes per rank) for one variant at this micro-batch and share of
+    checkpointed blocks: model states, activations at max_length, and backward's working set."""
+    gathered = gathers_16bit(variant, precision)
+    states = model_states(variant, m, n, precision)
+    act = activation_bytes(cfg, micro, cfg.data.max_length, recompute, precision, m.layers, gathered_16bit=gathered)
+    g = dict(states["gpu"])
+    g["activations"] = act["saved"]
+    g["overhead"] += (CUDA_CONTEXT if cuda else 0.0) + act["one_layer"] * (1 if recompute else 0.5)
+    return g, states["host"]
+
+
+def recompute_cost(share: float) -> float:
+    """Relative step time of checkpointing this share of the blocks: each one runs its forward again."""
+    return 1 + (RECOMPUTE_COST - 1) * share
+
+
+def recompute_time_share(share: float) -> float:
+    """The predicted share of a step's time spent recomputing."""
+    return (recompute_cost(share) - 1) / recompute_cost(share)
 
 
 # ---- model states per variant --------------------------------------------------------------------------------
@@ -465,45 +499,43 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
     vocab, vocab_source = run_vocab(cfg)
     m = count_model(cfg, vocab_size=vocab)
     global_batch = t.per_device_batch_size * t.grad_accum * gpus
-    context = CUDA_CONTEXT if cuda else 0.0
+
+    def row(variant: str, micro: int, checkpointed: int) -> dict:
+        _, _, cost, comm = VARIANTS[variant]
+        share = checkpointed / m.blocks if m.blocks else float(checkpointed > 0)
+        g, host = gpu_bytes(cfg, variant, m, gpus, micro, precision, share, cuda)
+        total = sum(g.values())
+        partial = 0 < checkpointed < m.blocks
+        return {
+            "variant": variant,
+            # True / False, or "auto" for the fewest blocks that fit (what --activation-checkpointing auto picks)
+            "activation_checkpointing": "auto" if partial else checkpointed > 0,
+            "checkpointed_blocks": checkpointed,
+            "blocks": m.blocks,
+            "micro_batch_size": micro,
+            "grad_accum": global_batch // (micro * gpus),
+            "gpu_bytes": g,
+            "total_bytes": total,
+            "host_bytes_per_gpu": host,
+            "host_bytes_total": host * gpus,
+            "save_host_bytes_per_gpu": save_host_bytes(variant, m, gpus, cfg.checkpoint.async_save),
+            "headroom_bytes": capacity_bytes - total,
+            "fits": total <= capacity_bytes * (1 - HEADROOM),
+            "relative_cost": round(cost * recompute_cost(share), 3),
+            "communication": comm,
+            "recompute": f"{checkpointed} of {m.blocks} blocks run their forward again" if share else "none",
+            **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None},
+        }
 
     def rows_at(micro: int) -> list[dict]:
         rows = []
-        for variant, (_, _, cost, comm) in VARIANTS.items():
-            states = model_states(variant, m, gpus, precision)
-            for ac in (False, True):
-                act = activation_bytes(
-                    cfg,
-                    micro,
-                    cfg.data.max_length,
-                    ac,
-                    precision,
-                    m.layers,
-                    gathered_16bit=gathers_16bit(variant, precision),
-                )
-                g = dict(states["gpu"])
-                g["activations"] = act["saved"]
-                g["overhead"] += context + act["one_layer"] * (1 if ac else 0.5)  # backward's working set
-                total = sum(g.values())
-                rows.append(
-                    {
-                        "variant": variant,
-                        "activation_checkpointing": ac,
-                        "micro_batch_size": micro,
-                        "grad_accum": global_batch // (micro * gpus),
-                        "gpu_bytes": g,
-                        "total_bytes": total,
-                        "host_bytes_per_gpu": states["host"],
-                        "host_bytes_total": states["host"] * gpus,
-                        "save_host_bytes_per_gpu": save_host_bytes(variant, m, gpus, cfg.checkpoint.async_save),
-                        "headroom_bytes": capacity_bytes - total,
-                        "fits": total <= capacity_bytes * (1 - HEADROOM),
-                        "relative_cost": round(cost * (RECOMPUTE_COST if ac else 1.0), 3),
-                        "communication": comm,
-                        "recompute": "one extra forward per step" if ac else "none",
-                        **{k: v for k, v in paper_formula(variant, m.params, gpus).items() if v is not None},
-                    }
-                )
+        for variant in VARIANTS:
+            off, full = row(variant, micro, 0), row(variant, micro, m.blocks)
+            rows += [off, full]
+            if full["fits"] and not off["fits"]:  # some blocks are enough: the fewest
+                k = fewest_blocks(cfg, variant, m, gpus, micro, precision, capacity_bytes, cuda)
+                if k is not None and 0 < k < m.blocks:
+                    rows.insert(-1, row(variant, micro, k))
         return rows
 
     micro = t.per_device_batch_size
@@ -535,6 +567,19 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
     }
 
 
+def fewest_blocks(cfg, variant, m: ModelCount, n: int, micro: int, precision: str, capacity: float, cuda: bool):
+    """The fewest blocks to checkpoint for the predicted peak to fit `capacity` (None: not even all of them).
+    Blocks of one kind (each a text layer) can be counted one by one; a model whose blocks differ (a text
+    encoder's layers and a CNN's) has a prediction for none and all only, which are then the choices."""
+    choices = range(m.blocks + 1) if m.blocks == m.layers else (0, m.blocks)
+    for k in choices:
+        share = k / m.blocks if m.blocks else 0.0
+        g, _ = gpu_bytes(cfg, variant, m, n, micro, precision, share, cuda)
+        if sum(g.values()) <= capacity * (1 - HEADROOM):
+            return k
+    return None
+
+
 def variant_of(cfg) -> str:
     """The planner's name for the strategy a config runs."""
     from shardtrain.strategies.ds_config import describe_ds, read_json
@@ -550,12 +595,18 @@ def variant_of(cfg) -> str:
     return "ddp"
 
 
-def predict_run(cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None) -> dict:
+def predict_run(
+    cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None, recompute=None
+) -> dict:
     """Per-rank prediction (GiB) for the run this config describes. The startup banner shows it at the
     config's micro-batch and max_length (the largest batch the run can meet: padding is to the longest text
     of each batch), with the run's own `vocab_size` (None: planned, as `plan` does). The end of the run
-    repeats it at `batch_shape`, the [micro-batch, tokens] a rank's memory was measured at, with the same fit."""
+    repeats it at `batch_shape`, the [micro-batch, tokens] a rank's memory was measured at, with the same fit.
+    `recompute`: the run's RecomputePlan (None: what the config says, which must not be auto)."""
+    from shardtrain.config.recompute import RecomputePlan
+
     m = count_model(cfg, vocab_size=vocab_size)
+    recompute = recompute or RecomputePlan.configured(cfg.train.activation_checkpointing)
     variant = variant_of(cfg)
     gathered = gathers_16bit(
         variant, cfg.train.precision, cfg.parallel.fsdp_policy if cfg.parallel.strategy == "fsdp" else None
@@ -566,7 +617,7 @@ def predict_run(cfg, world_size: int, vocab_size: int | None = None, batch_shape
         cfg,
         batch,
         seq_len,
-        cfg.train.activation_checkpointing,
+        recompute.share(m.blocks),
         cfg.train.precision,
         m.layers,
         gathered_16bit=gathered,
@@ -587,13 +638,15 @@ def predict_run(cfg, world_size: int, vocab_size: int | None = None, batch_shape
     }
 
 
-def memory_prediction(cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None) -> dict:
+def memory_prediction(
+    cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None, recompute=None
+) -> dict:
     """predict_run for the startup banner and summary.json: a run is never stopped by its advice, so a failure
     (or --predict-memory false) becomes a one-entry {"note": why} the banner prints instead."""
     if not cfg.log.predict_memory:
         return {"note": "not predicted (--predict-memory false)"}
     try:
-        return predict_run(cfg, world_size, vocab_size, batch_shape)
+        return predict_run(cfg, world_size, vocab_size, batch_shape, recompute)
     except Exception as e:  # noqa: BLE001 - a prediction is advice; it must not stop a run
         return {"note": f"no prediction: planner failed ({type(e).__name__}: {str(e)[:120]})"}
 
@@ -621,7 +674,7 @@ def _plan_table(p: dict, with_activations: bool) -> list[str]:
     gpu = lambda key: lambda r: _gib(r["gpu_bytes"][key])  # noqa: E731
     total, fits = ("total_bytes", "fits") if act else ("model_state_bytes", "fits_before_activations")
     columns = [("variant", "<", lambda r: r["variant"])]
-    columns += [("AC", "<", lambda r: "on" if r["activation_checkpointing"] else "off")] if act else []
+    columns += [("AC", "<", lambda r: _ac_cell(r))] if act else []
     columns += [("params", ">", gpu("params")), ("grads", ">", gpu("grads")), ("optim", ">", gpu("optimizer"))]
     columns += [("activ", ">", gpu("activations"))] if act else []
     columns += [
@@ -642,6 +695,14 @@ def _plan_table(p: dict, with_activations: bool) -> list[str]:
     )
 
 
+def _ac_cell(row: dict, short: bool = True) -> str:
+    """off, on, or k of B blocks (k/B in the table)."""
+    if "checkpointed_blocks" not in row:  # a row without block counts: all or none
+        return "on" if row["activation_checkpointing"] else "off"
+    text = checkpointed_text(row["checkpointed_blocks"], row["blocks"])
+    return text.replace(" of ", "/").replace(" blocks", "") if short else text
+
+
 def format_plan(p: dict, gpu_name: str) -> str:
     vocab = f"vocabulary {p['vocab_size']:,}: {p['vocab_source']}" if p.get("vocab_size") else ""
     lines = [
@@ -655,13 +716,14 @@ def format_plan(p: dict, gpu_name: str) -> str:
     if rec:
         lines.append(
             f"recommendation: {rec['variant']} with activation checkpointing "
-            f"{'on' if rec['activation_checkpointing'] else 'off'}, micro-batch {rec['micro_batch_size']} x "
+            f"{_ac_cell(rec, short=False)}, micro-batch {rec['micro_batch_size']} x "
             f"accum {rec['grad_accum']} ({_gib(rec['total_bytes'])} GiB of {p['capacity_bytes'] / GIB:.0f})"
             + (f" -- {p['note']}" if p["note"] else "")
         )
     else:
         lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
     lines.append(
+        "AC k/B: the fewest of B blocks to checkpoint that fit (--activation-checkpointing auto); "
         "cost: relative step time (heuristic ranking: communication, offload, recompute); paper: ZeRO "
         "paper model states (fp16 weights, K=12); save/GPU: host RAM a checkpoint save adds per GPU"
     )
@@ -704,6 +766,7 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
         small_params=sum(n for n in params if n < persistence_threshold),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         layers=0,
+        blocks=len(units),
         frozen=_frozen_count(model, frozen),
         optimizer_state=_optimizer_state(cfg, model, frozen),
     ), name

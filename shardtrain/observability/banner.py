@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 
+from shardtrain.memory.planner import recompute_time_share
+
 
 def _size(key: str, value) -> str:
     if key.endswith("_gib") and isinstance(value, (int, float)):
@@ -48,11 +50,7 @@ def format_banner(info: dict) -> str:
             f"{r.get('device_name', '')}"
         )
     lines += _strategy_lines(info)
-    lines.append(
-        f"  precision   {info['precision']} | activation checkpointing "
-        f"{'on' if info['activation_checkpointing'] else 'off'}"
-        f" ({info.get('strategy_settings', {}).get('recompute_blocks', 0)} blocks)"
-    )
+    lines.append(f"  precision   {info['precision']} | activation checkpointing {_recompute_text(info)}")
     math = info.get("cuda_math")
     if math:
         on = [name for key, name in (("tf32", "TF32 matmuls"), ("cudnn_benchmark", "cudnn.benchmark")) if math.get(key)]
@@ -102,3 +100,16 @@ def format_banner(info: dict) -> str:
         )
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def _recompute_text(info: dict) -> str:
+    """on (12 blocks), off (0 blocks), every-2: 6 of 12 blocks (recompute ~...), or auto's choice and reasoning."""
+    asked = info["activation_checkpointing"]
+    settings = info.get("strategy_settings", {})
+    done, blocks = settings.get("recompute_blocks", 0), settings.get("blocks")
+    if isinstance(asked, bool):
+        return f"{'on' if asked else 'off'} ({done} blocks)"
+    if info.get("recompute_choice"):
+        return f"{asked}: {info['recompute_choice']}"
+    share = done / blocks if blocks else 0.0
+    return f"{asked}: {done} of {blocks} blocks (recompute ~{100 * recompute_time_share(share):.0f}% of step time)"

@@ -10,26 +10,33 @@ from shardtrain.config.settings import Config
 
 if TYPE_CHECKING:
     from shardtrain.config.geometry import BatchGeometry
+    from shardtrain.config.recompute import RecomputePlan
     from shardtrain.runtime.distributed import DistInfo
     from shardtrain.strategies.base import StepResult, Strategy
 
 
-def make_strategy(cfg: Config, dist_info: DistInfo, workload=None, geometry: BatchGeometry | None = None) -> Strategy:
+def make_strategy(
+    cfg: Config,
+    dist_info: DistInfo,
+    workload=None,
+    geometry: BatchGeometry | None = None,
+    recompute: RecomputePlan | None = None,
+) -> Strategy:
     """`workload` (a shardtrain.Workload) gives the block classes: FSDP units and activation-checkpointing targets;
-    `geometry`: the run's batch geometry (the flags' when None)."""
+    `geometry`: the run's batch geometry, `recompute`: the blocks it checkpoints (the flags' when None)."""
     kind = cfg.parallel.strategy
     if kind == "ddp":
         from shardtrain.strategies.ddp import DDPStrategy
 
-        return DDPStrategy(cfg, dist_info, workload, geometry)
+        return DDPStrategy(cfg, dist_info, workload, geometry, recompute)
     if kind == "fsdp":
         from shardtrain.strategies.fsdp import FSDPStrategy
 
-        return FSDPStrategy(cfg, dist_info, workload, geometry)
+        return FSDPStrategy(cfg, dist_info, workload, geometry, recompute)
     if kind == "deepspeed":
         from shardtrain.strategies.zero import ZeroStrategy
 
-        return ZeroStrategy(cfg, dist_info, workload, geometry)
+        return ZeroStrategy(cfg, dist_info, workload, geometry, recompute)
     raise AssertionError(f"strategy {kind!r} should have been resolved before make_strategy")
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from shardtrain.checkpointing.store import AsyncWrite
 from shardtrain.config.geometry import BatchGeometry
+from shardtrain.config.recompute import RecomputePlan
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.runtime.distributed import DistInfo, broadcast_, new_gloo_group
 from shardtrain.strategies.optim import (
@@ -52,10 +53,19 @@ class Strategy(ABC):
     # train.optim values this strategy cannot run, with the reason (checked before anything is built)
     refused_optimizers: dict[str, str] = {}
 
-    def __init__(self, cfg: Config, dist_info: DistInfo, workload=None, geometry: BatchGeometry | None = None):
-        """`geometry`: the run's batch geometry (the Trainer's; the flags' when None)."""
+    def __init__(
+        self,
+        cfg: Config,
+        dist_info: DistInfo,
+        workload=None,
+        geometry: BatchGeometry | None = None,
+        recompute: RecomputePlan | None = None,
+    ):
+        """`geometry`: the run's batch geometry, `recompute`: the blocks it checkpoints (the Trainer's; the flags'
+        when None)."""
         self.cfg = cfg
         self.geometry = geometry or BatchGeometry.configured(cfg, dist_info.world_size)
+        self.recompute = recompute or RecomputePlan.configured(cfg.train.activation_checkpointing)
         self.workload = workload if workload is not None else Workload(cfg)
         self.dist = dist_info
         self.device = dist_info.device
@@ -183,9 +193,10 @@ class Strategy(ABC):
                 broadcast_(buf.data, src=0)
 
     def _apply_recompute(self, model: nn.Module, classes: tuple[type, ...]) -> int:
-        if not self.cfg.train.activation_checkpointing:
+        self.block_count = sum(isinstance(m, classes) for m in model.modules())  # the banner's "k of B"
+        if not self.recompute.any:
             return 0
-        return apply_activation_checkpointing(model, classes)
+        return apply_activation_checkpointing(model, classes, self.recompute)
 
     def _compile(self, module: nn.Module) -> nn.Module:
         """torch.compile per --compile (train.compile); the module itself when that is 'none'."""

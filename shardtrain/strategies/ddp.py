@@ -72,4 +72,9 @@ class DDPStrategy(NativeStrategy):
         self.model = self._wrap()
 
     def describe(self):
-        return {"strategy": "ddp", "offload": False, "recompute_blocks": self.recompute_count}
+        return {
+            "strategy": "ddp",
+            "offload": False,
+            "recompute_blocks": self.recompute_count,
+            "blocks": self.block_count,
+        }

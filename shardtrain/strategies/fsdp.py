@@ -122,8 +122,8 @@ class FSDPStrategy(NativeStrategy):
         # A unit's parameters are DTensor shards again after its forward (the root's stay gathered for backward).
         return isinstance(p, DTensor)
 
-    def __init__(self, cfg, dist_info, workload=None, geometry=None):
-        super().__init__(cfg, dist_info, workload, geometry)
+    def __init__(self, cfg, dist_info, workload=None, geometry=None, recompute=None):
+        super().__init__(cfg, dist_info, workload, geometry, recompute)
         self.policy = load_policy(cfg.parallel.fsdp_policy)
 
     def _make_scaler(self):
@@ -192,4 +192,5 @@ class FSDPStrategy(NativeStrategy):
             "units": self.unit_count,
             **wire_dtypes(self.policy, self.precision),
             "recompute_blocks": self.recompute_count,
+            "blocks": self.block_count,
         }

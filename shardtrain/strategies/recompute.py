@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from shardtrain.config.recompute import RecomputePlan
+
 
 @contextlib.contextmanager
 def _batchnorm_stats_frozen(module: nn.Module):
@@ -59,12 +61,15 @@ def _checkpointed_forward(module: nn.Module, forward):
     return run
 
 
-def apply_activation_checkpointing(model: nn.Module, classes: tuple[type, ...]) -> int:
-    """Checkpoint every module that is an instance of `classes`; returns how many were wrapped."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, classes) and not getattr(module, "_shardtrain_recompute", False):
+def apply_activation_checkpointing(
+    model: nn.Module, classes: tuple[type, ...], plan: RecomputePlan | None = None
+) -> int:
+    """Checkpoint the modules that are instances of `classes`: all of them, or those `plan` selects in module
+    order (--activation-checkpointing every-N / auto); returns how many were wrapped."""
+    blocks = [m for m in model.modules() if isinstance(m, classes) and not getattr(m, "_shardtrain_recompute", False)]
+    chosen = plan.selected(len(blocks)) if plan is not None else [True] * len(blocks)
+    for module, wrap in zip(blocks, chosen):
+        if wrap:
             module.forward = _checkpointed_forward(module, module.forward)
             module._shardtrain_recompute = True
-            count += 1
-    return count
+    return sum(chosen)

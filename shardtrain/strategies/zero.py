@@ -39,8 +39,8 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         "strategy or world size; use it under --strategy ddp or fsdp",
     }
 
-    def __init__(self, cfg, dist_info, workload=None, geometry=None):
-        super().__init__(cfg, dist_info, workload, geometry)
+    def __init__(self, cfg, dist_info, workload=None, geometry=None, recompute=None):
+        super().__init__(cfg, dist_info, workload, geometry, recompute)
         from shardtrain.runtime.device_defaults import deepspeed_accelerator
 
         line = deepspeed_accelerator(self.device.type)  # before deepspeed is first imported: it reads it once
@@ -633,6 +633,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
             "offload": self.offload,
             **self.info,
             "recompute_blocks": self.recompute_count,
+            "blocks": self.block_count,
             "ds_config": self.ds_config,
         }
 

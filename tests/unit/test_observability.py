@@ -73,7 +73,7 @@ def test_banner_shows_ranks_strategy_batch_arithmetic_and_data():
 def test_memory_prediction_falls_back_to_a_note(monkeypatch):
     import shardtrain.memory.planner as planner
 
-    def broken(cfg, world_size, vocab_size, batch_shape):
+    def broken(cfg, world_size, vocab_size, batch_shape, recompute):
         raise RuntimeError("cannot measure")
 
     monkeypatch.setattr(planner, "predict_run", broken)
@@ -81,7 +81,7 @@ def test_memory_prediction_falls_back_to_a_note(monkeypatch):
     monkeypatch.setattr(
         planner,
         "predict_run",
-        lambda cfg, n, vocab, shape: {"variant": "zero2", "params_gib": 2.5, "activations_gib": 0.25},
+        lambda cfg, n, vocab, shape, recompute: {"variant": "zero2", "params_gib": 2.5, "activations_gib": 0.25},
     )
     text = format_banner(run_info(memory_prediction=memory_prediction(Config(), 2)))
     assert "variant zero2, params 2.50 GiB, activations 256.0 MiB" in text

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union, get_args, get_origin
 
 import pytest
 
-from shardtrain.config.settings import FIELDS, _coerce, _dashed_flag, build_arg_parser, flag_of
+from shardtrain.config.settings import FIELDS, RecomputeSetting, _coerce, _dashed_flag, build_arg_parser, flag_of
 
 
 def _sample(typ) -> str:
@@ -15,7 +15,8 @@ def _sample(typ) -> str:
         return _sample(next(a for a in get_args(typ) if a is not type(None)))
     if get_origin(typ) is Literal:
         return str(get_args(typ)[-1])
-    return {bool: "true", int: "3", float: "0.25", str: "some/value", dict: '{"layers": 2}', list: "3,5"}[typ]
+    samples = {bool: "true", int: "3", float: "0.25", str: "some/value", dict: '{"layers": 2}', list: "3,5"}
+    return {**samples, RecomputeSetting: "every-2"}[typ]
 
 
 @pytest.mark.parametrize("spelling", ["dashed", "underscore"])
