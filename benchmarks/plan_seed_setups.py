@@ -67,11 +67,10 @@ def main() -> int:
             )
 
         rec = p["recommendation"]
+        ac = rec and rec["activation_checkpointing"]
+        ac_s = f"{rec['checkpointed_blocks']} of {rec['blocks']} blocks" if ac == "auto" else ("on" if ac else "off")
         rec_s = (
-            f"{rec['variant']}, AC {'on' if rec['activation_checkpointing'] else 'off'}, "
-            f"{rec['micro_batch_size']} x {rec['grad_accum']}"
-            if rec
-            else "nothing fits"
+            f"{rec['variant']}, AC {ac_s}, {rec['micro_batch_size']} x {rec['grad_accum']}" if rec else "nothing fits"
         )
         lines.append(
             f"| {label} ({p['model_params'] / 1e6:.0f}M, {p['precision']}) | {n} x {g.name} | "

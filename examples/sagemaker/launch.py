@@ -107,8 +107,9 @@ def build_job(
         )
     hp = {
         "config": "configs/longformer_4096.yaml",
-        # DDP with the config's activation checkpointing: `shardtrain plan` recommends it for 4 x V100 16 GB
-        # (the config's comment says why); "ds": "ds_configs/zero2.json" instead for DeepSpeed ZeRO-2.
+        # DDP, checkpointing the fewest blocks that fit (the config's `activation_checkpointing: auto`):
+        # `shardtrain plan` recommends it for 4 x V100 16 GB (the config's comment says why); "ds":
+        # "ds_configs/zero2.json" instead for DeepSpeed ZeRO-2.
         "strategy": "ddp",
         # A spot interruption loses at most this many steps; the save also runs on SIGTERM.
         "save_every": 200,

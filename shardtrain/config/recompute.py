@@ -31,7 +31,7 @@ class RecomputePlan:
     def configured(cls, setting) -> RecomputePlan:
         """What true, false and every-N say; auto is the run's to resolve first (its choice is a count)."""
         if setting == "auto":
-            raise ValueError("activation_checkpointing 'auto' is resolved by the run (RecomputePlan.chosen)")
+            raise ValueError("activation_checkpointing auto is resolved by the run (memory/recompute_choice.py)")
         if isinstance(setting, bool):
             return cls(every=1 if setting else 0)
         return cls(every=every_n(setting))

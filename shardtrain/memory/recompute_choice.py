@@ -47,9 +47,15 @@ def choose_blocks(cfg: Config, dist_info: DistInfo, geometry: BatchGeometry) -> 
     share = k / m.blocks if m.blocks else 0.0
     g, _ = gpu_bytes(c, variant, m, n, micro, precision, share, cuda)
     kinds = "" if m.blocks == m.layers else "; its blocks are of different kinds, so all or none"
+    peak, room, act = _in_one_unit(sum(g.values()), capacity, g["activations"])
     why = (
-        f"{k} of {m.blocks} blocks: predicted peak {sum(g.values()) / GIB:.2f} of {capacity / GIB:.2f} GiB per "
-        f"rank (activations {g['activations'] / GIB:.2f}), recompute ~{100 * recompute_time_share(share):.0f}% "
-        f"of step time{kinds}"
+        f"{k} of {m.blocks} blocks: predicted peak {peak} of {room} per rank (activations {act}), "
+        f"recompute ~{100 * recompute_time_share(share):.0f}% of step time{kinds}"
     )
     return RecomputePlan(count=k, why=why)
+
+
+def _in_one_unit(*sizes: float) -> list[str]:
+    """GiB, or MiB where the budget is under one GiB (a CPU smoke test's), where GiB would print 0.02 of 0.03."""
+    unit, name = (GIB, "GiB") if max(sizes) >= GIB else (2**20, "MiB")
+    return [f"{s / unit:.2f} {name}" for s in sizes]

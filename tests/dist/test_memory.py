@@ -14,6 +14,11 @@ OOM: rank 0 raises a real torch.OutOfMemoryError (--inject-oom-above 8) at micro
 finish at micro-batch 8 x accum 2 with the same global batch and the same losses and gradient norms (fp32,
 1e-5) as a run started at micro-batch 8 x accum 2. At micro-batch 1 it must give up with a clear message.
 Auto: two --memory-budget-gb values lead to two different choices, each recorded in summary.json.
+
+--activation-checkpointing auto: a 4-layer Longformer with a --memory-budget-gb that the planner's prediction
+fits with 2 of its 4 blocks checkpointed (computed here, for each strategy), and every-2; each run checkpoints
+the planner's blocks, says so in the banner, measures the activations it predicted (within 10%), and trains as a
+run without checkpointing does (fp32, dropout 0: the matrix's parity tolerances).
 """
 
 from __future__ import annotations
@@ -55,6 +60,12 @@ OOM_COMMON = [
 ]
 BUDGETS = {"roomy": "1.0", "tight": "0.06"}  # GiB per rank; the tiny model needs ~0.08 under DDP
 DOCS_CLAIM = 0.04
+# A 4-layer tiny Longformer, so that "some of the blocks" has more than one answer.
+AC_TEXT = '{"hidden_size": 32, "num_hidden_layers": 4, "num_attention_heads": 2, "intermediate_size": 64}'
+AC_COMMON = ["--text-config", AC_TEXT, *OOM_COMMON[:2], "--predict-memory", "true", *OOM_COMMON[4:]]
+AC_AUTO = ("ddp", "fsdp", "zero3")
+AC_WANTED = 2  # of 4 blocks
+LOSS_RTOL, GRAD_NORM_RTOL = 1e-4, 1e-5  # tests/dist/test_matrix.py's, for the text-only Longformer
 # (workload, precision, extra flags): the configs as shipped, and the multimodal one at --max-length 16, where
 # every text is cut to 16 tokens and so every batch has the banner's shape (the synthetic texts are ~20 tokens,
 # under its max_length 64; the Longformer data's batches reach its 256).
@@ -69,6 +80,22 @@ def tiny_name(workload: str, precision: str, extra: tuple) -> str:
     return f"tiny-{workload}-{precision}" + ("-full" if extra else "")
 
 
+def ac_budget(args: list[str], blocks: int) -> float:
+    """A --memory-budget-gb under which the planner's predicted peak fits with `blocks` checkpointed blocks and
+    not with one fewer: halfway between the two predictions, before the planner's headroom."""
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.memory.planner import GIB, HEADROOM, count_model, gpu_bytes, variant_of
+
+    cfg = parse_cli(args)
+    m, variant = count_model(cfg), variant_of(cfg)
+    assert m.blocks == 4, m
+
+    def peak(k):
+        return sum(gpu_bytes(cfg, variant, m, 2, 8, "fp32", k / m.blocks, False)[0].values())
+
+    return (peak(blocks - 1) + peak(blocks)) / 2 / (1 - HEADROOM) / GIB
+
+
 @pytest.fixture(scope="module")
 def launched(mm_data, ld_data, tmp_path_factory):
     """ONE launch for every memory, OOM and auto configuration (imports and process-group start paid once)."""
@@ -81,6 +108,11 @@ def launched(mm_data, ld_data, tmp_path_factory):
         # its own: no other test saves one.
         no_save = [] if name == "fsdp_offload" else ["--save-final", "false"]
         plan.append({"name": name, "args": tiny_args(workload, data, root / name, *no_save, *flags), **opts})
+
+    def add_ac_auto(v):
+        budget = ac_budget(tiny_args("longformer", ld_data, root, *VARIANTS[v], *AC_COMMON), AC_WANTED)
+        flags = ("--activation-checkpointing", "auto", "--memory-budget-gb", repr(budget))
+        add(f"ac-auto-{v}", *VARIANTS[v], *AC_COMMON, *flags, workload="longformer")
 
     # First, as in a fresh process: after every strategy's run in this process (DeepSpeed's included), the
     # banner's bf16 measurement came out 1% off the same measurement in a fresh process.
@@ -102,8 +134,16 @@ def launched(mm_data, ld_data, tmp_path_factory):
             *extra,
             workload=workload,
         )
+    # Before any ZeRO-3 run: zero.Init swaps DeepSpeed's linear in for torch's for the rest of the process
+    # (shardtrain/memory/planner.py), and ac_budget plans ddp and fsdp in this process, with torch's.
+    add("ac-none", *VARIANTS["ddp"], *AC_COMMON, workload="longformer")
+    for v in AC_AUTO:
+        if v != "zero3":
+            add_ac_auto(v)
+    add("ac-every-2", *VARIANTS["zero2"], *AC_COMMON, "--activation-checkpointing", "every-2", workload="longformer")
     for v, flags in VARIANTS.items():
         add(v, *flags, *COMMON)
+    add_ac_auto("zero3")  # after the variants' ZeRO-3 runs (above)
     for s in OOM_STRATEGIES:
         add(f"oom-{s}", *VARIANTS[s], *OOM_COMMON, "--per-device-batch-size", "16", "--inject-oom-above", "8")
         add(f"ref-{s}", *VARIANTS[s], *OOM_COMMON, "--per-device-batch-size", "8", "--grad-accum", "2")
@@ -263,3 +303,28 @@ def test_auto_picks_differently_for_two_budgets(launched):
         assert s["global_batch_size"] == 32
     assert output.count("--strategy auto: ") == 2
     assert "--strategy auto: ddp" in output and "that fit 1.00 GiB per rank" in output
+
+
+def test_auto_checkpoints_the_fewest_blocks_that_fit(launched):
+    from shardtrain.memory.planner import GIB
+
+    summaries, results, output = launched["summaries"], launched["results"], launched["output"]
+    ref = results["ac-none"]
+    assert summaries["ac-none"]["resolved"]["recompute"]["checkpointed_blocks"] == 0
+    for name, blocks in [*((f"ac-auto-{v}", AC_WANTED) for v in AC_AUTO), ("ac-every-2", 2)]:
+        s = summaries[name]
+        assert s["resolved"]["recompute"]["checkpointed_blocks"] == blocks, (name, s["resolved"]["recompute"])
+        assert s["resolved"]["recompute"]["blocks"] == 4, (name, s["resolved"]["recompute"])
+        assert s["run"]["strategy_settings"]["recompute_blocks"] == blocks, (name, s["run"]["strategy_settings"])
+        for rank, rec in s["memory"]["per_rank"].items():
+            predicted = s["memory"]["predicted"][rank]["activations_gib"] * GIB
+            assert rel(rec["activations"], predicted) < TOLERANCE, (name, rank, rec["activations"], predicted)
+        got = results[name]
+        assert rel(got["grad_norms"][0], ref["grad_norms"][0]) <= GRAD_NORM_RTOL, (name, got, ref)
+        for a, b in zip(got["losses"], ref["losses"], strict=True):
+            assert rel(a, b) <= LOSS_RTOL, (name, got["losses"], ref["losses"])
+    # Fewer blocks saved fewer activations than none, more than all would: the measurement, not the planner.
+    none = summaries["ac-none"]["memory"]["per_rank"]["0"]["activations"]
+    assert summaries["ac-auto-ddp"]["memory"]["per_rank"]["0"]["activations"] < 0.8 * none
+    assert output.count(f"activation checkpointing auto: {AC_WANTED} of 4 blocks: predicted peak") == len(AC_AUTO)
+    assert output.count("activation checkpointing every-2: 2 of 4 blocks (recompute ~") == 1

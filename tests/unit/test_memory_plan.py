@@ -225,3 +225,40 @@ def test_the_activation_measurement_frees_its_models_without_a_full_collection(m
         cfg = parse_cli(["--config", str(REPO / config)])
         assert planner._saved_bytes(cfg, 32, recompute=False, precision="fp32") > 0
     assert len(built) == 2 and all(ref() is None for ref in built)
+
+
+def test_zero3_activations_are_measured_with_deepspeeds_linear():
+    """zero.Init swaps DeepSpeed's linear in for torch's (mem_efficient_linear, on by default), and a ZeRO-3 run
+    trains with it: it saves a non-contiguous input as it is, where torch's linear saves the contiguous copy it
+    makes (Longformer transposes its hidden states). ZeRO-3's prediction measures with it; the others do not."""
+    import torch.nn.functional as F
+    from deepspeed.runtime.zero.linear import zero3_linear_wrap
+
+    from shardtrain.memory.planner import activation_bytes, count_model, gpu_bytes
+    from shardtrain.models import build_model
+
+    cfg = parse_cli(["--config", str(REPO / "configs/longformer_tiny.yaml"), "--data-dir", "/nonexistent"])
+    m = count_model(cfg)
+    torch_linear, ds_linear = (
+        activation_bytes(cfg, 4, 64, 0.0, "fp32", m.layers, ds_linear=ds)["saved"] for ds in (False, True)
+    )
+    assert ds_linear < 0.95 * torch_linear, (ds_linear, torch_linear)
+    # The run's own forward under DeepSpeed's linear saves what the ZeRO-3 prediction says.
+    torch.manual_seed(0)
+    model = build_model(cfg.model, cfg.data, cfg.data.tokenizer_vocab_size, load_weights=False).train()
+    own = F.linear
+    F.linear = zero3_linear_wrap
+    try:
+        with SavedActivations(backward=False) as saved:
+            model(input_ids=torch.randint(3, 1000, (4, 64)), attention_mask=torch.ones(4, 64, dtype=torch.long))
+    finally:
+        F.linear = own
+    assert abs(saved.bytes - ds_linear) / ds_linear < 0.02, (saved.bytes, ds_linear)
+    assert F.linear is own  # the measurement puts torch's back
+    at_max = {
+        ds: activation_bytes(cfg, 4, cfg.data.max_length, 0.0, "fp32", m.layers, ds_linear=ds)["saved"]
+        for ds in (False, True)
+    }
+    for variant in ("ddp", "fsdp", "zero2", "zero3", "zero3_offload"):
+        g, _ = gpu_bytes(cfg, variant, m, 2, 4, "fp32", 0.0, False)
+        assert g["activations"] == at_max[variant.startswith("zero3")], variant
