@@ -34,7 +34,7 @@ the same (an upper bound by those copies).
 ZeRO-3 trains with DeepSpeed's own linear: zero.Init swaps it in for torch.nn.functional.linear, for the rest of
 the process ("mem_efficient_linear", on by default). It saves its input as it is, where torch's linear on a
 non-contiguous input (Longformer's transposed hidden states) saves the contiguous copy it makes: 15% fewer
-activations on a 4-layer Longformer. ZeRO-3 rows are measured with it.
+activations on a 4-layer Longformer. ZeRO-3 rows are measured with a linear that saves what it saves.
 
 The model is counted with the vocabulary the run's tokenizer will have (shardtrain.data.tokenizer.
 planned_vocab_size); the banner passes the run's own tokenizer length.
@@ -241,14 +241,39 @@ def _linear_of(ds_linear: bool):
     if not ds_linear:
         yield
         return
-    from deepspeed.runtime.zero.linear import zero3_linear_wrap
-
     own = F.linear
-    F.linear = zero3_linear_wrap
+    F.linear = _saves_like_deepspeeds_linear(own)
     try:
         yield
     finally:
         F.linear = own
+
+
+def _saves_like_deepspeeds_linear(linear):
+    """A linear that saves for backward what DeepSpeed's (deepspeed/runtime/zero/linear.py) saves: its input as
+    it came, weight and bias, and nothing its matmul makes (a contiguous copy, autocast's 16-bit weight). It
+    computes with torch's own linear: DeepSpeed's, run on CPU under fp16 autocast, took 6x as long to measure."""
+    import torch
+
+    class SavesItsInput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, input, weight, bias=None):
+            ctx.save_for_backward(input, weight, bias)
+            out = linear(input, weight, bias)
+            # A view (a 3-D input's matmul) may not leave a custom Function: its users modify it in place.
+            return out.clone() if out._base is not None else out
+
+        @staticmethod
+        def backward(ctx, grad):
+            input, weight, bias = ctx.saved_tensors
+            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(input.reshape(-1, input.shape[-1]))
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if bias is not None else None
+            return grad.matmul(weight.to(grad.dtype)), grad_weight.to(weight.dtype), grad_bias
+
+    def ds_like_linear(input, weight, bias=None):
+        return SavesItsInput.apply(input, weight, bias)
+
+    return ds_like_linear
 
 
 def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int, gathered_16bit: bool) -> int:
