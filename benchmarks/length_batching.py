@@ -18,7 +18,6 @@ share of all tokens the ranks computed on, from the batches' attention masks as 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -32,7 +31,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 import launch  # noqa: E402  tests/launch.py: the one way this repo starts torchrun jobs
-from overhead import run_one, steady_rate  # noqa: E402
+from overhead import interleaved, run_one, steady_rate, write  # noqa: E402
 
 CONTENDERS = {"pad_to_longest": [], "group_by_length": ["--group-by-length"]}
 CONFIG = REPO / "configs" / "longformer_tiny.yaml"
@@ -114,13 +113,7 @@ def main(argv=None) -> int:
         make_data("longdoc", data, n_train=a.n_train, n_val=32, seed=0, overwrite=True,
                   min_words=a.min_words, max_words=a.max_words, lengths="lognormal")  # fmt: skip
     t0 = time.time()
-    runs: dict[str, list[dict]] = {c: [] for c in CONTENDERS}
-    loads = []
-    for r in range(a.rounds):
-        loads.append(os.getloadavg())
-        for name in CONTENDERS if r % 2 == 0 else reversed(list(CONTENDERS)):  # A B, B A: neither always first
-            runs[name].append(one_run(name, a, data, work))
-            print(f"round {r + 1} {name}: {runs[name][-1]}", flush=True)
+    runs, loads = interleaved(list(CONTENDERS), a.rounds, lambda name: one_run(name, a, data, work))
     base, grouped = runs["pad_to_longest"], runs["group_by_length"]
     paired = [g["samples_per_sec"] / b["samples_per_sec"] for g, b in zip(grouped, base)]
     result = {
@@ -146,13 +139,8 @@ def main(argv=None) -> int:
         "padding_share_median": {c: statistics.median(x["padding_share"] for x in v) for c, v in runs.items()},
         "runs": runs,
         "machine_load": {"loadavg_before_each_round": loads, "loadavg_after": os.getloadavg()},
-        "wall_seconds": time.time() - t0,
     }
-    from shardtrain.observability.tracking import library_versions
-
-    result["versions"] = library_versions()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    write(result, a.out, t0)
     print(
         f"group_by_length / pad_to_longest samples/s: {result['paired_speedup_median']:.3f} "
         f"(per round {[round(p, 3) for p in paired]}); peak RSS MiB {result['peak_rss_mib_median']}; "

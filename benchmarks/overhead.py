@@ -151,6 +151,19 @@ def global_batch_of(config: Path, nproc: int) -> int:
     return t.per_device_batch_size * t.grad_accum * nproc
 
 
+def interleaved(contenders: list[str], rounds: int, one_run) -> tuple[dict[str, list[dict]], list]:
+    """`one_run(name)` for every contender in every round, the order reversed each round (A B C, C B A, ...) so
+    that machine drift hits them alike; the results per contender, and the load average before each round."""
+    runs: dict[str, list[dict]] = {c: [] for c in contenders}
+    loads = []
+    for r in range(rounds):
+        loads.append(os.getloadavg())
+        for name in contenders if r % 2 == 0 else reversed(contenders):
+            runs[name].append(one_run(name))
+            print(f"round {r + 1} {name}: {runs[name][-1]}", flush=True)
+    return runs, loads
+
+
 def write(result: dict, out: str, t_start: float) -> None:
     from shardtrain.observability.tracking import library_versions
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO))
 
 import launch  # noqa: E402  tests/launch.py: the one way this repo starts torchrun jobs
-from overhead import run_one, steady_rate  # noqa: E402
+from overhead import interleaved, run_one, steady_rate, write  # noqa: E402
 
 CONFIG = REPO / "configs" / "longformer_tiny.yaml"
 GIB = 2**30
@@ -140,13 +140,7 @@ def main(argv=None) -> int:
     print(f"budget {budget:.4f} GiB per rank; predicted peak by checkpointed blocks: {[round(p, 4) for p in peaks]}")
     contenders = ["none", "true", "auto"]
     t0 = time.time()
-    runs: dict[str, list[dict]] = {c: [] for c in contenders}
-    loads = []
-    for r in range(a.rounds):
-        loads.append(os.getloadavg())
-        for name in contenders if r % 2 == 0 else reversed(contenders):
-            runs[name].append(one_run(name, a, data, work, budget))
-            print(f"round {r + 1} {name}: {runs[name][-1]}", flush=True)
+    runs, loads = interleaved(contenders, a.rounds, lambda name: one_run(name, a, data, work, budget))
     step = {c: [x["median_step_ms"] for x in v] for c, v in runs.items()}
     paired = [x / t for x, t in zip(step["auto"], step["true"])]
     result = {
@@ -180,13 +174,8 @@ def main(argv=None) -> int:
         "checkpointed_blocks": {c: v[0]["checkpointed_blocks"] for c, v in runs.items()},
         "runs": runs,
         "machine_load": {"loadavg_before_each_round": loads, "loadavg_after": os.getloadavg()},
-        "wall_seconds": time.time() - t0,
     }
-    from shardtrain.observability.tracking import library_versions
-
-    result["versions"] = library_versions()
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    write(result, a.out, t0)
     print(
         f"auto ({result['checkpointed_blocks']['auto']} of {a.layers} blocks) / true step time: "
         f"{result['paired_step_time_auto_over_true_median']:.3f} (per round {[round(p, 3) for p in paired]}); "
