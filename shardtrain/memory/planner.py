@@ -252,7 +252,8 @@ def _linear_of(ds_linear: bool):
 def _saves_like_deepspeeds_linear(linear):
     """A linear that saves for backward what DeepSpeed's (deepspeed/runtime/zero/linear.py) saves: its input as
     it came, weight and bias, and nothing its matmul makes (a contiguous copy, autocast's 16-bit weight). It
-    computes with torch's own linear: DeepSpeed's, run on CPU under fp16 autocast, took 6x as long to measure."""
+    computes with torch's own linear: DeepSpeed's, run on CPU under fp16 autocast, took 6x as long to measure.
+    Only the measurement's forward runs it (SavedActivations(backward=False)), so it has no backward."""
     import torch
 
     class SavesItsInput(torch.autograd.Function):
@@ -263,17 +264,7 @@ def _saves_like_deepspeeds_linear(linear):
             # A view (a 3-D input's matmul) may not leave a custom Function: its users modify it in place.
             return out.clone() if out._base is not None else out
 
-        @staticmethod
-        def backward(ctx, grad):
-            input, weight, bias = ctx.saved_tensors
-            grad_weight = grad.reshape(-1, grad.shape[-1]).t().matmul(input.reshape(-1, input.shape[-1]))
-            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if bias is not None else None
-            return grad.matmul(weight.to(grad.dtype)), grad_weight.to(weight.dtype), grad_bias
-
-    def ds_like_linear(input, weight, bias=None):
-        return SavesItsInput.apply(input, weight, bias)
-
-    return ds_like_linear
+    return SavesItsInput.apply
 
 
 def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int, gathered_16bit: bool) -> int:

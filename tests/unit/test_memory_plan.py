@@ -239,14 +239,15 @@ def test_zero3_activations_are_measured_with_deepspeeds_linear():
 
     cfg = parse_cli(["--config", str(REPO / "configs/longformer_tiny.yaml"), "--data-dir", "/nonexistent"])
     m = count_model(cfg)
+    own = F.linear
     torch_linear, ds_linear = (
         activation_bytes(cfg, 4, 64, 0.0, "fp32", m.layers, ds_linear=ds)["saved"] for ds in (False, True)
     )
     assert ds_linear < 0.95 * torch_linear, (ds_linear, torch_linear)
+    assert F.linear is own  # the measurement puts torch's back
     # The run's own forward under DeepSpeed's linear saves what the ZeRO-3 prediction says.
     torch.manual_seed(0)
     model = build_model(cfg.model, cfg.data, cfg.data.tokenizer_vocab_size, load_weights=False).train()
-    own = F.linear
     F.linear = zero3_linear_wrap
     try:
         with SavedActivations(backward=False) as saved:
@@ -254,7 +255,6 @@ def test_zero3_activations_are_measured_with_deepspeeds_linear():
     finally:
         F.linear = own
     assert abs(saved.bytes - ds_linear) / ds_linear < 0.02, (saved.bytes, ds_linear)
-    assert F.linear is own  # the measurement puts torch's back
     at_max = {
         ds: activation_bytes(cfg, 4, cfg.data.max_length, 0.0, "fp32", m.layers, ds_linear=ds)["saved"]
         for ds in (False, True)
