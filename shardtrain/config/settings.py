@@ -125,6 +125,12 @@ class DataConfig:
         "train on batches of texts of similar length (HF's group_by_length): each random run of "
         "50 x per_device_batch_size x grad_accum samples is sorted by length, so batches pad less",
     )
+    max_tokens_per_batch: Optional[int] = setting(
+        None,
+        "size each training micro-batch by a token budget instead of per_device_batch_size: as many texts of "
+        "the length-grouped order as fit in N tokens once padded to their longest, the same N on every rank; "
+        "unset: per_device_batch_size texts",
+    )
     preprocessing_num_workers: Optional[int] = setting(
         None, "processes that tokenise through datasets.map (cached); unset: this process"
     )
@@ -1149,6 +1155,7 @@ POSITIVE = (
     "early_stopping_patience",
     "lora_r",
     "lora_alpha",
+    "max_tokens_per_batch",
 )
 NOT_NEGATIVE = (
     "weight_decay",
@@ -1263,11 +1270,12 @@ def _check_lora(cfg: Config) -> None:
 
 
 def _check_streaming_source(d: DataConfig) -> None:
-    if d.streaming and d.group_by_length:
-        raise ConfigError(
-            f"{where('group_by_length')} needs every training text's length before the epoch starts, which "
-            f"{where('streaming')} does not read ahead: use one or the other"
-        )
+    for name in ("group_by_length", "max_tokens_per_batch"):
+        if d.streaming and getattr(d, name):
+            raise ConfigError(
+                f"{where(name)} needs every training text's length before the epoch starts, which "
+                f"{where('streaming')} does not read ahead: use one or the other"
+            )
     other = next((f for f in IN_MEMORY_SOURCES if getattr(d, f)), None)
     if d.streaming and other:
         raise ConfigError(

@@ -113,6 +113,10 @@ class StreamingTrainStream:
     def set_micro_batch_size(self, n: int) -> None:
         self.micro_batch_size = n
 
+    def step_share(self, accum: int):
+        """None: micro-batches of equal size (see TrainStream.step_share)."""
+        return None
+
     def close(self) -> None:
         """Nothing to end: the stream is read in this process, with no DataLoader workers."""
 

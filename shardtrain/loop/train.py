@@ -61,6 +61,7 @@ class StepOutcome:
     grad_norm: float | None = None
     applied: bool = False  # the optimizer updated the weights (not skipped as non-finite or overflowed)
     stop: bool = False  # a preemption signal reached some rank: save and stop after this step
+    samples: int = 0  # in the step over every rank (under a token budget they vary from step to step)
 
 
 class Trainer:
@@ -181,11 +182,13 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         self.mem.begin_step(step)
         self.oom.step_start(step)
+        # Under --max-tokens-per-batch, each micro-batch's loss weight (data/token_budget.py); else all alike.
+        share = self.loaders.train.step_share(self.geometry.accum)
         for micro in range(self.geometry.accum):
             with self.profiler.phase("data"):
                 batch = batch_to_device(self.loaders.train.next_batch(), self.device)
             with self.oom.guard():  # an OOM is recovered or stops every rank at once: see loop/oom.py
-                loss_sum += self._micro_step(batch, micro, step)
+                loss_sum += self._micro_step(batch, micro, step, share.weights[micro] if share else None)
             self.last_batch = batch
             if self.oom.abandoned:
                 break  # every rank at once: some rank ran out of memory in this step
@@ -218,11 +221,13 @@ class Trainer:
         self.step = step
         self.mem_table = self.mem.end_step(step)  # on a few steps only: a tensor walk and a gather to rank 0
         self.health.update(step, result.applied, result.overflow, agreed, result.grad_norm)  # raises per policy
-        return StepOutcome(False, agreed.loss_mean, result.grad_norm, result.applied, agreed.stop)
+        samples = share.samples if share else self.geometry.global_batch
+        return StepOutcome(False, agreed.loss_mean, result.grad_norm, result.applied, agreed.stop, samples)
 
-    def _micro_step(self, batch, micro: int, step: int) -> torch.Tensor:
-        """Forward, loss and backward of one micro-batch; its loss, detached. Each phase is announced to OOM
-        recovery first: a rank that ran out of memory earlier in the step skips the rest there."""
+    def _micro_step(self, batch, micro: int, step: int, weight: float | None) -> torch.Tensor:
+        """Forward, loss and backward of one micro-batch; its loss (times `weight`, where micro-batches differ in
+        size), detached. Each phase is announced to OOM recovery first: a rank that ran out of memory earlier in
+        the step skips the rest there."""
         self.oom.enter("forward", micro)
         with self.strategy.micro_step(is_last=micro == self.geometry.accum - 1):
             with self.mem.forward(first_micro=micro == 0, batch=batch), self.profiler.phase("forward"):
@@ -233,6 +238,8 @@ class Trainer:
                 loss = faults.maybe_nan(
                     loss, step, self.cfg.train.inject_nan_at_steps, self.dist.rank, self.dist.world_size
                 )
+            if weight is not None:
+                loss = loss * weight
             with self.profiler.phase("step_sync"):  # where needed, every rank learns here whether one ran out
                 self.oom.enter("backward", micro)
             with self.profiler.phase("backward"):
@@ -281,14 +288,14 @@ class Trainer:
             self.save()  # every finished run keeps the model it ended with: what `export` and --resume see
 
     def _log_step(self, outcome: StepOutcome, seconds: float) -> None:
-        global_batch = self.geometry.global_batch
-        self.throughput.add(global_batch, seconds)
+        self.throughput.add(outcome.samples, seconds)
         record = {
             "step": self.step,
             "loss": outcome.loss,
             "lr": base_lr(self.strategy.optimizer),
             "grad_norm": outcome.grad_norm,
-            "samples_per_sec": global_batch / seconds,
+            "samples": outcome.samples,
+            "samples_per_sec": outcome.samples / seconds,
             "step_seconds": seconds,
             **self.health.counts(),
             "epoch": self.loaders.train.epoch,
@@ -379,6 +386,7 @@ class Trainer:
             d.device.type,
             collate=CheckedCollate(self.workload),
             geometry=self.geometry,
+            workload=self.workload,
         )
         self.startup["data"] = time.time()
 

@@ -79,6 +79,18 @@ class Workload:
     def metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         return classification_metrics(sums["confusion"])
 
+    def loss_items(self, lengths: list[int]) -> float:
+        """Under --max-tokens-per-batch, micro-batches hold different numbers of texts: how many items the loss of
+        one whose texts have these lengths (the train dataset's lengths()) averages over, so that every item
+        weighs alike across micro-batches and ranks. One per text (the default) is exact for a mean over samples;
+        a mean over tokens returns their count (examples/causal_lm: the shifted targets, n - 1 per text)."""
+        return len(lengths)
+
+    def padded_tokens(self, lengths: list[int]) -> int:
+        """Under --max-tokens-per-batch: the tokens a micro-batch of texts of these lengths holds once collate()
+        has padded it, which the budget bounds. The default pads to the longest text."""
+        return len(lengths) * max(lengths)
+
     def block_classes(self) -> tuple:
         """The repeated blocks (FSDP units, activation-checkpointing targets): classes or class names.
         Empty: the `_no_split_modules` of the Hugging Face models inside the model."""

@@ -13,3 +13,8 @@ class LongformerWorkload(JsonlWorkload):
 
     def block_classes(self) -> tuple:
         return (LongformerLayer,)
+
+    def padded_tokens(self, lengths: list[int]) -> int:
+        # collate rounds the longest text up to a multiple of the attention window (data/splits.py Collator)
+        window = self.cfg.model.attention_window
+        return len(lengths) * -(-max(lengths) // window) * window

@@ -1,0 +1,246 @@
+"""--max-tokens-per-batch: training micro-batches sized by a token budget, the same budget on every rank.
+
+The epoch's order is --group-by-length's (data/train_stream.py: DistributedSampler's permutation, each run of it
+sorted longest first), so neighbours have similar lengths. That order is cut greedily into micro-batches:
+as many texts as fit in the budget once padded to the longest of them (`len(batch) x longest <= budget`).
+The cut does not depend on the world size, and micro-batch k goes to rank k mod W, so every rank gets the
+same number per epoch and each holds at most the budget's tokens: no rank waits long on a fatter batch.
+
+Micro-batches now hold different numbers of samples, so a plain mean of their losses would weight a sample
+of a small batch more than one of a big batch. Every rank knows every rank's batches (the cut is computed
+from the lengths alone), so `step_share` gives each micro-batch its exact weight, n_i x W x accum / N, with
+N the items of the whole optimizer step over all ranks: samples by default, or what `Workload.loss_items`
+counts (the tokens of a token-level loss). The strategies divide by accum and average over W, so the
+gradient is exactly that of the mean over the step's N items, with no collective of its own.
+
+The position is kept in samples of the epoch's order seen by all ranks (the micro-batches of every rank
+before it), as the plain stream keeps it: a resume at any world size, or at another budget, or after OOM
+recovery halved the budget, cuts the rest of the epoch from there and sees every sample once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from shardtrain.config.settings import ConfigError, where
+from shardtrain.data.train_stream import TrainStream
+
+
+def pad_to_longest(lengths: list[int]) -> int:
+    return len(lengths) * max(lengths)
+
+
+def budget_batches(
+    order: Sequence[int], lengths: Sequence[int], budget: int, padded: Callable[[list[int]], int] = pad_to_longest
+) -> list[list[int]]:
+    """`order` cut greedily into batches whose tokens once padded (`padded` of their texts' lengths) are at most
+    `budget`; a text over the budget alone."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    current_lengths: list[int] = []
+    for i in order:
+        n = lengths[i]
+        if current and padded([*current_lengths, n]) > budget:
+            batches.append(current)
+            current, current_lengths = [], []
+        current.append(i)
+        current_lengths.append(n)
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass(frozen=True)
+class StepShare:
+    """What the next optimizer step holds: this rank's micro-batches' loss weights, and all ranks' samples."""
+
+    weights: list[float]  # n_i x world x accum / N per micro-batch: the strategies' mean then weighs items alike
+    samples: int  # samples in the step over every rank (what samples/s counts)
+
+
+class _Batches(Sampler[list[int]]):
+    """A batch sampler over index lists that the stream replaces before each `iter(loader)`."""
+
+    def __init__(self):
+        self.batches: list[list[int]] = []
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class TokenBudgetStream(TrainStream):
+    """TrainStream's interface over token-budget micro-batches (`step_share` gives their loss weights)."""
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        collate: Callable,
+        micro_batch_size: int,
+        rank: int,
+        world_size: int,
+        seed: int,
+        loader_kwargs: dict,
+        lengths: Sequence[int],
+        group_size: int,
+        max_tokens: int,
+        loss_items: Optional[Callable[[list[int]], float]] = None,
+        padded_tokens: Callable[[list[int]], int] = pad_to_longest,
+        workload_name: str = "Workload",
+    ):
+        self.loss_items, self.padded, self.workload_name = loss_items, padded_tokens, workload_name
+        longest = max(lengths, default=0)
+        alone = self._call("padded_tokens", [longest])
+        if alone > max_tokens:
+            raise ConfigError(
+                f"{where('max_tokens_per_batch')}={max_tokens} is less than the longest training text "
+                f"({longest} tokens, {alone} once padded), which could not be batched within it: raise it to at "
+                f"least {alone}"
+            )
+        self.max_tokens, self.configured_micro = max_tokens, micro_batch_size
+        self.budget = max_tokens
+        self.batches_taken = 0  # this rank's micro-batches since epoch_start
+        self._cut: dict[tuple, list[list[int]]] = {}
+        self._batches = _Batches()
+        if group_size < 2:
+            raise ValueError("a token budget cuts the length-grouped order: group_size must be at least 2")
+        super().__init__(dataset, collate, micro_batch_size, rank, world_size, seed, loader_kwargs, lengths, group_size)
+        if self._share < 1:
+            raise ConfigError(
+                f"{where('max_tokens_per_batch')}={max_tokens}: the training set ({len(dataset)} examples) makes "
+                f"{len(self.segment())} micro-batches of it, fewer than one per rank at world size {world_size}"
+            )
+        self._check_loss_items()
+
+    # ---- the cut --------------------------------------------------------------------------------------------
+    def segment(self, epoch: Optional[int] = None, start: Optional[int] = None) -> list[list[int]]:
+        """Every rank's micro-batches from `start` (a position in the epoch's order) to the epoch's end."""
+        epoch = self.epoch if epoch is None else epoch
+        start = self.epoch_start if start is None else start
+        key = (epoch, start, self.budget)
+        if key not in self._cut:
+            self._cut = {k: v for k, v in self._cut.items() if k[0] >= self.epoch}  # the epochs still ahead
+            saved, self.epoch = self.epoch, epoch
+            try:
+                order = self.epoch_order()
+            finally:
+                self.epoch = saved
+            self._cut[key] = budget_batches(order[start:], self.lengths, self.budget, self.padded)
+        return self._cut[key]
+
+    @property
+    def _share(self) -> int:
+        """This rank's micro-batches in the rest of the epoch from epoch_start (the same on every rank)."""
+        return len(self.segment()) // self.world_size
+
+    @property
+    def batches_per_epoch(self) -> int:
+        """Micro-batches per rank in an epoch from its start (epochs differ a little: the cut follows the order)."""
+        return len(self.segment(start=0)) // self.world_size
+
+    def mine(self) -> list[list[int]]:
+        """This rank's micro-batches of the rest of the epoch."""
+        return self.segment()[self.rank :: self.world_size][: self._share][self.batches_taken :]
+
+    # ---- TrainStream's interface ------------------------------------------------------------------------------
+    def set_micro_batch_size(self, n: int) -> None:
+        """OOM recovery's smaller micro-batch: the budget shrinks by the same factor (accumulation grows by it)."""
+        if n == self.micro_batch_size:
+            return
+        if self.micro_batch_size:  # not the first call: keep the position, as the plain stream does
+            self._restart_at(self._position_in_order())
+        self.micro_batch_size = n
+        self.budget = max(1, self.max_tokens * n // self.configured_micro)
+        self._roll_over()
+        self.close()
+        kwargs = self.loader_kwargs
+        self._loader = DataLoader(self.dataset, batch_sampler=self._batches, collate_fn=self.collate, **kwargs)
+
+    def _start(self) -> None:
+        self._batches.batches = self.mine()
+        self._iter = iter(self._loader)
+
+    def next_batch(self):
+        if self._iter is None:
+            self._start()
+        try:
+            batch = next(self._iter)
+        except ConfigError as e:
+            raise ConfigError(str(e).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]) from None
+        self.batches_taken += 1
+        self._roll_over()
+        return batch
+
+    def _roll_over(self) -> None:
+        if self.batches_taken >= self._share:
+            self.epoch += 1
+            self.epoch_start = self.batches_taken = 0
+            self._iter = None
+
+    def _position_in_order(self) -> int:
+        """The epoch's samples that every rank's micro-batches so far took."""
+        taken = self.segment()[: self.batches_taken * self.world_size]
+        return self.epoch_start + sum(len(b) for b in taken)
+
+    def _restart_at(self, position: int) -> None:
+        self.epoch_start, self.batches_taken = position, 0
+        self._iter = None
+
+    def state_dict(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "global_samples_in_epoch": self._position_in_order(),
+            "world_size": self.world_size,
+            "micro_batch_size": self.micro_batch_size,
+            "length_group_size": self.group_size,
+            "max_tokens_per_batch": self.budget,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.batches_taken = 0
+        super().load_state_dict(state)  # the order's checks, the epoch and the global position; rolls over
+
+    # ---- the loss weights -------------------------------------------------------------------------------------
+    def step_share(self, accum: int) -> StepShare:
+        """The next `accum` micro-batches of every rank (into the next epoch where this one ends): their weights."""
+        epoch, start, taken = self.epoch, self.epoch_start, self.batches_taken
+        step: list[list[list[int]]] = []  # per micro-step, every rank's batch
+        for _ in range(accum):
+            cut = self.segment(epoch, start)
+            if taken >= len(cut) // self.world_size:
+                epoch, start, taken = epoch + 1, 0, 0
+                cut = self.segment(epoch, start)
+            step.append(cut[taken * self.world_size : (taken + 1) * self.world_size])
+            taken += 1
+        items = [[self._items(b) for b in ranks] for ranks in step]
+        total = sum(map(sum, items))
+        scale = self.world_size * accum / total
+        return StepShare([row[self.rank] * scale for row in items], sum(len(b) for ranks in step for b in ranks))
+
+    def _items(self, batch: list[int]) -> float:
+        if self.loss_items is None:
+            return len(batch)
+        return self._call("loss_items", [self.lengths[i] for i in batch])
+
+    def _call(self, method: str, lengths: list[int]) -> float:
+        """The workload's method on a micro-batch's text lengths: a positive number, or one line naming it."""
+        fn = self.padded if method == "padded_tokens" else self.loss_items
+        try:
+            n = fn(lengths)
+        except Exception as e:  # noqa: BLE001 - any failure of the user's method is named, in one line
+            raise ConfigError(f"{self.workload_name}.{method}(lengths) failed on {lengths[:4]}...: {e}") from None
+        if not isinstance(n, (int, float)) or not n > 0:
+            raise ConfigError(
+                f"{self.workload_name}.{method}(lengths) must return a positive number for a micro-batch's text "
+                f"lengths (--max-tokens-per-batch); got {n!r} for {len(lengths)} texts"
+            )
+        return n
+
+    def _check_loss_items(self) -> None:
+        if self.loss_items is not None:
+            self._items(self.segment(start=0)[0])

@@ -1,0 +1,156 @@
+"""--max-tokens-per-batch: micro-batches sized by a token budget, weighted exactly, resumable at any world size."""
+
+import random
+
+import pytest
+import torch
+
+from shardtrain.config.settings import ConfigError, parse_cli
+from shardtrain.data import build_loaders, make_data
+from shardtrain.data.token_budget import TokenBudgetStream, budget_batches
+
+N, GROUP, BUDGET = 300, 60, 4096
+_rng = random.Random(11)
+LENGTHS = [min(4096, max(64, int(_rng.lognormvariate(6.5, 0.9)))) for _ in range(N)]  # 64..4096, like a corpus
+
+
+def streams(world, budget=BUDGET, micro=4, loss_items=None, n=N, lengths=LENGTHS):
+    return [
+        TokenBudgetStream(list(range(n)), torch.tensor, micro, r, world, 3, {}, lengths, GROUP, budget, loss_items)
+        for r in range(world)
+    ]
+
+
+def step(ss, accum=1):
+    """One optimizer step's micro-batches, per rank: [[rank 0's], [rank 1's], ...]."""
+    return [[s.next_batch().tolist() for _ in range(accum)] for s in ss]
+
+
+def padded(batch) -> int:
+    return len(batch) * max(LENGTHS[i] for i in batch)
+
+
+def test_batches_fill_the_budget_and_every_rank_gets_as_many():
+    ss = streams(2)
+    batches = [b for _ in range(20) for rank in step(ss, accum=2) for b in rank]
+    assert all(padded(b) <= BUDGET for b in batches)
+    sizes = [len(b) for b in batches]
+    assert min(sizes) == 1 and max(sizes) >= 8  # a 4096-token report alone; short posts many at a time
+    # greedy: one more text of the order would have broken the budget
+    cut = budget_batches(ss[0].epoch_order(), LENGTHS, BUDGET)
+    assert all(padded(a + b[:1]) > BUDGET for a, b in zip(cut, cut[1:]))
+    assert ss[0].batches_per_epoch == ss[1].batches_per_epoch == len(cut) // 2
+
+
+def test_the_epoch_sees_every_sample_once_in_the_grouped_order():
+    ss = streams(2)
+    seen = []
+    while ss[0].epoch == 0:
+        seen += [i for rank in step(ss) for b in rank for i in b]
+    assert len(seen) == len(set(seen))
+    cut = streams(1)[0].segment(epoch=0, start=0)  # the cut does not depend on the world size
+    assert sorted(seen) == sorted(i for b in cut[: len(cut) // 2 * 2] for i in b)  # only an odd last batch left
+
+
+@pytest.mark.parametrize("accum", [1, 3])
+def test_the_weights_make_the_step_the_mean_over_all_its_samples(accum):
+    """sum over ranks and micro-batches of weight x (micro-batch mean) / (world x accum): what the strategies'
+    mean of the weighted losses makes of it, against the mean over the step's samples. A plain mean of the
+    micro-batch means is far from it."""
+    ss = streams(2)
+    value = [random.Random(i).random() for i in range(N)]
+    plain_error = 0.0
+    for _ in range(5):
+        shares = [s.step_share(accum) for s in ss]
+        batches = step(ss, accum)
+        means = [[sum(value[i] for i in b) / len(b) for b in rank] for rank in batches]
+        weighted = sum(w * m for sh, ms in zip(shares, means) for w, m in zip(sh.weights, ms)) / (2 * accum)
+        samples = [i for rank in batches for b in rank for i in b]
+        assert shares[0].samples == shares[1].samples == len(samples)
+        mean = sum(value[i] for i in samples) / len(samples)
+        assert weighted == pytest.approx(mean, rel=1e-12)
+        plain_error = max(plain_error, abs(sum(m for ms in means for m in ms) / (2 * accum) - mean))
+    assert plain_error > 1e-2
+
+
+def test_token_weights_count_what_loss_items_counts():
+    """A token-level loss (the causal LM's shifted targets: n - 1 per text) is the mean over every token."""
+    ss = streams(2, loss_items=lambda lengths: sum(n - 1 for n in lengths))
+    shares = [s.step_share(2) for s in ss]
+    batches = step(ss, 2)
+    tokens = [[sum(LENGTHS[i] - 1 for i in b) for b in rank] for rank in batches]
+    total = sum(map(sum, tokens))
+    for share, rank in zip(shares, tokens):
+        assert share.weights == pytest.approx([t * 2 * 2 / total for t in rank], rel=1e-12)
+
+
+def test_the_share_reaches_into_the_next_epoch_as_the_batches_do():
+    ss = streams(2)
+    while ss[0]._share - ss[0].batches_taken > 1:
+        step(ss)
+    share = ss[0].step_share(3)  # one batch left in epoch 0, two from epoch 1
+    batches = step(ss, 3)
+    assert ss[0].epoch == 1
+    assert share.samples == sum(len(b) for rank in batches for b in rank)
+
+
+@pytest.mark.parametrize("new_world,new_budget", [(1, BUDGET), (3, BUDGET), (2, 2 * BUDGET)])
+def test_resume_at_another_world_size_or_budget_sees_every_sample_once(new_world, new_budget):
+    before = streams(2)
+    seen = [i for _ in range(6) for rank in step(before, 2) for b in rank for i in b]
+    state = before[0].checkpoint_state()
+    assert state["global_samples_in_epoch"] == len(seen) and state["max_tokens_per_batch"] == BUDGET
+    after = streams(new_world, budget=new_budget)
+    for s in after:
+        s.load_state_dict(state)
+    while after[0].epoch == 0:
+        seen += [i for rank in step(after) for b in rank for i in b]
+    assert len(seen) == len(set(seen))
+    assert N - len(seen) <= new_world * 16  # at most the last few batches of the epoch are left out
+
+
+def test_oom_recovery_halves_the_budget_and_keeps_the_position():
+    ref, s = streams(1)[0], streams(1)[0]
+    first = s.next_batch().tolist()
+    position = s.state_dict()
+    s.next_batch()  # the step that ran out of memory
+    s.load_state_dict(position)
+    s.set_micro_batch_size(2)
+    assert s.budget == BUDGET // 2
+    after = [i for _ in range(4) for i in s.next_batch().tolist()]
+    assert first + after == ref.epoch_order()[: len(first) + len(after)]
+
+
+def test_bad_settings_are_refused_by_name(tmp_path):
+    with pytest.raises(ConfigError, match=r"--max-tokens-per-batch \(data.max_tokens_per_batch\)=1000 is less "
+                                          r"than the longest training text \(4096 tokens"):  # fmt: skip
+        streams(2, budget=1000)
+    with pytest.raises(ConfigError, match=r"fewer than one per rank at world size 3"):
+        streams(3, n=2, lengths=[4096, 4096])
+    with pytest.raises(ConfigError, match=r"Workload.loss_items\(lengths\) must return a positive number"):
+        streams(1, loss_items=lambda lengths: 0)
+    with pytest.raises(ConfigError, match=r"--max-tokens-per-batch \(data.max_tokens_per_batch\) must be positive"):
+        parse_cli(["--config", "configs/longformer_tiny.yaml", "--max-tokens-per-batch", "0"])
+    with pytest.raises(ConfigError, match=r"--max-tokens-per-batch .*--streaming"):
+        parse_cli(["--config", "configs/longformer_tiny.yaml", "--max-tokens-per-batch", "4096", "--streaming"])
+    from shardtrain.data.loaders import train_lengths
+
+    with pytest.raises(ConfigError, match=r"--max-tokens-per-batch .*lengths\(\) method.*TensorDataset has none"):
+        train_lengths(torch.utils.data.TensorDataset(torch.arange(4)), "max_tokens_per_batch")
+
+
+def test_the_builtin_longformer_batches_stay_within_the_budget_as_collated(tmp_path):
+    """The built-in's collate pads to a multiple of the attention window: the budget bounds that tensor."""
+    from shardtrain.workloads.base import load_workload
+
+    data = make_data("longdoc", tmp_path / "data", n_train=64, n_val=8, min_words=5, max_words=400, lengths="lognormal")
+    args = ["--config", "configs/longformer_tiny.yaml", "--data-dir", str(data), "--output-dir", str(tmp_path / "o"),
+            "--max-tokens-per-batch", "1024", "--max-length", "512", "--num-workers", "0"]  # fmt: skip
+    cfg = parse_cli(args)
+    workload = load_workload(cfg)
+    train, val = workload.datasets()
+    stream = build_loaders(cfg, None, train, val, 0, 2, "cpu", collate=workload.collate, workload=workload).train
+    shapes = [tuple(stream.next_batch()["input_ids"].shape) for _ in range(12)]
+    window = cfg.model.attention_window
+    assert all(n * length <= 1024 and length % window == 0 for n, length in shapes)
+    assert len({n for n, _ in shapes}) > 1  # the number of texts follows their length
