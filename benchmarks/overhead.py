@@ -87,13 +87,16 @@ REFUSALS = {
 
 
 def steady_rate(metrics_path: Path, global_batch: int, warmup: int) -> dict:
-    stamps = [json.loads(line)["wall_time"] for line in metrics_path.read_text().splitlines() if line.strip()]
-    kept = stamps[warmup:]
+    """Samples/s between the wall_time stamps after `warmup` steps; a step's samples are its record's `samples`
+    (shardtrain's: they vary under --max-tokens-per-batch), else `global_batch` (the other loops' records)."""
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    kept = [r["wall_time"] for r in records[warmup:]]
     if len(kept) < 2:
-        raise RuntimeError(f"{metrics_path}: {len(stamps)} steps, too few after {warmup} warm-up steps")
+        raise RuntimeError(f"{metrics_path}: {len(records)} steps, too few after {warmup} warm-up steps")
     periods = [b - a for a, b in zip(kept, kept[1:])]
+    samples = sum(r.get("samples", global_batch) for r in records[warmup + 1 :])
     return {
-        "samples_per_sec": global_batch * len(periods) / (kept[-1] - kept[0]),
+        "samples_per_sec": samples / (kept[-1] - kept[0]),
         "median_step_ms": 1000 * statistics.median(periods),
         "steps_timed": len(periods),
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.recompute import RecomputePlan
 from shardtrain.config.settings import Config
@@ -34,6 +36,7 @@ def describe_run(
         "micro_batch_size": geometry.micro,
         "grad_accum": geometry.accum,
         "global_batch_size": geometry.global_batch,
+        "max_tokens_per_batch": cfg.data.max_tokens_per_batch,
         "train_examples": loaders.train_size,
         "eval_examples": loaders.eval_size,
         "steps_per_epoch": loaders.steps_per_epoch,
@@ -77,6 +80,9 @@ def predicted_memory(
             "note": f"not predicted: activations are measured for the built-in models, not {task} "
             f"(shardtrain plan --workload counts its model states)"
         }
+    budget = cfg.data.max_tokens_per_batch
+    if budget:  # a micro-batch holds up to the budget's tokens: as many max_length texts as that, rounded up
+        geometry = dataclasses.replace(geometry, micro=-(-budget // cfg.data.max_length))
     return memory_prediction(geometry.applied_to(cfg), geometry.world, vocab_size, recompute=recompute)
 
 

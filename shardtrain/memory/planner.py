@@ -408,18 +408,30 @@ def activation_bytes(
     return {"saved": max(0.0, total), "one_layer": max(0.0, batch * per_layer_full(seq_len) + layer_forward_full)}
 
 
-def gpu_bytes(cfg, variant: str, m: ModelCount, n: int, micro: int, precision: str, recompute: float, cuda: bool):
+def gpu_bytes(
+    cfg,
+    variant: str,
+    m: ModelCount,
+    n: int,
+    micro: int,
+    precision: str,
+    recompute: float,
+    cuda: bool,
+    seq_len: int | None = None,
+):
     """(bytes per rank on the GPU by part, host bytes per rank) for one variant at this micro-batch and share of
-    checkpointed blocks: model states, activations at max_length, and backward's working set."""
+    checkpointed blocks: model states, activations at max_length (or at `seq_len`, from the same measurement),
+    and backward's working set."""
     gathered = gathers_16bit(variant, precision)
     states = model_states(variant, m, n, precision)
     act = activation_bytes(
         cfg,
         micro,
-        cfg.data.max_length,
+        seq_len or cfg.data.max_length,
         recompute,
         precision,
         m.layers,
+        planned_length=cfg.data.max_length,
         gathered_16bit=gathered,
         ds_linear=trains_with_ds_linear(variant),
     )
@@ -617,8 +629,11 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
             continue
         fitting = [r for r in rows_at(micro) if r["fits"]]
         note = f"nothing fits at micro-batch {t.per_device_batch_size}; keeps global batch {global_batch}"
+    budget = None
     if fitting:
         recommendation = min(fitting, key=lambda r: (r["relative_cost"], r["total_bytes"]))
+        # --max-tokens-per-batch for the recommendation: as many tokens per micro-batch as fit at any text length
+        budget = token_budget(cfg, recommendation, m, gpus, precision, capacity_bytes, cuda)
     return {
         "model_params": m.params,
         "vocab_size": vocab,
@@ -631,8 +646,47 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
         "global_batch_size": global_batch,
         "rows": rows,
         "recommendation": recommendation,
+        "max_tokens_per_batch": budget,
         "note": note,
     }
+
+
+def budget_lengths(cfg) -> list[int]:
+    """The text lengths a token-budget micro-batch is checked at: every window multiple up to max_length
+    (Longformer), else halvings of max_length down to 16."""
+    top, w = cfg.data.max_length, _window(cfg)
+    if w:
+        return list(range(w, -(-top // w) * w + 1, w))
+    return sorted({max(16, top >> k) for k in range(12)})
+
+
+def token_budget(cfg, row: dict, m: ModelCount, n: int, precision: str, capacity: float, cuda: bool) -> int | None:
+    """The largest --max-tokens-per-batch for `row`'s variant and checkpointed blocks whose every micro-batch
+    fits: at each text length L up to max_length, N // L texts of length L (the measured per-sample activation
+    model, evaluated at L), within the same headroom as the table's `fits`. In multiples of the window (or of
+    64 tokens); None: not even one max_length text."""
+    share = row["checkpointed_blocks"] / m.blocks if m.blocks else float(row["checkpointed_blocks"] > 0)
+    lengths, unit = budget_lengths(cfg), _window(cfg) or 64
+
+    def fits(tokens: int) -> bool:
+        for length in lengths:
+            micro = tokens // length
+            if micro >= 1:
+                g, _ = gpu_bytes(cfg, row["variant"], m, n, micro, precision, share, cuda, seq_len=length)
+                if sum(g.values()) > capacity * (1 - HEADROOM):
+                    return False
+        return True
+
+    low = -(-lengths[-1] // unit) * unit  # one text of the longest length
+    if not fits(low):
+        return None
+    high = 2 * low
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > unit:
+        mid = (low + high) // 2 // unit * unit
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def fewest_blocks(cfg, variant, m: ModelCount, n: int, micro: int, precision: str, capacity: float, cuda: bool):
@@ -789,6 +843,11 @@ def format_plan(p: dict, gpu_name: str) -> str:
             f"accum {rec['grad_accum']} ({_gib(rec['total_bytes'])} GiB of {p['capacity_bytes'] / GIB:.0f})"
             + (f" -- {p['note']}" if p["note"] else "")
         )
+        if p.get("max_tokens_per_batch"):
+            lines.append(
+                f"token budget: --max-tokens-per-batch {p['max_tokens_per_batch']} fits with it at every text length "
+                f"up to {p['seq_len']} (micro-batches sized by tokens for variable-length data; see docs/data.md)"
+            )
     else:
         lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
     lines.append(

@@ -64,10 +64,16 @@ def format_banner(info: dict) -> str:
         f"  params      {info['params_total']:,} total | {info['params_trainable']:,} trainable | "
         f"{info['params_frozen']:,} frozen" + (f" | adapters: {info['adapters']}" if info.get("adapters") else "")
     )
-    lines.append(
-        f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
-        f"{info['world_size']} = global {info['global_batch_size']}"
-    )
+    if info.get("max_tokens_per_batch"):  # the samples per micro-batch follow the texts' lengths
+        lines.append(
+            f"  batch       micro-batches of up to {info['max_tokens_per_batch']:,} tokens x accum "
+            f"{info['grad_accum']} x world {info['world_size']} (samples per step vary; losses weighted by items)"
+        )
+    else:
+        lines.append(
+            f"  batch       micro {info['micro_batch_size']} x accum {info['grad_accum']} x world "
+            f"{info['world_size']} = global {info['global_batch_size']}"
+        )
     # None: a --streaming training split, whose length is unknown until read.
     train = "streamed" if info["train_examples"] is None else f"{info['train_examples']:,}"
     per_epoch = "?" if info["steps_per_epoch"] is None else f"{info['steps_per_epoch']:,}"

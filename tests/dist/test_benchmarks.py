@@ -160,8 +160,8 @@ def test_loader_dry_run(tmp_path):
 
 
 def test_length_batching_dry_run(tmp_path):
-    # Both contenders as 2-rank torchrun jobs on a log-normal corpus: --group-by-length pads less, and the JSON
-    # holds the paired ratio, each run's peak RSS and the padding the loop's own order gives.
+    # The three contenders as 2-rank torchrun jobs on a log-normal corpus: --group-by-length and the token budget
+    # pad less, and the JSON holds the paired ratios, each run's peak RSS and the padding the loop's own order gives.
     out = tmp_path / "length_batching.json"
     run([sys.executable, str(BENCH / "length_batching.py"), "--dry-run", "--work", str(tmp_path / "work"),
          "--out", str(out)], timeout=400)  # fmt: skip
@@ -170,4 +170,9 @@ def test_length_batching_dry_run(tmp_path):
     assert result["paired_speedup_median"] > 0 and len(result["paired_speedup_per_round"]) == 1
     padding = result["padding_share_median"]
     assert 0 <= padding["group_by_length"] < padding["pad_to_longest"] / 2
+    assert 0 <= padding["token_budget"] < padding["pad_to_longest"] / 2
     assert all(v > 100 for v in result["peak_rss_mib_median"].values())
+    assert set(result["paired_vs_pad_to_longest_median"]) == {"group_by_length", "token_budget"}
+    # the budget: micro-batch 4 x the dry-run corpus's longest text, padded to the window; fewer, fuller steps
+    assert result["max_tokens_per_batch"] % 16 == 0 and result["max_tokens_per_batch"] <= 4 * 512
+    assert result["steps_per_epoch"]["token_budget"] < result["steps_per_epoch"]["pad_to_longest"]

@@ -117,7 +117,8 @@ def runs(tmp_path_factory):
                 }
             )
     (root / "plan").mkdir()
-    _, results = run_plan(plan, root / "plan", timeout=600)
+    launch, results = run_plan(plan, root / "plan", timeout=600)
+    assert f"micro-batches of up to {BUDGET} tokens x accum {ACCUM} x world 2" in launch.output  # the banner
     return user, root, results
 
 

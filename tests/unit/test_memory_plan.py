@@ -262,3 +262,29 @@ def test_zero3_activations_are_measured_with_deepspeeds_linear():
     for variant in ("ddp", "fsdp", "zero2", "zero3", "zero3_offload"):
         g, _ = gpu_bytes(cfg, variant, m, 2, 4, "fp32", 0.0, False)
         assert g["activations"] == at_max[variant.startswith("zero3")], variant
+
+
+def test_plan_proposes_the_largest_token_budget_that_fits_at_every_text_length(tmp_path):
+    """--max-tokens-per-batch N from the per-token activation model: N // L texts of length L fit for every L up
+    to max_length, and one window more does not at some L. The budget holds at least the recommended
+    micro-batch of max_length texts (that fits by the recommendation itself)."""
+    from shardtrain.memory.planner import HEADROOM, budget_lengths, count_model, format_plan, gpu_bytes
+
+    cfg = parse_cli(["--config", str(REPO / "configs/longformer_tiny.yaml"), "--output-dir", str(tmp_path),
+                     "--max-length", "1024", "--per-device-batch-size", "2"])  # fmt: skip
+    capacity = 0.25 * GIB
+    p = plan(cfg, 2, capacity, cuda=False)
+    rec, budget, window = p["recommendation"], p["max_tokens_per_batch"], cfg.model.attention_window
+    assert rec is not None and budget % window == 0 and budget >= rec["micro_batch_size"] * 1024
+    assert budget_lengths(cfg) == list(range(window, 1024 + 1, window))
+    m = count_model(cfg)
+    share = rec["checkpointed_blocks"] / m.blocks
+
+    def total(tokens, length):
+        g, _ = gpu_bytes(cfg, rec["variant"], m, 2, tokens // length, "fp32", share, False, seq_len=length)
+        return sum(g.values())
+
+    limit = capacity * (1 - HEADROOM)
+    assert all(total(budget, L) <= limit for L in budget_lengths(cfg) if budget // L)
+    assert any(total(budget + window, L) > limit for L in budget_lengths(cfg))
+    assert f"--max-tokens-per-batch {budget} fits" in format_plan(p, "test gpu")

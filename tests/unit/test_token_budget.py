@@ -154,3 +154,44 @@ def test_the_builtin_longformer_batches_stay_within_the_budget_as_collated(tmp_p
     window = cfg.model.attention_window
     assert all(n * length <= 1024 and length % window == 0 for n, length in shapes)
     assert len({n for n, _ in shapes}) > 1  # the number of texts follows their length
+
+
+@pytest.mark.parametrize("fmt", ["mvsa-single", "twitter2015"])
+def test_the_seed_layouts_batch_within_a_budget_through_the_builtin_workload(fmt, tmp_path):
+    """The reports' own layouts (MVSA; Twitter's text pairs) read and collated by the built-in workload, as a run
+    reads them: every micro-batch's padded text tensor within the budget, and each epoch's samples once."""
+    from layout_copies import make_mvsa, make_twitter
+
+    from shardtrain.config.settings import from_dict, validate
+    from shardtrain.workloads.base import load_workload
+
+    root = make_mvsa(tmp_path / "mvsa") if fmt.startswith("mvsa") else make_twitter(tmp_path / "t15")
+    cfg = validate(from_dict({
+        "model": {"pretrained": False}, "train": {"per_device_batch_size": 2},
+        "data": {"dataset_format": fmt, "data_dir": str(root), "image_size": 16, "num_workers": 0,
+                 "max_tokens_per_batch": 96},
+        "checkpoint": {"output_dir": str(tmp_path / "run")},
+    }))  # fmt: skip
+    workload = load_workload(cfg)
+    train, val = workload.datasets()
+    stream = build_loaders(cfg, None, train, val, 0, 1, "cpu", collate=workload.collate, workload=workload).train
+    seen = 0
+    while stream.epoch == 0:
+        ids = stream.next_batch()["input_ids"]
+        assert ids.numel() <= 96, ids.shape
+        seen += ids.shape[0]
+    assert seen == len(train)  # one rank: the whole epoch, every text once
+
+
+def test_the_banner_predicts_a_micro_batch_as_the_budgets_worth_of_longest_texts(tmp_path):
+    from shardtrain.config.geometry import BatchGeometry
+    from shardtrain.config.recompute import RecomputePlan
+    from shardtrain.loop.run_info import predicted_memory
+    from shardtrain.memory.planner import memory_prediction
+
+    base = ["--config", "configs/longformer_tiny.yaml", "--output-dir", str(tmp_path), "--max-length", "256"]
+    budget = parse_cli([*base, "--per-device-batch-size", "1", "--max-tokens-per-batch", "1000"])
+    four = parse_cli([*base, "--per-device-batch-size", "4"])
+    plan = RecomputePlan()
+    got = predicted_memory(budget, BatchGeometry(1, 1, 2), None, True, "T", True, plan)
+    assert got == memory_prediction(four, 2, None, recompute=plan)  # 1000 tokens: 4 texts of 256, rounded up
