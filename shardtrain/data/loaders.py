@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset
 from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.settings import Config, ConfigError, where
 from shardtrain.data.splits import make_collator
-from shardtrain.data.token_budget import TokenBudgetStream, pad_to_longest
+from shardtrain.data.token_budget import Budget, TokenBudgetStream
 from shardtrain.data.train_stream import TrainStream, shut_down_workers
 from shardtrain.runtime.preemption import leave_stop_signals_to_parent
 
@@ -77,11 +77,11 @@ def train_lengths(train_ds: Dataset, setting: str = "group_by_length") -> list[i
     return lengths
 
 
-def budget_hooks(workload) -> tuple:
-    """(loss_items, padded_tokens, name) of a workload for the token-budget stream; the defaults without one."""
+def budget_of(max_tokens: int, workload) -> Budget:
+    """--max-tokens-per-batch with the workload's rules for it; samples padded to the longest without one."""
     if workload is None:
-        return None, pad_to_longest, "Workload"
-    return workload.loss_items, workload.padded_tokens, type(workload).__name__
+        return Budget(max_tokens)
+    return Budget(max_tokens, workload.loss_items, workload.padded_tokens, type(workload).__name__)
 
 
 def length_group_size(cfg: Config) -> int:
@@ -127,8 +127,8 @@ def build_loaders(
     elif cfg.data.max_tokens_per_batch:
         train = TokenBudgetStream(
             train_ds, collate, geometry.micro, rank, world_size, cfg.train.seed, loader_kwargs(0),
-            train_lengths(train_ds, "max_tokens_per_batch"), length_group_size(cfg), cfg.data.max_tokens_per_batch,
-            *budget_hooks(workload),
+            train_lengths(train_ds, "max_tokens_per_batch"), length_group_size(cfg),
+            budget=budget_of(cfg.data.max_tokens_per_batch, workload),
         )  # fmt: skip
     else:
         lengths = train_lengths(train_ds) if cfg.data.group_by_length else None

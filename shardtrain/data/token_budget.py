@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Sampler
 
 from shardtrain.config.settings import ConfigError, where
 from shardtrain.data.train_stream import TrainStream
@@ -74,46 +74,43 @@ class _Batches(Sampler[list[int]]):
         return len(self.batches)
 
 
+@dataclass(frozen=True)
+class Budget:
+    """--max-tokens-per-batch and the workload's rules for it (Workload.loss_items, Workload.padded_tokens)."""
+
+    max_tokens: int
+    loss_items: Optional[Callable[[list[int]], float]] = None  # None: a micro-batch's items are its samples
+    padded_tokens: Callable[[list[int]], int] = pad_to_longest
+    workload_name: str = "Workload"  # errors name its methods
+
+
 class TokenBudgetStream(TrainStream):
     """TrainStream's interface over token-budget micro-batches (`step_share` gives their loss weights)."""
 
-    def __init__(
-        self,
-        dataset: Dataset,
-        collate: Callable,
-        micro_batch_size: int,
-        rank: int,
-        world_size: int,
-        seed: int,
-        loader_kwargs: dict,
-        lengths: Sequence[int],
-        group_size: int,
-        max_tokens: int,
-        loss_items: Optional[Callable[[list[int]], float]] = None,
-        padded_tokens: Callable[[list[int]], int] = pad_to_longest,
-        workload_name: str = "Workload",
-    ):
-        self.loss_items, self.padded, self.workload_name = loss_items, padded_tokens, workload_name
-        longest = max(lengths, default=0)
-        alone = self._call("padded_tokens", [longest])
-        if alone > max_tokens:
-            raise ConfigError(
-                f"{where('max_tokens_per_batch')}={max_tokens} is less than the longest training text "
-                f"({longest} tokens, {alone} once padded), which could not be batched within it: raise it to at "
-                f"least {alone}"
-            )
-        self.max_tokens, self.configured_micro = max_tokens, micro_batch_size
-        self.budget = max_tokens
+    def __init__(self, *stream_args, budget: Budget, **stream_kwargs):
+        """`stream_args` / `stream_kwargs`: TrainStream's, with the training set's lengths and a group_size of at
+        least 2 (the cut follows the length-grouped order)."""
+        self.rule, self.max_tokens, self.budget = budget, budget.max_tokens, budget.max_tokens
+        self.loss_items, self.padded, self.workload_name = budget.loss_items, budget.padded_tokens, budget.workload_name
         self.batches_taken = 0  # this rank's micro-batches since epoch_start
         self._cut: dict[tuple, list[list[int]]] = {}
         self._batches = _Batches()
-        if group_size < 2:
-            raise ValueError("a token budget cuts the length-grouped order: group_size must be at least 2")
-        super().__init__(dataset, collate, micro_batch_size, rank, world_size, seed, loader_kwargs, lengths, group_size)
+        super().__init__(*stream_args, **stream_kwargs)
+        if self.lengths is None:
+            raise ValueError("a token budget cuts the length-grouped order: give lengths and a group_size over 1")
+        longest = max(self.lengths, default=0)
+        alone = self._call("padded_tokens", [longest])
+        if alone > self.max_tokens:
+            raise ConfigError(
+                f"{where('max_tokens_per_batch')}={self.max_tokens} is less than the longest training text "
+                f"({longest} tokens, {alone} once padded), which could not be batched within it: raise it to at "
+                f"least {alone}"
+            )
         if self._share < 1:
             raise ConfigError(
-                f"{where('max_tokens_per_batch')}={max_tokens}: the training set ({len(dataset)} examples) makes "
-                f"{len(self.segment())} micro-batches of it, fewer than one per rank at world size {world_size}"
+                f"{where('max_tokens_per_batch')}={self.max_tokens}: the training set ({len(self.dataset)} examples) "
+                f"makes {len(self.segment())} micro-batches of it, fewer than one per rank at world size "
+                f"{self.world_size}"
             )
         self._check_loss_items()
 
@@ -154,6 +151,8 @@ class TokenBudgetStream(TrainStream):
             return
         if self.micro_batch_size:  # not the first call: keep the position, as the plain stream does
             self._restart_at(self._position_in_order())
+        else:  # the configured micro-batch, whose budget is max_tokens
+            self.configured_micro = n
         self.micro_batch_size = n
         self.budget = max(1, self.max_tokens * n // self.configured_micro)
         self._roll_over()
@@ -165,16 +164,8 @@ class TokenBudgetStream(TrainStream):
         self._batches.batches = self.mine()
         self._iter = iter(self._loader)
 
-    def next_batch(self):
-        if self._iter is None:
-            self._start()
-        try:
-            batch = next(self._iter)
-        except ConfigError as e:
-            raise ConfigError(str(e).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]) from None
+    def _took_batch(self) -> None:
         self.batches_taken += 1
-        self._roll_over()
-        return batch
 
     def _roll_over(self) -> None:
         if self.batches_taken >= self._share:

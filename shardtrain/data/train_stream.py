@@ -149,9 +149,12 @@ class TrainStream:
             # promises one line, which is the traceback's last:
             # "shardtrain.config.settings.ConfigError: file:line: ...".
             raise ConfigError(str(e).strip().splitlines()[-1].split("ConfigError: ", 1)[-1]) from None
-        self.samples_in_epoch += self.micro_batch_size
+        self._took_batch()
         self._roll_over()
         return batch
+
+    def _took_batch(self) -> None:
+        self.samples_in_epoch += self.micro_batch_size
 
     def step_share(self, accum: int):
         """None: every micro-batch holds the same number of samples, so the strategies' plain mean is exact

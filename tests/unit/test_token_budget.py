@@ -7,7 +7,7 @@ import torch
 
 from shardtrain.config.settings import ConfigError, parse_cli
 from shardtrain.data import build_loaders, make_data
-from shardtrain.data.token_budget import TokenBudgetStream, budget_batches
+from shardtrain.data.token_budget import Budget, TokenBudgetStream, budget_batches
 
 N, GROUP, BUDGET = 300, 60, 4096
 _rng = random.Random(11)
@@ -16,7 +16,9 @@ LENGTHS = [min(4096, max(64, int(_rng.lognormvariate(6.5, 0.9)))) for _ in range
 
 def streams(world, budget=BUDGET, micro=4, loss_items=None, n=N, lengths=LENGTHS):
     return [
-        TokenBudgetStream(list(range(n)), torch.tensor, micro, r, world, 3, {}, lengths, GROUP, budget, loss_items)
+        TokenBudgetStream(
+            list(range(n)), torch.tensor, micro, r, world, 3, {}, lengths, GROUP, budget=Budget(budget, loss_items)
+        )  # fmt: skip
         for r in range(world)
     ]
 
