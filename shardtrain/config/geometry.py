@@ -36,6 +36,12 @@ class BatchGeometry:
         train = dataclasses.replace(cfg.train, per_device_batch_size=self.micro, grad_accum=self.accum)
         return dataclasses.replace(cfg, train=train)
 
+    def at_token_budget(self, cfg) -> BatchGeometry:
+        """What memory is predicted at: under --max-tokens-per-batch a micro-batch holds up to the budget's
+        tokens, so as many max_length texts as that (rounded up); else this geometry."""
+        budget = cfg.data.max_tokens_per_batch
+        return dataclasses.replace(self, micro=-(-budget // cfg.data.max_length)) if budget else self
+
     def as_record(self) -> dict:
         return {
             "micro_batch_size": self.micro,

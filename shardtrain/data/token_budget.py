@@ -3,8 +3,9 @@
 The epoch's order is --group-by-length's (data/train_stream.py: DistributedSampler's permutation, each run of it
 sorted longest first), so neighbours have similar lengths. That order is cut greedily into micro-batches:
 as many texts as fit in the budget once padded to the longest of them (`len(batch) x longest <= budget`).
-The cut does not depend on the world size, and micro-batch k goes to rank k mod W, so every rank gets the
-same number per epoch and each holds at most the budget's tokens: no rank waits long on a fatter batch.
+Micro-batch k goes to rank k mod W; where their number is not a multiple of W, the fullest are split in two
+(rather than the epoch's last, shortest texts dropped), so every rank gets the same number per epoch and each
+holds at most the budget's tokens: no rank waits long on a fatter batch.
 
 Micro-batches now hold different numbers of samples, so a plain mean of their losses would weight a sample
 of a small batch more than one of a big batch. Every rank knows every rank's batches (the cut is computed
@@ -50,6 +51,21 @@ def budget_batches(
         current_lengths.append(n)
     if current:
         batches.append(current)
+    return batches
+
+
+def split_to_multiple(batches: list[list[int]], world: int) -> list[list[int]]:
+    """`batches` with the fullest split in two until every rank gets as many (each half within the budget too).
+    Without it the epoch's last few would be dropped, and those are the length-sorted order's shortest texts:
+    the same ones every epoch where the data fits in one length group. Only single texts that cannot be split
+    are left out (fewer than `world`)."""
+    batches = list(batches)
+    while len(batches) % world:
+        i = max(range(len(batches)), key=lambda k: (len(batches[k]), k))
+        if len(batches[i]) < 2:
+            break
+        half = len(batches[i]) // 2
+        batches[i : i + 1] = [batches[i][:half], batches[i][half:]]
     return batches
 
 
@@ -127,7 +143,8 @@ class TokenBudgetStream(TrainStream):
                 order = self.epoch_order()
             finally:
                 self.epoch = saved
-            self._cut[key] = budget_batches(order[start:], self.lengths, self.budget, self.padded)
+            cut = budget_batches(order[start:], self.lengths, self.budget, self.padded)
+            self._cut[key] = split_to_multiple(cut, self.world_size)
         return self._cut[key]
 
     @property
@@ -191,6 +208,18 @@ class TokenBudgetStream(TrainStream):
             "length_group_size": self.group_size,
             "max_tokens_per_batch": self.budget,
         }
+
+    def _order_mismatch(self, saved_groups: int, state: dict) -> str:
+        if saved_groups:
+            how = f"sorted by length in runs of {saved_groups}"
+            fix = "the per_device_batch_size x grad_accum it was saved with"
+        else:
+            how = "in random order (saved without --group-by-length or a token budget)"
+            fix = "no token budget, or train into a new --output-dir"
+        return (
+            f"{where('max_tokens_per_batch')} sorts the epoch by length in runs of {self.group_size}, but the "
+            f"checkpoint's epoch was {how}: resume with {fix}"
+        )
 
     def load_state_dict(self, state: dict) -> None:
         self.batches_taken = 0

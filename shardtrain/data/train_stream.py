@@ -191,18 +191,28 @@ class TrainStream:
             "length_group_size": self.group_size,
         }
 
+    def _order_mismatch(self, saved_groups: int, state: dict) -> str:
+        """Why the checkpoint's epoch order is not this run's, naming the setting that made it."""
+        if state.get("max_tokens_per_batch"):
+            return (
+                f"the checkpoint was saved with {where('max_tokens_per_batch')} {state['max_tokens_per_batch']}, "
+                f"whose epoch is sorted by length in runs of {saved_groups}; resume with a token budget (any) and "
+                f"the same per_device_batch_size x grad_accum"
+            )
+        asked = f"on (runs of {self.group_size})" if self.group_size else "off"
+        was = f"on (runs of {saved_groups})" if saved_groups else "off"
+        return (
+            f"{where('group_by_length')} is {asked}, but the checkpoint's epoch was ordered with it {was}; "
+            "resume with the setting it was saved with (and the same per_device_batch_size x grad_accum)"
+        )
+
     def load_state_dict(self, state: dict) -> None:
         if state.get("streaming"):
             raise ConfigError(f"the checkpoint was saved with {where('streaming')} on; resume with it on")
         saved_groups = int(state.get("length_group_size", 0))
         if saved_groups != self.group_size:
             # The position counts samples of the saved order; another order would repeat some, skip others.
-            asked = f"on (runs of {self.group_size})" if self.group_size else "off"
-            was = f"on (runs of {saved_groups})" if saved_groups else "off"
-            raise ConfigError(
-                f"{where('group_by_length')} is {asked}, but the checkpoint's epoch was ordered with it {was}; "
-                "resume with the setting it was saved with (and the same per_device_batch_size x grad_accum)"
-            )
+            raise ConfigError(self._order_mismatch(saved_groups, state))
         self.epoch = int(state["epoch"])
         seen = state.get("global_samples_in_epoch")
         if seen is None:  # saved before the global position was kept

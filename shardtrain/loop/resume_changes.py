@@ -73,6 +73,13 @@ def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeCha
         if saved_world != world_size:
             effect += " (the data position carries over exactly: the epoch's samples seen by all ranks)"
         changes.append(f"{', '.join(geometry)}: {effect}")
+    saved_data = (saved_state.get("config") or {}).get("data") or {}
+    budget, saved_budget = cfg.data.max_tokens_per_batch, saved_data.get("max_tokens_per_batch")
+    if saved_budget and budget and saved_budget != budget:
+        changes.append(
+            f"{flag_of('max_tokens_per_batch')} {saved_budget} -> {budget}: the rest of the epoch is cut into "
+            f"micro-batches of the new budget from the exact next sample"
+        )
     return ResumeChanges(changes, schedule_changed)
 
 

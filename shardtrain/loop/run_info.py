@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.recompute import RecomputePlan
 from shardtrain.config.settings import Config
@@ -80,9 +78,7 @@ def predicted_memory(
             "note": f"not predicted: activations are measured for the built-in models, not {task} "
             f"(shardtrain plan --workload counts its model states)"
         }
-    budget = cfg.data.max_tokens_per_batch
-    if budget:  # a micro-batch holds up to the budget's tokens: as many max_length texts as that, rounded up
-        geometry = dataclasses.replace(geometry, micro=-(-budget // cfg.data.max_length))
+    geometry = geometry.at_token_budget(cfg)
     return memory_prediction(geometry.applied_to(cfg), geometry.world, vocab_size, recompute=recompute)
 
 

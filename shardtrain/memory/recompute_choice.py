@@ -32,6 +32,7 @@ def resolve_recompute(cfg: Config, dist_info: DistInfo, geometry: BatchGeometry)
 def choose_blocks(cfg: Config, dist_info: DistInfo, geometry: BatchGeometry) -> RecomputePlan:
     capacity = capacity_bytes(cfg, dist_info, "--activation-checkpointing auto")
     cuda = dist_info.device.type == "cuda"
+    geometry = geometry.at_token_budget(cfg)  # the largest micro-batch the run can meet
     c = geometry.applied_to(cfg)
     precision, micro, n = c.train.precision, geometry.micro, geometry.world
     m = count_model(c)

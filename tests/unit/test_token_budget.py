@@ -41,7 +41,8 @@ def test_batches_fill_the_budget_and_every_rank_gets_as_many():
     # greedy: one more text of the order would have broken the budget
     cut = budget_batches(ss[0].epoch_order(), LENGTHS, BUDGET)
     assert all(padded(a + b[:1]) > BUDGET for a, b in zip(cut, cut[1:]))
-    assert ss[0].batches_per_epoch == ss[1].batches_per_epoch == len(cut) // 2
+    # an odd count: the fullest is split in two, so both ranks get as many (none left over)
+    assert ss[0].batches_per_epoch == ss[1].batches_per_epoch == -(-len(cut) // 2)
 
 
 def test_the_epoch_sees_every_sample_once_in_the_grouped_order():
@@ -49,9 +50,7 @@ def test_the_epoch_sees_every_sample_once_in_the_grouped_order():
     seen = []
     while ss[0].epoch == 0:
         seen += [i for rank in step(ss) for b in rank for i in b]
-    assert len(seen) == len(set(seen))
-    cut = streams(1)[0].segment(epoch=0, start=0)  # the cut does not depend on the world size
-    assert sorted(seen) == sorted(i for b in cut[: len(cut) // 2 * 2] for i in b)  # only an odd last batch left
+    assert sorted(seen) == list(range(N))  # every text, the shortest too: none is dropped at the epoch's end
 
 
 @pytest.mark.parametrize("accum", [1, 3])
@@ -108,7 +107,7 @@ def test_resume_at_another_world_size_or_budget_sees_every_sample_once(new_world
     while after[0].epoch == 0:
         seen += [i for rank in step(after) for b in rank for i in b]
     assert len(seen) == len(set(seen))
-    assert N - len(seen) <= new_world * 16  # at most the last few batches of the epoch are left out
+    assert N - len(seen) < new_world  # only single texts that cannot be split, fewer than a rank each
 
 
 def test_oom_recovery_halves_the_budget_and_keeps_the_position():
@@ -197,3 +196,46 @@ def test_the_banner_predicts_a_micro_batch_as_the_budgets_worth_of_longest_texts
     plan = RecomputePlan()
     got = predicted_memory(budget, BatchGeometry(1, 1, 2), None, True, "T", True, plan)
     assert got == memory_prediction(four, 2, None, recompute=plan)  # 1000 tokens: 4 texts of 256, rounded up
+
+
+def test_split_to_multiple_keeps_every_text_and_halves_the_fullest():
+    from shardtrain.data.token_budget import split_to_multiple
+
+    assert split_to_multiple([[1, 2, 3, 4], [5], [6, 7]], 2) == [[1, 2], [3, 4], [5], [6, 7]]
+    assert split_to_multiple([[1], [2], [3]], 2) == [[1], [2], [3]]  # single texts: the stream leaves one out
+    assert split_to_multiple([[1, 2], [3]], 3) == [[1], [2], [3]]
+
+
+def test_auto_checkpointing_plans_for_the_budgets_micro_batch(tmp_path, monkeypatch):
+    """--activation-checkpointing auto under a budget picks blocks for the largest micro-batch the run can meet."""
+    from shardtrain.config.geometry import BatchGeometry
+    from shardtrain.memory import recompute_choice
+    from shardtrain.runtime.distributed import DistInfo
+
+    seen = []
+    monkeypatch.setattr(recompute_choice, "fewest_blocks", lambda c, v, m, n, micro, *a: seen.append(micro) or 0)
+    cfg = parse_cli(["--config", "configs/longformer_tiny.yaml", "--output-dir", str(tmp_path), "--max-length",
+                     "256", "--max-tokens-per-batch", "1000", "--activation-checkpointing", "auto",
+                     "--memory-budget-gb", "1"])  # fmt: skip
+    recompute_choice.choose_blocks(cfg, DistInfo(0, 0, 2, torch.device("cpu"), "gloo"), BatchGeometry(1, 1, 2))
+    assert seen == [4]  # 1000 tokens: four 256-token texts
+
+
+def test_a_changed_budget_at_resume_is_said_and_a_changed_order_is_refused_by_its_setting(tmp_path):
+    from shardtrain.data.train_stream import TrainStream
+    from shardtrain.loop.resume_changes import resume_changes
+
+    cfg = parse_cli(["--config", "configs/longformer_tiny.yaml", "--output-dir", str(tmp_path),
+                     "--max-tokens-per-batch", "2048"])  # fmt: skip
+    saved = {"step": 4, "config": {"train": {}, "data": {"max_tokens_per_batch": 1024}}}
+    assert "--max-tokens-per-batch 1024 -> 2048: the rest of the epoch" in "; ".join(
+        resume_changes(saved, cfg, 2).changes
+    )
+    budget_state = streams(2)[0].checkpoint_state()
+    plain = TrainStream(list(range(N)), torch.tensor, 4, 0, 2, 3, {})
+    saved_budget = r"saved with --max-tokens-per-batch \(data.max_tokens_per_batch\) 4096, whose epoch is sorted"
+    with pytest.raises(ConfigError, match=saved_budget + r" by length in runs of 60; resume with a token budget"):
+        plain.load_state_dict(budget_state)
+    random_order = r"sorts the epoch by length in runs of 60, but the checkpoint's epoch was in random order"
+    with pytest.raises(ConfigError, match=r"--max-tokens-per-batch .*" + random_order):
+        streams(2)[0].load_state_dict(plain.checkpoint_state())
