@@ -106,7 +106,7 @@ class TokenBudgetStream(TrainStream):
     def __init__(self, *stream_args, budget: Budget, **stream_kwargs):
         """`stream_args` / `stream_kwargs`: TrainStream's, with the training set's lengths and a group_size of at
         least 2 (the cut follows the length-grouped order)."""
-        self.rule, self.max_tokens, self.budget = budget, budget.max_tokens, budget.max_tokens
+        self.max_tokens = self.budget = budget.max_tokens  # the budget: max_tokens scaled by OOM recovery
         self.loss_items, self.padded, self.workload_name = budget.loss_items, budget.padded_tokens, budget.workload_name
         self.batches_taken = 0  # this rank's micro-batches since epoch_start
         self._cut: dict[tuple, list[list[int]]] = {}

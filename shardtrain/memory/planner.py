@@ -45,6 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -651,6 +652,9 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
     }
 
 
+MAX_TOKEN_BUDGET = 1 << 24  # the search's ceiling: 16M tokens per micro-batch, beyond any device's activations
+
+
 def budget_lengths(cfg) -> list[int]:
     """The text lengths a token-budget micro-batch is checked at: every window multiple up to max_length
     (Longformer), else halvings of max_length down to 16."""
@@ -678,10 +682,10 @@ def token_budget(cfg, row: dict, m: ModelCount, n: int, precision: str, capacity
         return True
 
     low = -(-lengths[-1] // unit) * unit  # one text of the longest length
-    if not fits(low):
-        return None
+    if not math.isfinite(capacity) or not fits(low):
+        return None  # no limit to plan for (a benchmark's capacity=inf), or not even one text
     high = 2 * low
-    while fits(high):
+    while high <= MAX_TOKEN_BUDGET and fits(high):
         low, high = high, 2 * high
     while high - low > unit:
         mid = (low + high) // 2 // unit * unit

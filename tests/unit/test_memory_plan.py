@@ -288,3 +288,11 @@ def test_plan_proposes_the_largest_token_budget_that_fits_at_every_text_length(t
     assert all(total(budget, L) <= limit for L in budget_lengths(cfg) if budget // L)
     assert any(total(budget + window, L) > limit for L in budget_lengths(cfg))
     assert f"--max-tokens-per-batch {budget} fits" in format_plan(p, "test gpu")
+
+
+def test_a_plan_without_a_memory_limit_proposes_no_token_budget(tmp_path):
+    """capacity=inf (benchmarks/gpu_suite.py's whole-row prediction): every budget fits, so there is none to
+    propose, and the search must end."""
+    cfg = parse_cli(["--config", str(REPO / "configs/longformer_tiny.yaml"), "--output-dir", str(tmp_path)])
+    p = plan(cfg, 1, float("inf"), cuda=False)
+    assert p["recommendation"] is not None and p["max_tokens_per_batch"] is None
