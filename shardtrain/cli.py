@@ -130,15 +130,15 @@ def report_once(msg: str, secondary: bool) -> None:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(QUIET_SECONDS)
     where_from = "" if rank == 0 else f" (rank {rank})"
-    _say(f"shardtrain: error{where_from}: {msg}")
+    _say(f"shardtrain: error{where_from}: {msg}", over_other_ranks=rank == 0 and not secondary)
 
 
-def _say(line: str) -> None:
+def _say(line: str, over_other_ranks: bool = False) -> None:
     """The one error line: on stderr, and under SageMaker as the job's FailureReason."""
     from shardtrain.config.sagemaker_env import write_failure_reason
 
     print(line, file=sys.stderr, flush=True)
-    write_failure_reason(line)
+    write_failure_reason(line, over_other_ranks=over_other_ranks)
 
 
 def _lost_peer(e: BaseException) -> bool:

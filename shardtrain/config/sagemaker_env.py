@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from pathlib import Path
 from typing import Mapping
 
 from shardtrain.config.errors import ConfigError
@@ -38,16 +39,26 @@ MARKERS = ("SM_MODEL_DIR", "SM_CURRENT_HOST", "SM_HOSTS", "SM_TRAINING_ENV")
 FAILURE_FILE = "/opt/ml/output/failure"
 
 
-def write_failure_reason(line: str, env: Mapping[str, str] | None = None) -> None:
+OTHER_RANKS_LINE = "shardtrain: error (rank "  # cli.report_once's prefix for a rank that is not 0
+
+
+def write_failure_reason(line: str, env: Mapping[str, str] | None = None, over_other_ranks: bool = False) -> None:
     """Under SageMaker, our one-line error becomes the job's FailureReason. The first writer wins (the SDK's
-    driver writes its own CalledProcessError only where no file exists yet); elsewhere, nothing happens."""
+    driver writes its own CalledProcessError only where no file exists yet); elsewhere, nothing happens.
+    `over_other_ranks`: rank 0's own error, the one meant to be said, also replaces a line that another rank
+    said after its quiet wait (a rank on another instance, whose launcher did not stop it, may get there first
+    when rank 0's start-up is slow)."""
     env = os.environ if env is None else env
     if not in_sagemaker(env):
         return
+    path = env.get("SM_OUTPUT_FAILURE") or FAILURE_FILE
     try:
-        with open(env.get("SM_OUTPUT_FAILURE") or FAILURE_FILE, "x") as f:
+        with open(path, "x") as f:
             f.write(line + "\n")
-    except OSError:  # written already, or no /opt/ml/output here (SM_* set by hand)
+    except FileExistsError:
+        if over_other_ranks and Path(path).read_text().startswith(OTHER_RANKS_LINE):
+            Path(path).write_text(line + "\n")
+    except OSError:  # no /opt/ml/output here (SM_* set by hand)
         pass
 
 

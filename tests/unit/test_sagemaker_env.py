@@ -189,6 +189,23 @@ def test_failure_reason_is_written_once_under_sagemaker_only(tmp_path):
     assert failure.read_text() == "shardtrain: error: first\n"
 
 
+def test_rank_0s_own_error_replaces_another_ranks_that_got_there_first(tmp_path):
+    """Two instances: instance 2's first worker (rank 2) is not stopped by instance 1's launcher and says its line
+    after the quiet wait; on a loaded machine that can precede rank 0's. Rank 0's line is the job's reason; a
+    secondary one (a collective failing because another rank died) never replaces the cause."""
+    from shardtrain.config.sagemaker_env import write_failure_reason
+
+    failure = tmp_path / "failure"
+    env = {"SM_OUTPUT_FAILURE": str(failure), "SM_CURRENT_HOST": "algo-2"}
+    write_failure_reason("shardtrain: error (rank 2): same cause", env=env)
+    write_failure_reason("shardtrain: error: a consequence", env=env)  # rank 0, secondary
+    assert failure.read_text() == "shardtrain: error (rank 2): same cause\n"
+    write_failure_reason("shardtrain: error: same cause", env=env, over_other_ranks=True)
+    assert failure.read_text() == "shardtrain: error: same cause\n"
+    write_failure_reason("shardtrain: error: later", env=env, over_other_ranks=True)  # rank 0's first line stays
+    assert failure.read_text() == "shardtrain: error: same cause\n"
+
+
 def test_each_job_gets_its_own_checkpoint_prefix_unless_it_continues_a_run():
     """Before, the prefix was fixed per base job name: the next job found the last one's finished run and
     trained nothing. A spot interruption keeps its prefix (SageMaker restarts the same job)."""
