@@ -109,6 +109,7 @@ class TokenBudgetStream(TrainStream):
         self.max_tokens = self.budget = budget.max_tokens  # the budget: max_tokens scaled by OOM recovery
         self.loss_items, self.padded, self.workload_name = budget.loss_items, budget.padded_tokens, budget.workload_name
         self.batches_taken = 0  # this rank's micro-batches since epoch_start
+        self.taken_by_all = 0  # the samples of every rank's micro-batches since epoch_start
         self._cut: dict[tuple, list[list[int]]] = {}
         self._batches = _Batches()
         super().__init__(*stream_args, **stream_kwargs)
@@ -182,21 +183,23 @@ class TokenBudgetStream(TrainStream):
         self._iter = iter(self._loader)
 
     def _took_batch(self) -> None:
+        k, w = self.batches_taken, self.world_size
+        self.taken_by_all += sum(len(b) for b in self.segment()[k * w : (k + 1) * w])
         self.batches_taken += 1
 
     def _roll_over(self) -> None:
         if self.batches_taken >= self._share:
             self.epoch += 1
-            self.epoch_start = self.batches_taken = 0
+            self.epoch_start = self.batches_taken = self.taken_by_all = 0
             self._iter = None
 
     def _position_in_order(self) -> int:
-        """The epoch's samples that every rank's micro-batches so far took."""
-        taken = self.segment()[: self.batches_taken * self.world_size]
-        return self.epoch_start + sum(len(b) for b in taken)
+        """The epoch's samples that every rank's micro-batches so far took (counted as they are taken: OOM
+        recovery reads the position at every step's start)."""
+        return self.epoch_start + self.taken_by_all
 
     def _restart_at(self, position: int) -> None:
-        self.epoch_start, self.batches_taken = position, 0
+        self.epoch_start, self.batches_taken, self.taken_by_all = position, 0, 0
         self._iter = None
 
     def state_dict(self) -> dict:
@@ -222,7 +225,7 @@ class TokenBudgetStream(TrainStream):
         )
 
     def load_state_dict(self, state: dict) -> None:
-        self.batches_taken = 0
+        self.batches_taken = self.taken_by_all = 0
         super().load_state_dict(state)  # the order's checks, the epoch and the global position; rolls over
 
     # ---- the loss weights -------------------------------------------------------------------------------------
