@@ -11,11 +11,10 @@ import difflib
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from shardtrain.config.settings import ConfigError, where
 from shardtrain.runtime.distributed import broadcast_
@@ -109,6 +108,21 @@ def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> No
                     module._buffers[name] = buf.to(device)
 
 
+@torch.no_grad()
+def load_full_weights(model: nn.Module, full: dict[str, torch.Tensor], rank0: bool) -> None:
+    """Rank 0's full weights (`full`: names as the model's) into every rank's shards and buffers, one tensor at a
+    time. Not set_model_state_dict(broadcast_from_rank0=True): it refuses a model whose state lives on two
+    devices ("Multiple devices found"), which CPU offload makes on a GPU (parameter shards on the CPU, buffers on
+    the GPU; seen on an H200, benchmarks/results/gpu_suite.json)."""
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        whole = full[name].to(t.dtype) if rank0 else torch.empty(t.shape, dtype=t.dtype)
+        broadcast_(whole, src=0)  # through the process group's device, wherever `whole` lives
+        if isinstance(t, DTensor):  # this rank's slice of it, cut locally (src_data_rank=None: no collective)
+            t.to_local().copy_(distribute_tensor(whole, t.device_mesh, t.placements, src_data_rank=None).to_local())
+        else:
+            t.copy_(whole)
+
+
 class FSDPStrategy(NativeStrategy):
     name = "fsdp"
     refused_optimizers = {
@@ -169,12 +183,8 @@ class FSDPStrategy(NativeStrategy):
         self.unit_count = len(units)
 
         materialise(model, self.device, self.policy.cpu_offload)
-        set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-        # Non-persistent buffers (e.g. position ids) are not in the state dict; send every buffer.
-        for name, buf in model.named_buffers():
-            if rank0:
-                buf.copy_(buffers[name])
-            broadcast_(buf, src=0)
+        # Non-persistent buffers (e.g. position ids) are not in the state dict: every buffer comes from `buffers`.
+        load_full_weights(model, {**full_sd, **buffers}, rank0)
         del full_sd, buffers
         self.model = model
         return self._finish_setup(frozen_names)
