@@ -26,6 +26,7 @@ import sys
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from shardtrain.data.batches import top_tensor
 
@@ -38,6 +39,17 @@ MIB = 1024**2
 def _local(t: torch.Tensor) -> torch.Tensor:
     # A DTensor's bytes on this rank are its local shard.
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold `t`'s bytes. A wrapper subclass has no storage of its own (reading it raises
+    "invalid python storage"): torchao's 8-bit optimizer state is codes + scales (seen on an H200 with
+    --optim adamw_8bit, benchmarks/results/gpu_suite.json)."""
+    t = _local(t)
+    if not is_traceable_wrapper_subclass(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [inner for n in names for inner in _plain(getattr(t, n))]
 
 
 def _storage_key(t: torch.Tensor):
@@ -53,15 +65,15 @@ def count_bytes(items, device: torch.device) -> dict:
     for category, t in items:
         if t is None or not isinstance(t, torch.Tensor):
             continue
-        t = _local(t)
-        if t.device.type == "meta":
-            continue
-        key, nbytes = _storage_key(t)
-        if nbytes == 0 or key in seen:
-            continue
-        seen.add(key)
-        out[category] += nbytes
-        out["device" if t.device == device or device.type == "cpu" else "host"] += nbytes
+        for plain in _plain(t):
+            if plain.device.type == "meta":
+                continue
+            key, nbytes = _storage_key(plain)
+            if nbytes == 0 or key in seen:
+                continue
+            seen.add(key)
+            out[category] += nbytes
+            out["device" if plain.device == device or device.type == "cpu" else "host"] += nbytes
     out["model_state"] = sum(out[c] for c in MODEL_STATE)
     return out
 
