@@ -77,6 +77,7 @@ CASES = [
     ("strategy_zero3", "strategies", FUSION, ["--ds", str(DS / "zero3.json"), *CL], 20, 6),
     ("strategy_zero3_offload", "strategies", FUSION, ["--ds", str(DS / "zero3_offload.json"), *CL], 10, 4),
     # --profile-steps on CUDA (CPU and CUDA activities, the synchronize before the trace): where a step's time goes.
+    ("profile_ddp", "profile", FUSION, ["--strategy", "ddp", *CL, "--profile-steps", "2"], 4, 2),
     ("profile_fsdp", "profile", FUSION, ["--strategy", "fsdp", *CL, "--profile-steps", "2"], 4, 2),  # dry run: 2 steps
     # torchao's AdamW8bit (--optim adamw_8bit, refused on CPU): compiled per parameter shape, a long warm-up. Last:
     # a slow compile must not take the time of the cases above (the JSON keeps every finished case).
@@ -320,6 +321,14 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     t0 = time.time()
     summary = Trainer(cfg).train()
     row["wall_seconds"] = time.time() - t0
+    # Where the case's time went before its first step (seconds from Trainer entry): the suite's budget is
+    # spent mostly outside the timed steps, and a user's job pays the same start-up.
+    entry = (summary.get("startup") or {}).get("train_entry")
+    row["startup_seconds"] = {
+        k: (v - entry if k != "model_build_seconds" else v)
+        for k, v in (summary.get("startup") or {}).items()
+        if entry is not None and k != "train_entry"
+    }
     filled, held = held is not None, None  # the ballast goes back before anything else is measured
     row.update(
         {
@@ -343,6 +352,7 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     global_batch = summary.get("global_batch_size") or cfg.train.per_device_batch_size
     rate = steady_rate(Path(cfg.checkpoint.output_dir) / "metrics.jsonl", global_batch, 0 if dry else warmup)
     row.update(rate)
+    t_post = time.time()
     row["flops_per_sample"], row["flops_method"] = flops_per_sample(cfg)
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     peak = peak_flops(device_name, cfg.train.precision) if cuda else None
@@ -355,6 +365,7 @@ def run_case_here(case, args: list[str], dry: bool) -> dict:
     row["step_measured"] = (summary.get("memory") or {}).get("step")
     row["peak_host_rss_gib"] = peak_rss_bytes() / gib
     row["planner"] = planner_prediction(cfg)
+    row["after_train_seconds"] = time.time() - t_post  # the FLOP count and the planner's row, not the run
     if filled:  # the ballast is in every allocator figure of this case: no comparison
         row["planner"]["note"] = "not compared: the case holds the GPU filled to its headroom"
         row["step_peak_allocated_gib"] = None
@@ -385,7 +396,7 @@ def child_main(names: list[str], work: Path, dry: bool, lines: Path, out: Path, 
 
         os.environ["MASTER_PORT"] = str(free_port())
     data = make_suite_data(work, dry)
-    for case in [c for c in CASES if c[0] in names]:
+    for case in [c for n in names for c in CASES if c[0] == n]:  # in --cases' order
         print(f"[gpu_suite] {case[0]}: starting", flush=True)
         try:
             row = run_case_here(case, case_args(case, work, data, dry), dry)
@@ -554,6 +565,12 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--budget-s", type=float, default=300, help="no case starts after this many seconds")
     ap.add_argument("--case-timeout-s", type=float, default=240, help="a case's process is stopped after this")
+    ap.add_argument(
+        "--one-process",
+        action="store_true",
+        help="run the cases in one child process (as --dry-run does): no per-case import and CUDA start-up, "
+        "but a crash ends the cases after it (recorded as died)",
+    )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-meta", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -605,7 +622,7 @@ def main(argv=None) -> int:
         json.dumps(meta),
     ]
     # One process for every case on CPU (fast); on the GPU one per case: its own peak memory and its own crash.
-    batches = [names] if a.dry_run else [[n] for n in names]
+    batches = [names] if a.dry_run or a.one_process else [[n] for n in names]
     for batch in batches:
         if time.time() - t_start > a.budget_s:
             note_unreported(lines, batch, "skipped", f"time budget spent (--budget-s {a.budget_s:g})")
