@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import traceback
 import weakref
 
 import torch
@@ -176,11 +177,13 @@ class OOMRecovery:
         except Exception as e:  # noqa: BLE001 - anything but an OOM goes on up
             if not is_out_of_memory(e):
                 raise
+            # The failed attempt's activations are the locals of the frames in this error's traceback. Whatever
+            # keeps the error alive (a frame that stored it, which makes a cycle only the collector frees; a
+            # logger; a retry helper) would keep them through the redo, and each smaller redo would then run
+            # out too: on an H200 every redo failed down to micro-batch 1 (benchmarks/results/gpu_suite.json).
+            traceback.clear_frames(e.__traceback__)
             self._ran_out(e, PHASES[self._current % len(PHASES)])
         if self.hit and not self.abandoned:
-            gc.collect()  # the failed graph's tensors, now unreferenced
-            if self.dist.device.type == "cuda":
-                torch.cuda.empty_cache()
             # The meeting points of the phases this rank skipped in this micro-step: its partners stop at them.
             meet = self._plans[self.geometry.accum][0]
             end = (self._current // len(PHASES) + 1) * len(PHASES)
@@ -252,6 +255,11 @@ class OOMRecovery:
         self.geometry = self.geometry.at_micro(new)
         new_accum = self.geometry.accum
         self.strategy.discard_gradients()
+        # Here no error is alive any more: a cycle through the failed attempt is garbage the collector can free,
+        # and the allocator then gives its blocks back before the redo allocates at the new shapes.
+        gc.collect()
+        if self.dist.device.type == "cuda":
+            torch.cuda.empty_cache()
         self.strategy.set_batch_geometry(self.geometry)
         self.stream.load_state_dict(self._position)
         self.stream.set_micro_batch_size(new)
