@@ -18,8 +18,10 @@ Every case records the planner's whole prediction (model states, activations, co
 allocator saw over one training step (step 2, after the optimizer state exists: the run's own per-step
 monitor), the FLOP count's method, and what CUDA math was on (TF32, cudnn.benchmark).
 
-Each case is a fresh child process running shardtrain.loop.train.Trainer(cfg).train() (so peak memory and failures
-stay per case); --dry-run runs them all in one CPU process to stay fast. The JSON is rewritten after every case, by the
+The cases run shardtrain.loop.train.Trainer(cfg).train() in as few child processes as they can: one runs every case
+up to the next that must be alone (the OOM case, which fills the GPU), and after a crash or a case that outruns
+--case-timeout-s the driver starts a new one for the cases behind it (--per-case-process: one each). Peak memory is
+per case (reset at its start; the run's own monitor measures step 2). The JSON is rewritten after every case, by the
 process that ran it, so a crash, a timeout or a hard stop keeps every finished case. Speed is measured as in
 overhead.py: from metrics.jsonl's per-step wall-clock stamps after the warm-up steps (compilation and cuDNN
 autotuning fall in the warm-up). MFU = counted training FLOPs per sample x samples/s / the GPU's dense peak at
@@ -396,8 +398,15 @@ def child_main(names: list[str], work: Path, dry: bool, lines: Path, out: Path, 
 
         os.environ["MASTER_PORT"] = str(free_port())
     data = make_suite_data(work, dry)
+    deadline = meta["started_at"] + meta["budget_s"]
     for case in [c for n in names for c in CASES if c[0] == n]:  # in --cases' order
+        if time.time() > deadline:
+            break  # the driver records the rest as skipped
         print(f"[gpu_suite] {case[0]}: starting", flush=True)
+        # The driver reads this to stop a case that outruns --case-timeout-s, and to name a case this process died in.
+        (work / RUNNING).write_text(json.dumps({"name": case[0], "started": time.time()}))
+        if os.environ.get("GPU_SUITE_TEST_DIE_IN") == case[0]:
+            os._exit(9)  # test-only: the process dies inside a case, as a CUDA fault or the OOM killer would
         try:
             row = run_case_here(case, case_args(case, work, data, dry), dry)
         except BaseException as e:  # noqa: BLE001 - one failed case must not lose the others' results
@@ -409,8 +418,6 @@ def child_main(names: list[str], work: Path, dry: bool, lines: Path, out: Path, 
             f.write(json.dumps(row, default=str) + "\n")
         write_result(out, meta, lines)
         print(f"[gpu_suite] {case[0]}: {row['status']}", flush=True)
-        if os.environ.get("GPU_SUITE_TEST_DIE_AFTER") == case[0]:
-            os._exit(9)  # test-only: the process dies between two cases, as a CUDA fault or the OOM killer would
     from shardtrain.runtime.distributed import teardown_and_exit
 
     teardown_and_exit(0)
@@ -553,9 +560,44 @@ def print_table(rows: list[dict]) -> None:
             print(f"    {r['error'][:200]}")
 
 
+RUNNING = "running.json"
+# Cases that run in a process of their own: the OOM case fills the GPU with ballast, and what it leaves in the
+# allocator must not reach another case's figures.
+ISOLATED = {"oom_recovery_real"}
+
+
+def next_batch(pending: list[str], dry: bool, per_case: bool) -> list[str]:
+    """The cases the next child process runs: the next case alone where it must be (or --per-case-process), else
+    every pending case up to the next isolated one. On the H200 a process's first case took ~60 s of start-up and
+    bookkeeping and each later one ~10 s, so one process per case fitted a third of the cases in a call."""
+    if per_case or (not dry and pending[0] in ISOLATED):
+        return pending[:1]
+    batch = []
+    for name in pending:
+        if name in ISOLATED and not dry:
+            break
+        batch.append(name)
+    return batch
+
+
+def watch_child(proc: subprocess.Popen, work: Path, case_timeout_s: float) -> bool:
+    """Waits for the child; kills it (True) when its current case has run longer than `case_timeout_s`."""
+    while proc.poll() is None:
+        try:
+            started = json.loads((work / RUNNING).read_text())["started"]
+        except (OSError, ValueError, KeyError):
+            started = None
+        if started is not None and time.time() - started > case_timeout_s:
+            proc.kill()
+            proc.wait()
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="shardtrain GPU suite")
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 steps per case, one process")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 steps per case")
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES), help="comma-separated case names")
     ap.add_argument("--work", required=True, help="data and runs (e.g. /tmp/gpu-suite on the GPU machine)")
     ap.add_argument(
@@ -566,10 +608,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=300, help="no case starts after this many seconds")
     ap.add_argument("--case-timeout-s", type=float, default=240, help="a case's process is stopped after this")
     ap.add_argument(
-        "--one-process",
+        "--per-case-process",
         action="store_true",
-        help="run the cases in one child process (as --dry-run does): no per-case import and CUDA start-up, "
-        "but a crash ends the cases after it (recorded as died)",
+        help="a process per case (default: the cases share one, started again after a crash or a timeout)",
     )
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-meta", help=argparse.SUPPRESS)
@@ -595,7 +636,7 @@ def main(argv=None) -> int:
         "budget_s": a.budget_s,
         "case_timeout_s": a.case_timeout_s,
         "cases": names,
-        "method": "world size 1 per case, fresh process per case (one process in --dry-run); samples/s "
+        "method": "world size 1 per case, cases sharing a process (a new one after a crash or timeout); samples/s "
         "from per-step wall-clock stamps after warm-up; MFU from shardtrain.memory.flops counted "
         "FLOPs x samples/s / dense peak at the case's precision; step peak = the run's own "
         "torch.cuda.max_memory_allocated over step 2, against shardtrain plan's total for the case",
@@ -621,29 +662,37 @@ def main(argv=None) -> int:
         "--child-meta",
         json.dumps(meta),
     ]
-    # One process for every case on CPU (fast); on the GPU one per case: its own peak memory and its own crash.
-    batches = [names] if a.dry_run or a.one_process else [[n] for n in names]
-    for batch in batches:
+    pending = list(names)
+    while pending:
+        batch = next_batch(pending, a.dry_run, a.per_case_process)
         if time.time() - t_start > a.budget_s:
-            note_unreported(lines, batch, "skipped", f"time budget spent (--budget-s {a.budget_s:g})")
-            write_result(out, meta, lines)
-            continue
-        cmd = base + ["--cases", ",".join(batch)] + (["--dry-run"] if a.dry_run else [])
+            note_unreported(lines, pending, "skipped", f"time budget spent (--budget-s {a.budget_s:g})")
+            break
         print(f"[gpu_suite] {', '.join(batch)}", flush=True)
-        try:
-            proc = subprocess.run(cmd, env=env, timeout=a.case_timeout_s * len(batch), cwd=REPO)
-            if proc.returncode != 0:
-                print(f"[gpu_suite] exit {proc.returncode}: {batch}", flush=True)
-                note_unreported(
-                    lines,
-                    batch,
-                    "died",
-                    f"the case's process exited {proc.returncode} before reporting (its output is above in the log)",
-                )
-        except subprocess.TimeoutExpired:
-            print(f"[gpu_suite] timed out: {batch}", flush=True)
-            note_unreported(lines, batch, "timed_out", f"stopped after --case-timeout-s {a.case_timeout_s:g}")
+        (work / RUNNING).unlink(missing_ok=True)
+        proc = subprocess.Popen(
+            base + ["--cases", ",".join(batch)] + (["--dry-run"] if a.dry_run else []), env=env, cwd=REPO
+        )
+        stopped = watch_child(proc, work, a.case_timeout_s)
+        running = json.loads((work / RUNNING).read_text())["name"] if (work / RUNNING).exists() else None
+        unreported = running is not None and running not in read_rows(lines)
+        if stopped:
+            print(f"[gpu_suite] timed out: {running}", flush=True)
+            note_unreported(lines, [running], "timed_out", f"stopped after --case-timeout-s {a.case_timeout_s:g}")
+        elif proc.returncode != 0 and unreported:
+            print(f"[gpu_suite] exit {proc.returncode} in {running}", flush=True)
+            note_unreported(
+                lines, [running], "died", f"the case's process exited {proc.returncode} inside it (its output is above)"
+            )
         write_result(out, meta, lines)
+        done = read_rows(lines)
+        # A new process for what is left: after a crash or a timeout the cases behind it still run.
+        pending = [n for n in pending if n not in done]
+        if pending and not any(n in done for n in batch) and time.time() - t_start <= a.budget_s:
+            # The process ended before any case of its batch (its start-up failed): not again for the same case.
+            note_unreported(lines, pending[:1], "died", f"its process exited {proc.returncode} before starting it")
+            write_result(out, meta, lines)
+            pending = pending[1:]
     result = write_result(out, meta, lines, complete=True)
     print_table(result["cases"])
     print(f"wrote {out} in {result['wall_seconds']:.0f} s")

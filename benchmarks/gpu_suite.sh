@@ -23,7 +23,10 @@ for ((i = 0; i < ${#args[@]}; i++)); do
         --case-timeout-s=*) case_timeout=${args[i]#*=} ;;
     esac
 done
-if compgen -G ".whl/*.whl" > /dev/null; then
+dry=0
+for a in "$@"; do [ "$a" = "--dry-run" ] && dry=1; done
+# The wheels are the GPU machine's (Python 3.12): a CPU dry run here uses this machine's own packages.
+if [ "$dry" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi

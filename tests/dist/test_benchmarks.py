@@ -87,13 +87,14 @@ def test_startup_dry_run(tmp_path):
 
 def test_gpu_suite_dry_run(tmp_path):
     """benchmarks/gpu_suite.sh end to end on CPU with tiny cases: the never-run GPU paths the suite puts first
-    (fp16 with GradScaler, OOM recovery, FSDP offload), and a crash after the third case (the test-only
-    GPU_SUITE_TEST_DIE_AFTER): the JSON, rewritten after every case, keeps all three and says the fourth died."""
+    (fp16 with GradScaler, OOM recovery, FSDP offload) in one process, and a crash inside the fourth case (the
+    test-only GPU_SUITE_TEST_DIE_IN): the JSON, rewritten after every case, keeps all three, says the fourth died,
+    and the fifth still runs, in a process started after the crash."""
     out = tmp_path / "results" / "gpu_suite.json"
     # The ZeRO, compile and Longformer-at-4096 cases run in the full dry run (`gpu_suite.py --dry-run`): DeepSpeed's
     # start-up and AOTAutograd's tracing would triple this test's time.
-    cases = "fp16_ddp_grad_scaler,oom_recovery_real,fsdp_offload,strategy_zero3_offload"
-    env = test_env(PY=sys.executable, GPU_SUITE_TEST_DIE_AFTER="fsdp_offload")
+    cases = "fp16_ddp_grad_scaler,oom_recovery_real,fsdp_offload,strategy_zero3_offload,profile_ddp"
+    env = test_env(PY=sys.executable, GPU_SUITE_TEST_DIE_IN="strategy_zero3_offload")
     env.pop("DS_ACCELERATOR", None)  # the dry run sets it for its own CPU cases
     run(
         [
@@ -130,7 +131,10 @@ def test_gpu_suite_dry_run(tmp_path):
         assert r["cuda_math"] == {}  # CPU: TF32 and cudnn.benchmark do not apply
         planner = r["planner"]
         assert planner["predicted_peak_gib"] > 0 and {"comm", "overhead", "activations"} <= set(planner["parts_gib"])
-    assert rows["strategy_zero3_offload"]["status"] == "died" and "exited 9" in rows["strategy_zero3_offload"]["error"]
+    died = rows["strategy_zero3_offload"]
+    assert died["status"] == "died" and "exited 9 inside it" in died["error"], died
+    after = rows["profile_ddp"]  # the case behind the crash, in a new process
+    assert after["status"] == "ok" and after["profile"]["ranks"], after.get("error")
     assert rows["fp16_ddp_grad_scaler"]["precision"] == "fp16"
     # Longformer's forward reads values: the meta-device count falls back, and the JSON says so
     assert rows["fp16_ddp_grad_scaler"]["flops_method"].startswith("estimate:")
