@@ -223,7 +223,7 @@ def _saved_bytes(
     """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
     train mode rejects one value per channel, which a small image pooled to 1x1 would give).
     `gathered_16bit`: FSDP's 16-bit all-gathers (strategies/fsdp.py mixed_precision_policy): the weights arrive
-    in 16 bits, so autocast saves no cast copy of them, and each BatchNorm, its own fp32 unit, casts its input up
+    in 16 bits, so autocast saves no cast copy of them, and each BatchNorm, in the norms' fp32 unit, casts its input up
     to fp32 (saving that) and hands back 16 bits; emulated here on the plain model."""
     from shardtrain.runtime.training_rng import aside
 

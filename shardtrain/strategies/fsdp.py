@@ -75,7 +75,7 @@ def _units(
 def mixed_precision_policy(policy: FSDPPolicy, precision: str) -> MixedPrecisionPolicy | None:
     """Under bf16/fp16 (the policy's mixed_precision, on by default): parameters all-gathered in 16 bits, where
     autocast would recast every fp32 weight per op anyway, and gradients reduce-scattered in fp32, so the sum
-    over ranks loses nothing. BatchNorm is its own fp32 unit (setup)."""
+    over ranks loses nothing. The BatchNorms share an fp32 unit (setup)."""
     if not policy.mixed_precision or precision == "fp32":
         return None
     return MixedPrecisionPolicy(param_dtype=DTYPES[precision], reduce_dtype=torch.float32)
@@ -164,12 +164,14 @@ class FSDPStrategy(NativeStrategy):
         low = DTYPES[self.precision]
         mp = mixed_precision_policy(self.policy, self.precision)
         units = _units(model, self.policy, self.block_classes(model), f"{type(self.workload).__name__}.block_classes()")
-        if mp:
-            # BatchNorm must see fp32 weights; its own unit keeps them so and hands back low precision.
+        norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        if mp and norms:
+            # BatchNorm must see fp32 weights: one unit of them all keeps them so and hands back low precision.
+            # One unit, not one each: a unit costs hooks, copies and a collective per pass, and ResNet-50's 53
+            # units of a few KB each made FSDP's step 3.5x DDP's on an H200 (benchmarks/results/gpu_suite.json).
             bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)
-            for m in model.modules():
-                if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                    fully_shard(m, mp_policy=bn_mp, **common)
+            fully_shard(norms, mp_policy=bn_mp, **common)
+        self.norm_units = int(bool(mp and norms))
         if self.cfg.train.compile != "none":
             # Per block, before sharding (torchtitan's order): FSDP2's all-gather / reduce-scatter hooks stay
             # outside the compiled regions and are scheduled as in eager mode.
@@ -200,6 +202,7 @@ class FSDPStrategy(NativeStrategy):
             "policy": self.policy.path,
             "sharding": self.policy.sharding,
             "units": self.unit_count,
+            "norm_units": self.norm_units,  # the fp32 unit all BatchNorms share under 16-bit parameters
             **wire_dtypes(self.policy, self.precision),
             "recompute_blocks": self.recompute_count,
             "blocks": self.block_count,

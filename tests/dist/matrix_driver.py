@@ -111,6 +111,8 @@ def main(plan_path: str, out_dir: str) -> int:
                         "params_trainable",
                         "param_dtype",
                         "reduce_dtype",
+                        "units",
+                        "norm_units",
                     )
                 },
                 **bn,
