@@ -8,6 +8,7 @@ full copy per job rather than one per rank.
 from __future__ import annotations
 
 import difflib
+import functools
 
 import torch
 from torch import nn
@@ -108,6 +109,14 @@ def materialise(model: nn.Module, device: torch.device, cpu_offload: bool) -> No
                     module._buffers[name] = buf.to(device)
 
 
+def _fp32_inputs(module, args):
+    return tuple(a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+
+
+def _output_in(dtype, module, args, output):
+    return output.to(dtype) if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+
 @torch.no_grad()
 def load_full_weights(model: nn.Module, full: dict[str, torch.Tensor], rank0: bool) -> None:
     """Rank 0's full weights (`full`: names as the model's) into every rank's shards and buffers, one tensor at a
@@ -171,6 +180,12 @@ class FSDPStrategy(NativeStrategy):
             # units of a few KB each made FSDP's step 3.5x DDP's on an H200 (benchmarks/results/gpu_suite.json).
             bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, output_dtype=low)
             fully_shard(norms, mp_policy=bn_mp, **common)
+            # torch 2.14.1 applies the unit's input and output casts at every norm of the group; FSDP2 releases
+            # whose group hooks fire only at the group's first forward and its last apply them there alone
+            # (read from their source). These make every norm see fp32 and hand back 16 bits on any release.
+            for m in norms:
+                m.register_forward_pre_hook(_fp32_inputs)
+                m.register_forward_hook(functools.partial(_output_in, low))
         self.norm_units = int(bool(mp and norms))
         if self.cfg.train.compile != "none":
             # Per block, before sharding (torchtitan's order): FSDP2's all-gather / reduce-scatter hooks stay
