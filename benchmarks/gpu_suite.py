@@ -31,6 +31,7 @@ the case's precision (shardtrain.memory.flops table: H100/H200 989, A100 312 TFL
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -570,14 +571,10 @@ def next_batch(pending: list[str], dry: bool, per_case: bool) -> list[str]:
     """The cases the next child process runs: the next case alone where it must be (or --per-case-process), else
     every pending case up to the next isolated one. On the H200 a process's first case took ~60 s of start-up and
     bookkeeping and each later one ~10 s, so one process per case fitted a third of the cases in a call."""
-    if per_case or (not dry and pending[0] in ISOLATED):
+    alone = set() if dry else ISOLATED  # the dry run's OOM case holds no ballast
+    if per_case or pending[0] in alone:
         return pending[:1]
-    batch = []
-    for name in pending:
-        if name in ISOLATED and not dry:
-            break
-        batch.append(name)
-    return batch
+    return list(itertools.takewhile(lambda name: name not in alone, pending))
 
 
 def watch_child(proc: subprocess.Popen, work: Path, case_timeout_s: float) -> bool:

@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-budget=300 case_timeout=240
+budget=300 case_timeout=240 dry=0
 args=("$@")
 for ((i = 0; i < ${#args[@]}; i++)); do
     case "${args[i]}" in
@@ -21,10 +21,9 @@ for ((i = 0; i < ${#args[@]}; i++)); do
         --budget-s=*) budget=${args[i]#*=} ;;
         --case-timeout-s) case_timeout=${args[i + 1]} ;;
         --case-timeout-s=*) case_timeout=${args[i]#*=} ;;
+        --dry-run) dry=1 ;;
     esac
 done
-dry=0
-for a in "$@"; do [ "$a" = "--dry-run" ] && dry=1; done
 # The wheels are the GPU machine's (Python 3.12): a CPU dry run here uses this machine's own packages.
 if [ "$dry" = 0 ] && compgen -G ".whl/*.whl" > /dev/null; then
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
