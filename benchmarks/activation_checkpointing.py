@@ -24,8 +24,8 @@ import torch  # noqa: E402
 from transformers import RobertaModel  # noqa: E402
 from transformers.models.roberta.modeling_roberta import RobertaLayer  # noqa: E402
 
+from shardtrain.builtin_workloads.networks.archs import KNOWN_TEXT_ARCHS, config_from_dict  # noqa: E402
 from shardtrain.memory.accounting import SavedActivations  # noqa: E402
-from shardtrain.models.archs import KNOWN_TEXT_ARCHS, config_from_dict  # noqa: E402
 from shardtrain.strategies.recompute import apply_activation_checkpointing  # noqa: E402
 
 

@@ -22,10 +22,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
 
+from shardtrain.builtin_workloads.networks import build_model  # noqa: E402
 from shardtrain.config.settings import Config, parse_cli  # noqa: E402
 from shardtrain.data import batch_to_device, build_datasets, build_tokenizer  # noqa: E402
 from shardtrain.data.splits import make_collator  # noqa: E402
-from shardtrain.models import build_model  # noqa: E402
 from shardtrain.strategies.optim import param_groups  # noqa: E402
 
 

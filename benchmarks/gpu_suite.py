@@ -242,8 +242,8 @@ def planner_prediction(cfg) -> dict:
 def flops_per_sample(cfg) -> tuple[float | None, str]:
     import torch
 
+    from shardtrain.builtin_workloads.networks import build_model
     from shardtrain.memory import flops
-    from shardtrain.models import build_model
 
     def factory(on_meta=True):
         with torch.device("meta"):

@@ -4,10 +4,10 @@
 
 Per model: bytes on disk (model.safetensors against model_int8.pt), peak RSS of a process that loads the export
 the way `shardtrain predict` does and predicts, and samples/s at batch 8. Random init at the real shapes (the
-transformers config classes, shardtrain/models/archs.py: no download). Every measurement is a fresh process; the
-fp32 and INT8 processes alternate (fp32 first in even rounds, INT8 first in odd ones) and the JSON keeps every
-round and the median. With --demo-run (the folder `make demo` trained) it also exports that run with --int8
---eval and records the validation accuracy / macro-F1 of both.
+transformers config classes, shardtrain/builtin_workloads/networks/archs.py: no download). Every measurement is
+a fresh process; the fp32 and INT8 processes alternate (fp32 first in even rounds, INT8 first in odd
+ones) and the JSON keeps every round and the median. With --demo-run (the folder `make demo` trained) it also
+exports that run with --int8 --eval and records the validation accuracy / macro-F1 of both.
 """
 
 from __future__ import annotations
@@ -64,8 +64,8 @@ def write_export(name: str, folder: Path) -> dict:
     import torch
     from safetensors.torch import save_file
 
+    from shardtrain.builtin_workloads.networks import build_model
     from shardtrain.checkpointing.export import EXPORT_META, INT8_FILE, save_int8
-    from shardtrain.models import build_model
 
     cfg = config(name)
     torch.manual_seed(0)

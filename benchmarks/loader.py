@@ -112,8 +112,8 @@ def train_rate(cfg, tok, datasets, steps: int) -> float:
     import torch
     import torch.nn.functional as F
 
+    from shardtrain.builtin_workloads.networks import build_model
     from shardtrain.data import batch_to_device, build_loaders
-    from shardtrain.models import build_model
 
     stream = build_loaders(cfg, tok, *datasets, 0, 1, "cpu").train
     torch.manual_seed(0)
@@ -180,8 +180,8 @@ def gpu_rates_at_target(cfg, tok) -> dict:
     suite), from counted FLOPs (no GPU needed)."""
     import torch
 
+    from shardtrain.builtin_workloads.networks import build_model
     from shardtrain.memory import flops
-    from shardtrain.models import build_model
 
     d = cfg.data
     batch = {

@@ -70,8 +70,8 @@ def _vocab_size(model_sd: dict) -> int | None:
 
 def rebuild_from_checkpoint(ckpt_dir: Path):
     """(model with the checkpoint's weights, Config of the run)."""
+    from shardtrain.builtin_workloads.networks import build_model
     from shardtrain.checkpointing.portable import read_portable
-    from shardtrain.models import build_model
 
     state = checkpoint.read_trainer_state(ckpt_dir)
     cfg = from_dict(run_config_dict(state), source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
@@ -401,7 +401,7 @@ def load_export(out: str | Path) -> nn.Module:
     """The fp32 model of an export (either model), ready for eval."""
     from safetensors.torch import load_file
 
-    from shardtrain.models import build_model_from_export
+    from shardtrain.builtin_workloads.networks import build_model_from_export
 
     out = Path(out)
     meta = json.loads((out / EXPORT_META).read_text())
@@ -433,7 +433,7 @@ def save_int8(model: nn.Module, path: Path) -> None:
 
 def load_int8(out: str | Path) -> nn.Module:
     """The INT8 model of an export with --int8: the architecture from config.json, the int8 weights assigned."""
-    from shardtrain.models import build_model_from_export
+    from shardtrain.builtin_workloads.networks import build_model_from_export
 
     out = Path(out)
     meta = json.loads((out / EXPORT_META).read_text())

@@ -7,13 +7,13 @@ import argparse
 import json
 import sys
 
-from shardtrain.config.settings import ConfigError, add_workload_flags, command_config, is_builtin_workload, validate
+from shardtrain.config.settings import ConfigError, add_workload_flags, command_config, validate
 from shardtrain.memory.planner import (
     GIB,
     GPUS,
-    arch_only,
     format_plan,
     format_workload_plan,
+    memory_model_of,
     plan,
     plan_workload,
     resolve_gpu,
@@ -63,14 +63,12 @@ def main(argv: list[str]) -> int:
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be positive, got {args.gpus}")
     gpu = resolve_gpu(args.gpu)
-    if not is_builtin_workload(cfg):
+    memory_model = memory_model_of(cfg)
+    if memory_model is None:
         p = plan_workload(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)
         print(json.dumps(p, indent=2) if args.json else format_workload_plan(p, gpu.name))
         return 0
-    # Only a text model missing from the offline table is read from the hub (its config, no weights).
-    from shardtrain.runtime.hub import check_hub_names
-
-    note = check_hub_names(arch_only(cfg), fields=("text_model",))
+    note = memory_model.check_offline()
     if note:
         print(f"shardtrain: {note}", file=sys.stderr)
     p = plan(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)

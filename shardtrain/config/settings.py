@@ -985,8 +985,8 @@ def logs_model_artifact(log: LogConfig) -> bool:
 
 # Built-in workloads by name. Strings, so that naming one imports nothing until it is chosen.
 BUILTIN_WORKLOADS = {
-    "multimodal": "shardtrain.workloads.multimodal:MultimodalWorkload",
-    "longformer": "shardtrain.workloads.longformer:LongformerWorkload",
+    "multimodal": "shardtrain.builtin_workloads.multimodal:MultimodalWorkload",
+    "longformer": "shardtrain.builtin_workloads.longformer:LongformerWorkload",
 }
 
 

@@ -17,7 +17,7 @@ import torch
 
 from shardtrain.checkpointing import store as checkpoint
 from shardtrain.checkpointing.final_model import export_final_model_if_missing, final_model_folder, write_final_model
-from shardtrain.config.settings import Config, is_builtin_workload, profile_range
+from shardtrain.config.settings import Config, profile_range
 from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.data.sources import check_resumed_labels
 from shardtrain.loop.best import BestCheckpoint, stopped_early
@@ -393,9 +393,10 @@ class Trainer:
     def _build_model(self) -> None:
         """Model, optimizer and schedule, built by the strategy: it decides where weights materialise."""
         cfg = self.cfg
-        self.predictable = is_builtin_workload(cfg)  # the planner knows the built-ins' architectures
-        # ... with the vocabulary their tokenizer was trained to.
-        self.vocab_size = len(self.workload.tokenizer) if self.predictable and not cfg.model.pretrained else None
+        # The planner predicts activations for a workload that says how to measure them, with its vocabulary.
+        memory_model = self.workload.memory_model()
+        self.predictable = memory_model is not None
+        self.vocab_size = memory_model.vocab()[0] if self.predictable else None
         self.model_factory = make_model_factory(self.workload, cfg.train.seed, self.device, self.startup)
         freeze = cfg.model.freeze_layers
         self.frozen = set(self.workload.freezable_parameter_names(freeze)) if freeze else set()

@@ -123,71 +123,41 @@ class ModelCount:
         return 8 * (self.params - self.frozen) if self.optimizer_state is None else self.optimizer_state
 
 
-def _vocab(cfg) -> int | None:
-    # For the activation measurement only: the vocabulary changes the embedding table (a parameter, not a
-    # saved tensor), so the configured size does as well as the trained tokenizer's and costs no training.
-    return None if cfg.model.pretrained or cfg.data.tokenizer else cfg.data.tokenizer_vocab_size
+def memory_model_of(cfg):
+    """The workload's answer to what the planner measures (Workload.memory_model()); None: it gives none, and
+    only its model states are planned (plan_workload)."""
+    from shardtrain.workloads.base import load_workload
+
+    return load_workload(cfg).memory_model()
+
+
+def _measured(cfg):
+    model = memory_model_of(cfg)
+    if model is None:
+        from shardtrain.config.settings import ConfigError, where, workload_target
+
+        raise ConfigError(
+            f"{where('workload')}: {workload_target(cfg)} has no memory_model(), so its activations cannot be "
+            f"measured; `shardtrain plan` plans its model states alone"
+        )
+    return model
 
 
 def run_vocab(cfg) -> tuple[int | None, str]:
-    """(vocab size, source) of the model train.py builds: the checkpoint's own when pretrained (None), else
-    len(tokenizer), which for a trained tokenizer can be well under tokenizer_vocab_size."""
-    from shardtrain.data.tokenizer import planned_vocab_size
-
-    if cfg.model.pretrained:
-        return None, f"{cfg.model.text_model}'s own"
-    return planned_vocab_size(cfg)
-
-
-def arch_only(cfg):
-    """The same architecture with nothing to load: the offline table stands in for hub configs it knows
-    (identical shapes), so plan works with no network and never downloads weights."""
-    from shardtrain.config.settings import replace_fields
-    from shardtrain.models import KNOWN_TEXT_ARCHS
-
-    m = cfg.model
-    changes: dict = {"image_weights": None}
-    if m.text_model in KNOWN_TEXT_ARCHS and not (Path(m.text_model) / "config.json").is_file():
-        changes["pretrained"] = False
-    if m.num_labels is None:
-        # Taken from the data when the run reads it (sources.py); the head is a few hundred parameters either way.
-        changes["num_labels"] = 2
-    return replace_fields(cfg, **changes)
+    """(vocab size, source) of the model the run builds: the checkpoint's own when pretrained (None), else
+    its tokenizer's length, which for a trained tokenizer can be well under tokenizer_vocab_size."""
+    return _measured(cfg).vocab()
 
 
 def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | None = None) -> ModelCount:
     """`vocab_size`: the run's tokenizer length when known (the banner); otherwise planned (run_vocab)."""
-    import torch
-
-    from shardtrain.models import build_model, text_config_for
-
+    model = _measured(cfg)
     if vocab_size is None:
-        vocab_size, _ = run_vocab(cfg)
-    cfg = arch_only(cfg)
-    with torch.device("meta"):
-        model = build_model(cfg.model, cfg.data, vocab_size, load_weights=False)
-    blocks = model.block_classes()
-    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, blocks)]
-    params = [p.numel() for p in model.parameters()]
-    text_cfg = text_config_for(cfg.model, cfg.data, vocab_size)
-    frozen = (
-        set(model.freezable_parameter_names(cfg.model.freeze_layers))
-        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None
-        else set()
-    )
-    return ModelCount(
-        params=sum(params),
-        largest_unit=max(units, default=max(params)),
-        small_params=sum(n for n in params if n < persistence_threshold),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        layers=text_cfg.num_hidden_layers,
-        blocks=len(units),
-        frozen=_frozen_count(model, frozen),
-        optimizer_state=_optimizer_state(cfg, model, frozen),
-    )
+        vocab_size, _ = model.vocab()
+    return model.count(persistence_threshold, vocab_size)
 
 
-def _optimizer_state(cfg, model, freeze_layers_names: set[str]) -> int:
+def optimizer_state(cfg, model, freeze_layers_names: set[str]) -> int:
     """--optim's state bytes for what trains (the frozen parameters have none)."""
     from shardtrain.strategies.optim import optim_state_bytes
 
@@ -197,20 +167,13 @@ def _optimizer_state(cfg, model, freeze_layers_names: set[str]) -> int:
     return optim_state_bytes(cfg.train.optim, trained)
 
 
-def _frozen_count(model, freeze_layers_names: set[str]) -> int:
+def frozen_count(model, freeze_layers_names: set[str]) -> int:
     """Parameters frozen for the whole run: those of freeze_layers (when nothing unfreezes them) and those
     the model is built frozen with (requires_grad False), which no strategy trains (strategies/base.py)."""
     return sum(p.numel() for name, p in model.named_parameters() if name in freeze_layers_names or not p.requires_grad)
 
 
 # ---- activations, measured at small shapes -------------------------------------------------------------------
-def _with_layers(cfg, n: int):
-    from shardtrain.config.settings import replace_fields
-
-    c = arch_only(cfg)
-    return replace_fields(c, text_config={**c.model.text_config, "num_hidden_layers": n})
-
-
 def _saved_bytes(
     cfg,
     seq_len: int,
@@ -219,6 +182,7 @@ def _saved_bytes(
     batch: int = 2,
     gathered_16bit: bool = False,
     ds_linear: bool = False,
+    layers: int | None = None,
 ) -> int:
     """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
     train mode rejects one value per channel, which a small image pooled to 1x1 would give).
@@ -230,7 +194,7 @@ def _saved_bytes(
     # Seeded, so a measurement is the same every time, and aside: the model and inputs it draws must not move
     # the training stream of the run whose banner this is (runtime/training_rng.py).
     with aside(seed=0), _linear_of(ds_linear):
-        return _measure_saved_bytes(cfg, seq_len, recompute, precision, batch, gathered_16bit)
+        return _measured(cfg).saved_bytes(layers, seq_len, recompute, precision, batch, gathered_16bit)
 
 
 @contextlib.contextmanager
@@ -268,47 +232,6 @@ def _saves_like_deepspeeds_linear(linear):
     return SavesItsInput.apply
 
 
-def _measure_saved_bytes(cfg, seq_len: int, recompute: bool, precision: str, batch: int, gathered_16bit: bool) -> int:
-    import torch
-    import torch.nn.functional as F
-
-    from shardtrain.memory.accounting import SavedActivations
-    from shardtrain.models import build_model
-    from shardtrain.strategies.recompute import apply_activation_checkpointing
-
-    model = build_model(cfg.model, cfg.data, _vocab(cfg) or None, load_weights=False)
-    model.train()
-    if recompute:
-        apply_activation_checkpointing(model, model.block_classes())
-    if gathered_16bit and precision != "fp32":
-        low = torch.bfloat16
-        for m in model.modules():
-            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
-                m.register_forward_pre_hook(lambda mod, args: tuple(a.float() for a in args))
-                m.register_forward_hook(lambda mod, args, out: out.to(low))
-            else:
-                for _name, p in m.named_parameters(recurse=False):
-                    p.data = p.data.to(low)
-    vocab = model.text_cfg.vocab_size
-    inputs = {
-        "input_ids": torch.randint(3, vocab, (batch, seq_len)),
-        "attention_mask": torch.ones(batch, seq_len, dtype=torch.long),
-    }
-    if "pixel_values" in model.batch_keys:
-        size = cfg.data.image_size
-        inputs["pixel_values"] = torch.randn(batch, 3, size, size)
-    amp = torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32" else torch.autocast("cpu", enabled=False)
-    # Forward + loss only: what is saved for backward is known once the forward is done, and no backward runs
-    # (the hooks hold the saved tensors, not the graph, so dropping the outputs releases them).
-    with SavedActivations(backward=False) as saved, amp:
-        logits = model(**inputs)
-        loss = F.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long))
-    # Reference counting frees the model and its saved tensors here; no gc.collect(): a full collection walks
-    # every object torch and transformers hold (0.2-0.6 s each, six times per banner prediction).
-    del loss, logits, model
-    return saved.bytes
-
-
 def _fit_quadratic(xs: list[int], ys: list[float]):
     """Exact quadratic through three points (Lagrange form): bytes as a function of sequence length."""
     (x0, x1, x2), (y0, y1, y2) = xs, ys
@@ -330,16 +253,11 @@ def _fit_line(xs: list[int], ys: list[float]):
 
 
 def _window(cfg) -> int | None:
-    return cfg.model.attention_window if cfg.model.name == "longformer" else None
+    return _measured(cfg).pad_multiple()
 
 
 def sample_lengths(cfg, seq_len: int) -> list[int]:
-    w = _window(cfg)
-    if w:  # Longformer pads to whole windows; linear from 2 windows on (see the module docstring)
-        return [2 * w, 3 * w]
-    top = min(seq_len, 512)
-    pts = sorted({max(4, top // 4), max(6, top // 2), max(8, top)})
-    return pts if len(pts) == 3 else [4, 6, 8]
+    return _measured(cfg).sample_lengths(seq_len)
 
 
 @functools.lru_cache(maxsize=32)
@@ -358,10 +276,9 @@ def _activation_model(
     cfg = from_dict(json.loads(cfg_json))
     per_sample, per_forward = {}, {}
     for n in (1, 2):
-        c = _with_layers(cfg, n)
-        how = {"gathered_16bit": gathered_16bit, "ds_linear": ds_linear}
-        at2 = [_saved_bytes(c, length, recompute, precision, **how) for length in lengths]
-        per_forward[n] = max(0, 2 * at2[0] - _saved_bytes(c, lengths[0], recompute, precision, batch=4, **how))
+        how = {"gathered_16bit": gathered_16bit, "ds_linear": ds_linear, "layers": n}
+        at2 = [_saved_bytes(cfg, length, recompute, precision, **how) for length in lengths]
+        per_forward[n] = max(0, 2 * at2[0] - _saved_bytes(cfg, lengths[0], recompute, precision, batch=4, **how))
         per_sample[n] = [(b - per_forward[n]) / 2 for b in at2]
     per_layer = [b - a for a, b in zip(per_sample[1], per_sample[2])]
     fixed = [a - p for a, p in zip(per_sample[1], per_layer)]
@@ -392,7 +309,7 @@ def activation_bytes(
     if w:
         seq_len = -(-seq_len // w) * w
     d = cfg.to_dict()
-    cfg_json = json.dumps({k: v for k, v in d.items() if k in ("model", "data")}, sort_keys=True)
+    cfg_json = json.dumps({k: v for k, v in d.items() if k in ("workload", "model", "data")}, sort_keys=True)
     lengths = tuple(sample_lengths(cfg, planned_length or seq_len))
 
     def saved(checkpointed: bool) -> float:
@@ -899,8 +816,8 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         layers=0,
         blocks=len(units),
-        frozen=_frozen_count(model, frozen),
-        optimizer_state=_optimizer_state(cfg, model, frozen),
+        frozen=frozen_count(model, frozen),
+        optimizer_state=optimizer_state(cfg, model, frozen),
     ), name
 
 

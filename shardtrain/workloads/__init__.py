@@ -1,6 +1,6 @@
-"""The public Workload API (base.py) and its pre-launch check (check.py), and the two built-ins that use it as
-any user's workload would: `multimodal` and `longformer`.
+"""The public Workload API (base.py), `--peft lora` on any workload's model (adapters.py) and the pre-launch
+check of a workload's data (check.py).
 
-The loop and the strategies import only base.py; `workload: multimodal` (or model.name, as configs written
-before workloads said it) is looked up by name in shardtrain.config.settings.BUILTIN_WORKLOADS.
+The loop, the strategies and the planner see a model only through base.py; the built-ins use it from
+shardtrain/builtin_workloads/, where `workload: multimodal` is looked up by name.
 """

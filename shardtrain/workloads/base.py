@@ -114,6 +114,20 @@ class Workload:
             f"freezable_parameter_names(n), so shardtrain does not know which layers are the lower ones"
         )
 
+    def memory_model(self):
+        """What `shardtrain plan` and the banner's prediction measure of this model before anything is built on a
+        device; None (the default): only its model states are planned, counted from build_model on the meta
+        device, and its activations are not predicted. An object with these methods:
+            vocab() -> (vocab size or None, where it comes from)
+            count(persistence_threshold, vocab_size) -> shardtrain.memory.planner.ModelCount
+            saved_bytes(layers, seq_len, recompute, precision, batch, gathered_16bit) -> bytes one forward + loss
+                saves for backward on CPU, with `layers` repeated layers (None: as configured)
+            sample_lengths(seq_len) -> the lengths to measure at (two fit a line, three a quadratic)
+            pad_multiple() -> texts are padded to multiples of this many tokens, or None
+            check_offline() -> a note on what reading the architecture needs from the hub, or None
+        The built-ins' is shardtrain/builtin_workloads/memory_model.py."""
+        return None
+
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """model.safetensors (a PeftModel: peft's own adapter files, which PeftModel.from_pretrained loads), and
         workload.json: the workload's target and args, which rebuild the model. A transformers model's

@@ -135,7 +135,7 @@ def write_weights(cfg, run_dir: Path) -> dict:
     from safetensors.torch import save_file
     from transformers import AutoTokenizer
 
-    from shardtrain.models import build_model
+    from shardtrain.builtin_workloads.networks import build_model
 
     vocab = None if cfg.model.pretrained else len(AutoTokenizer.from_pretrained(str(run_dir / "tokenizer")))
     torch.manual_seed(cfg.train.seed)

@@ -80,8 +80,8 @@ def test_exported_files_get_the_umask_mode_and_export_is_quiet(mm_data, tmp_path
     import torch
     from torchao.quantization import Int8Tensor
 
+    from shardtrain.builtin_workloads.networks import build_model_from_export
     from shardtrain.checkpointing.export import load_int8
-    from shardtrain.models import build_model_from_export
 
     model = build_model_from_export(json.loads((export / "config.json").read_text()))
     model.load_state_dict(torch.load(export / "model_int8.pt", weights_only=True), assign=True)

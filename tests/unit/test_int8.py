@@ -9,9 +9,9 @@ import warnings
 import pytest
 import torch
 
+from shardtrain.builtin_workloads.networks import build_model
 from shardtrain.checkpointing.export import load_int8_weights, save_int8
 from shardtrain.config.settings import ConfigError, parse_cli
-from shardtrain.models import build_model
 
 
 @pytest.fixture

@@ -209,8 +209,8 @@ def test_the_activation_measurement_frees_its_models_without_a_full_collection(m
     import gc
     import weakref
 
+    from shardtrain.builtin_workloads.networks import build_model
     from shardtrain.memory import planner
-    from shardtrain.models import build_model
 
     built = []
 
@@ -219,7 +219,7 @@ def test_the_activation_measurement_frees_its_models_without_a_full_collection(m
         built.append(weakref.ref(model))
         return model
 
-    monkeypatch.setattr("shardtrain.models.build_model", recording_build)
+    monkeypatch.setattr("shardtrain.builtin_workloads.networks.build_model", recording_build)
     monkeypatch.setattr(gc, "collect", lambda *a: pytest.fail("a full garbage collection in the prediction"))
     for config in ("configs/longformer_tiny.yaml", "configs/multimodal_tiny.yaml"):
         cfg = parse_cli(["--config", str(REPO / config)])
@@ -234,8 +234,8 @@ def test_zero3_activations_are_measured_with_deepspeeds_linear():
     import torch.nn.functional as F
     from deepspeed.runtime.zero.linear import zero3_linear_wrap
 
+    from shardtrain.builtin_workloads.networks import build_model
     from shardtrain.memory.planner import activation_bytes, count_model, gpu_bytes
-    from shardtrain.models import build_model
 
     cfg = parse_cli(["--config", str(REPO / "configs/longformer_tiny.yaml"), "--data-dir", "/nonexistent"])
     m = count_model(cfg)

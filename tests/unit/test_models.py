@@ -1,4 +1,4 @@
-"""Tiny, CPU-only checks of shardtrain.models (no hub, no downloads)."""
+"""Tiny, CPU-only checks of shardtrain.builtin_workloads.networks (no hub, no downloads)."""
 
 import json
 from dataclasses import replace
@@ -8,8 +8,8 @@ import torch
 import torchvision
 from safetensors.torch import save_file
 
+from shardtrain.builtin_workloads.networks import batchnorm_modules, build_model, build_model_from_export
 from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig
-from shardtrain.models import batchnorm_modules, build_model, build_model_from_export
 
 TINY_TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 VOCAB = 300

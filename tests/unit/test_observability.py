@@ -242,8 +242,8 @@ def test_the_hf_text_encoder_is_counted_not_estimated():
     fusion model gets its real FLOPs, not the 6 x params x tokens fallback (which is off for a CNN)."""
     import torch
 
+    from shardtrain.builtin_workloads.networks import build_model
     from shardtrain.config.settings import parse_cli
-    from shardtrain.models import build_model
 
     cfg = parse_cli(["--config", "configs/multimodal_tiny.yaml"])
 

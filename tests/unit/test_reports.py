@@ -260,7 +260,7 @@ quantize(nn.Sequential(nn.Linear(8, 8)))
 
 # a pretrained text model whose pooler the multimodal model leaves out
 from shardtrain.config.settings import parse_cli, replace_fields
-from shardtrain.models import build_model
+from shardtrain.builtin_workloads.networks import build_model
 cfg = parse_cli(["--config", "configs/multimodal_tiny.yaml"])
 text = build_model(cfg.model, cfg.data, vocab_size=1000, load_weights=False).text
 transformers.RobertaModel(text.config).save_pretrained(tmp + "/text")  # with its pooler

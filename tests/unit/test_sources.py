@@ -319,7 +319,7 @@ def test_save_to_disk_folders_and_embedded_images_train_from_bytes_or_the_image_
 
 
 def test_label_names_fix_the_order_and_reach_the_hf_config_of_an_export(tmp_path):
-    from shardtrain.models import text_config_for
+    from shardtrain.builtin_workloads.networks import text_config_for
 
     f = write_csv(tmp_path / "t.csv", ["text", "label"], [["a", "pos"], ["b", "neg"], ["c", "neutral"]])
     cfg = config(train_file=str(f), validation_file=str(f), label_names=["neg", "neutral", "pos"])

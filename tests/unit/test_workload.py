@@ -102,7 +102,9 @@ def test_loop_and_strategies_use_only_the_public_api(path):
     # The Workload API: base.py, and adapters.py (what --peft lora does to any workload's model).
     public = ("shardtrain.workloads.base", "shardtrain.workloads.adapters")
     private = sorted(
-        m for m in imports if m.startswith(("shardtrain.workloads", "shardtrain.models")) and not m.startswith(public)
+        m
+        for m in imports
+        if m.startswith(("shardtrain.workloads", "shardtrain.builtin_workloads.networks")) and not m.startswith(public)
     )
     assert not private, f"{path.name} imports {private}: the built-ins must come through shardtrain.workloads.base"
     named = sorted({w for w in words if "multimodal" in w.lower() or "longformer" in w.lower()})
@@ -258,7 +260,7 @@ def test_freezing_without_freezable_parameter_names_says_what_is_missing():
     ],
 )
 def test_builtin_blocks_are_the_models_own(name, overrides):
-    from shardtrain.models import build_model
+    from shardtrain.builtin_workloads.networks import build_model
 
     cfg = from_dict(
         {

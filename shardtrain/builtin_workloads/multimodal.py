@@ -6,8 +6,8 @@ from torchvision.models.densenet import _DenseBlock
 from torchvision.models.resnet import BasicBlock, Bottleneck
 from transformers.models.roberta.modeling_roberta import RobertaLayer
 
-from shardtrain.models.multimodal import IMAGE_ARCHS
-from shardtrain.workloads.builtin import JsonlWorkload
+from shardtrain.builtin_workloads.jsonl_workload import JsonlWorkload
+from shardtrain.builtin_workloads.networks.multimodal import IMAGE_ARCHS
 
 _BLOCKS = {"BasicBlock": BasicBlock, "Bottleneck": Bottleneck}
 

@@ -11,8 +11,8 @@ import dataclasses
 
 from torch import nn
 
+from shardtrain.builtin_workloads.networks.archs import KNOWN_TEXT_ARCHS, text_config_for
 from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig
-from shardtrain.models.archs import KNOWN_TEXT_ARCHS, text_config_for
 
 __all__ = [
     "build_model",
@@ -33,10 +33,10 @@ def build_model(
     if not load_weights:
         mcfg = dataclasses.replace(mcfg, pretrained=False, image_weights=None)
     if mcfg.name == "longformer":
-        from shardtrain.models.longformer import LongformerClassifier
+        from shardtrain.builtin_workloads.networks.longformer import LongformerClassifier
 
         return LongformerClassifier(mcfg, text_cfg)
-    from shardtrain.models.multimodal import MultimodalClassifier
+    from shardtrain.builtin_workloads.networks.multimodal import MultimodalClassifier
 
     return MultimodalClassifier(mcfg, text_cfg)
 
@@ -44,9 +44,9 @@ def build_model(
 def build_model_from_export(d: dict) -> nn.Module:
     """Rebuild the architecture (random init, no hub access) from `model.export_config()`; load weights after."""
     if d.get("name") == "longformer":
-        from shardtrain.models.longformer import rebuild
+        from shardtrain.builtin_workloads.networks.longformer import rebuild
     elif d.get("name") == "multimodal":
-        from shardtrain.models.multimodal import rebuild
+        from shardtrain.builtin_workloads.networks.multimodal import rebuild
     else:
         raise ConfigError(f"exported model config: unknown model name {d.get('name')!r}")
     return rebuild(d)

@@ -33,6 +33,7 @@ class JsonlWorkload(Workload):
         self._collator = None
         self._train_texts = None  # a source's training text, for the BPE a random-init model trains
         self._labels = None
+        self._data_read = False
 
     @property
     def tokenizer(self):
@@ -93,6 +94,7 @@ class JsonlWorkload(Workload):
                         else f"tokenised and cached in {done.cache_file.parent}"
                     )
                     print(f"{split}: {len(ds):,} token sequences {how} in {done.seconds:.2f}s", flush=True)
+        self._data_read = True
         return train, validation
 
     def labels(self) -> ClassLabels | None:
@@ -106,12 +108,19 @@ class JsonlWorkload(Workload):
         return self._collator(samples)
 
     def build_model(self) -> nn.Module:
-        from shardtrain.models import build_model
+        from shardtrain.builtin_workloads.networks import build_model
 
         vocab_size = None if self.cfg.model.pretrained else len(self.tokenizer)
         # On the meta device (ranks that receive their weights from rank 0) nothing is loaded from the hub.
         on_meta = torch.get_default_device().type == "meta"
         return build_model(self.cfg.model, self.cfg.data, vocab_size, load_weights=self.loads_weights and not on_meta)
+
+    def memory_model(self):
+        from shardtrain.builtin_workloads.memory_model import BuiltinMemoryModel
+
+        # The run's tokenizer once datasets() has read the data (the banner counts the run's own vocabulary);
+        # before that (`shardtrain plan`) the vocabulary is planned, and nothing is trained into the run's folder.
+        return BuiltinMemoryModel(self.cfg, self.tokenizer if self._data_read else None)
 
     def freezable_parameter_names(self, n: int) -> list[str]:
         with torch.device("meta"):

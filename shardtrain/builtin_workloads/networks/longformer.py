@@ -7,9 +7,9 @@ from torch import nn
 from transformers import LongformerForSequenceClassification, PretrainedConfig
 from transformers.models.longformer.modeling_longformer import LongformerLayer
 
+from shardtrain.builtin_workloads.networks.archs import config_from_dict, load_pretrained
+from shardtrain.builtin_workloads.networks.multimodal import present_classes
 from shardtrain.config.settings import ModelConfig
-from shardtrain.models.archs import config_from_dict, load_pretrained
-from shardtrain.models.multimodal import present_classes
 
 
 class LongformerClassifier(nn.Module):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers.models.longformer.modeling_longformer import LongformerLayer
 
-from shardtrain.workloads.builtin import JsonlWorkload
+from shardtrain.builtin_workloads.jsonl_workload import JsonlWorkload
 
 
 class LongformerWorkload(JsonlWorkload):

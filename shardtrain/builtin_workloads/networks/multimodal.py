@@ -14,8 +14,8 @@ from torchvision.models.resnet import BasicBlock, Bottleneck, ResNet
 from transformers import PretrainedConfig, RobertaModel
 from transformers.models.roberta.modeling_roberta import RobertaLayer
 
+from shardtrain.builtin_workloads.networks.archs import config_from_dict, load_pretrained
 from shardtrain.config.settings import ConfigError, ModelConfig, where
-from shardtrain.models.archs import config_from_dict, load_pretrained
 
 # Constructor defaults of the torchvision builders; image_config overrides them. Calling ResNet/DenseNet
 # directly (not resnet50(**kw)) is what lets image_config change `layers` or `block_config`.
