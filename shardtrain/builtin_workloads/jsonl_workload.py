@@ -122,6 +122,16 @@ class JsonlWorkload(Workload):
         # before that (`shardtrain plan`) the vocabulary is planned, and nothing is trained into the run's folder.
         return BuiltinMemoryModel(self.cfg, self.tokenizer if self._data_read else None)
 
+    def export_checkpoint(self, ckpt_dir: Path, out_dir: Path, int8: bool) -> dict:
+        from shardtrain.builtin_workloads.export import export_builtin
+
+        return export_builtin(ckpt_dir, out_dir, int8)
+
+    def load_exported(self, out_dir: Path, int8: bool) -> nn.Module:
+        from shardtrain.builtin_workloads.export import load_builtin_export
+
+        return load_builtin_export(out_dir, int8)
+
     def freezable_parameter_names(self, n: int) -> list[str]:
         with torch.device("meta"):
             return self.build_model().freezable_parameter_names(n)

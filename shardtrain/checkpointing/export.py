@@ -61,52 +61,6 @@ def _refuse_older_than_run(run: Path, found: Path, asked: Path) -> None:
         )
 
 
-def _vocab_size(model_sd: dict) -> int | None:
-    for k, v in model_sd.items():
-        if k.endswith("embeddings.word_embeddings.weight"):
-            return v.shape[0]
-    return None
-
-
-def rebuild_from_checkpoint(ckpt_dir: Path):
-    """(model with the checkpoint's weights, Config of the run)."""
-    from shardtrain.builtin_workloads.networks import build_model
-    from shardtrain.checkpointing.portable import read_portable
-
-    state = checkpoint.read_trainer_state(ckpt_dir)
-    cfg = from_dict(run_config_dict(state), source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
-    weights = read_portable(ckpt_dir)["model"]
-    base = state.get("base")
-    if base is None:
-        model = build_model(cfg.model, cfg.data, _vocab_size(weights), load_weights=False)
-    else:  # a LoRA run's adapters only: the base rebuilt as training built it (seed, vocabulary, weights)
-        from shardtrain.runtime.training_rng import aside
-
-        vocab = None if cfg.model.pretrained else len(run_tokenizer(cfg, ckpt_dir.parent.parent))
-        with aside(seed=cfg.train.seed):
-            model = build_model(cfg.model, cfg.data, vocab, load_weights=True)
-    if cfg.peft.peft:  # trained with adapters: their names, then folded in (a built-in exports the plain model)
-        from shardtrain.workloads.adapters import base_fingerprint, check_same_base, frozen_base, with_lora
-
-        model = with_lora(model, cfg.peft, cfg.model.name)
-        check_same_base(base, base_fingerprint(model), f"export {ckpt_dir}", cfg.model.name)
-        if base is not None:
-            weights = {**{k: v for k, v in model.state_dict().items() if k in frozen_base(model)}, **weights}
-    own = model.state_dict()
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
-    shapes = [k for k in set(own) & set(weights) if tuple(own[k].shape) != tuple(weights[k].shape)]
-    if missing or unexpected or shapes:
-        raise ConfigError(
-            f"export {ckpt_dir}: weights do not fit the model in its config: missing {missing[:4]}, "
-            f"unexpected {unexpected[:4]}, shape mismatches {sorted(shapes)[:4]}"
-        )
-    model.load_state_dict(weights, strict=True)
-    if cfg.peft.peft:
-        model = model.merge_and_unload()
-    return model.eval(), cfg
-
-
 def export_checkpoint(
     ckpt: str | Path,
     out: str | Path,
@@ -171,40 +125,11 @@ def export_folder(out: Path, keep_others: bool = False):
 
 
 def _export(ckpt_dir: Path, out: Path, int8, workload, workload_args, evaluate, merge) -> dict:
-    from shardtrain.config.settings import is_builtin_workload
-
     state = checkpoint.read_trainer_state(ckpt_dir)
     run_cfg = from_dict(run_config_dict(state), source=f"{ckpt_dir}/{checkpoint.TRAINER_STATE}")
     if workload is not None or workload_args is not None:
         run_cfg = _with_workload(run_cfg, workload, workload_args)
-    if not is_builtin_workload(run_cfg):
-        return export_workload(ckpt_dir, run_cfg, out, int8, evaluate, merge)
-    model, cfg = rebuild_from_checkpoint(ckpt_dir)
-    info = {
-        "checkpoint": str(ckpt_dir),
-        "model": cfg.model.name,
-        "export_config": model.export_config(),
-        **label_maps(cfg),
-        "config": cfg.to_dict(),
-    }  # the run's data settings: `predict` reads them
-    if cfg.model.name == "longformer":
-        # config.json + model.safetensors; the HF config has the run's id2label/label2id (models/archs.py)
-        save_hf_quietly(model.hf, out)
-    else:
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-        (out / "config.json").write_text(json.dumps({**model.export_config(), **label_maps(cfg)}, indent=1))
-    normal_mode(out / "model.safetensors")
-    save_tokenizer(run_tokenizer(cfg, ckpt_dir.parent.parent), cfg.data.max_length, out)
-    info["bytes_fp32"] = (out / "model.safetensors").stat().st_size
-    if int8:
-        save_int8(model.hf if cfg.model.name == "longformer" else model, out / INT8_FILE)
-        normal_mode(out / INT8_FILE)
-        info["bytes_int8"] = (out / INT8_FILE).stat().st_size
-        info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
-    (out / EXPORT_META).write_text(json.dumps(info, indent=1))
-    return info
+    return export_workload(ckpt_dir, run_cfg, out, int8, evaluate, merge)
 
 
 def run_tokenizer(cfg, run_dir: Path):
@@ -300,8 +225,9 @@ def load_fitting_weights(model: nn.Module, weights: dict, workload, what: str, b
 
 
 def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool = False, merge: bool = False) -> dict:
-    """A user's workload: its model rebuilt as training built it (same seed), the checkpoint's weights loaded,
-    then written by Workload.export (by default model.safetensors + workload.json)."""
+    """The workload's own export from the checkpoint's folder when it has one (Workload.export_checkpoint: the
+    built-ins), else its model rebuilt as training built it (same seed), the checkpoint's weights loaded, then
+    written by Workload.export (by default model.safetensors + workload.json)."""
     from shardtrain.checkpointing.portable import read_portable
     from shardtrain.config.settings import add_import_paths
     from shardtrain.runtime.training_rng import aside
@@ -313,6 +239,10 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     root = (state.get("resolved") or {}).get("workload_import_root")
     with_import_root(root)  # after the working directory and PYTHONPATH: where training imported it from
     workload = load_workload(cfg)
+    own = workload.export_checkpoint(ckpt_dir, out, int8)
+    if own is not None:
+        (out / EXPORT_META).write_text(json.dumps(own, indent=1))
+        return own
     with aside(seed=cfg.train.seed):  # the caller's random numbers (shardtrain.fit's, a notebook's) stay as they were
         model = workload.build_model()
     base = state.get("base")  # a LoRA run's checkpoint leaves it out: build_model loaded it (above)
@@ -398,19 +328,9 @@ def _umask() -> int:
 
 # ---- loading exports ---------------------------------------------------------------------------------
 def load_export(out: str | Path) -> nn.Module:
-    """The fp32 model of an export (either model), ready for eval."""
-    from safetensors.torch import load_file
-
-    from shardtrain.builtin_workloads.networks import build_model_from_export
-
-    out = Path(out)
-    meta = json.loads((out / EXPORT_META).read_text())
-    model = build_model_from_export(meta["export_config"])
-    sd = load_file(str(out / "model.safetensors"))
-    if meta["model"] == "longformer":
-        sd = {f"hf.{k}": v for k, v in sd.items()}
-    model.load_state_dict(sd, strict=True)
-    return model.eval()
+    """The fp32 model of an export whose workload reads its own layout back (Workload.load_exported: the
+    built-ins), ready for eval."""
+    return _load_exported(Path(out), int8=False)
 
 
 def quantize(model: nn.Module) -> nn.Module:
@@ -432,14 +352,30 @@ def save_int8(model: nn.Module, path: Path) -> None:
 
 
 def load_int8(out: str | Path) -> nn.Module:
-    """The INT8 model of an export with --int8: the architecture from config.json, the int8 weights assigned."""
-    from shardtrain.builtin_workloads.networks import build_model_from_export
+    """The INT8 model of an export with --int8 (Workload.load_exported): the architecture, the int8 weights assigned."""
+    return _load_exported(Path(out), int8=True)
 
-    out = Path(out)
-    meta = json.loads((out / EXPORT_META).read_text())
-    model = build_model_from_export(meta["export_config"])
-    load_int8_weights(model.hf if meta["model"] == "longformer" else model, out / INT8_FILE)
+
+def _load_exported(out: Path, int8: bool) -> nn.Module:
+    from shardtrain.workloads.base import load_workload
+
+    workload = load_workload(exported_config(out))
+    model = workload.load_exported(out, int8)
+    if model is None:
+        raise ConfigError(
+            f"{out}: {type(workload).__name__}'s export is read back with its build_model() and "
+            f"{INT8_FILE if int8 else 'model.safetensors'} (load_int8_weights, safetensors' load_file), or by "
+            f"`shardtrain predict {out}`"
+        )
     return model.eval()
+
+
+def exported_config(out: Path):
+    """The run's config an export recorded (exports older than that named only the model)."""
+    meta = json.loads((out / EXPORT_META).read_text())
+    if "config" in meta:
+        return from_dict(meta["config"], source=str(out / EXPORT_META))
+    return from_dict({"model": {"name": meta["model"]}}, source=str(out / EXPORT_META))
 
 
 def load_int8_weights(model: nn.Module, path: Path) -> nn.Module:

@@ -314,12 +314,12 @@ def _export_source(path: Path, args, given: dict) -> Source:
     def load_model():
         from shardtrain.checkpointing import export
 
-        if args.int8 and "model" in meta:
-            return export.load_int8(path)
-        if args.int8:  # a user's workload: its architecture, the int8 weights assigned (torchao's documented load)
+        file = path / (export.INT8_FILE if args.int8 else "model.safetensors")
+        own = _readable(lambda: workload.load_exported(path, args.int8), file)  # a layout of the workload's own
+        if own is not None:
+            return own.eval()
+        if args.int8:  # the workload's architecture, the int8 weights assigned (torchao's documented load)
             return export.load_int8_weights(_build(workload, cfg), path / export.INT8_FILE)
-        if "model" in meta:  # a built-in's export
-            return _readable(lambda: export.load_export(path), path / "model.safetensors")
         from safetensors.torch import load_file
 
         from shardtrain.checkpointing.export import load_fitting_weights

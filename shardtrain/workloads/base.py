@@ -128,6 +128,17 @@ class Workload:
         The built-ins' is shardtrain/builtin_workloads/memory_model.py."""
         return None
 
+    def export_checkpoint(self, ckpt_dir: Path, out_dir: Path, int8: bool) -> dict | None:
+        """`shardtrain export` in a layout of the workload's own, which needs more than the model (the run's files
+        beside the checkpoint, such as its tokenizer): write it into out_dir and return what
+        shardtrain_export.json records. None (the default): build_model, the checkpoint's weights, export()."""
+        return None
+
+    def load_exported(self, out_dir: Path, int8: bool) -> nn.Module | None:
+        """The model of an export that export_checkpoint wrote (load_export / load_int8, `predict`); None (the
+        default): predict rebuilds it with build_model and loads the export's weights."""
+        return None
+
     def export(self, model: nn.Module, out_dir: Path) -> None:
         """model.safetensors (a PeftModel: peft's own adapter files, which PeftModel.from_pretrained loads), and
         workload.json: the workload's target and args, which rebuild the model. A transformers model's
