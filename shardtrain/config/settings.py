@@ -29,56 +29,91 @@ class RecomputeSetting:
     """The type of activation_checkpointing: true, false, auto or every-N (config/recompute.py)."""
 
 
-def setting(default: Any, help: str) -> Any:
+def setting(default: Any, help: str, compared_as: str | None = None, read_by: str | None = None) -> Any:
     """A config field and its one-line description: the one text `train --help` shows for it (with the YAML key
-    and the default, added there)."""
+    and the default, added there). `compared_as`: the field is a workload setting that `compare` and `parity`
+    check runs for, under this name (observability/comparable.py); `read_by`: only runs of this model.name read
+    it, so only theirs are compared."""
+    metadata = {"help": help, "compared_as": compared_as, "read_by": read_by}
     if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: copy.deepcopy(default), metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def compared_fields(section: type) -> list[tuple[str, str, str | None]]:
+    """(field, the name compare shows, the model.name that alone reads it) of a section's compared settings."""
+    return [
+        (f.name, f.metadata["compared_as"], f.metadata["read_by"])
+        for f in dataclasses.fields(section)
+        if f.metadata.get("compared_as")
+    ]
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     name: Literal["multimodal", "longformer"] = setting(
-        "multimodal", "the built-in model: multimodal (text + image fusion) or longformer (long documents)"
+        "multimodal",
+        "the built-in model: multimodal (text + image fusion) or longformer (long documents)",
+        compared_as="model",
     )
-    text_model: str = setting("roberta-base", "the text encoder: a Hugging Face hub name or a local folder")
+    text_model: str = setting(
+        "roberta-base", "the text encoder: a Hugging Face hub name or a local folder", compared_as="text model"
+    )
     # With pretrained=false the architecture alone is used (random init): the tests' tiny models.
     pretrained: bool = setting(
-        True, "load the text model's pretrained weights; false: its architecture, randomly initialised"
+        True,
+        "load the text model's pretrained weights; false: its architecture, randomly initialised",
+        compared_as="pretrained weights",
     )
     text_config: dict = setting(
-        {}, 'overrides of the text model\'s Hugging Face config, as JSON, e.g. {"num_hidden_layers": 2}'
+        {},
+        'overrides of the text model\'s Hugging Face config, as JSON, e.g. {"num_hidden_layers": 2}',
+        compared_as="text model config",
     )
     image_model: Literal["resnet50", "resnet18", "densenet121"] = setting(
-        "resnet50", "the image encoder (torchvision) of the multimodal model"
+        "resnet50", "the image encoder (torchvision) of the multimodal model", "image model", "multimodal"
     )
     image_weights: Optional[str] = setting(
         None,
         "the image encoder's weights: a torchvision weights name (e.g. "
         "IMAGENET1K_V2) or a local .pth/.safetensors file; unset: random init",
+        compared_as="image weights",
+        read_by="multimodal",
     )
     image_config: dict = setting(
-        {}, 'overrides of the torchvision constructor, as JSON, e.g. {"layers": [1,1,1,1]} or DenseNet\'s block_config'
+        {},
+        'overrides of the torchvision constructor, as JSON, e.g. {"layers": [1,1,1,1]} or DenseNet\'s block_config',
+        compared_as="image model config",
+        read_by="multimodal",
     )
-    fusion: Literal["concat", "gated"] = setting("concat", "how the multimodal head combines text and image features")
-    fusion_hidden: int = setting(512, "width of the fusion head's hidden layer (units)")
-    dropout: float = setting(0.1, "dropout probability of the text encoder and the fusion head (0..1)")
+    fusion: Literal["concat", "gated"] = setting(
+        "concat", "how the multimodal head combines text and image features", "fusion", "multimodal"
+    )
+    fusion_hidden: int = setting(512, "width of the fusion head's hidden layer (units)", "fusion width", "multimodal")
+    dropout: float = setting(
+        0.1, "dropout probability of the text encoder and the fusion head (0..1)", compared_as="dropout"
+    )
     # The jsonl --data-dir layout's integer labels do not say how many classes there are, hence its 3.
     num_labels: Optional[int] = setting(
         None,
         "number of classes; unset: the classes a ClassLabel, string or bool "
         "label column names, or 3 for the jsonl --data-dir layout",
+        compared_as="labels",
     )
     freeze_layers: int = setting(
         0,
         "freeze the text embeddings and the first N encoder layers (and a matching "
         "share of the CNN); 0: train everything",
+        compared_as="frozen layers",
     )
     unfreeze_at_step: Optional[int] = setting(
-        None, "optimizer step at which the frozen layers start to train; unset: frozen for the whole run"
+        None,
+        "optimizer step at which the frozen layers start to train; unset: frozen for the whole run",
+        compared_as="unfreeze step",
     )
-    attention_window: int = setting(512, "Longformer's sliding attention window (tokens)")
+    attention_window: int = setting(
+        512, "Longformer's sliding attention window (tokens)", "attention window", "longformer"
+    )
     channels_last: bool = setting(False, "channels-last layout for the CNN's activations: faster convolutions on GPUs")
     attention: Literal["sdpa", "eager"] = setting(
         "sdpa", "the text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls"
@@ -96,10 +131,11 @@ class DataConfig:
         None,
         "tokenizer: a hub name or folder; unset: the text model's own, or one "
         "trained on the training text when pretrained is false",
+        compared_as="tokenizer",
     )
     tokenizer_vocab_size: int = setting(2000, "vocabulary size of the tokenizer trained when none is given")
-    max_length: int = setting(128, "texts are truncated to this many tokens")
-    image_size: int = setting(224, "images are resized to this many pixels square")
+    max_length: int = setting(128, "texts are truncated to this many tokens", "sequence length")
+    image_size: int = setting(224, "images are resized to this many pixels square", "image size", "multimodal")
     num_workers: int = setting(4, "data-loading worker processes per rank (0: load in the training process)")
     pin_memory: bool = setting(True, "page-locked host memory for batches, for faster copies to the GPU (CUDA only)")
     skip_bad_samples: bool = setting(

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 from shardtrain.config.labels import run_config_dict
-from shardtrain.config.settings import flag_of
+from shardtrain.config.settings import DataConfig, ModelConfig, compared_fields, flag_of
 from shardtrain.observability.runlog import RunLog
 
 # Groups, by what a difference breaks:
@@ -21,6 +21,7 @@ from shardtrain.observability.runlog import RunLog
 #   training      optimisation settings: losses differ, throughput and memory still compare
 WORKLOAD = ("model", "data")
 TRAJECTORY = ("seed", "batch")
+SECTIONS = {"model": ModelConfig, "data": DataConfig}
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,7 @@ class Setting:
     label: str
     group: str
     path: str  # "config.<section>.<field>" or "run.<key>" (summary.json's run block)
-    only_for: str | None = None  # compared only between runs of this model.name
+    only_for: str | None = None  # compared only between runs of this model.name (the setting's `read_by`)
 
     @property
     def name(self) -> str:
@@ -36,30 +37,19 @@ class Setting:
         return f"{self.label} ({flag_of(field)})" if self.path.startswith("config.") else self.label
 
 
-def _m(label, field, only_for=None):
-    return Setting(label, "model", f"config.model.{field}", only_for)
+def _compared(section: str) -> tuple[Setting, ...]:
+    """The section's fields that the config marks as compared (config/settings.py `compared_as`)."""
+    return tuple(
+        Setting(label, section, f"config.{section}.{name}", read_by)
+        for name, label, read_by in compared_fields(SECTIONS[section])
+    )
 
 
 SETTINGS = (
-    _m("model", "name"),
-    _m("text model", "text_model"),
-    _m("pretrained weights", "pretrained"),
-    _m("text model config", "text_config"),
-    _m("image model", "image_model", "multimodal"),
-    _m("image weights", "image_weights", "multimodal"),
-    _m("image model config", "image_config", "multimodal"),
-    _m("fusion", "fusion", "multimodal"),
-    _m("fusion width", "fusion_hidden", "multimodal"),
-    _m("labels", "num_labels"),
-    _m("attention window", "attention_window", "longformer"),
-    _m("dropout", "dropout"),
-    _m("frozen layers", "freeze_layers"),
-    _m("unfreeze step", "unfreeze_at_step"),
+    *_compared("model"),
     # What each run read (data_source's content hash), not the data_dir default a --train-file run never used.
     Setting("data", "data", "run.data_read"),
-    Setting("tokenizer", "data", "config.data.tokenizer"),
-    Setting("sequence length", "data", "config.data.max_length"),
-    Setting("image size", "data", "config.data.image_size", "multimodal"),
+    *_compared("data"),
     Setting("train examples", "data", "run.train_examples"),
     Setting("eval examples", "data", "run.eval_examples"),
     Setting("seed", "seed", "config.train.seed"),
