@@ -115,6 +115,15 @@ class JsonlWorkload(Workload):
         on_meta = torch.get_default_device().type == "meta"
         return build_model(self.cfg.model, self.cfg.data, vocab_size, load_weights=self.loads_weights and not on_meta)
 
+    @classmethod
+    def check_before_launch(cls, cfg) -> str | None:
+        from shardtrain.data.precheck import check_splits
+        from shardtrain.runtime.hub import check_hub_names
+
+        check_splits(cfg)  # a typo on line 7 of the records should not wait for N processes and a model
+        # Hub names last (the probe may wait seconds): reachable, cached (offline by itself), or one line now.
+        return check_hub_names(cfg)
+
     def memory_model(self):
         from shardtrain.builtin_workloads.memory_model import BuiltinMemoryModel
 

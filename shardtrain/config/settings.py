@@ -1038,6 +1038,29 @@ def is_builtin_workload(cfg: Config) -> bool:
     return workload_target(cfg) in BUILTIN_WORKLOADS.values()
 
 
+def hub_fields(cfg: Config) -> dict[str, str | None]:
+    """field -> the hub name (or folder) it gives, for what the run loads by name: the built-ins' text model
+    when pretrained, and the tokenizer (runtime/hub.py checks them before launch)."""
+    return {"text_model": cfg.model.text_model if cfg.model.pretrained else None, "tokenizer": cfg.data.tokenizer}
+
+
+def without_download(cfg: Config, field: str) -> str:
+    """The way to train with nothing downloaded, for a new user offline: the same architecture randomly
+    initialised (and, with no --tokenizer, a tokenizer trained on the data), or the shipped tiny config."""
+    if field not in ("text_model", "tokenizer") or getattr(cfg.model, "name", None) is None:
+        return ""
+    how = (
+        "--pretrained false (the same architecture, randomly initialised"
+        + (", with a tokenizer trained on your data" if field == "text_model" else "")
+        + ")"
+    )
+    if field == "tokenizer":
+        how = "drop --tokenizer with --pretrained false (a tokenizer trained on your data)"
+    tiny = REPO / "configs" / f"{cfg.model.name}_tiny.yaml"
+    shown = f"configs/{tiny.name}"
+    return f"; or train without downloading: {how}" + (f", or --config {shown}" if tiny.is_file() else "")
+
+
 def add_import_paths(config_path: str | None) -> None:
     """The config file's folder (a tasks.py beside the YAML) and the working directory, where --workload's
     module is imported from, on every rank."""

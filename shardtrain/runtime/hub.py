@@ -14,21 +14,22 @@ import os
 import threading
 from pathlib import Path
 
-from shardtrain.config.settings import Config, ConfigError, where
+from shardtrain.config.settings import Config, ConfigError, hub_fields, where, without_download
 
 # DNS, connect and the answer together. The hub answers a HEAD in well under a second; a proxy or a
 # firewall that drops packets never does.
 PROBE_SECONDS = 3.0
 
 
-def hub_names(cfg: Config, fields: tuple[str, ...] = ("text_model", "tokenizer")) -> dict[str, str]:
+def hub_names(cfg: Config, fields: tuple[str, ...] | None = None) -> dict[str, str]:
     """repo id -> the config field that names it (the first one, so a tokenizer defaulted from the model
-    is blamed on --text-model). Local folders and what is never loaded (random init) are left out."""
+    is blamed on the model's flag). Local folders and what is never loaded (random init) are left out.
+    `fields`: only these of the config's hub names (config/settings.py hub_fields)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    wanted = {"text_model": cfg.model.text_model if cfg.model.pretrained else None, "tokenizer": cfg.data.tokenizer}
+    wanted = hub_fields(cfg)
     names: dict[str, str] = {}
-    for field in fields:
+    for field in wanted if fields is None else fields:
         name = wanted[field]
         if not name or Path(name).is_dir() or name in names:
             continue
@@ -71,7 +72,7 @@ def probe(url: str, seconds: float = PROBE_SECONDS) -> str | None:
     return result[0] if result else f"no answer within {seconds:g} s"
 
 
-def check_hub_names(cfg: Config, fields: tuple[str, ...] = ("text_model", "tokenizer")) -> str | None:
+def check_hub_names(cfg: Config, fields: tuple[str, ...] | None = None) -> str | None:
     """Raise a ConfigError now rather than retry for a minute; returns a line to print when the run goes
     offline by itself, else None."""
     names = hub_names(cfg, fields)
@@ -86,7 +87,7 @@ def check_hub_names(cfg: Config, fields: tuple[str, ...] = ("text_model", "token
             raise ConfigError(
                 f"{where(names[name])} {name}: not in the local Hugging Face cache "
                 f"({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE=1 forbids downloading it; download it "
-                f"once with network (HF_HUB_OFFLINE=0) or give a local folder{_no_download(cfg, names[name])}"
+                f"once with network (HF_HUB_OFFLINE=0) or give a local folder{without_download(cfg, names[name])}"
             )
         return None
     first = next(iter(names))
@@ -98,7 +99,7 @@ def check_hub_names(cfg: Config, fields: tuple[str, ...] = ("text_model", "token
         raise ConfigError(
             f"{where(names[name])} {name}: the Hugging Face hub {constants.ENDPOINT} is unreachable "
             f"({why}) and {name} is not in the local cache ({constants.HF_HUB_CACHE}); download it "
-            f"where there is network, or give a local folder{_no_download(cfg, names[name])}"
+            f"where there is network, or give a local folder{without_download(cfg, names[name])}"
         )
     # Every name is cached: go offline, in this process (huggingface_hub read the variable at import) and in
     # the workers launched from it.
@@ -108,20 +109,3 @@ def check_hub_names(cfg: Config, fields: tuple[str, ...] = ("text_model", "token
         f"the Hugging Face hub {constants.ENDPOINT} is unreachable ({why}); {', '.join(names)} "
         f"{'is' if len(names) == 1 else 'are'} in the local cache: running offline (HF_HUB_OFFLINE=1)"
     )
-
-
-def _no_download(cfg: Config, field: str) -> str:
-    """The way to train with nothing downloaded, for a new user offline: the same architecture randomly
-    initialised (and, with no --tokenizer, a tokenizer trained on the data), or the shipped tiny config."""
-    if field not in ("text_model", "tokenizer") or getattr(cfg.model, "name", None) is None:
-        return ""
-    how = (
-        "--pretrained false (the same architecture, randomly initialised"
-        + (", with a tokenizer trained on your data" if field == "text_model" else "")
-        + ")"
-    )
-    if field == "tokenizer":
-        how = "drop --tokenizer with --pretrained false (a tokenizer trained on your data)"
-    tiny = Path(__file__).resolve().parents[2] / "configs" / f"{cfg.model.name}_tiny.yaml"
-    shown = f"configs/{tiny.name}"
-    return f"; or train without downloading: {how}" + (f", or --config {shown}" if tiny.is_file() else "")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -113,6 +114,28 @@ class Workload:
             f"{where('freeze_layers')}={n}: {type(self).__name__} does not define "
             f"freezable_parameter_names(n), so shardtrain does not know which layers are the lower ones"
         )
+
+    @classmethod
+    def check_before_launch(cls, cfg: Config) -> str | None:
+        """`shardtrain train` calls it once per process before any rank starts or any model loads, with the class
+        (no instance): checks of what the run will read that fail fast in one line (a ConfigError), such as a
+        data file's records or hub names. Returns a note to print, or None. The default checks `--peft lora`
+        against the model, built on the meta device (shapes only, seconds): a --target-modules name that matches
+        nothing, or a model that has adapters already, is one line before any process starts. Anything else a
+        meta build raises is left to the run's own build, which says it with the run's context."""
+        if not cfg.peft.peft or "RANK" in os.environ:  # only the parent of a --nproc launch: the ranks would all fail
+            return None
+        try:
+            workload = load_workload(cfg)
+            workload.loads_weights = False
+            with torch.device("meta"):
+                workload.build_model()
+        except ConfigError as e:
+            if str(e).startswith(("--target-modules", "--peft")):  # what adapters.with_lora refuses
+                raise
+        except Exception:  # noqa: BLE001 - a build that needs the real device or data: the run's build decides
+            pass
+        return None
 
     def memory_model(self):
         """What `shardtrain plan` and the banner's prediction measure of this model before anything is built on a
