@@ -89,7 +89,8 @@ def export_builtin(ckpt_dir: Path, out: Path, int8: bool) -> dict:
     }  # the run's data settings: `predict` reads them
     hf = getattr(model, "hf", None)  # Longformer's Hugging Face model inside ours
     if hf is not None:
-        # config.json + model.safetensors; the HF config has the run's id2label/label2id (shardtrain/builtin_workloads/networks/archs.py)
+        # config.json + model.safetensors; the HF config has the run's id2label/label2id
+        # (shardtrain/builtin_workloads/networks/archs.py)
         save_hf_quietly(hf, out)
     else:
         from safetensors.torch import save_file
