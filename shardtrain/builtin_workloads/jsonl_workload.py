@@ -4,21 +4,27 @@ shardtrain/data/sources.py), a tokenizer, the model section of the config."""
 from __future__ import annotations
 
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
-from torch import nn
+from typing import TYPE_CHECKING
 
 from shardtrain.config.labels import ClassLabels
-from shardtrain.runtime.distributed import barrier
 from shardtrain.workloads.base import Workload
+
+if TYPE_CHECKING:
+    from torch import nn
+
+# torch, the networks and the data pipeline are imported where a method needs them: `shardtrain train --nproc N`'s
+# parent process imports the workload classes for their check_before_launch and never trains.
 
 
 def _rank0() -> bool:
+    import torch.distributed as dist
+
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _barrier() -> None:
+    from shardtrain.runtime.distributed import barrier
+
     barrier()
 
 
@@ -108,6 +114,8 @@ class JsonlWorkload(Workload):
         return self._collator(samples)
 
     def build_model(self) -> nn.Module:
+        import torch
+
         from shardtrain.builtin_workloads.networks import build_model
 
         vocab_size = None if self.cfg.model.pretrained else len(self.tokenizer)
@@ -142,6 +150,8 @@ class JsonlWorkload(Workload):
         return load_builtin_export(out_dir, int8)
 
     def freezable_parameter_names(self, n: int) -> list[str]:
+        import torch
+
         with torch.device("meta"):
             return self.build_model().freezable_parameter_names(n)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from transformers.models.longformer.modeling_longformer import LongformerLayer
-
 from shardtrain.builtin_workloads.jsonl_workload import JsonlWorkload
 
 
@@ -12,6 +10,8 @@ class LongformerWorkload(JsonlWorkload):
         return {"encoder": "hf.longformer", "classifier": "hf.classifier"}
 
     def block_classes(self) -> tuple:
+        from transformers.models.longformer.modeling_longformer import LongformerLayer
+
         return (LongformerLayer,)
 
     def padded_tokens(self, lengths: list[int]) -> int:

@@ -2,14 +2,7 @@
 
 from __future__ import annotations
 
-from torchvision.models.densenet import _DenseBlock
-from torchvision.models.resnet import BasicBlock, Bottleneck
-from transformers.models.roberta.modeling_roberta import RobertaLayer
-
 from shardtrain.builtin_workloads.jsonl_workload import JsonlWorkload
-from shardtrain.builtin_workloads.networks.multimodal import IMAGE_ARCHS
-
-_BLOCKS = {"BasicBlock": BasicBlock, "Bottleneck": Bottleneck}
 
 
 class MultimodalWorkload(JsonlWorkload):
@@ -17,11 +10,19 @@ class MultimodalWorkload(JsonlWorkload):
         return {"text": "text", "image": "image", "fusion": "head"}
 
     def block_classes(self) -> tuple:
+        # Imported here: the class is imported by processes that never build it (jsonl_workload.py says why).
+        from torchvision.models.densenet import _DenseBlock
+        from torchvision.models.resnet import BasicBlock, Bottleneck
+        from transformers.models.roberta.modeling_roberta import RobertaLayer
+
+        from shardtrain.builtin_workloads.networks.multimodal import IMAGE_ARCHS
+
+        blocks = {"BasicBlock": BasicBlock, "Bottleneck": Bottleneck}
         m = self.cfg.model
         _, defaults = IMAGE_ARCHS[m.image_model]
         if "block_config" in defaults:  # DenseNet
             image_block = _DenseBlock
         else:
             block = m.image_config.get("block", defaults["block"])
-            image_block = _BLOCKS.get(block, block) if isinstance(block, str) else block
+            image_block = blocks.get(block, block) if isinstance(block, str) else block
         return (RobertaLayer, image_block)

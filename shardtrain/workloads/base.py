@@ -24,15 +24,17 @@ import os
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.nn.functional as F
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from shardtrain.config.labels import ClassLabels
 from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, where, workload_target
-from shardtrain.data.batches import batch_problem, collate_samples
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# torch is imported where a method needs it: `shardtrain train --nproc N`'s parent process imports the workload's
+# class (Workload.check_before_launch) and never trains (tests/unit/test_launch_parent.py).
 
 
 class Workload:
@@ -59,6 +61,8 @@ class Workload:
         """torch's default_collate (and dataclasses): dict samples -> a dict of batched values; tuple samples such as
         `(text_dict, image, label)` -> a list `[text_dict batched, images, labels]`. A batch may nest dicts, lists,
         tuples, namedtuples, dataclasses and BatchEncodings: the loop moves every tensor in it to the device."""
+        from shardtrain.data.batches import collate_samples
+
         return collate_samples(samples)
 
     def forward(self, model: nn.Module, batch) -> Any:
@@ -68,10 +72,14 @@ class Workload:
         return model(**model_inputs(model, batch, type(self).__name__))
 
     def loss(self, outputs, batch) -> torch.Tensor:
+        import torch.nn.functional as F
+
         return F.cross_entropy(logits_of(outputs).float(), labels_of(batch, f"{type(self).__name__}.loss"))
 
     def metric_sums(self, outputs, batch: dict) -> dict[str, torch.Tensor]:
         """Quantities that add up over batches and ranks; here a confusion matrix (true x predicted)."""
+        import torch
+
         logits = logits_of(outputs)
         n = logits.shape[-1]
         idx = labels_of(batch, f"{type(self).__name__}.metric_sums").reshape(-1) * n + logits.argmax(dim=-1).reshape(-1)
@@ -125,6 +133,8 @@ class Workload:
         meta build raises is left to the run's own build, which says it with the run's context."""
         if not cfg.peft.peft or "RANK" in os.environ:  # only the parent of a --nproc launch: the ranks would all fail
             return None
+        import torch
+
         try:
             workload = load_workload(cfg)
             workload.loads_weights = False
@@ -198,6 +208,8 @@ def logits_of(outputs) -> torch.Tensor:
 
 def labels_of(batch, method: str) -> torch.Tensor:
     """batch["labels"], which the default loss and metric_sums read; a batch without it is one line naming them."""
+    import torch
+
     if isinstance(batch, Mapping) and isinstance(batch.get("labels"), torch.Tensor):
         return batch["labels"]
     if isinstance(batch, Mapping) and "labels" in batch:
@@ -214,6 +226,8 @@ def labels_of(batch, method: str) -> torch.Tensor:
 
 
 def classification_metrics(confusion: torch.Tensor) -> dict:
+    import torch
+
     confusion = confusion.double().cpu()
     total = confusion.sum().item()
     tp = confusion.diag()
@@ -232,6 +246,8 @@ def _named_inputs(module: nn.Module) -> tuple[list[inspect.Parameter], bool]:
 def innermost(model: nn.Module) -> nn.Module:
     """Through the wrappers whose forward is only (*args, **kwargs): DDP, the DeepSpeed engine, torch.compile,
     peft's PeftModel. FSDP2 keeps the model's own class, and so its forward's signature."""
+    from torch import nn
+
     seen = 0
     while seen < 8:
         named, _ = _named_inputs(model)
@@ -277,6 +293,8 @@ def model_inputs(model: nn.Module, batch: dict, workload_name: str = "Workload")
 
 def check_loss(loss, workload_name: str) -> torch.Tensor:
     """The loop backpropagates this: a tensor with one element, of a floating type, attached to the graph."""
+    import torch
+
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
         what = (
             f"a tensor of shape {tuple(loss.shape)} and dtype {loss.dtype}"
@@ -314,6 +332,8 @@ class CheckedCollate:
                 f"{name}.collate cannot batch the samples of {name}.datasets() ({first} items): "
                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
             ) from None
+        from shardtrain.data.batches import batch_problem
+
         problem = batch_problem(batch)
         if problem:
             raise ConfigError(f"{name}.collate {problem}")
