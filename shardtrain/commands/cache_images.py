@@ -70,12 +70,13 @@ def _cache_source_images(cfg, rebuild: bool, jobs: int) -> None:
     (rows with other problems are left to the run, which reports them; check-data lists them)."""
     from pathlib import Path
 
+    from shardtrain.config.settings import reads_images
     from shardtrain.data.image_cache import build_source_image_cache, open_source_image_cache
     from shardtrain.data.sources import column_values, image_key, load_splits
 
     d = cfg.data
-    if cfg.model.name != "multimodal":
-        raise ConfigError(f"cache-images: only the multimodal model reads images; model.name is {cfg.model.name}")
+    if not reads_images(cfg):
+        raise ConfigError(f"cache-images: model.name {cfg.model.name} reads no images, so there are none to cache")
     splits = load_splits(cfg, check_images=False, report=[])
     for split, table in (("train", splits.train), ("validation", splits.validation)):
         if table is None:

@@ -13,6 +13,7 @@ def main(argv: list[str]) -> int:
     import argparse
 
     from shardtrain.config.settings import add_workload_flags
+    from shardtrain.data.records import KINDS, data_kind, guess_kind
 
     parser = argparse.ArgumentParser(
         prog="shardtrain check-data",
@@ -22,7 +23,7 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("dir", nargs="?", default=None, help="a built-in dataset folder (not with a user's --workload)")
     parser.add_argument(
-        "--kind", choices=["multimodal", "longdoc"], default=None, help="default: multimodal if records name images"
+        "--kind", choices=KINDS, default=None, help=f"default: {KINDS[0]} if records name images, else {KINDS[1]}"
     )
     parser.add_argument(
         "--num-labels",
@@ -68,7 +69,7 @@ def main(argv: list[str]) -> int:
         cfg = command_config(args.config, args.workload, args.workload_args)
         if not is_builtin_workload(cfg):
             return _check_workload(cfg, args)
-        args.kind = args.kind or {"longformer": "longdoc"}.get(cfg.model.name, "multimodal")
+        args.kind = args.kind or data_kind(cfg.model.name)
         args.dir = args.dir or cfg.data.data_dir
     if args.dir is None:
         raise ConfigError("check-data: give a dataset folder, or --workload my_pkg.tasks:MyTask for a user's data")
@@ -77,7 +78,7 @@ def main(argv: list[str]) -> int:
     if args.dataset_format:
         return _check_layout(args.dir, args.dataset_format)
     recorded = dataset_info(args.dir)
-    kind = args.kind or recorded.get("kind") or _guess_kind(args.dir)
+    kind = args.kind or recorded.get("kind") or guess_kind(args.dir)
     num_labels = args.num_labels or recorded.get("num_labels") or 3
     problems = check_data(args.dir, kind, num_labels)
     for line in problems:
@@ -177,15 +178,3 @@ def _check_workload(cfg, args) -> int:
         else f"{name}: datasets() and collate give batches its model takes; no problems found"
     )
     return 1 if problems else 0
-
-
-def _guess_kind(data_dir: str) -> str:
-    import json
-    from pathlib import Path
-
-    first = Path(data_dir) / "train.jsonl"
-    try:
-        with open(first) as f:
-            return "multimodal" if "image" in json.loads(f.readline() or "{}") else "longdoc"
-    except (OSError, ValueError):
-        return "multimodal"

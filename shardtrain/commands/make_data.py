@@ -7,8 +7,10 @@ import json
 
 
 def main(argv: list[str]) -> int:
+    from shardtrain.data.records import KINDS
+
     parser = argparse.ArgumentParser(prog="shardtrain make-data")
-    parser.add_argument("kind", choices=["multimodal", "longdoc"])
+    parser.add_argument("kind", choices=KINDS)
     parser.add_argument("dir")
     parser.add_argument("--n-train", type=int, default=512)
     parser.add_argument("--n-val", type=int, default=128)

@@ -532,7 +532,7 @@ def _rows_of_batch(batch: dict, keep) -> dict:
 
 def predicted_data(source: Source, args) -> tuple:
     """(the Dataset to predict, each example's source row or None, each example's id or None)."""
-    from shardtrain.config.settings import is_builtin_workload
+    from shardtrain.config.settings import is_builtin_workload, reads_images
     from shardtrain.data.sources import column_values
 
     cfg, workload = source.cfg, source.workload
@@ -547,7 +547,7 @@ def predicted_data(source: Source, args) -> tuple:
 
         read = prediction_rows(cfg, args.file, args.id_column)
         # Not tokenised ahead: collate tokenises (truncating at data.max_length) as the ahead-of-time map does.
-        data = SplitDataset(read.table, read.origin, cfg.data.image_size, cfg.model.name == "multimodal", [])
+        data = SplitDataset(read.table, read.origin, cfg.data.image_size, reads_images(cfg), [])
         return data, column_values(read.table, "row"), read.ids
     train, validation = workload.datasets()
     data = train if args.split == "train" else validation

@@ -1038,6 +1038,11 @@ def is_builtin_workload(cfg: Config) -> bool:
     return workload_target(cfg) in BUILTIN_WORKLOADS.values()
 
 
+def reads_images(cfg: Config) -> bool:
+    """Whether the configured model reads an image per sample (the multimodal built-in)."""
+    return cfg.model.name == "multimodal"
+
+
 def hub_fields(cfg: Config) -> dict[str, str | None]:
     """field -> the hub name (or folder) it gives, for what the run loads by name: the built-ins' text model
     when pretrained, and the tokenizer (runtime/hub.py checks them before launch)."""

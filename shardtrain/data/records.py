@@ -32,6 +32,17 @@ def normalize_kind(kind: str) -> str:
     return kind
 
 
+def guess_kind(data_dir) -> str:
+    """The kind of a jsonl folder's records, from its first training record: images named, or not."""
+    import json
+
+    try:
+        with open(Path(data_dir) / SPLIT_FILES["train"]) as f:
+            return "multimodal" if "image" in json.loads(f.readline() or "{}") else "longdoc"
+    except (OSError, ValueError):
+        return "multimodal"
+
+
 def config_split_path(cfg, split: str) -> Path:
     """The split file a config trains on: validation.jsonl may live in eval_data_dir (SageMaker's separate
     validation channel)."""

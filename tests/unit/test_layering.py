@@ -275,7 +275,6 @@ BUILTIN_WORDS = re.compile(
 NOT_YET_APART = {
     "config": "the built-ins' config section (ModelConfig) and its checks still live in settings.py",
     "data": "the built-ins' jsonl records (kinds multimodal / longdoc) and MVSA / Twitter layouts live in data/",
-    "commands": "make-data, check-data and cache-images are the built-ins' commands; their CLI words name them",
 }
 
 

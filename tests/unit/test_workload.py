@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_layering import code_words
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -67,29 +68,14 @@ class Task(Workload):
 # ---- the loop and the strategies know no built-in --------------------------------------------------------
 def _names_in_code(path: Path) -> tuple[set[str], list[str]]:
     """(imported modules, the identifiers and strings of the code), docstrings left out."""
-    tree = ast.parse(path.read_text())
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, (ast.Module, ast.FunctionDef, ast.ClassDef))
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
-    imports, words = set(), []
-    for node in ast.walk(tree):
+    imports = set()
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             imports.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             imports.add(node.module)
             imports.update(f"{node.module}.{a.name}" for a in node.names)
-        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
-            words.append(node.value)
-        elif isinstance(node, ast.Name):
-            words.append(node.id)
-        elif isinstance(node, ast.Attribute):
-            words.append(node.attr)
-    return imports, words
+    return imports, code_words(path)
 
 
 @pytest.mark.parametrize(
