@@ -71,6 +71,44 @@ TASKS = textwrap.dedent("""
         def build_model(self):
             raise OSError("roberta-base is not in the cache")
 
+    class CheckedData(Tiny):
+        @classmethod
+        def check_before_launch(cls, cfg):
+            from shardtrain.config.settings import ConfigError
+
+            raise ConfigError("CheckedData: /data/rows.parquet is not there")
+
+    class Measured(Tiny):
+        # A memory_model() of its own: what `plan` needs to predict activations for a model it does not know.
+
+        def memory_model(self):
+            workload = self
+
+            class Measure:
+                def vocab(self):
+                    return None, "none: no text"
+
+                def count(self, persistence_threshold, vocab_size):
+                    from shardtrain.memory.planner import ModelCount
+
+                    params = [p.numel() for p in workload.build_model().parameters()]
+                    return ModelCount(sum(params), 8 * 8 + 8, sum(params), 4 * 8, layers=2, blocks=2)
+
+                def saved_bytes(self, layers, seq_len, recompute, precision, batch, gathered_16bit):
+                    # 4 bytes x 8 features saved per sample and layer (x 1 when checkpointed), and per token
+                    return batch * seq_len * 32 * (layers or 2) * (1 if recompute else 3)
+
+                def sample_lengths(self, seq_len):
+                    return [4, 6, 8]
+
+                def pad_multiple(self):
+                    return None
+
+                def check_offline(self):
+                    return None
+
+            return Measure()
+
     class FrozenBlocks(Tiny):
         def build_model(self):
             model = Net()
@@ -132,6 +170,28 @@ def test_plan_counts_what_build_model_froze_as_frozen(tasks, capsys):
     assert out.startswith(
         f"plan: FrozenBlocks, {TINY_PARAMS:,} parameters, {TINY_PARAMS - trainable:,} of them frozen"
     ), out
+
+
+def test_plan_predicts_activations_for_a_workload_that_gives_a_memory_model(tasks, capsys):
+    """The planner asks the workload (Workload.memory_model), as it asks the built-ins: a user's model with one
+    gets the activation rows and a recommendation, not only its model states."""
+    code, out, err = run_cli(
+        capsys, "plan", "--workload", "user_tasks:Measured", "--gpus", "2", "--gpu", "a100", "--json"
+    )
+    assert code == 0, err
+    p = json.loads(out)
+    assert p["model_params"] == TINY_PARAMS and p["recommendation"] is not None
+    ddp = next(r for r in p["rows"] if r["variant"] == "ddp" and not r["activation_checkpointing"])
+    # Per sample and token 32 bytes x 3 x 2 layers, measured at lengths 4, 6, 8 and fitted; at max_length 128.
+    micro = p["micro_batch_size"]
+    assert ddp["gpu_bytes"]["activations"] == pytest.approx(micro * p["seq_len"] * 32 * 3 * 2, rel=1e-6)
+
+
+def test_train_runs_a_workloads_own_check_before_any_process_starts(tasks, capsys):
+    out = tasks / "run"
+    code, _, err = run_cli(capsys, "train", "--workload", "user_tasks:CheckedData", "--output-dir", str(out))
+    assert code == 2 and err.strip() == "shardtrain: error: CheckedData: /data/rows.parquet is not there", err
+    assert not out.exists()
 
 
 def test_plan_names_the_workload_method_that_fails(tasks, capsys):
