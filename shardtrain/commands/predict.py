@@ -568,6 +568,8 @@ def predicted_data(source: Source, args) -> tuple:
     table = getattr(data, "table", None)
     column = next((c for c in ("row", "line") if table is not None and c in table.column_names), None)
     rows = column_values(table, column) if column else None
+    if column == "line":  # the jsonl layout's records keep their file line (from 1, for its error lines)
+        rows = [line - 1 for line in rows]
     return data, rows, _split_ids(cfg, data, args.split, rows, args.id_column)
 
 

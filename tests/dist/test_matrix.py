@@ -292,6 +292,8 @@ def test_predict_from_each_strategy_reproduces_the_runs_final_eval(matrix, name,
     assert predicted_metrics(run) == pytest.approx(matrix[name]["eval"], rel=1e-9, abs=1e-12), run.tail()
     lines = [json.loads(x) for x in preds.read_text().splitlines()]
     assert [x["index"] for x in lines] == list(range(16)), [x["index"] for x in lines]
+    # `row`: the row of validation.jsonl each line came from, from 0, as `predict --file` numbers them
+    assert [x["row"] for x in lines] == list(range(16)), [x["row"] for x in lines]
     k = 2 if "--top-k" in flags else 3  # 3 classes: the default --top-k 5 gives all of them
     for x in lines:
         # Each line ties back to its source row (and the id column where the data has one).
