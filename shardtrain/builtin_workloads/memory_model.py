@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardtrain.config.settings import Config, replace_fields
+from shardtrain.config.settings import Config, pad_multiple, replace_fields
 from shardtrain.memory.planner import ModelCount, frozen_count, optimizer_state
 
 
@@ -47,7 +47,7 @@ class BuiltinMemoryModel:
 
     def pad_multiple(self) -> int | None:
         """Every text is padded to a multiple of this many tokens (Longformer's window); None: no padding rule."""
-        return self.cfg.model.attention_window if self.cfg.model.name == "longformer" else None
+        return pad_multiple(self.cfg)
 
     def sample_lengths(self, seq_len: int) -> list[int]:
         """The lengths saved_bytes is measured at: two fit a line, three a quadratic."""

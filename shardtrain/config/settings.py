@@ -1043,6 +1043,11 @@ def reads_images(cfg: Config) -> bool:
     return cfg.model.name == "multimodal"
 
 
+def pad_multiple(cfg: Config) -> int | None:
+    """Texts are padded to a multiple of this many tokens (Longformer's attention window); None: no such rule."""
+    return cfg.model.attention_window if cfg.model.name == "longformer" else None
+
+
 def hub_fields(cfg: Config) -> dict[str, str | None]:
     """field -> the hub name (or folder) it gives, for what the run loads by name: the built-ins' text model
     when pretrained, and the tokenizer (runtime/hub.py checks them before launch)."""

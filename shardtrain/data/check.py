@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtrain.config.settings import ConfigError
+from shardtrain.config.settings import ConfigError, reads_images
 from shardtrain.data.images import image_problem
 from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import iter_split, normalize_kind, split_path
@@ -59,7 +59,7 @@ def check_source(cfg) -> list[str]:
 
     problems: list[str] = []
     try:
-        load_splits(cfg, check_images=cfg.model.name == "multimodal", report=problems)
+        load_splits(cfg, check_images=reads_images(cfg), report=problems)
     except ConfigError as e:
         problems.append(str(e))
     return problems

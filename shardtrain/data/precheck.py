@@ -6,7 +6,7 @@ the others' checks.
 
 from __future__ import annotations
 
-from shardtrain.config.settings import ConfigError, where
+from shardtrain.config.settings import ConfigError, reads_images, where
 from shardtrain.data.image_cache import open_image_cache, open_source_image_cache
 from shardtrain.data.layouts import check_num_labels, layout_files
 from shardtrain.data.records import config_split_path, data_kind, iter_split
@@ -21,7 +21,7 @@ def check_splits(cfg) -> None:
         # Columns, labels, num_labels and every row of another source: what load_splits raises on each rank
         # later, once, now. Images are only checked to exist here, as below.
         splits = load_splits(cfg, check_images=False)
-        if cfg.data.image_cache is not None and cfg.model.name == "multimodal":
+        if cfg.data.image_cache is not None and reads_images(cfg):
             for split, table in (("train", splits.train), ("validation", splits.validation)):
                 if table is not None:  # missing or stale: one line now, as below
                     open_source_image_cache(cfg, split, [image_key(v) for v in column_values(table, "image")])

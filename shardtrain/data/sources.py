@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from shardtrain.config.labels import ClassLabels, run_config_dict
-from shardtrain.config.settings import FIELDS, Config, ConfigError, is_builtin_workload, where
+from shardtrain.config.settings import FIELDS, Config, ConfigError, is_builtin_workload, reads_images, where
 
 # The flags that each name the training data; at most one of them, and none means the jsonl --data-dir layout.
 SOURCE_FLAGS = ("dataset_name", "train_file", "train_dir")
@@ -113,7 +113,7 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
     raw = read_raw(cfg, kind)
     # The built-in multimodal model needs an image per row, Longformer none; a user's workload gets the image
     # column when the source has one.
-    images = ("need" if cfg.model.name == "multimodal" else "skip") if is_builtin_workload(cfg) else "if_present"
+    images = ("need" if reads_images(cfg) else "skip") if is_builtin_workload(cfg) else "if_present"
     check_images = d.skip_bad_samples if check_images is None else check_images
     skip = d.skip_bad_samples or report is not None
     columns = {split: _columns(r, cfg, images) for split, r in raw.items() if r is not None}
@@ -736,7 +736,7 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
     d = cfg.data
     raw = _read_file(file, "file")
     have = list(raw.ds.column_names)
-    images = "need" if is_builtin_workload(cfg) and cfg.model.name == "multimodal" else "skip"
+    images = "need" if is_builtin_workload(cfg) and reads_images(cfg) else "skip"
     for column in d.text_column_names + ([d.image_column_name] if images == "need" else []):
         if column not in have:
             raise ConfigError(

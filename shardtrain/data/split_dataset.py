@@ -11,7 +11,7 @@ from typing import Optional
 
 from torch.utils.data import Dataset
 
-from shardtrain.config.settings import ConfigError
+from shardtrain.config.settings import ConfigError, reads_images
 from shardtrain.data.image_cache import ImageCache, UndecodableImage
 from shardtrain.data.images import load_image
 from shardtrain.data.sources import column_values, image_key, image_source
@@ -107,7 +107,7 @@ def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDa
     splits = load_splits(cfg, check_images=False if cfg.data.image_cache else None)
     if is_rank0 and splits.label_names:
         write_label_file(cfg, splits.label_names)
-    multimodal = cfg.model.name == "multimodal"
+    multimodal = reads_images(cfg)
     made = []
     for split, table in (("train", splits.train), ("validation", splits.validation)):
         if table is None:

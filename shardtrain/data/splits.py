@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardtrain.config.labels import ClassLabels
-from shardtrain.config.settings import Config, ConfigError, where
+from shardtrain.config.settings import Config, ConfigError, pad_multiple, reads_images, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
 from shardtrain.data.images import image_problem, load_image
 from shardtrain.data.layouts import check_num_labels, read_layout
@@ -293,12 +293,11 @@ class Collator:
 
 
 def make_collator(cfg: Config, tokenizer) -> Collator:
-    longdoc = data_kind(cfg.model.name) == "longdoc"
     return Collator(
         tokenizer,
         cfg.data.max_length,
-        multimodal=not longdoc,
-        pad_to_multiple_of=cfg.model.attention_window if longdoc else None,
+        multimodal=reads_images(cfg),
+        pad_to_multiple_of=pad_multiple(cfg),
         image_root=Path(cfg.data.data_dir),
         image_size=cfg.data.image_size,
     )
