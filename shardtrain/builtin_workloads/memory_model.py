@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shardtrain.config.settings import Config, pad_multiple, replace_fields
-from shardtrain.memory.planner import ModelCount, frozen_count, optimizer_state
+from shardtrain.memory.planner import ModelCount, count_built
 
 
 class BuiltinMemoryModel:
@@ -64,25 +64,9 @@ class BuiltinMemoryModel:
         cfg = arch_only(self.cfg)
         with torch.device("meta"):
             model = networks.build_model(cfg.model, cfg.data, vocab_size, load_weights=False)
-        blocks = model.block_classes()
-        units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if isinstance(m, blocks)]
-        params = [p.numel() for p in model.parameters()]
-        text_cfg = networks.text_config_for(cfg.model, cfg.data, vocab_size)
-        m = cfg.model
-        frozen = (
-            set(model.freezable_parameter_names(m.freeze_layers))
-            if m.freeze_layers and m.unfreeze_at_step is None
-            else set()
-        )
-        return ModelCount(
-            params=sum(params),
-            largest_unit=max(units, default=max(params)),
-            small_params=sum(n for n in params if n < persistence_threshold),
-            buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-            layers=text_cfg.num_hidden_layers,
-            blocks=len(units),
-            frozen=frozen_count(model, frozen),
-            optimizer_state=optimizer_state(cfg, model, frozen),
+        layers = networks.text_config_for(cfg.model, cfg.data, vocab_size).num_hidden_layers
+        return count_built(
+            cfg, model, model.block_classes(), model.freezable_parameter_names, persistence_threshold, layers
         )
 
     def saved_bytes(

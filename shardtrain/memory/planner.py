@@ -157,7 +157,7 @@ def count_model(cfg, persistence_threshold: int = 100_000, vocab_size: int | Non
     return model.count(persistence_threshold, vocab_size)
 
 
-def optimizer_state(cfg, model, freeze_layers_names: set[str]) -> int:
+def _optimizer_state(cfg, model, freeze_layers_names: set[str]) -> int:
     """--optim's state bytes for what trains (the frozen parameters have none)."""
     from shardtrain.strategies.optim import optim_state_bytes
 
@@ -167,10 +167,30 @@ def optimizer_state(cfg, model, freeze_layers_names: set[str]) -> int:
     return optim_state_bytes(cfg.train.optim, trained)
 
 
-def frozen_count(model, freeze_layers_names: set[str]) -> int:
+def _frozen_count(model, freeze_layers_names: set[str]) -> int:
     """Parameters frozen for the whole run: those of freeze_layers (when nothing unfreezes them) and those
     the model is built frozen with (requires_grad False), which no strategy trains (strategies/base.py)."""
     return sum(p.numel() for name, p in model.named_parameters() if name in freeze_layers_names or not p.requires_grad)
+
+
+def count_built(cfg, model, blocks: tuple, freezable, persistence_threshold: int, layers: int) -> ModelCount:
+    """A model built on the meta device, counted: `blocks` (classes: FSDP units, gathered whole at a time),
+    `freezable(n)`: the parameter names freeze_layers: n freezes, `layers`: its repeated layers, which the
+    activation measurement scales by (0: none measured)."""
+    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if blocks and isinstance(m, blocks)]
+    params = [p.numel() for p in model.parameters()]
+    m = cfg.model
+    frozen = set(freezable(m.freeze_layers)) if m.freeze_layers and m.unfreeze_at_step is None else set()
+    return ModelCount(
+        params=sum(params),
+        largest_unit=max(units, default=max(params, default=0)),
+        small_params=sum(n for n in params if n < persistence_threshold),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        layers=layers,
+        blocks=len(units),
+        frozen=_frozen_count(model, frozen),
+        optimizer_state=_optimizer_state(cfg, model, frozen),
+    )
 
 
 # ---- activations, measured at small shapes -------------------------------------------------------------------
@@ -802,23 +822,7 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
             f"it without allocating: {type(e).__name__}: {' '.join(str(e).split())[:300]}"
         ) from None
     blocks = resolve_block_classes(model, workload.block_classes(), f"{name}.block_classes()")
-    units = [sum(p.numel() for p in m.parameters()) for m in model.modules() if blocks and isinstance(m, blocks)]
-    params = [p.numel() for p in model.parameters()]
-    frozen = (
-        set(workload.freezable_parameter_names(cfg.model.freeze_layers))
-        if cfg.model.freeze_layers and cfg.model.unfreeze_at_step is None
-        else set()
-    )
-    return ModelCount(
-        params=sum(params),
-        largest_unit=max(units, default=max(params, default=0)),
-        small_params=sum(n for n in params if n < persistence_threshold),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        layers=0,
-        blocks=len(units),
-        frozen=frozen_count(model, frozen),
-        optimizer_state=optimizer_state(cfg, model, frozen),
-    ), name
+    return count_built(cfg, model, blocks, workload.freezable_parameter_names, persistence_threshold, layers=0), name
 
 
 def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool = True) -> dict:
