@@ -38,8 +38,7 @@ class JsonlWorkload(Workload):
         self._tokenizer = None
         self._collator = None
         self._train_texts = None  # a source's training text, for the BPE a random-init model trains
-        self._labels = None
-        self._data_read = False
+        self._labels = None  # set by datasets(), once the data is read
 
     @property
     def tokenizer(self):
@@ -100,7 +99,6 @@ class JsonlWorkload(Workload):
                         else f"tokenised and cached in {done.cache_file.parent}"
                     )
                     print(f"{split}: {len(ds):,} token sequences {how} in {done.seconds:.2f}s", flush=True)
-        self._data_read = True
         return train, validation
 
     def labels(self) -> ClassLabels | None:
@@ -137,7 +135,7 @@ class JsonlWorkload(Workload):
 
         # The run's tokenizer once datasets() has read the data (the banner counts the run's own vocabulary);
         # before that (`shardtrain plan`) the vocabulary is planned, and nothing is trained into the run's folder.
-        return BuiltinMemoryModel(self.cfg, self.tokenizer if self._data_read else None)
+        return BuiltinMemoryModel(self.cfg, self.tokenizer if self._labels is not None else None)
 
     def export_checkpoint(self, ckpt_dir: Path, out_dir: Path, int8: bool) -> dict:
         from shardtrain.builtin_workloads.export import export_builtin
