@@ -17,6 +17,8 @@ REPO = Path(__file__).resolve().parents[1]
 MAIN = REPO / "shardtrain" / "main.py"
 BIN = Path(sys.executable).parent
 DEFAULT_TIMEOUT = 240
+# Its sitecustomize makes every Python process print its stacks on SIGUSR2: see dump_stacks.
+STACK_DUMPS = Path(__file__).resolve().parent / "stack_dumps"
 
 
 def free_port() -> int:
@@ -39,7 +41,7 @@ def test_env(**extra) -> dict:
             "MLFLOW_DISABLE_TELEMETRY": "true",
             # DeepSpeed's JIT-built ops (shm_comm, cpu_adam) are cached once beside the venv.
             "TORCH_EXTENSIONS_DIR": env.get("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions")),
-            "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+            "PYTHONPATH": os.pathsep.join((str(REPO), str(STACK_DUMPS), env.get("PYTHONPATH", ""))),
             # As if the venv were activated: DeepSpeed's JIT builds use the venv's ninja. Debian's ninja 1.11 and
             # the venv's 1.13 hash build commands differently and rebuilt the shared op cache for each other.
             "PATH": str(BIN) + os.pathsep + env.get("PATH", ""),
@@ -95,14 +97,37 @@ def run(
         stdout, stderr = proc.communicate(timeout=timeout)
         result = Run(cmd, proc.returncode, stdout + stderr, _output_dir(cmd))
     except subprocess.TimeoutExpired:
+        dump_stacks(proc.pid)
         kill_tree(proc.pid)
         stdout, stderr = proc.communicate()
         out = stdout + stderr
-        raise AssertionError(f"timed out after {timeout}s (a hang?): {' '.join(cmd)}\n{out[-4000:]}") from None
+        raise AssertionError(f"timed out after {timeout}s (a hang?): {' '.join(cmd)}\n{out[-30000:]}") from None
     except BaseException:
         kill_tree(proc.pid)
         raise
     return result.check() if check else result
+
+
+def dump_stacks(pid: int, wait: float = 3.0) -> None:
+    """Every thread's stack of the process and its descendants, into their own stderr (tests/stack_dumps/), so
+    that a hang's failure says where each process waited. Only for a launch about to be killed: a process
+    without that handler (not Python) dies of the signal."""
+    import signal
+    import time
+
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGUSR2)
+        except psutil.NoSuchProcess:
+            pass
+    time.sleep(wait)
 
 
 def kill_tree(pid: int) -> None:
@@ -218,6 +243,9 @@ def run_together(
         pass
     finally:
         timed_out = [p.poll() is None for p in procs]
+        for proc, hung in zip(procs, timed_out):
+            if hung:
+                dump_stacks(proc.pid)
         for proc in procs:
             kill_tree(proc.pid)
             proc.wait()
@@ -227,7 +255,7 @@ def run_together(
         runs.append(Run(cmd, proc.returncode, log.read(), _output_dir(cmd)))
         log.close()
     if any(timed_out):
-        tails = "\n".join(f"--- {' '.join(r.cmd[-6:])}\n{r.tail(30)}" for r in runs)
+        tails = "\n".join(f"--- {' '.join(r.cmd[-6:])}\n{r.tail(200)}" for r in runs)
         raise AssertionError(f"timed out after {timeout}s (a hang?)\n{tails}")
     if check:
         for r in runs:
