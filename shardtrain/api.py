@@ -81,11 +81,11 @@ def _run(argv: list[str], instance) -> dict:
     from shardtrain.config.settings import parse_cli
     from shardtrain.runtime.launch import maybe_relaunch
     from shardtrain.strategies import check_strategy_config
-    from shardtrain.workloads.base import workload_class
+    from shardtrain.workloads.base import check_planned_settings, workload_class
 
     cfg = parse_cli(argv)
     check_strategy_config(cfg)
-    workload_class(cfg)
+    check_planned_settings(cfg, type(instance) if instance is not None else workload_class(cfg))
     refuse_to_overwrite(cfg)
     code = maybe_relaunch(cfg, argv)
     if code is not None:

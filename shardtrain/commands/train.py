@@ -15,10 +15,12 @@ def main(argv: list[str]) -> int:
     from shardtrain.strategies import check_strategy_config
 
     check_strategy_config(cfg)
-    from shardtrain.workloads.base import workload_class
+    from shardtrain.workloads.base import check_planned_settings, workload_class
 
     # --workload imports and names a Workload, and what it reads is checked, before any process starts.
-    note = workload_class(cfg).check_before_launch(cfg)
+    workload = workload_class(cfg)
+    check_planned_settings(cfg, workload)
+    note = workload.check_before_launch(cfg)
     from shardtrain.checkpointing.store import refuse_to_overwrite
 
     refuse_to_overwrite(cfg)

@@ -1187,7 +1187,6 @@ def _validate(cfg: Config) -> Config:
     cfg = replace_fields(cfg, inject_nan_at_steps=_nan_steps(cfg.train.inject_nan_at_steps))
     _check_longformer_length(cfg)
     _check_deepspeed_file(cfg.parallel)
-    _check_auto_strategy(cfg)
     _check_auto_recompute(cfg)
     _check_nproc(cfg.parallel.nproc)
     _check_not_negative(cfg, "memory_every")
@@ -1397,28 +1396,12 @@ def _check_deepspeed_file(p: ParallelConfig) -> None:
         raise ConfigError(f"{where('ds')}: file not found: {p.ds}")
 
 
-def _check_auto_strategy(cfg: Config) -> None:
-    """The planner measures activations on the built-in architectures; a user's model it only counts."""
-    if cfg.parallel.strategy == "auto" and not is_builtin_workload(cfg):
-        raise ConfigError(
-            f"{where('strategy')}=auto chooses from predicted activation memory, which shardtrain "
-            f"measures for the built-in workloads only, not {workload_target(cfg)}; choose "
-            f"--strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
-            f"model-state memory)"
-        )
-
-
 def _check_auto_recompute(cfg: Config) -> None:
-    """--activation-checkpointing auto chooses from the planner's activation model (the built-ins'), for a
-    device whose memory it knows."""
+    """--activation-checkpointing auto fits the blocks to a device's memory: on CPU there is none to fit. (Whether
+    the workload can predict its activations is checked where the workload is known: workloads/base.py
+    check_planned_settings.)"""
     if cfg.train.activation_checkpointing != "auto":
         return
-    if not is_builtin_workload(cfg):
-        raise ConfigError(
-            f"{where('activation_checkpointing')}=auto chooses blocks from predicted activation memory, which "
-            f"shardtrain measures for the built-in workloads only, not {workload_target(cfg)}; use true, or "
-            f"every-N to checkpoint every N-th block"
-        )
     if cfg.parallel.device == "cpu" and cfg.parallel.memory_budget_gb is None:
         raise ConfigError(
             f"{where('activation_checkpointing')}=auto on cpu needs {where('memory_budget_gb')}: there is no "

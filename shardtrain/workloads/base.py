@@ -432,6 +432,30 @@ def workload_class(cfg: Config) -> type[Workload]:
     return cls
 
 
+# What each "auto" setting that plans from predicted activations says to use instead, without a memory model.
+PLANNED_SETTINGS = {
+    "strategy": "choose --strategy ddp, fsdp, zero2 or zero3 (shardtrain plan --workload shows each one's "
+    "model-state memory)",
+    "activation_checkpointing": "use true, or every-N to checkpoint every N-th block",
+}
+
+
+def check_planned_settings(cfg: Config, cls: type[Workload]) -> None:
+    """`--strategy auto` and `--activation-checkpointing auto` choose from the activation memory the planner
+    predicts, which it measures through the workload's memory_model(): refused in one line, before any process
+    starts, for a workload class that gives none. (One whose memory_model() returns None at run time is refused
+    by the planner, on rank 0, before any model is built.)"""
+    if cls.memory_model is not Workload.memory_model:
+        return
+    for name, instead in PLANNED_SETTINGS.items():
+        section = "parallel" if name == "strategy" else "train"
+        if getattr(getattr(cfg, section), name) == "auto":
+            raise ConfigError(
+                f"{where(name)}=auto chooses from predicted activation memory, which needs a memory_model() "
+                f"that {workload_target(cfg)} does not give (docs/your-own-model.md); {instead}"
+            )
+
+
 def load_workload(cfg: Config) -> Workload:
     from shardtrain.workloads.adapters import apply_lora
 

@@ -1,5 +1,6 @@
 """A user's workload beyond `train`: plan, check-data and parity take --workload (export and report:
-tests/dist/test_your_own_model.py); --strategy auto refuses it in one line."""
+tests/dist/test_your_own_model.py); --strategy auto plans it through its memory_model(), and refuses it in one
+line without one."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from shardtrain import cli
 from shardtrain.commands import parity
-from shardtrain.config.settings import ConfigError, parse_cli
+from shardtrain.config.settings import parse_cli
 
 TASKS = textwrap.dedent("""
     import torch
@@ -271,16 +272,36 @@ def test_parity_passes_the_workload_to_every_run(tasks, capsys, monkeypatch):
 
 
 # ---- --strategy auto -------------------------------------------------------------------------------------
-def test_strategy_auto_refuses_a_user_workload_in_one_line(tasks, capsys):
-    with pytest.raises(
-        ConfigError,
-        match=r"--strategy \(parallel.strategy\)=auto chooses from predicted activation "
-        r"memory, which shardtrain measures for the built-in workloads only, not "
-        r"user_tasks:Tiny; choose --strategy ddp, fsdp, zero2 or zero3",
-    ):
-        parse_cli(["--workload", "user_tasks:Tiny", "--strategy", "auto", "--output-dir", str(tasks / "o")])
-    code, _, err = run_cli(
-        capsys, "train", "--workload", "user_tasks:Tiny", "--strategy", "auto", "--output-dir", str(tasks / "o")
-    )
-    assert code == 2 and err.count("\n") == 1 and "built-in workloads only" in err
-    parse_cli(["--strategy", "auto", "--memory-budget-gb", "4", "--output-dir", str(tasks / "o")])  # built-ins plan
+@pytest.mark.parametrize(
+    "flags, instead",
+    [
+        (["--strategy", "auto"], "choose --strategy ddp, fsdp, zero2 or zero3"),
+        (["--activation-checkpointing", "auto", "--memory-budget-gb", "4"], "use true, or every-N"),
+    ],
+)
+def test_auto_settings_refuse_a_workload_without_a_memory_model_in_one_line(tasks, capsys, flags, instead):
+    """They choose from predicted activations, which only the workload's memory_model() can give: one line, before
+    any process starts, naming the setting and what to use instead."""
+    out = tasks / "o"
+    code, _, err = run_cli(capsys, "train", "--workload", "user_tasks:Tiny", *flags, "--output-dir", str(out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "=auto chooses from predicted activation memory, which needs a memory_model() that user_tasks:Tiny" in err
+    assert instead in err and not out.exists()
+
+
+def test_strategy_auto_plans_a_workload_that_gives_a_memory_model(tasks):
+    """As it plans the built-ins: the planner measures the user's model through its memory_model() and the run
+    gets a concrete strategy and batch geometry (a budget that fits DDP's model states and activations)."""
+    import torch
+
+    from shardtrain.memory.autoplan import resolve_auto_strategy
+    from shardtrain.runtime.distributed import DistInfo
+    from shardtrain.workloads.base import check_planned_settings, workload_class
+
+    argv = ["--workload", "user_tasks:Measured", "--strategy", "auto", "--memory-budget-gb", "1"]
+    cfg = parse_cli([*argv, "--output-dir", str(tasks / "o")])
+    check_planned_settings(cfg, workload_class(cfg))
+    one_rank = DistInfo(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), backend="gloo")
+    resolved, geometry, line = resolve_auto_strategy(cfg, one_rank)
+    assert resolved.parallel.strategy == "ddp" and geometry.world == 1
+    assert line.startswith("--strategy auto: ddp, activation checkpointing off"), line
