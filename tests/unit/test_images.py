@@ -143,3 +143,12 @@ def test_cache_images_command(data, tmp_path, capsys):
     # Cheap to run before every job: an up-to-date cache is checked, not decoded again.
     assert cli_main([*args, "--image-cache", str(cache), "--jobs", "1"]) == 0
     assert "train.jsonl: up to date (24 images at 32px" in capsys.readouterr().out
+
+
+def test_cache_images_says_first_that_the_model_reads_no_images(tmp_path, capsys):
+    """Not first 'give --image-cache', and then, once given, that the model has no images to cache."""
+    config = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "longformer_tiny.yaml")
+    code = cli_main(["cache-images", "--config", config, "--output-dir", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert "cache-images: shardtrain.builtin_workloads.longformer:LongformerWorkload reads no images" in err
