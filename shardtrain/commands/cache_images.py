@@ -43,7 +43,7 @@ def main(argv: list[str]) -> int:
         _cache_source_images(cfg, args.rebuild, args.jobs)
         print(f"train with: --image-cache {d.image_cache}")
         return 0
-    kind = data_kind(cfg.model.name)
+    kind = data_kind(cfg)
     for split in ("train", "validation"):
         path = config_split_path(cfg, split)
         if not args.rebuild:

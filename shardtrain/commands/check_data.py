@@ -69,7 +69,7 @@ def main(argv: list[str]) -> int:
         cfg = command_config(args.config, args.workload, args.workload_args)
         if not is_builtin_workload(cfg):
             return _check_workload(cfg, args)
-        args.kind = args.kind or data_kind(cfg.model.name)
+        args.kind = args.kind or data_kind(cfg)
         args.dir = args.dir or cfg.data.data_dir
     if args.dir is None:
         raise ConfigError("check-data: give a dataset folder, or --workload my_pkg.tasks:MyTask for a user's data")
@@ -119,7 +119,7 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
         return _check_layout(cfg.data.data_dir, cfg.data.dataset_format)
     if source_of(cfg) == "data_dir":
         what = cfg.data.data_dir
-        problems = check_data(what, data_kind(cfg.model.name), cfg.model.num_labels)
+        problems = check_data(what, data_kind(cfg), cfg.model.num_labels)
     else:
         problems = check_source(cfg)
         what = ", ".join(_source_names(cfg))

@@ -36,7 +36,7 @@ def check_splits(cfg) -> None:
 
             open_layout_image_cache(cfg, read_layout(cfg.data.dataset_format, cfg.data.data_dir))
         return
-    kind = data_kind(cfg.model.name)
+    kind = data_kind(cfg)
     for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):
         path = config_split_path(cfg, split)
         if cfg.data.image_cache is not None:

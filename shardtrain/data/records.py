@@ -13,15 +13,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from shardtrain.config.settings import ConfigError, where
+from shardtrain.config.settings import ConfigError, reads_images, where
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
 KINDS = ("multimodal", "longdoc")
 
 
-def data_kind(model_name: str) -> str:
-    """The data format follows the model: the multimodal model reads images, Longformer reads long documents."""
-    return "multimodal" if model_name == "multimodal" else "longdoc"
+def data_kind(cfg) -> str:
+    """The records the configured workload reads: text with an image each, or text alone (config's reads_images)."""
+    return "multimodal" if reads_images(cfg) else "longdoc"
 
 
 def normalize_kind(kind: str) -> str:

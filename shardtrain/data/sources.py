@@ -353,7 +353,7 @@ def _read_jsonl_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
 
     from shardtrain.data.records import config_split_path, data_kind, iter_split
 
-    kind = data_kind(cfg.model.name)
+    kind = data_kind(cfg)
     out = {}
     for split in SPLITS:
         path = config_split_path(cfg, split)

@@ -126,7 +126,7 @@ def build_datasets(cfg: Config, tokenizer=None) -> tuple[JsonlDataset, JsonlData
 
 
 def build_split(cfg: Config, split: str) -> JsonlDataset:
-    kind = data_kind(cfg.model.name)
+    kind = data_kind(cfg)
     limit = cfg.data.max_train_samples if split == "train" else cfg.data.max_eval_samples
     path = config_split_path(cfg, split)
     cache = open_image_cache(cfg, path)

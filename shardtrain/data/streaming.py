@@ -51,7 +51,7 @@ def jsonl_train_stream(cfg):
     Images are not decoded here (that is a second pass over every image); a corrupt one fails in collate."""
     from shardtrain.data.records import config_split_path, data_kind, iter_split
 
-    path, kind = config_split_path(cfg, "train"), data_kind(cfg.model.name)
+    path, kind = config_split_path(cfg, "train"), data_kind(cfg)
     bad_rows, skipped = set(), []
     good = 0
     for row, (_, problem) in enumerate(iter_split(path, kind, cfg.model.num_labels)):
