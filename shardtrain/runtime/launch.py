@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from shardtrain.config.settings import Config
@@ -54,8 +55,13 @@ def launch_local(nproc: int, program: list[str], shown: str, extra_env: dict | N
     # Each rank its share of the CPUs this process was given (CPU Adam under *_offload runs on them), not
     # torchrun's 1 for all; an OMP_NUM_THREADS of the caller's own wins.
     threads = os.environ.get("OMP_NUM_THREADS") or str(threads_per_rank(nproc))
-    env = {**os.environ, "OMP_NUM_THREADS": threads, **(extra_env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": threads, LAUNCHER_PID: str(os.getpid()), **(extra_env or {})}
     return run_forwarding_signals(cmd, env)
+
+
+# The pid of the `shardtrain train` / `predict` process that started the agent, which the agent watches.
+LAUNCHER_PID = "SHARDTRAIN_LAUNCHER_PID"
+LAUNCHER_CHECK_SECONDS = 0.2
 
 
 def run_forwarding_signals(cmd: list[str], env: dict) -> int:
@@ -121,6 +127,7 @@ def quiet_torchrun(args: list[str]) -> int:
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, pass_to_workers)
+    end_with_the_launcher(agent, psutil)
     try:
         run(parse_args(["--signals-to-handle", "SIGHUP,SIGQUIT", *args]))
     except ChildFailedError as e:
@@ -130,6 +137,29 @@ def quiet_torchrun(args: list[str]) -> int:
         print(f"shardtrain: the launcher got {e.sigval.name} before its workers started, and stopped", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0
+
+
+def end_with_the_launcher(agent, psutil) -> None:
+    """A SIGKILL of `shardtrain train` (`kill -9`, `timeout -s KILL`, an OOM kill) cannot be passed on, and the
+    agent runs in a session of its own: without this the job trained on as orphans, wrote checkpoints, and a
+    rerun into the same folder raced them. The job dies with its launcher, as SIGKILL says: the agent kills
+    every process it started and exits 137; `--resume auto` continues from the last committed checkpoint
+    (DataLoader workers end by themselves within 0.2 s of their trainer, runtime/preemption.py)."""
+    import threading
+
+    launcher = int(os.environ.get(LAUNCHER_PID) or os.getppid())
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(LAUNCHER_CHECK_SECONDS)
+        for process in agent.children(recursive=True):
+            try:
+                process.kill()
+            except psutil.Error:  # exited meanwhile
+                pass
+        os._exit(128 + 9)
+
+    threading.Thread(target=watch, name="shardtrain-launcher-watch", daemon=True).start()
 
 
 def _workers_of(agent, psutil) -> list:

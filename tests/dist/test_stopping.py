@@ -77,6 +77,32 @@ def test_preemption_signal_to_shardtrain_train_saves_and_exits_0(ld_data, tmp_pa
     assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
 
 
+def test_sigkill_of_shardtrain_train_ends_the_whole_job(ld_data, tmp_path):
+    """`kill -9` (or `timeout -s KILL`) of `shardtrain train --nproc 2`: nothing can be passed on, so the agent,
+    in a session of its own, must notice by itself. Every process of the job is gone within seconds, and nothing
+    trains on: the job had gone on as orphans, writing checkpoints that a rerun then raced."""
+    import psutil
+
+    out, log = tmp_path / "run", tmp_path / "log"
+    proc = cli_background(
+        ["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2", "--num-workers", "2")], log=log
+    )
+    _wait_until(lambda: _steps_logged(out) >= 2, proc, log)
+    job = psutil.Process(proc.pid).children(recursive=True)  # the agent, 2 ranks, their DataLoader workers
+    assert len(job) >= 3, job
+    proc.kill()
+    proc.wait()
+    _, alive = psutil.wait_procs(job, timeout=15)
+    try:
+        assert not alive, f"still running after the launcher's SIGKILL: {[p.cmdline()[:4] for p in alive]}"
+    finally:
+        for p in alive:
+            p.kill()
+    steps = _steps_logged(out)
+    time.sleep(1)
+    assert _steps_logged(out) == steps
+
+
 def _sigterm_every_process(root_pid: int, times: int) -> None:
     """What `scancel` and a cgroup stop (systemd, a container runtime) do: SIGTERM to every process of the job
     at once: the parent, torchrun's agent, the workers and their DataLoader workers; `times` rounds in a row."""
