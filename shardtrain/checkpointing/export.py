@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import os
 import shutil
 from pathlib import Path
@@ -382,11 +383,20 @@ def load_int8_weights(model: nn.Module, path: Path) -> nn.Module:
     """The documented torchao load; a missing or cut-off file is one line naming it."""
     if not path.is_file():
         raise ConfigError(f"{path}: not found; `shardtrain export CKPT OUT --int8` writes it")
+    # torchao's tensor types (Int8Tensor, ...) are allowed by weights_only once torchao is imported; a model
+    # that is not a transformers one (whose import pulls torchao in) found them "Unsupported global".
+    import torchao.quantization  # noqa: F401
+
     try:
         state = torch.load(path, weights_only=True, mmap=True)
         model.load_state_dict(state, strict=True, assign=True)
     except Exception as e:  # noqa: BLE001 - torch's unpickling / size errors about the file's bytes
-        raise ConfigError(
-            f"{path}: cannot load the INT8 weights (truncated, or not this model's?): {' '.join(str(e).split())[:200]}"
-        ) from None
+        raise ConfigError(f"{path}: cannot load the INT8 weights (truncated, or not this model's?): {_gist(e)}") from None
     return model.eval()
+
+
+def _gist(error: Exception) -> str:
+    """torch.load's weights_only failure is a page of advice with terminal colours; its cause is one sentence."""
+    text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(error)).split())
+    cause = re.search(r"(Unsupported global: [^.]*\.|WeightsUnpickler error: [^.]*\.)", text)
+    return cause.group(1) if cause else text[:200]

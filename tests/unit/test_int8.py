@@ -60,3 +60,37 @@ def test_a_cut_off_int8_file_is_one_line(longformer, tmp_path):
         load_int8_weights(longformer.hf, tmp_path / "model_int8.pt")
     with pytest.raises(ConfigError, match="not found; `shardtrain export CKPT OUT --int8` writes it"):
         load_int8_weights(longformer.hf, tmp_path / "missing.pt")
+
+
+# A user's own model, loaded in a process that has not imported torchao (or transformers, which imports it).
+PLAIN_LOAD = """
+import sys
+import torch
+from torch import nn
+from shardtrain.checkpointing.export import load_int8_weights
+assert "torchao" not in sys.modules
+model = load_int8_weights(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)), __import__("pathlib").Path(sys.argv[1]))
+print(type(model[0].weight).__name__)
+"""
+
+
+def test_a_users_int8_model_loads_in_a_process_without_torchao_imported(tmp_path):
+    """`predict EXPORT --int8` of a user's workload: torch.load(weights_only=True) refused torchao's tensor
+    types ("Unsupported global") until torchao was imported."""
+    import subprocess
+    import sys
+
+    from launch import test_env
+    from torch import nn
+
+    torch.manual_seed(0)
+    save_int8(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)), tmp_path / "model_int8.pt")
+    done = subprocess.run(
+        [sys.executable, "-c", PLAIN_LOAD, str(tmp_path / "model_int8.pt")],
+        env=test_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "Int8Tensor"
