@@ -398,5 +398,5 @@ def load_int8_weights(model: nn.Module, path: Path) -> nn.Module:
 def _gist(error: Exception) -> str:
     """torch.load's weights_only failure is a page of advice with terminal colours; its cause is one sentence."""
     text = " ".join(re.sub(r"\x1b\[[0-9;]*m", "", str(error)).split())
-    cause = re.search(r"(Unsupported global: [^.]*\.|WeightsUnpickler error: [^.]*\.)", text)
-    return cause.group(1) if cause else text[:200]
+    cause = re.search(r"Unsupported global: GLOBAL [\w.]+", text)
+    return cause.group(0) if cause else text[:200]
