@@ -391,7 +391,9 @@ def load_int8_weights(model: nn.Module, path: Path) -> nn.Module:
         state = torch.load(path, weights_only=True, mmap=True)
         model.load_state_dict(state, strict=True, assign=True)
     except Exception as e:  # noqa: BLE001 - torch's unpickling / size errors about the file's bytes
-        raise ConfigError(f"{path}: cannot load the INT8 weights (truncated, or not this model's?): {_gist(e)}") from None
+        raise ConfigError(
+            f"{path}: cannot load the INT8 weights (truncated, or not this model's?): {_gist(e)}"
+        ) from None
     return model.eval()
 
 

@@ -75,8 +75,8 @@ def predicted_memory(
         return {}
     if not predictable:
         return {
-            "note": f"not predicted: activations are measured for the built-in models, not {task} "
-            f"(shardtrain plan --workload counts its model states)"
+            "note": f"not predicted: {task} has no memory_model() to measure its activations "
+            f"(docs/your-own-model.md; shardtrain plan --workload counts its model states)"
         }
     geometry = geometry.at_token_budget(cfg)
     return memory_prediction(geometry.applied_to(cfg), geometry.world, vocab_size, recompute=recompute)

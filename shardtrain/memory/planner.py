@@ -277,7 +277,17 @@ def _window(cfg) -> int | None:
 
 
 def sample_lengths(cfg, seq_len: int) -> list[int]:
-    return _measured(cfg).sample_lengths(seq_len)
+    """Two lengths fit a line, three a quadratic: anything else cannot be fitted, and names the method."""
+    from shardtrain.config.settings import ConfigError
+
+    model = _measured(cfg)
+    lengths = list(model.sample_lengths(seq_len))
+    if len(lengths) not in (2, 3) or len(set(lengths)) != len(lengths) or not all(int(n) > 0 for n in lengths):
+        raise ConfigError(
+            f"{type(model).__name__}.sample_lengths({seq_len}) gave {lengths}: the activations are measured at "
+            f"2 distinct positive lengths (a line) or 3 (a quadratic), e.g. [seq_len // 4, seq_len // 2]"
+        )
+    return lengths
 
 
 @functools.lru_cache(maxsize=32)
@@ -861,8 +871,8 @@ def plan_workload(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, c
         "precision": precision,
         "rows": rows,
         "recommendation": None,
-        "activations": f"not predicted for {name}: shardtrain measures activations on the built-in "
-        f"architectures; the headroom column is what {name}'s activations may use",
+        "activations": f"not predicted for {name}: it has no memory_model() (docs/your-own-model.md), which "
+        f"would measure them; the headroom column is what {name}'s activations may use",
     }
 
 

@@ -151,7 +151,7 @@ def test_plan_counts_a_user_model_on_the_meta_device_and_says_what_it_cannot_pre
     )
     assert rows["fsdp"]["params"] == 4 * TINY_PARAMS / 2 and rows["zero3"]["optimizer"] == 12 * TINY_PARAMS / 2
     assert all(r["activations"] is None for r in rows.values()) and p["recommendation"] is None
-    assert "not predicted for Tiny" in p["activations"]
+    assert "not predicted for Tiny: it has no memory_model()" in p["activations"]
     code, out, _ = run_cli(capsys, "plan", "--workload", "user_tasks:Tiny", "--gpus", "2", "--gpu", "a100")
     assert out.startswith(f"plan: Tiny, {TINY_PARAMS:,} parameters") and "activations: not predicted for Tiny" in out
 
@@ -305,3 +305,24 @@ def test_strategy_auto_plans_a_workload_that_gives_a_memory_model(tasks):
     resolved, geometry, line = resolve_auto_strategy(cfg, one_rank)
     assert resolved.parallel.strategy == "ddp" and geometry.world == 1
     assert line.startswith("--strategy auto: ddp, activation checkpointing off"), line
+
+
+@pytest.mark.parametrize("lengths", ["[seq_len]", "[8, 8]", "[0, 8]"])
+def test_a_memory_model_whose_sample_lengths_cannot_be_fitted_is_named(tasks, capsys, lengths):
+    """Two lengths fit a line, three a quadratic: one length, or the same twice, failed deep in the fit
+    (ValueError: not enough values to unpack; ZeroDivisionError) without naming the method."""
+    (tasks / "user_tasks.py").write_text(
+        TASKS
+        + textwrap.dedent(f"""
+        class BadLengths(Measured):
+            def memory_model(self):
+                measure = super().memory_model()
+                measure.sample_lengths = lambda seq_len: {lengths}
+                return measure
+        """)
+    )
+    code, _, err = run_cli(
+        capsys, "plan", "--workload", "user_tasks:BadLengths", "--gpus", "2", "--gpu", "a100", "--json"
+    )
+    assert code == 2 and err.count("\n") == 1, err
+    assert "Measure.sample_lengths(128) gave" in err and "2 distinct positive lengths" in err, err
