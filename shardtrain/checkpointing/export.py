@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import re
 import os
+import re
 import shutil
 from pathlib import Path
 

@@ -65,11 +65,12 @@ def test_a_cut_off_int8_file_is_one_line(longformer, tmp_path):
 # A user's own model, loaded in a process that has not imported torchao (or transformers, which imports it).
 PLAIN_LOAD = """
 import sys
+from pathlib import Path
 import torch
 from torch import nn
 from shardtrain.checkpointing.export import load_int8_weights
 assert "torchao" not in sys.modules
-model = load_int8_weights(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)), __import__("pathlib").Path(sys.argv[1]))
+model = load_int8_weights(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3)), Path(sys.argv[1]))
 print(type(model[0].weight).__name__)
 """
 
