@@ -269,6 +269,7 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
         save_int8(model, out / INT8_FILE)
         normal_mode(out / INT8_FILE)
         info["bytes_int8"] = (out / INT8_FILE).stat().st_size
+        info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
         if evaluate:
             info["eval_int8"] = evaluate_workload(workload, model)
     (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))

@@ -60,6 +60,11 @@ def main(argv: list[str]) -> int:
         merge=args.merge,
     )
     print(f"exported {info['checkpoint']} -> {args.out} ({info['bytes_fp32'] / 1e6:.2f} MB fp32)")
+    if args.int8:
+        print(
+            f"int8 (torchao: Linear and embedding weights; CPU inference only): {info['bytes_int8'] / 1e6:.2f} MB, "
+            f"{100 * info['size_reduction']:.1f}% smaller"
+        )
     if "workload" in info:  # a user's workload: evaluated by its own metrics, if asked
         for key in ("eval_fp32", "eval_int8"):
             if key in info:
@@ -68,11 +73,6 @@ def main(argv: list[str]) -> int:
                     + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in info[key].items())
                 )
         return 0
-    if args.int8:
-        print(
-            f"int8 (torchao: Linear and embedding weights; CPU inference only): {info['bytes_int8'] / 1e6:.2f} MB, "
-            f"{100 * info['size_reduction']:.1f}% smaller"
-        )
     if args.eval:
         # The run's own data source (a --data-dir layout, --train-file, --dataset-name, ...), or --data-dir's.
         from shardtrain.commands.predict import split_metrics

@@ -121,11 +121,14 @@ def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, 
             "--workload-args",
             moved,
             "--eval",
+            "--int8",
         ],
         cwd=user_dir,
     )
     evaluated = json.loads((tmp_path / "export2" / "shardtrain_export.json").read_text())["eval_fp32"]
     assert evaluated["n_examples"] == 64 and "validation: accuracy" in r.output, r.tail()
+    # The size line of --int8, as for the built-ins (it was left out for a user's workload).
+    assert "int8 (torchao: Linear and embedding weights; CPU inference only):" in r.output and "% smaller" in r.output
     assert abs(evaluated["accuracy"] - summary["eval"]["accuracy"]) < 1e-9, (evaluated, summary["eval"])
 
     # report --workload reads the run: it shows the workload and its metrics, and refuses another workload.
