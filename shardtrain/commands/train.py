@@ -15,10 +15,11 @@ def main(argv: list[str]) -> int:
     from shardtrain.strategies import check_strategy_config
 
     check_strategy_config(cfg)
-    from shardtrain.workloads.base import check_planned_settings, workload_class
+    from shardtrain.workloads.base import check_planned_settings, check_workload_args, workload_class
 
     # --workload imports and names a Workload, and what it reads is checked, before any process starts.
     workload = workload_class(cfg)
+    check_workload_args(cfg, workload)
     check_planned_settings(cfg, workload)
     note = workload.check_before_launch(cfg)
     from shardtrain.checkpointing.store import refuse_to_overwrite

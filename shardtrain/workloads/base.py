@@ -456,6 +456,19 @@ def check_planned_settings(cfg: Config, cls: type[Workload]) -> None:
             )
 
 
+def check_workload_args(cfg: Config, cls: type[Workload]) -> None:
+    """`--workload-args` against the constructor's signature, without constructing (which may load data or
+    weights): `train` runs it before any process starts, where a wrong key failed in every rank."""
+    try:
+        inspect.signature(cls).bind(cfg, **cfg.workload.workload_args)
+    except TypeError as e:
+        raise _args_error(cls, cfg, e) from None
+
+
+def _args_error(cls: type[Workload], cfg: Config, e: TypeError) -> ConfigError:
+    return ConfigError(f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}")
+
+
 def load_workload(cfg: Config) -> Workload:
     from shardtrain.workloads.adapters import apply_lora
 
@@ -463,8 +476,6 @@ def load_workload(cfg: Config) -> Workload:
     try:
         workload = cls(cfg, **cfg.workload.workload_args)
     except TypeError as e:
-        raise ConfigError(
-            f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}"
-        ) from None
+        raise _args_error(cls, cfg, e) from None
     apply_lora(workload, cfg.peft)  # --peft lora: its build_model returns the model with adapters
     return workload

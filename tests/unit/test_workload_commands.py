@@ -326,3 +326,14 @@ def test_a_memory_model_whose_sample_lengths_cannot_be_fitted_is_named(tasks, ca
     )
     assert code == 2 and err.count("\n") == 1, err
     assert "Measure.sample_lengths(128) gave" in err and "2 distinct positive lengths" in err, err
+
+
+def test_train_refuses_workload_args_the_constructor_does_not_take_before_any_process_starts(tasks, capsys):
+    """The constructor's signature, checked without constructing: with --nproc 2 a wrong key failed in every
+    rank, after `starting 2 processes`."""
+    out = tasks / "run"
+    argv = ["train", "--workload", "user_tasks:Tiny", "--workload-args", '{"size": 8}', "--nproc", "2"]
+    code, printed, err = run_cli(capsys, *argv, "--output-dir", str(out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "--workload-args (workload.args): Tiny(size): " in err and "unexpected keyword argument 'size'" in err
+    assert "starting 2 processes" not in printed and not out.exists()
