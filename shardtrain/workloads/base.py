@@ -409,7 +409,7 @@ def workload_class(cfg: Config) -> type[Workload]:
     if not sep or not module_name or not attr or "/" in module_name or module_name.endswith(".py"):
         raise ConfigError(
             f"{where('workload')}: '{target}' is not a workload; write a dotted module path and a class, "
-            f"e.g. my_pkg.tasks:MyTask, or a built-in: {', '.join(BUILTIN_WORKLOADS)}"
+            f"e.g. {_as_target(module_name or target, attr)}, or a built-in: {', '.join(BUILTIN_WORKLOADS)}"
         )
     try:
         module = importlib.import_module(module_name)
@@ -467,6 +467,13 @@ def check_workload_args(cfg: Config, cls: type[Workload]) -> None:
 
 def _args_error(cls: type[Workload], cfg: Config, e: TypeError) -> ConfigError:
     return ConfigError(f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}")
+
+
+def _as_target(written: str, attr: str) -> str:
+    """What `--workload ./tasks.py:MyTask` (a file, as one runs a script) or `tasks` means as a target:
+    tasks:MyTask (the config's folder and the working directory are on the import path)."""
+    parts = [part for part in Path(written.removesuffix(".py")).parts if part not in (".", "..", "/")]
+    return f"{'.'.join(parts) or 'my_pkg.tasks'}:{attr or 'MyTask'}"
 
 
 def load_workload(cfg: Config) -> Workload:

@@ -131,6 +131,11 @@ def test_a_tasks_py_beside_the_config_is_importable(tmp_path, monkeypatch):
     [
         ("no_such_module_xyz:Task", r"--workload \(workload.target\): cannot import no_such_module_xyz"),
         ("tasks.py", r"is not a workload; write a dotted module path and a class"),
+        # A file, as one runs a script: the target it means.
+        (
+            "./my_pkg/tasks.py:Sentiment",
+            r"'./my_pkg/tasks.py:Sentiment' is not a workload; .* e\.g\. my_pkg\.tasks:Sentiment,",
+        ),
         ("test_workload:Nope", r"test_workload has no Workload subclass named Nope \(it has Task\)"),
     ],
 )
