@@ -22,8 +22,11 @@ def main(argv: list[str]) -> int:
     check_workload_args(cfg, workload)
     check_planned_settings(cfg, workload)
     note = workload.check_before_launch(cfg)
+    from shardtrain.checkpointing.output_lock import check_output_dir_free
     from shardtrain.checkpointing.store import refuse_to_overwrite
 
+    if "RANK" not in os.environ:  # one process, or the parent of --nproc; a rank's rank 0 takes the lock itself
+        check_output_dir_free(cfg.checkpoint.output_dir)
     refuse_to_overwrite(cfg)
     if note and os.environ.get("RANK", "0") == "0":
         print(f"shardtrain: {note}", flush=True)

@@ -17,7 +17,8 @@ import torch
 
 from shardtrain.checkpointing import store as checkpoint
 from shardtrain.checkpointing.final_model import export_final_model_if_missing, final_model_folder, write_final_model
-from shardtrain.config.settings import Config, profile_range
+from shardtrain.checkpointing.output_lock import hold_output_dir
+from shardtrain.config.settings import Config, ConfigError, profile_range
 from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.data.sources import check_resumed_labels
 from shardtrain.loop.best import BestCheckpoint, stopped_early
@@ -335,12 +336,26 @@ class Trainer:
         check_devices(self.rank_table, dist_info.is_rank0, self.console.warn)
         self.out = out = Path(cfg.checkpoint.output_dir)
         require_shared_output_dir(out, dist_info.rank, [r["host"] for r in self.rank_table])  # across hosts: one
+        self.output_lock = self._hold_output_dir(out)  # before anything in it is read or cleared
         if cfg.checkpoint.overwrite_output_dir and cfg.checkpoint.resume == "none" and dist_info.is_rank0:
             checkpoint.clear_previous_run(out)  # asked for by name; otherwise `train` refused (refuse_to_overwrite)
         barrier()
         self.startup["process_group"] = time.time()
         self.stop = StopFlag()
         self.t_start = now()
+
+    def _hold_output_dir(self, out: Path):
+        """Rank 0 holds the folder for this run (checkpointing/output_lock.py); a refusal reaches every rank."""
+        lock, refused = None, None
+        if self.dist.is_rank0:
+            try:
+                lock = hold_output_dir(out)
+            except ConfigError as e:
+                refused = str(e)
+        refused = broadcast_object(refused)
+        if refused:
+            raise ConfigError(refused)
+        return lock
 
     def _find_resume(self, cfg: Config) -> bool:
         """The checkpoint to resume from and its trainer state; True when it is this run's own with nothing left
@@ -365,6 +380,7 @@ class Trainer:
             f"are left as they were (a larger {more} trains on)"
         )
         export_final_model_if_missing(self.resume_dir, cfg, self.dist.is_rank0, self.console)
+        self._release_output_dir()
         return {"final_step": self.state["step"], "nothing_to_train": True}
 
     def _build_data(self) -> None:
@@ -528,7 +544,13 @@ class Trainer:
         if final_model_folder(self.cfg) and not self.preempted:  # before W&B closes: --wandb-log-model uploads it
             final_model = write_final_model(self.strategy, self._trainer_state(), self.cfg, self.console)
         self.tracker.finish(summary, final_model)  # summary.json (with `run`), W&B summary and model, report.html
+        self._release_output_dir()
         return summary
+
+    def _release_output_dir(self) -> None:
+        """The next run in this folder may start now (a later run in the same process, as shardtrain.fit's)."""
+        if self.output_lock is not None:
+            self.output_lock.release()
 
 
 def make_model_factory(workload: Workload, seed: int, device: torch.device, startup: dict):

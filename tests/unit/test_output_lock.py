@@ -1,0 +1,74 @@
+"""One run at a time in an output folder (checkpointing/output_lock.py): a second run is refused in one line naming
+the first, before any process starts; the lock dies with its process, however it ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from launch import test_env
+
+from shardtrain import cli
+from shardtrain.checkpointing.output_lock import LOCK_FILE, hold_output_dir
+from shardtrain.config.settings import ConfigError
+
+# A run's rank 0 holding its folder, as the Trainer does, until it is killed.
+HOLDER = """
+import sys, time
+from shardtrain.checkpointing.output_lock import hold_output_dir
+lock = hold_output_dir(sys.argv[1])
+print("held", flush=True)
+time.sleep(600)
+"""
+
+TASK = textwrap.dedent("""
+    import torch
+    from torch import nn
+    from shardtrain import Workload
+
+    class Tiny(Workload):
+        def build_model(self):
+            return nn.Linear(4, 2)
+
+        def datasets(self):
+            rows = [{"x": torch.zeros(4), "labels": torch.tensor(0)}] * 8
+            return rows, None
+""")
+
+
+@pytest.fixture
+def holder(tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], env=test_env(), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    yield out, proc
+    proc.kill()
+    proc.wait()
+
+
+def test_a_second_run_in_a_held_folder_is_one_line_before_any_process_starts(holder, tmp_path, capsys, monkeypatch):
+    out, proc = holder
+    with pytest.raises(ConfigError, match=rf"another run is training in it \(pid {proc.pid} on "):
+        hold_output_dir(out)
+    (tmp_path / "tiny_task.py").write_text(TASK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    code = cli.main(["train", "--workload", "tiny_task:Tiny", "--nproc", "2", "--output-dir", str(out)])
+    printed, err = capsys.readouterr()
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"--output-dir (checkpoint.output_dir) {out}: another run is training in it (pid {proc.pid}" in err
+    assert "starting 2 processes" not in printed and sorted(os.listdir(out)) == [LOCK_FILE]
+
+
+def test_the_lock_dies_with_its_process(holder):
+    out, proc = holder
+    proc.send_signal(signal.SIGKILL)  # a preempted or OOM-killed job never leaves a stale lock behind
+    proc.wait()
+    lock = hold_output_dir(out)
+    assert lock is not None
+    assert f"pid {os.getpid()} on " in (out / LOCK_FILE).read_text()
+    lock.release()
