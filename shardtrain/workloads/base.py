@@ -470,8 +470,9 @@ def _args_error(cls: type[Workload], cfg: Config, e: TypeError) -> ConfigError:
 
 
 def _as_target(written: str, attr: str) -> str:
-    """What `--workload ./tasks.py:MyTask` (a file, as one runs a script) or `tasks` means as a target:
-    tasks:MyTask (the config's folder and the working directory are on the import path)."""
+    """The target a `--workload` written as a file and a class (as one runs a script), or as a module alone,
+    means: the module's dotted name and the class (the config's folder and the working directory are on the
+    import path)."""
     parts = [part for part in Path(written.removesuffix(".py")).parts if part not in (".", "..", "/")]
     return f"{'.'.join(parts) or 'my_pkg.tasks'}:{attr or 'MyTask'}"
 
