@@ -38,9 +38,31 @@ FILE_BUILDERS = {".csv": "csv", ".json": "json", ".jsonl": "json", ".parquet": "
 SPLITS = ("train", "validation")
 
 
+# How many times the run's data source was asked for (source_of): a workload whose datasets() never asks
+# trains on data of its own, and a source flag given to it would be ignored without a word (unread_source_flags).
+_source_asks = 0
+
+
+def source_asks() -> int:
+    return _source_asks
+
+
+def unread_source_flags(cfg: Config, asks_before: int) -> str | None:
+    """A line to warn with when the config names training data that datasets() did not ask for."""
+    given = [name for name in SOURCE_FLAGS if getattr(cfg.data, name)]
+    if not given or _source_asks > asks_before:
+        return None
+    return (
+        f"{where(given[0])} names training data, but the workload's datasets() did not read the run's data "
+        f"source (shardtrain.data.load_splits(cfg), docs/data.md): it trains on what its own code reads"
+    )
+
+
 def source_of(cfg: Config) -> str:
     """The flag that names the training data ('data_dir' for the jsonl layout), or a ConfigError naming both
     when two do, or a validation flag without its train flag."""
+    global _source_asks
+    _source_asks += 1
     d = cfg.data
     given = [name for name in SOURCE_FLAGS if getattr(d, name)]
     if len(given) > 1:

@@ -20,7 +20,7 @@ from shardtrain.checkpointing.final_model import export_final_model_if_missing, 
 from shardtrain.checkpointing.output_lock import hold_output_dir
 from shardtrain.config.settings import Config, ConfigError, profile_range
 from shardtrain.data import batch_to_device, build_loaders
-from shardtrain.data.sources import check_resumed_labels
+from shardtrain.data.sources import check_resumed_labels, source_asks, unread_source_flags
 from shardtrain.loop.best import BestCheckpoint, stopped_early
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.evaluate import evaluate
@@ -384,7 +384,11 @@ class Trainer:
         return {"final_step": self.state["step"], "nothing_to_train": True}
 
     def _build_data(self) -> None:
+        asks = source_asks()
         self.datasets = train_ds, eval_ds = self.workload.datasets()
+        unread = unread_source_flags(self.cfg, asks)
+        if unread and self.dist.is_rank0:
+            self.console.warn(unread)
         self.labels = self.workload.labels()  # what the data decided of the classes: the run's state
         # What the planner and the banner describe: the user's config with the data's classes in it.
         self.model_cfg = self.labels.applied_to(self.cfg) if self.labels else self.cfg

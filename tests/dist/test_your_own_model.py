@@ -78,6 +78,9 @@ def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, 
             "8",
             "--num-workers",
             "0",
+            # A source flag this workload's datasets() never reads (it reads its own data): said, not ignored.
+            "--train-file",
+            str(tmp_path / "not_read.csv"),
             "--output-dir",
             str(tmp_path / "run"),
             "--resume",
@@ -91,6 +94,8 @@ def test_the_readme_workload_trains_under_fsdp_from_its_yaml(user_dir, mm_data, 
     )
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["final_step"] == 3 and summary["eval"]["n_examples"] == 64, r.tail()
+    unread = "warning: --train-file (data.train_file) names training data, but the workload's datasets() did not"
+    assert r.output.count(unread) == 1, r.tail()  # rank 0 says it, once
     assert summary["units"] == 2, summary  # RobertaLayer x 2, from the model's _no_split_modules
 
     # `shardtrain export` of the run: the workload (imported from the working directory) rebuilds the model
