@@ -17,7 +17,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import time
 from pathlib import Path
 
 from shardtrain.config.settings import ConfigError, where
@@ -38,7 +37,9 @@ class OutputLock:
 
 
 def hold_output_dir(output_dir: str | os.PathLike) -> OutputLock | None:
-    """The folder's lock, or a ConfigError naming the run that holds it; None where the filesystem has no locks."""
+    """The folder's lock, or a ConfigError naming the run that holds it; None where the filesystem has no locks.
+    The lock file is created once and never written: a run that fails leaves a previous run's folder exactly as
+    it was (tests/dist/test_bad_input.py compares it byte for byte)."""
     import fcntl
 
     path = Path(output_dir) / LOCK_FILE
@@ -47,18 +48,30 @@ def hold_output_dir(output_dir: str | os.PathLike) -> OutputLock | None:
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
-        holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "a process that wrote nothing yet"
         os.close(fd)
         if e.errno in (errno.EACCES, errno.EAGAIN):
             raise ConfigError(
-                f"{where('output_dir')} {output_dir}: another run is training in it ({holder}); wait for it to "
-                f"end or stop it, or choose another --output-dir"
+                f"{where('output_dir')} {output_dir}: another run is training in it ({_holder(path)}); wait for "
+                f"it to end or stop it, or choose another --output-dir"
             ) from None
         return None  # ENOLCK, ENOSYS, EOPNOTSUPP: no locks on this filesystem
-    os.ftruncate(fd, 0)
-    since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
     return OutputLock(fd)
+
+
+def _holder(path: Path) -> str:
+    """Who holds the lock, from the kernel's table of this machine's locks (/proc/locks: `N: POSIX ADVISORY WRITE
+    PID MAJOR:MINOR:INODE ...`, the device numbers in hex)."""
+    st = path.stat()
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as table:
+            for line in table:
+                fields = line.split()
+                if len(fields) > 5 and fields[1] == "POSIX" and fields[5] == file_id:
+                    return f"pid {fields[4]} on {socket.gethostname()}"
+    except OSError:
+        pass
+    return "a process on another machine"
 
 
 def check_output_dir_free(output_dir: str | os.PathLike) -> None:
