@@ -16,7 +16,18 @@ import time
 from pathlib import Path
 
 import pytest
-from launch import BIN, MAIN, REPO, cli_background, free_port, kill_tree, test_env, tiny_args, torchrun_background
+from launch import (
+    BIN,
+    MAIN,
+    REPO,
+    cli_background,
+    free_port,
+    kill_tree,
+    test_env,
+    tiny_args,
+    torchrun,
+    torchrun_background,
+)
 
 LONG = ["--strategy", "ddp", "--max-steps", "500", "--device", "cpu", "--log-every", "1"]
 
@@ -101,6 +112,29 @@ def test_sigkill_of_shardtrain_train_ends_the_whole_job(ld_data, tmp_path):
     steps = _steps_logged(out)
     time.sleep(1)
     assert _steps_logged(out) == steps
+
+
+def test_a_second_job_in_a_training_runs_folder_is_refused_and_the_first_trains_on(ld_data, tmp_path):
+    """A job submitted twice, the second started as torchrun starts it (no `shardtrain train` parent to check
+    first): its rank 0 finds the folder held and every rank stops in one line, before reading a checkpoint. The
+    first run trains on, saves on SIGTERM and exits 0: nothing of it was read, cleared or overwritten."""
+    out, log = tmp_path / "run", tmp_path / "log"
+    first = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2")], log=log)
+    _wait_until(lambda: _steps_logged(out) >= 2, first, log)
+    second = torchrun(
+        tiny_args("longformer", ld_data, out, *LONG, "--resume", "auto"),
+        check=False,
+        env=test_env(TORCH_DISTRIBUTED_DEBUG="DETAIL"),
+    )
+    # (Under a bare torchrun the exit code and the report after the workers' line are torchrun's own: 1.)
+    errors = [line for line in second.output.splitlines() if line.startswith("shardtrain: error:")]
+    assert second.returncode != 0 and errors, second.tail()
+    assert all(f"{out}: another run is training in it (pid " in line for line in errors), errors
+    assert "resumed from" not in second.output, second.tail()
+    first.send_signal(signal.SIGTERM)
+    code, output = _finish(first, log)
+    assert code == 0, output[-3000:]
+    _committed_at_final_step(out)
 
 
 def _sigterm_every_process(root_pid: int, times: int) -> None:
