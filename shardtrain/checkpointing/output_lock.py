@@ -7,9 +7,10 @@ before it reads or clears anything. `shardtrain train` checks it before any proc
 before it reads a checkpoint (under torchrun, srun or deepspeed too).
 
 POSIX record locks (lockf): the kernel drops one when its process ends however it ends (a SIGKILL, an OOM kill),
-so a preempted or crashed job never leaves a stale lock behind; forked helpers (DataLoader workers) do not
-inherit it; and they work on the NFS / Lustre mounts clusters share output folders on. A filesystem without
-locks leaves the folder unguarded rather than refusing to train.
+so a preempted or crashed job never leaves a stale lock behind, and forked helpers (DataLoader workers) do not
+inherit it. Shared filesystems implement them across hosts (NFS through its lock service, Lustre when mounted
+with `flock`; neither is tested here). A filesystem without locks leaves the folder unguarded rather than
+refusing to train.
 """
 
 from __future__ import annotations
