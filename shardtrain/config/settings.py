@@ -1239,20 +1239,21 @@ NOT_NEGATIVE = (
 IN_MEMORY_SOURCES = ("dataset_name", "train_file", "train_dir", "dataset_format")
 
 
-def _value(cfg: Config, name: str) -> Any:
+def value_of(cfg: Config, name: str) -> Any:
+    """A setting's value by its field name, whichever section holds it."""
     return getattr(getattr(cfg, FIELDS[name][0]), name)
 
 
 def _check_positive(cfg: Config, *names: str) -> None:
     for name in names:
-        value = _value(cfg, name)
+        value = value_of(cfg, name)
         if value is not None and value <= 0:
             raise ConfigError(f"{where(name)} must be positive, got {value}")
 
 
 def _check_not_negative(cfg: Config, *names: str) -> None:
     for name in names:
-        value = _value(cfg, name)
+        value = value_of(cfg, name)
         if value is not None and value < 0:
             raise ConfigError(f"{where(name)} must be >= 0, got {value}")
 

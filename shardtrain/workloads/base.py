@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardtrain.config.labels import ClassLabels
-from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, where, workload_target
+from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, value_of, where, workload_target
 
 if TYPE_CHECKING:
     import torch
@@ -448,8 +448,7 @@ def check_planned_settings(cfg: Config, cls: type[Workload]) -> None:
     if cls.memory_model is not Workload.memory_model:
         return
     for name, instead in PLANNED_SETTINGS.items():
-        section = "parallel" if name == "strategy" else "train"
-        if getattr(getattr(cfg, section), name) == "auto":
+        if value_of(cfg, name) == "auto":
             raise ConfigError(
                 f"{where(name)}=auto chooses from predicted activation memory, which needs a memory_model() "
                 f"that {workload_target(cfg)} does not give (docs/your-own-model.md); {instead}"
