@@ -124,3 +124,27 @@ def pytest_collection_modifyitems(items):
                 f"{item.nodeid} builds machine-wide things ({', '.join(uses) or 'slurm'}): add its file to "
                 f"MACHINE_WIDE_FILES in tests/conftest.py"
             )
+
+
+# SHARDTRAIN_TEST_CPU_LOG=FILE: one JSON line per test with its wall seconds and the CPU seconds it spent, its own and
+# that of every process it started and waited for (torchrun's ranks roll up into the launcher's): on a CPU-bound
+# suite, the CPU is what a test costs the others.
+@pytest.fixture(autouse=True)
+def _cpu_log(request):
+    path = os.environ.get("SHARDTRAIN_TEST_CPU_LOG")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    start_cpu, start = cpu(), time.monotonic()
+    yield
+    line = {"test": request.node.nodeid, "wall_s": time.monotonic() - start, "cpu_s": cpu() - start_cpu}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")

@@ -1024,6 +1024,11 @@ BUILTIN_WORKLOADS = {
     "multimodal": "shardtrain.builtin_workloads.multimodal:MultimodalWorkload",
     "longformer": "shardtrain.builtin_workloads.longformer:LongformerWorkload",
 }
+# The jsonl records' two kinds, as make-data and check-data --kind spell them: the built-ins' data, each record
+# with an image, and without. Named here, beside the built-ins' other names, so that data/ compares to these.
+IMAGE_RECORDS, TEXT_RECORDS = "multimodal", "longdoc"
+# A built-in's name for its records' kind, so that `check-data --kind longformer` does what the user means.
+RECORD_KIND_ALIASES = {"longformer": TEXT_RECORDS}
 
 
 def workload_target(cfg: Config) -> str:
@@ -1039,8 +1044,8 @@ def is_builtin_workload(cfg: Config) -> bool:
 
 
 def reads_images(cfg: Config) -> bool:
-    """Whether the configured model reads an image per sample (the multimodal built-in)."""
-    return cfg.model.name == "multimodal"
+    """Whether the configured model reads an image per sample (the built-in whose records carry one)."""
+    return cfg.model.name == IMAGE_RECORDS
 
 
 def pad_multiple(cfg: Config) -> int | None:

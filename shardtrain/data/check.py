@@ -7,7 +7,7 @@ from pathlib import Path
 from shardtrain.config.settings import ConfigError, reads_images
 from shardtrain.data.images import image_problem
 from shardtrain.data.layouts import read_layout
-from shardtrain.data.records import iter_split, normalize_kind, split_path
+from shardtrain.data.records import has_images, iter_split, normalize_kind, split_path
 
 
 def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
@@ -22,7 +22,7 @@ def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
             continue
         n_good = 0
         for rec, problem in iter_split(path, kind, num_labels):
-            if rec is not None and kind == "multimodal":
+            if rec is not None and has_images(kind):
                 err = image_problem(path.parent / rec.image)
                 if err:
                     problem = f"{path}:{rec.line}: cannot decode image {rec.image}: {err}"

@@ -13,20 +13,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from shardtrain.config.settings import ConfigError, reads_images, where
+from shardtrain.config.settings import (
+    IMAGE_RECORDS,
+    RECORD_KIND_ALIASES,
+    TEXT_RECORDS,
+    ConfigError,
+    reads_images,
+    where,
+)
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
-KINDS = ("multimodal", "longdoc")
+KINDS = (IMAGE_RECORDS, TEXT_RECORDS)
 
 
 def data_kind(cfg) -> str:
     """The records the configured workload reads: text with an image each, or text alone (config's reads_images)."""
-    return "multimodal" if reads_images(cfg) else "longdoc"
+    return IMAGE_RECORDS if reads_images(cfg) else TEXT_RECORDS
+
+
+def has_images(kind: str) -> bool:
+    """Whether records of this kind name an image each."""
+    return kind == IMAGE_RECORDS
 
 
 def normalize_kind(kind: str) -> str:
-    # Accept the model name too, so `check-data --kind longformer` does what the user means.
-    kind = {"longformer": "longdoc"}.get(kind, kind)
+    kind = RECORD_KIND_ALIASES.get(kind, kind)
     if kind not in KINDS:
         raise ConfigError(f"data kind '{kind}' is not one of {', '.join(KINDS)}")
     return kind
@@ -38,9 +49,9 @@ def guess_kind(data_dir) -> str:
 
     try:
         with open(Path(data_dir) / SPLIT_FILES["train"]) as f:
-            return "multimodal" if "image" in json.loads(f.readline() or "{}") else "longdoc"
+            return IMAGE_RECORDS if "image" in json.loads(f.readline() or "{}") else TEXT_RECORDS
     except (OSError, ValueError):
-        return "multimodal"
+        return IMAGE_RECORDS
 
 
 def config_split_path(cfg, split: str) -> Path:
@@ -74,7 +85,7 @@ def check_record(obj, kind: str, num_labels: int, root: Path) -> Optional[str]:
     """None if the parsed line is a valid record, else what is wrong with it (without the file:line prefix)."""
     if not isinstance(obj, dict):
         return f"expected a JSON object, got {type(obj).__name__}"
-    fields = ("text", "label", "image") if kind == "multimodal" else ("text", "label")
+    fields = ("text", "label", "image") if has_images(kind) else ("text", "label")
     for name in fields:
         if name not in obj:
             return f"missing field '{name}'"
@@ -88,7 +99,7 @@ def check_record(obj, kind: str, num_labels: int, root: Path) -> Optional[str]:
         return f"label {json.dumps(label)} is not an integer"
     if not 0 <= label < num_labels:
         return f"label {label} is outside 0..{num_labels - 1} (model.num_labels={num_labels})"
-    if kind == "multimodal":
+    if has_images(kind):
         image = obj["image"]
         if not isinstance(image, str) or not image:
             return f"field 'image' must be a non-empty path string, got {json.dumps(image)}"
@@ -114,7 +125,7 @@ def iter_split(path: Path, kind: str, num_labels: int) -> Iterator[tuple[Optiona
                 yield None, f"{path}:{lineno}: {problem}"
             else:
                 yield (
-                    Record(lineno, obj["text"], obj["label"], obj.get("image") if kind == "multimodal" else None),
+                    Record(lineno, obj["text"], obj["label"], obj.get("image") if has_images(kind) else None),
                     None,
                 )
 

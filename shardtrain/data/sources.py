@@ -133,7 +133,7 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
     kind = source_of(cfg)
     d = cfg.data
     raw = read_raw(cfg, kind)
-    # The built-in multimodal model needs an image per row, Longformer none; a user's workload gets the image
+    # A built-in needs an image per row or none, as its records do; a user's workload gets the image
     # column when the source has one.
     images = ("need" if reads_images(cfg) else "skip") if is_builtin_workload(cfg) else "if_present"
     check_images = d.skip_bad_samples if check_images is None else check_images
@@ -373,14 +373,14 @@ def _read_jsonl_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
     """train.jsonl / validation.jsonl as records.py reads them: its file:line checks, row = the line."""
     import datasets
 
-    from shardtrain.data.records import config_split_path, data_kind, iter_split
+    from shardtrain.data.records import config_split_path, data_kind, has_images, iter_split
 
     kind = data_kind(cfg)
     out = {}
     for split in SPLITS:
         path = config_split_path(cfg, split)
         rows: dict[str, list] = {"row": [], "text": [], "label": []}
-        if kind == "multimodal":
+        if has_images(kind):
             rows["image"] = []
         problems = []
         for rec, problem in iter_split(path, kind, cfg.model.num_labels):
@@ -392,7 +392,7 @@ def _read_jsonl_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
             rows["row"].append(rec.line)
             rows["text"].append(rec.text)
             rows["label"].append(rec.label)
-            if kind == "multimodal":
+            if has_images(kind):
                 rows["image"].append(rec.image)
         out[split] = RawSplit(
             datasets.Dataset.from_dict(rows), str(path), path.parent, lambda line, p=path: f"{p}:{line}", problems

@@ -1,7 +1,7 @@
 """A canonical split (shardtrain/data/sources.py) as the built-in workloads' torch Dataset.
 
 Items are what the Collator takes, as JsonlDataset gives them: {"text", "label"} (+ "text_pair" when the split
-has one) and, for the multimodal model, "image": a uint8 [3, S, S] tensor decoded from the image's file or its
+has one) and, for a model that reads images, "image": a uint8 [3, S, S] tensor decoded from the image's file or its
 embedded bytes, or read from the image cache's memory map.
 """
 
@@ -23,14 +23,14 @@ class SplitDataset(Dataset):
         table,
         origin: str,
         image_size: int,
-        multimodal: bool,
+        images: bool,
         skipped: list[str],
         cache: Optional[ImageCache] = None,
         unlabelled: int = 0,
         source: Optional[dict] = None,
     ):
         self.table, self.origin, self.image_size = table, origin, image_size
-        self.multimodal, self.cache = multimodal, cache
+        self.images, self.cache = images, cache
         # Read by the loop for the banner and summary.json: bad rows left out (--skip-bad-samples), rows
         # labelled -1 dropped, and where the splits came from (a percentage split's seed and rows).
         self.skipped, self.unlabelled, self.source = skipped, unlabelled, source or {}
@@ -63,7 +63,7 @@ class SplitDataset(Dataset):
             item["text_pair"] = row["text_pair"]
         if self.tokens is not None:  # collate only pads
             item.update(self.tokens[int(i)])
-        if self.multimodal:
+        if self.images:
             image = row["image"]
             try:
                 item["image"] = (
@@ -107,14 +107,14 @@ def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDa
     splits = load_splits(cfg, check_images=False if cfg.data.image_cache else None)
     if is_rank0 and splits.label_names:
         write_label_file(cfg, splits.label_names)
-    multimodal = reads_images(cfg)
+    images = reads_images(cfg)
     made = []
     for split, table in (("train", splits.train), ("validation", splits.validation)):
         if table is None:
             made.append(None)
             continue
         skipped, cache = splits.skipped.get(split, []), None
-        if multimodal and cfg.data.image_cache:
+        if images and cfg.data.image_cache:
             keys = [image_key(v) for v in column_values(table, "image")]
             cache = open_source_image_cache(cfg, split, keys)
             table, dropped = _without_undecodable(table, keys, cache, splits.source[split], cfg.data.skip_bad_samples)
@@ -124,7 +124,7 @@ def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDa
                 table,
                 splits.source[split],
                 cfg.data.image_size,
-                multimodal,
+                images,
                 skipped,
                 cache,
                 splits.unlabelled.get(split, 0),

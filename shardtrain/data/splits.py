@@ -21,11 +21,11 @@ import torch
 from torch.utils.data import Dataset
 
 from shardtrain.config.labels import ClassLabels
-from shardtrain.config.settings import Config, ConfigError, pad_multiple, reads_images, where
+from shardtrain.config.settings import IMAGE_RECORDS, Config, ConfigError, pad_multiple, reads_images, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
 from shardtrain.data.images import image_problem, load_image
 from shardtrain.data.layouts import check_num_labels, read_layout
-from shardtrain.data.records import Record, config_split_path, data_kind, iter_split
+from shardtrain.data.records import Record, config_split_path, data_kind, has_images, iter_split
 
 
 class JsonlDataset(Dataset):
@@ -52,7 +52,7 @@ class JsonlDataset(Dataset):
             "text": [r.text for r in records],
             "label": [r.label for r in records],
         }
-        if kind == "multimodal":
+        if has_images(kind):
             rows["image"] = [r.image for r in records]
         if any(r.text_pair is not None for r in records):
             rows["text_pair"] = [r.text_pair for r in records]
@@ -68,7 +68,7 @@ class JsonlDataset(Dataset):
             item["text_pair"] = row["text_pair"]
         if "input_ids" in row:  # tokenised ahead by tokenize(); collate only pads
             item["input_ids"], item["attention_mask"] = row["input_ids"], row["attention_mask"]
-        if self.kind == "multimodal":
+        if has_images(self.kind):
             try:
                 item["image"] = (
                     self.cache.load(row["image"])
@@ -102,7 +102,7 @@ def read_split(
     With skip_bad every image is decoded once here, unless a cache already knows which ones do not decode."""
     records, skipped = [], []
     for rec, problem in iter_split(path, kind, num_labels):
-        if rec is not None and skip_bad and kind == "multimodal":
+        if rec is not None and skip_bad and has_images(kind):
             err = cache.problem(rec.image) if cache is not None else image_problem(path.parent / rec.image)
             if err:
                 rec, problem = None, f"{path}:{rec.line}: cannot decode image {rec.image}: {err}"
@@ -167,7 +167,7 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
                 f"({dropped}; shardtrain check-data {layout.root} --dataset-format "
                 f"{d.dataset_format} shows why)"
             )
-        out.append(JsonlDataset(path, "multimodal", records, d.image_size, skipped, cache))
+        out.append(JsonlDataset(path, IMAGE_RECORDS, records, d.image_size, skipped, cache))
     report, lines = layout.report(), layout.report_lines()
     if held_out:
         report["validation_held_out"] = {"percent": percent, "seed": cfg.train.seed, "posts": len(splits["validation"])}
@@ -237,13 +237,13 @@ class Collator:
         self,
         tokenizer,
         max_length: int,
-        multimodal: bool,
+        images: bool,
         pad_to_multiple_of: Optional[int] = None,
         image_root: Optional[Path] = None,
         image_size: int = 224,
     ):
         self.tokenizer, self.max_length = tokenizer, max_length
-        self.multimodal, self.pad_to_multiple_of = multimodal, pad_to_multiple_of
+        self.images, self.pad_to_multiple_of = images, pad_to_multiple_of
         # Streamed examples carry the image's path (relative to the data file's folder), decoded here.
         self.image_root, self.image_size = image_root, image_size
 
@@ -279,7 +279,7 @@ class Collator:
             "attention_mask": mask,
             "labels": torch.tensor([it["label"] for it in items], dtype=torch.long),
         }
-        if self.multimodal:
+        if self.images:
             batch["pixel_values"] = torch.stack([self._image(it["image"]) for it in items])
         return batch
 
@@ -296,7 +296,7 @@ def make_collator(cfg: Config, tokenizer) -> Collator:
     return Collator(
         tokenizer,
         cfg.data.max_length,
-        multimodal=reads_images(cfg),
+        images=reads_images(cfg),
         pad_to_multiple_of=pad_multiple(cfg),
         image_root=Path(cfg.data.data_dir),
         image_size=cfg.data.image_size,

@@ -49,7 +49,7 @@ def jsonl_train_stream(cfg):
     record: a bad line must fail before training, not hours into a stream. --skip-bad-samples leaves the bad
     lines out of the stream by row; an invalid JSON line cannot be left out (datasets' json reader stops at it).
     Images are not decoded here (that is a second pass over every image); a corrupt one fails in collate."""
-    from shardtrain.data.records import config_split_path, data_kind, iter_split
+    from shardtrain.data.records import config_split_path, data_kind, has_images, iter_split
 
     path, kind = config_split_path(cfg, "train"), data_kind(cfg)
     bad_rows, skipped = set(), []
@@ -74,7 +74,7 @@ def jsonl_train_stream(cfg):
         stream = stream.filter(lambda _, i: i not in bad_rows, with_indices=True)
     if cfg.data.max_train_samples is not None:
         stream = stream.take(cfg.data.max_train_samples)
-    stream = stream.select_columns(["text", "label", "image"] if kind == "multimodal" else ["text", "label"])
+    stream = stream.select_columns(["text", "label", "image"] if has_images(kind) else ["text", "label"])
     stream.skipped = skipped  # what the run's banner and summary count, as for the in-memory splits
     return stream
 

@@ -16,7 +16,7 @@ import numpy as np
 from PIL import Image
 
 from shardtrain.config.settings import ConfigError
-from shardtrain.data.records import SPLIT_FILES, normalize_kind
+from shardtrain.data.records import SPLIT_FILES, has_images, normalize_kind
 
 CLASS_WORDS = [
     ["excellent", "wonderful", "delightful", "superb", "brilliant", "lovely", "great", "enjoyable", "charming"],
@@ -102,7 +102,7 @@ def make_data(
         lines = []
         for i in range(n):
             true = int(rng.integers(num_labels))
-            if kind == "multimodal":
+            if has_images(kind):
                 text = make_text(rng, true, num_labels, int(rng.integers(8, 20)), signal_every=6)
             else:
                 text = make_text(rng, true, num_labels, doc_words(rng, min_words, max_words, lengths), signal_every=40)
@@ -110,7 +110,7 @@ def make_data(
             if num_labels > 1 and rng.random() < label_noise:
                 label = int((true + rng.integers(1, num_labels)) % num_labels)
             rec = {"text": text}
-            if kind == "multimodal":
+            if has_images(kind):
                 rel = f"images/{split}/{i:06d}.png"
                 (out / rel).parent.mkdir(parents=True, exist_ok=True)
                 Image.fromarray(make_image(rng, true, image_size)).save(out / rel)

@@ -103,8 +103,16 @@ def train_bpe(texts: list[str], vocab_size: int):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    # tokenizers 0.23 rejects keywords here (`cls=`): the order is (sep, cls).
-    tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    # The BPE encoders' sequence layout, <s> A </s></s> B </s> with one segment id, and their offsets trimmed of
+    # the byte-level spaces: the same ids, segment ids and offsets as tokenizers' RoBERTa processor gives.
+    tok.post_processor = processors.Sequence(
+        [
+            processors.ByteLevel(trim_offsets=True),
+            processors.TemplateProcessing(
+                single="<s> $A </s>", pair="<s> $A </s> </s> $B </s>", special_tokens=[("<s>", 0), ("</s>", 2)]
+            ),
+        ]
+    )
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token="<s>",

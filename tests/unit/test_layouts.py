@@ -198,8 +198,8 @@ def test_twitter_batches_carry_the_target_as_a_pair(copies, tmp_path):
     assert batch["pixel_values"].shape[1:] == (3, 16, 16)
     # The pair is one sequence with the tokenizer's own separators: <s> tweet </s></s> target </s>.
     items = [train[0], train[1]]
-    pair = Collator(tok, 64, multimodal=True)(items)["input_ids"][0]
-    alone = Collator(tok, 64, multimodal=True)([{k: v for k, v in it.items() if k != "text_pair"} for it in items])[
+    pair = Collator(tok, 64, images=True)(items)["input_ids"][0]
+    alone = Collator(tok, 64, images=True)([{k: v for k, v in it.items() if k != "text_pair"} for it in items])[
         "input_ids"
     ][0]
     expected = tok(items[0]["text"], items[0]["text_pair"])["input_ids"]
