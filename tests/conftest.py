@@ -126,11 +126,11 @@ def pytest_collection_modifyitems(items):
             )
 
 
-# SHARDTRAIN_TEST_CPU_LOG=FILE: one JSON line per test with its wall seconds and the CPU seconds it spent, its own and
-# that of every process it started and waited for (torchrun's ranks roll up into the launcher's): on a CPU-bound
-# suite, the CPU is what a test costs the others.
-@pytest.fixture(autouse=True)
-def _cpu_log(request):
+# SHARDTRAIN_TEST_CPU_LOG=FILE: one JSON line per test with its wall seconds and the CPU seconds it spent (its
+# setup, a module fixture's included, and teardown), its own and that of every process it started and waited for
+# (torchrun's ranks roll up into the launcher's): on a CPU-bound suite, the CPU is what a test costs the others.
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     path = os.environ.get("SHARDTRAIN_TEST_CPU_LOG")
     if not path:
         yield
@@ -145,6 +145,6 @@ def _cpu_log(request):
 
     start_cpu, start = cpu(), time.monotonic()
     yield
-    line = {"test": request.node.nodeid, "wall_s": time.monotonic() - start, "cpu_s": cpu() - start_cpu}
+    line = {"test": item.nodeid, "wall_s": time.monotonic() - start, "cpu_s": cpu() - start_cpu}
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
