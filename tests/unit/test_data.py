@@ -362,3 +362,24 @@ def test_corrupt_image_in_a_worker_is_still_one_line(bad_dir, mm_tok):
     with pytest.raises(ConfigError) as e:
         stream.next_batch()
     assert "\n" not in str(e.value) and "train.jsonl:" in str(e.value) and "cannot decode image" in str(e.value)
+
+
+def test_the_trained_tokenizer_encodes_as_the_roberta_processor_would():
+    """The trained BPE's post-processor is written out as a template (data/ names no built-in model); it must give
+    what tokenizers' RoBERTa processor gave before: the same ids, segment ids, special-token masks and offsets,
+    for single texts and for pairs (a layout's tweet and its target)."""
+    from tokenizers import Tokenizer, processors
+
+    from shardtrain.data.tokenizer import train_bpe
+
+    ours = train_bpe(["a wonderful film with a lovely story", "the service was terrible and slow"] * 20, 300)
+    theirs = Tokenizer.from_str(ours.backend_tokenizer.to_str())
+    theirs.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    for args in [("a wonderful  film ",), ("the story was slow", " a lovely service")]:
+        got, want = ours.backend_tokenizer.encode(*args), theirs.encode(*args)
+        assert (got.ids, got.type_ids, got.special_tokens_mask, got.offsets) == (
+            want.ids,
+            want.type_ids,
+            want.special_tokens_mask,
+            want.offsets,
+        )
