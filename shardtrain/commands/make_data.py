@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def main(argv: list[str]) -> int:
     from shardtrain.data.records import KINDS
 
     parser = argparse.ArgumentParser(prog="shardtrain make-data")
-    parser.add_argument("kind", choices=KINDS)
-    parser.add_argument("dir")
-    parser.add_argument("--n-train", type=int, default=512)
-    parser.add_argument("--n-val", type=int, default=128)
-    parser.add_argument("--num-labels", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--overwrite", action="store_true")
+    parser.add_argument("kind", choices=KINDS, help=f"{KINDS[0]}: text and an image per record; {KINDS[1]}: text")
+    parser.add_argument("dir", help="the folder to write train.jsonl, validation.jsonl (and images/) into")
+    parser.add_argument("--n-train", type=int, default=512, help="training records (default: %(default)s)")
+    parser.add_argument("--n-val", type=int, default=128, help="validation records (default: %(default)s)")
+    parser.add_argument("--num-labels", type=int, default=3, help="classes (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the same seed writes the same data")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace what an earlier make-data wrote in DIR; data it did not write is never touched",
+    )
     parser.add_argument("--min-words", type=int, default=200, help="longdoc: the shortest document")
     parser.add_argument("--max-words", type=int, default=1000, help="longdoc: the longest document")
     parser.add_argument(
@@ -28,7 +31,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
 
-    from shardtrain.data.synthetic import DATASET_INFO, make_data
+    from shardtrain.data.synthetic import make_data
 
     path = make_data(
         args.kind,
@@ -42,6 +45,5 @@ def main(argv: list[str]) -> int:
         max_words=args.max_words,
         lengths=args.lengths,
     )
-    (path / DATASET_INFO).write_text(json.dumps({"kind": args.kind, "num_labels": args.num_labels}) + "\n")
     print(f"wrote {args.n_train} train / {args.n_val} validation {args.kind} examples to {path}")
     return 0

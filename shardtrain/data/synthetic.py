@@ -8,8 +8,9 @@ so no model can reach 100% and accuracy well above chance shows that learning ha
 
 from __future__ import annotations
 
+import contextlib
 import json
-import shutil
+import re
 from pathlib import Path
 
 import numpy as np
@@ -94,8 +95,7 @@ def make_data(
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise ConfigError(f"make-data: {out} is not empty; refusing to overwrite it (use --overwrite)")
-        # Only what make-data itself writes: the folder may hold other things of the user's.
-        shutil.rmtree(out / "images", ignore_errors=True)
+        _remove_earlier_output(out)
     out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     for split, n in (("train", n_train), ("validation", n_val)):
@@ -118,7 +118,31 @@ def make_data(
             rec["label"] = label
             lines.append(json.dumps(rec))
         (out / SPLIT_FILES[split]).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (out / DATASET_INFO).write_text(json.dumps({"kind": kind, "num_labels": num_labels}) + "\n")
     return out
+
+
+# The images make-data writes: images/<split>/000000.png, ...
+_MADE_IMAGE = re.compile(r"\d{6}\.png")
+
+
+def _remove_earlier_output(out: Path) -> None:
+    """--overwrite: what an earlier make-data wrote goes (its images, so that a smaller dataset leaves none
+    behind); a folder whose splits or images make-data did not write is refused, --overwrite or not: they may be
+    the only copy of a user's data."""
+    theirs = [p.name for p in (out / f for f in (*SPLIT_FILES.values(), "images")) if p.exists()]
+    if theirs and not (out / DATASET_INFO).is_file():
+        raise ConfigError(
+            f"make-data: {out} holds {', '.join(theirs)} that make-data did not write (no {DATASET_INFO}); "
+            f"refusing to overwrite them, --overwrite or not: choose a new folder"
+        )
+    for split in SPLIT_FILES:
+        folder = out / "images" / split
+        for made in folder.glob("*.png"):
+            if _MADE_IMAGE.fullmatch(made.name):
+                made.unlink()
+        with contextlib.suppress(OSError):  # not empty: something of the user's is in it, and stays
+            folder.rmdir()
 
 
 DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels, for check-data

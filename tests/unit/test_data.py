@@ -383,3 +383,29 @@ def test_the_trained_tokenizer_encodes_as_the_roberta_processor_would():
             want.special_tokens_mask,
             want.offsets,
         )
+
+
+def test_make_data_overwrite_never_deletes_data_it_did_not_write(tmp_path):
+    """A user's own jsonl folder with its images/ (the layout docs/data.md describes): `make-data --overwrite`
+    into it used to delete images/ and replace the splits. It refuses now; over its own earlier output it still
+    replaces what it wrote, and leaves what a user added beside it."""
+    from PIL import Image
+
+    mine = tmp_path / "mine"
+    (mine / "images").mkdir(parents=True)
+    Image.new("RGB", (8, 8)).save(mine / "images" / "cat.png")
+    (mine / "train.jsonl").write_text('{"text": "a cat", "image": "images/cat.png", "label": 0}\n')
+    with pytest.raises(ConfigError, match=r"train\.jsonl, images that make-data did not write .*choose a new folder"):
+        make_data("multimodal", mine, n_train=4, n_val=2, overwrite=True)
+    assert (mine / "images" / "cat.png").is_file() and "a cat" in (mine / "train.jsonl").read_text()
+
+    made = make_data("multimodal", tmp_path / "made", n_train=6, n_val=2, seed=0)
+    Image.new("RGB", (8, 8)).save(made / "images" / "train" / "added.png")
+    make_data("multimodal", made, n_train=3, n_val=2, seed=1, overwrite=True)
+    assert sorted(p.name for p in (made / "images" / "train").iterdir()) == [
+        "000000.png",
+        "000001.png",
+        "000002.png",
+        "added.png",
+    ]
+    assert len((made / "train.jsonl").read_text().splitlines()) == 3
