@@ -67,3 +67,7 @@ def image_problem(path: Path) -> Optional[str]:
     except Exception as e:  # PIL raises many types (UnidentifiedImageError, OSError, SyntaxError...)
         return f"{type(e).__name__}: {e}"
     return None
+
+
+# What a run that meets an undecodable image mid-training says after the image's file:line.
+BAD_IMAGE_HINT = "; shardtrain check-data lists every such image before a run, --skip-bad-samples leaves them out"

@@ -46,9 +46,21 @@ def check_splits(cfg) -> None:
         good = 0
         for _rec, problem in iter_split(path, kind, cfg.model.num_labels):
             if problem:
-                raise ConfigError(problem)
+                raise ConfigError(problem + _how_many_more(path, kind, cfg.model.num_labels))
             good += 1
             if limit is not None and good >= limit:
                 break
         if not good:
             raise ConfigError(f"{where('data_dir')}: no usable records in {path}")
+
+
+def _how_many_more(path, kind: str, num_labels: int) -> str:
+    """After the first bad record: how many the split has, and the two ways on, so that a user does not fix one
+    line per run. Records only (no image decoding): a second pass over a file the check just read."""
+    bad = sum(1 for _rec, problem in iter_split(path, kind, num_labels) if problem)
+    if bad == 1:
+        return f" (the only bad record in {path.name}; {where('skip_bad_samples')} leaves such records out)"
+    return (
+        f" ({bad} bad records in {path.name}: shardtrain check-data {path.parent} lists them all, "
+        f"{where('skip_bad_samples')} leaves them out)"
+    )

@@ -13,7 +13,7 @@ from torch.utils.data import Dataset
 
 from shardtrain.config.settings import ConfigError, reads_images
 from shardtrain.data.image_cache import ImageCache, UndecodableImage
-from shardtrain.data.images import load_image
+from shardtrain.data.images import BAD_IMAGE_HINT, load_image
 from shardtrain.data.sources import column_values, image_key, image_source
 
 
@@ -74,7 +74,8 @@ class SplitDataset(Dataset):
             except Exception as e:
                 why = str(e) if isinstance(e, UndecodableImage) else f"{type(e).__name__}: {e}"
                 name = image if isinstance(image, str) else image.get("path") or "(embedded)"
-                raise ConfigError(f"{self.origin} row {row['row']}: cannot decode image {name}: {why}") from None
+                at = f"{self.origin} row {row['row']}"
+                raise ConfigError(f"{at}: cannot decode image {name}: {why}{BAD_IMAGE_HINT}") from None
         return item
 
 

@@ -23,7 +23,7 @@ from torch.utils.data import Dataset
 from shardtrain.config.labels import ClassLabels
 from shardtrain.config.settings import IMAGE_RECORDS, Config, ConfigError, pad_multiple, reads_images, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
-from shardtrain.data.images import image_problem, load_image
+from shardtrain.data.images import BAD_IMAGE_HINT, image_problem, load_image
 from shardtrain.data.layouts import check_num_labels, read_layout
 from shardtrain.data.records import Record, config_split_path, data_kind, has_images, iter_split
 
@@ -77,7 +77,8 @@ class JsonlDataset(Dataset):
                 )
             except Exception as e:
                 why = str(e) if isinstance(e, UndecodableImage) else f"{type(e).__name__}: {e}"
-                raise ConfigError(f"{self.path}:{row['line']}: cannot decode image {row['image']}: {why}") from None
+                at = f"{self.path}:{row['line']}"
+                raise ConfigError(f"{at}: cannot decode image {row['image']}: {why}{BAD_IMAGE_HINT}") from None
         return item
 
     def lengths(self) -> list[int]:

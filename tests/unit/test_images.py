@@ -12,7 +12,7 @@ from test_data import make_cfg
 
 from shardtrain.cli import main as cli_main
 from shardtrain.config.settings import ConfigError, replace_fields
-from shardtrain.data import batch_to_device, build_datasets, make_data
+from shardtrain.data import batch_to_device, build_datasets, build_tokenizer, make_data
 from shardtrain.data.image_cache import build_image_cache
 from shardtrain.data.images import decode_image, load_image, normalize_pixels
 from shardtrain.data.precheck import check_splits
@@ -152,3 +152,29 @@ def test_cache_images_says_first_that_the_model_reads_no_images(tmp_path, capsys
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
     assert "cache-images: shardtrain.builtin_workloads.longformer:LongformerWorkload reads no images" in err
+
+
+def test_bad_records_before_launch_are_counted_and_an_undecodable_image_says_the_way_on(data):
+    """The pre-launch check stops at the first bad record; it says how many the split has and how to go on, so
+    that a user does not fix one line per run. An image that only fails to decode is met by the run itself,
+    whose line says the same."""
+    lines = (data / "train.jsonl").read_text().splitlines()
+    good = lines[:]
+    lines[3] = json.dumps({k: v for k, v in json.loads(lines[3]).items() if k != "text"})
+    lines[5] = json.dumps({**json.loads(lines[5]), "label": 9})
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    counted = r"train\.jsonl:4: missing field 'text' \(2 bad records in train\.jsonl: shardtrain check-data .* lists"
+    with pytest.raises(ConfigError, match=counted + r" them all, --skip-bad-samples .* leaves them out\)"):
+        check_splits(make_cfg(data))
+    lines[3] = good[3]
+    (data / "train.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r":6: label 9 .*\(the only bad record in train\.jsonl; --skip-bad-samples"):
+        check_splits(make_cfg(data))
+
+    (data / "train.jsonl").write_text("\n".join(good) + "\n")
+    image = data / json.loads(good[0])["image"]
+    image.write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00" * 40)
+    check_splits(make_cfg(data))  # exists: decoding is the run's
+    dataset = build_datasets(make_cfg(data), build_tokenizer(make_cfg(data), data / "run", True, lambda: None))[0]
+    with pytest.raises(ConfigError, match=r"train\.jsonl:1: cannot decode image .*check-data lists every such image"):
+        dataset[0]
