@@ -102,6 +102,7 @@ def _check_layout(data_dir: str, fmt: str) -> int:
 def _check_source_main(folder: str | None, rest: list[str]) -> int:
     """check-data with training flags: the run's own source, read as the run reads it, or a user's workload."""
     import argparse
+    from pathlib import Path
 
     from shardtrain.config.settings import is_builtin_workload, parse_cli
     from shardtrain.data.check import check_data, check_source
@@ -111,7 +112,20 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
     own = argparse.ArgumentParser(add_help=False)
     own.add_argument("--samples", type=int, default=4)
     args, rest = own.parse_known_args(rest)
-    cfg = parse_cli(rest + (["--data-dir", folder] if folder else []))
+    if any(a.split("=")[0] == "--kind" for a in rest):
+        raise ConfigError(
+            "check-data --kind is for a folder on its own (check-data DIR --kind KIND); with training flags the "
+            "config's workload decides which records it reads"
+        )
+    try:
+        cfg = parse_cli(rest + (["--data-dir", folder] if folder else []))
+    except ConfigError as e:
+        stray = next((a for a in rest if not a.startswith("-") and f"unknown argument '{a}'" in str(e)), None)
+        if stray is not None and Path(stray).is_dir():
+            raise ConfigError(
+                f"check-data: a folder goes first (check-data {stray} --config ...) or as --data-dir {stray}"
+            ) from None
+        raise
     if not is_builtin_workload(cfg):
         args.dir, args.kind = folder, None
         return _check_workload(cfg, args)
@@ -158,9 +172,17 @@ def _where_problems_are(problems: list[str], names: list[str]) -> str:
 
 def _check_workload(cfg, args) -> int:
     """check-data for a user's workload: its datasets() and collate on a few samples (workloads/check.py)."""
+    from shardtrain.config.settings import BUILTIN_WORKLOADS, where
+    from shardtrain.data.records import KINDS
     from shardtrain.workloads.base import workload_class
     from shardtrain.workloads.check import check_workload_data
 
+    if cfg.workload.workload in set(KINDS) - set(BUILTIN_WORKLOADS):  # the kinds and workloads differ by one name
+        raise ConfigError(
+            f"{where('workload')}: {cfg.workload.workload} is a kind of records, not a workload: check-data DIR "
+            f"--kind {cfg.workload.workload} (the built-in workloads: {', '.join(BUILTIN_WORKLOADS)})"
+        )
+    cls = workload_class(cfg)  # a name that is no workload (a typo) is said as such before the folder is
     if args.dir is not None or args.kind is not None:
         raise ConfigError(
             f"check-data: {cfg.workload.workload} reads its own data in datasets(); drop "
@@ -168,7 +190,7 @@ def _check_workload(cfg, args) -> int:
         )
     if args.samples < 1:
         raise ConfigError(f"check-data: --samples must be positive, got {args.samples}")
-    name = workload_class(cfg).__name__
+    name = cls.__name__
     problems, notes = check_workload_data(cfg, args.samples)
     for line in notes + problems:
         print(line)

@@ -238,6 +238,24 @@ def test_check_data_with_a_workload_takes_no_folder(tasks, capsys):
     assert "check-data: user_tasks:Tiny reads its own data in datasets(); drop the folder data/x" in err
 
 
+def test_check_data_says_what_was_meant_when_the_arguments_mix_its_two_forms(tmp_path, capsys):
+    """A new user's first tries (each used to be an error about something else): a folder after --config, --kind
+    beside training flags, and a data kind given as --workload."""
+    from shardtrain.config.settings import REPO
+    from shardtrain.data import make_data
+
+    data = make_data("longdoc", tmp_path / "ld", n_train=4, n_val=2, min_words=5, max_words=9)
+    config = str(REPO / "configs" / "longformer_tiny.yaml")
+    code, _, err = run_cli(capsys, "check-data", "--config", config, str(data))
+    assert code == 2 and f"a folder goes first (check-data {data} --config ...) or as --data-dir {data}" in err, err
+    code, _, err = run_cli(capsys, "check-data", "--config", config, "--kind", "longdoc", "--data-dir", str(data))
+    assert code == 2 and "--kind is for a folder on its own (check-data DIR --kind KIND)" in err, err
+    code, _, err = run_cli(capsys, "check-data", "--workload", "longdoc", str(data))
+    assert code == 2 and "longdoc is a kind of records, not a workload: check-data DIR --kind longdoc" in err, err
+    code, out, _ = run_cli(capsys, "check-data", str(data), "--config", config)
+    assert code == 0 and out.strip().endswith("no problems found"), out
+
+
 # ---- parity ----------------------------------------------------------------------------------------------
 def test_parity_passes_the_workload_to_every_run(tasks, capsys, monkeypatch):
     launched = []
