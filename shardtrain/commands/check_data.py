@@ -74,7 +74,9 @@ def main(argv: list[str]) -> int:
     if args.dir is None:
         raise ConfigError("check-data: give a dataset folder, or --workload my_pkg.tasks:MyTask for a user's data")
     if not Path(args.dir).is_dir():
-        raise ConfigError(f"check-data: folder not found: {args.dir}")
+        from shardtrain.data.records import relative_to_cwd
+
+        raise ConfigError(f"check-data: folder not found: {args.dir}{relative_to_cwd(Path(args.dir))}")
     if args.dataset_format:
         return _check_layout(args.dir, args.dataset_format)
     recorded = dataset_info(args.dir)

@@ -65,11 +65,17 @@ def split_path(data_dir: str | Path, split: str) -> Path:
     """The split file, or a ConfigError naming --data-dir and the path that is missing."""
     root = Path(data_dir)
     if not root.is_dir():
-        raise ConfigError(f"{where('data_dir')}: folder not found: {root}")
+        raise ConfigError(f"{where('data_dir')}: folder not found: {root}{relative_to_cwd(root)}")
     path = root / SPLIT_FILES[split]
     if not path.is_file():
-        raise ConfigError(f"{where('data_dir')}: split file not found: {path}")
+        raise ConfigError(f"{where('data_dir')}: split file not found: {path}{relative_to_cwd(path)}")
     return path
+
+
+def relative_to_cwd(path: Path) -> str:
+    """Which base a relative path was read from: the working directory, for a flag and a YAML key alike (as
+    --data-dir and HF's run_classification.py read theirs), never the config file's folder."""
+    return "" if path.is_absolute() else f" (relative paths are read from the working directory, {Path.cwd()})"
 
 
 @dataclass

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 from shardtrain.config.labels import ClassLabels, run_config_dict
 from shardtrain.config.settings import FIELDS, Config, ConfigError, is_builtin_workload, reads_images, where
+from shardtrain.data.records import relative_to_cwd
 
 # The flags that each name the training data; at most one of them, and none means the jsonl --data-dir layout.
 SOURCE_FLAGS = ("dataset_name", "train_file", "train_dir")
@@ -283,7 +284,7 @@ def _read_file(file: str, flag: str) -> RawSplit:
     if builder is None:
         raise ConfigError(f"{_named(flag)}: {file}: unknown extension '{path.suffix}' (csv, json, jsonl or parquet)")
     if not path.is_file():
-        raise ConfigError(f"{_named(flag)}: file not found: {file}{_relative_to_cwd(path)}")
+        raise ConfigError(f"{_named(flag)}: file not found: {file}{relative_to_cwd(path)}")
     try:
         # Its json reader logs the parse error before raising it: the one line below says it, with the line.
         datasets.logging.set_verbosity(datasets.logging.CRITICAL)
@@ -305,12 +306,6 @@ def _read_file(file: str, flag: str) -> RawSplit:
     elif builder == "csv":
         row_name = lambda i: f"{file} row {i} (line {i + 2} if no field spans lines)"  # noqa: E731
     return RawSplit(ds, file, path.resolve().parent, row_name)
-
-
-def _relative_to_cwd(path: Path) -> str:
-    """Which base a relative path was read from: the working directory, for a flag and a YAML key alike (as
-    --data-dir and HF's run_classification.py read theirs), never the config file's folder."""
-    return "" if path.is_absolute() else f" (relative paths are read from the working directory, {Path.cwd()})"
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -354,7 +349,7 @@ def _read_image_folder(folder: str, flag: str) -> RawSplit:
 
     path = Path(folder)
     if not path.is_dir():
-        raise ConfigError(f"{where(flag)}: folder not found: {folder}{_relative_to_cwd(path)}")
+        raise ConfigError(f"{where(flag)}: folder not found: {folder}{relative_to_cwd(path)}")
     if not any((path / m).is_file() for m in ("metadata.jsonl", "metadata.csv")):
         raise ConfigError(
             f"{where(flag)}: {folder} has no metadata.jsonl or metadata.csv (file_name, text, label "

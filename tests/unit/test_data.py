@@ -409,3 +409,19 @@ def test_make_data_overwrite_never_deletes_data_it_did_not_write(tmp_path):
         "added.png",
     ]
     assert len((made / "train.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_relative_data_dir_not_found_names_the_working_directory(tmp_path, monkeypatch):
+    """docs/data.md's promise, for --data-dir as for --train-file: a relative path is read from the working
+    directory, and a folder or split not found there says which directory that was."""
+    from shardtrain.data.records import split_path
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=f"folder not found: nodir \\(relative paths are read from the working "
+                       f"directory, {tmp_path}\\)"):  # fmt: skip
+        split_path("nodir", "train")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=f"split file not found: empty/train.jsonl \\(.*directory, {tmp_path}\\)"):
+        split_path("empty", "train")
+    with pytest.raises(ConfigError, match=f"folder not found: {tmp_path / 'nope'}$"):
+        split_path(tmp_path / "nope", "train")
