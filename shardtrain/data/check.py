@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtrain.config.settings import ConfigError, reads_images
+from shardtrain.config.settings import TEXT_RECORDS, ConfigError, reads_images
 from shardtrain.data.images import image_problem
 from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import has_images, iter_split, normalize_kind, split_path
@@ -20,18 +20,22 @@ def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
         except ConfigError as e:
             problems.append(str(e))
             continue
-        n_good = 0
+        n_good, found = 0, []
         for rec, problem in iter_split(path, kind, num_labels):
             if rec is not None and has_images(kind):
                 err = image_problem(path.parent / rec.image)
                 if err:
                     problem = f"{path}:{rec.line}: cannot decode image {rec.image}: {err}"
             if problem:
-                problems.append(problem)
+                found.append(problem)
             else:
                 n_good += 1
-        if n_good == 0:
-            problems.append(f"{path}: no usable records")
+        if n_good == 0 and found and all(p.endswith(": missing field 'image'") for p in found):
+            # Text records checked as image records: one line, not one per record.
+            found = [f"{path}: no record names an image: these are {TEXT_RECORDS} records (--kind {TEXT_RECORDS})"]
+        elif n_good == 0:
+            found.append(f"{path}: no usable records")
+        problems += found
     return problems
 
 
