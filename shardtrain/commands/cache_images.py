@@ -21,14 +21,16 @@ def main(argv: list[str]) -> int:
 
     from pathlib import Path
 
-    from shardtrain.config.settings import parse_cli, reads_images, where, workload_target
+    from shardtrain.config.settings import parse_cli, reads_images, where
     from shardtrain.data.image_cache import ImageCache, build_image_cache
     from shardtrain.data.records import config_split_path, data_kind
 
     cfg = parse_cli(rest)
     d = cfg.data
     if not reads_images(cfg):  # before asking for a folder that could not be used
-        raise ConfigError(f"cache-images: {workload_target(cfg)} reads no images: there is nothing to cache")
+        # The name the user gave (`longformer`, my_pkg.tasks:MyTask), not the module path it resolves to.
+        named = cfg.workload.workload or cfg.model.name
+        raise ConfigError(f"cache-images: {named} reads no images: there is nothing to cache")
     if d.image_cache is None:
         raise ConfigError(f"cache-images: {where('image_cache')} names the folder to write the cache to")
     if args.jobs < 0:

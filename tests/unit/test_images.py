@@ -151,7 +151,7 @@ def test_cache_images_says_first_that_the_model_reads_no_images(tmp_path, capsys
     code = cli_main(["cache-images", "--config", config, "--output-dir", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1, err
-    assert "cache-images: shardtrain.builtin_workloads.longformer:LongformerWorkload reads no images" in err
+    assert "cache-images: longformer reads no images: there is nothing to cache" in err
 
 
 def test_bad_records_before_launch_are_counted_and_an_undecodable_image_says_the_way_on(data):
