@@ -1044,8 +1044,8 @@ def is_builtin_workload(cfg: Config) -> bool:
 
 
 def reads_images(cfg: Config) -> bool:
-    """Whether the configured model reads an image per sample (the built-in whose records carry one)."""
-    return cfg.model.name == IMAGE_RECORDS
+    """Whether the configured model reads an image per sample (the multimodal built-in)."""
+    return cfg.model.name == "multimodal"
 
 
 def pad_multiple(cfg: Config) -> int | None:
