@@ -19,6 +19,10 @@ from PIL import Image
 from shardtrain.config.settings import ConfigError
 from shardtrain.data.records import SPLIT_FILES, has_images, normalize_kind
 
+DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels, for check-data
+# The images make-data writes: images/<split>/000000.png, ...
+_MADE_IMAGE = re.compile(r"\d{6}\.png")
+
 CLASS_WORDS = [
     ["excellent", "wonderful", "delightful", "superb", "brilliant", "lovely", "great", "enjoyable", "charming"],
     ["terrible", "awful", "boring", "dreadful", "horrible", "disappointing", "poor", "tedious", "messy"],
@@ -122,10 +126,6 @@ def make_data(
     return out
 
 
-# The images make-data writes: images/<split>/000000.png, ...
-_MADE_IMAGE = re.compile(r"\d{6}\.png")
-
-
 def _remove_earlier_output(out: Path) -> None:
     """--overwrite: what an earlier make-data wrote goes (its images, so that a smaller dataset leaves none
     behind); a folder whose splits or images make-data did not write is refused, --overwrite or not: they may be
@@ -143,9 +143,6 @@ def _remove_earlier_output(out: Path) -> None:
                 made.unlink()
         with contextlib.suppress(OSError):  # not empty: something of the user's is in it, and stays
             folder.rmdir()
-
-
-DATASET_INFO = "shardtrain_dataset.json"  # written by make-data: its kind and number of labels, for check-data
 
 
 def dataset_info(data_dir: str) -> dict:
