@@ -52,7 +52,8 @@ def main(argv: list[str]) -> int:
         "-h",
         "--help",
     )
-    if not argv or any(a.startswith("--") and a.split("=")[0] not in own for a in argv):
+    # No argument at all is not "the default data_dir": a user who typed nothing is asked what to check.
+    if argv and any(a.startswith("--") and a.split("=")[0] not in own for a in argv):
         # Training flags: a positional DIR may only come first (argparse would take a flag's value for it).
         folder = argv[0] if argv and not argv[0].startswith("-") else None
         return _check_source_main(folder, [a for a in argv[1 if folder else 0 :] if a != "--debug"])
@@ -72,7 +73,10 @@ def main(argv: list[str]) -> int:
         args.kind = args.kind or data_kind(cfg)
         args.dir = args.dir or cfg.data.data_dir
     if args.dir is None:
-        raise ConfigError("check-data: give a dataset folder, or --workload my_pkg.tasks:MyTask for a user's data")
+        raise ConfigError(
+            "check-data: give a dataset folder (check-data DIR), a training config's data (--config FILE and its "
+            "data flags), or a user's --workload my_pkg.tasks:MyTask"
+        )
     if not Path(args.dir).is_dir():
         from shardtrain.data.records import relative_to_cwd
 

@@ -18,7 +18,8 @@ def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
         try:
             path = split_path(data_dir, split)
         except ConfigError as e:
-            problems.append(str(e))
+            if str(e) not in problems:  # a missing folder is one problem, not one per split
+                problems.append(str(e))
             continue
         n_good, found = 0, []
         for rec, problem in iter_split(path, kind, num_labels):

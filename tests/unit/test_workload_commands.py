@@ -256,6 +256,21 @@ def test_check_data_says_what_was_meant_when_the_arguments_mix_its_two_forms(tmp
     assert code == 0 and out.strip().endswith("no problems found"), out
 
 
+def test_check_data_without_arguments_asks_for_a_folder_and_a_missing_folder_is_one_line(tmp_path, capsys, monkeypatch):
+    """With no argument it used to check the default data.data_dir, data/multimodal, without saying so, and a
+    missing folder was reported once per split."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli(capsys, "check-data")
+    assert code == 2 and "check-data: give a dataset folder" in err and "data/multimodal" not in out + err, out + err
+    code, out, err = run_cli(capsys, "check-data", "--data-dir", "nowhere", "--config", "x.yaml")
+    assert code == 2 and "--config: file not found: x.yaml" in err, err
+    (tmp_path / "c.yaml").write_text("model: {name: longformer}\n")
+    code, out, err = run_cli(capsys, "check-data", "--config", "c.yaml", "--data-dir", "nowhere")
+    lines = [line for line in out.splitlines() if "nowhere" in line]
+    assert code == 1 and len(lines) == 2 and "folder not found: nowhere" in lines[0], out
+    assert lines[1] == "1 problem(s) in nowhere", out
+
+
 # ---- parity ----------------------------------------------------------------------------------------------
 def test_parity_passes_the_workload_to_every_run(tasks, capsys, monkeypatch):
     launched = []
