@@ -547,7 +547,9 @@ def predicted_data(source: Source, args) -> tuple:
 
         read = prediction_rows(cfg, args.file, args.id_column)
         # Not tokenised ahead: collate tokenises (truncating at data.max_length) as the ahead-of-time map does.
-        data = SplitDataset(read.table, read.origin, cfg.data.image_size, reads_images(cfg), [])
+        data = SplitDataset(
+            read.table, read.origin, cfg.data.image_size, reads_images(cfg), [], row_names=read.row_names
+        )
         return data, column_values(read.table, "row"), read.ids
     train, validation = workload.datasets()
     data = train if args.split == "train" else validation

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from shardtrain.config.labels import ClassLabels, run_config_dict
 from shardtrain.config.settings import FIELDS, Config, ConfigError, is_builtin_workload, reads_images, where
@@ -83,6 +83,27 @@ def source_of(cfg: Config) -> str:
     return given[0] if given else "data_dir"
 
 
+@dataclass(frozen=True)
+class RowNames:
+    """How messages name a source's row (the canonical `row` column): by file and line where the lines are
+    known, as check-data names them, else `<origin> row i`. A value, not a closure: the datasets that carry it
+    go to DataLoader workers, which a non-fork start method reaches by pickling."""
+
+    origin: str
+    line_offset: Optional[int] = None  # row i is on line i + line_offset (0: the row column holds the line)
+    lines: Optional[tuple[int, ...]] = None  # else each row's line, where blank lines come between records
+    spans_lines: bool = False  # a CSV: a quoted field may span lines, so the line is only likely
+
+    def __call__(self, row: int) -> str:
+        if self.lines is not None:
+            return f"{self.origin}:{self.lines[row]}"
+        if self.line_offset is None:
+            return f"{self.origin} row {row}"
+        if self.spans_lines:
+            return f"{self.origin} row {row} (line {row + self.line_offset} if no field spans lines)"
+        return f"{self.origin}:{row + self.line_offset}"
+
+
 @dataclass
 class RawSplit:
     """One split as the source has it, before columns and labels are mapped."""
@@ -90,13 +111,16 @@ class RawSplit:
     ds: Any  # datasets.Dataset
     origin: str  # what it was read from, for messages: a file, a folder, "NAME split 'train'"
     root: Path  # the folder that relative image paths are resolved against
-    row_name: Optional[Callable[[int], str]] = None  # how messages name row i; default: "<origin> row i"
+    row_names: Optional[RowNames] = None  # how messages name a row; None: "<origin> row i"
     # A reader of canonical rows (the jsonl layout, whose bad lines records.py has named file:line): its rows
     # have the canonical columns already, and these are the problems it found. None: columns still to map.
     problems: Optional[list[str]] = None
 
+    def __post_init__(self):
+        self.row_names = self.row_names or RowNames(self.origin)
+
     def name(self, row: int) -> str:
-        return self.row_name(row) if self.row_name else f"{self.origin} row {row}"
+        return self.row_names(row)
 
 
 @dataclass
@@ -108,6 +132,7 @@ class Splits:
     skipped: dict[str, list[str]] = field(default_factory=dict)  # bad rows left out (--skip-bad-samples)
     unlabelled: dict[str, int] = field(default_factory=dict)  # label -1 rows dropped, per split
     source: dict = field(default_factory=dict)  # for summary.json: where each split came from
+    row_names: dict[str, RowNames] = field(default_factory=dict)  # how messages name each split's rows
 
     @property
     def id2label(self) -> dict[int, str]:
@@ -143,7 +168,7 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
     names, int_labels = _label_scheme(cfg, raw["train"], columns["train"]["label"])
     num_labels = _num_labels(cfg, names, columns["train"]["label"], raw["train"])
     label2id = {name: i for i, name in enumerate(names)}
-    out, skipped, unlabelled, source = {}, {}, {}, {}
+    out, skipped, unlabelled, source, row_names = {}, {}, {}, {}, {}
     for split, r in raw.items():
         if r is None:
             continue
@@ -164,9 +189,11 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
             report.extend(skipped[split])
         out[split] = table
         source[split] = r.origin
+        row_names[split] = r.row_names
     held_out = raw["validation"] is None and d.validation_split_percentage is not None
     if held_out and len(out["train"]) > 1:  # fewer rows: the empty-split error below says what is wrong
         out["train"], out["validation"], source["validation"] = _percentage_split(cfg, out["train"])
+        row_names["validation"] = row_names["train"]  # its rows are the train file's
         source["train"] = f"{raw['train'].origin}, the other {100 - d.validation_split_percentage}%"
     for split, limit in (("train", d.max_train_samples), ("validation", d.max_eval_samples)):
         if out.get(split) is not None and limit is not None and limit < len(out[split]):
@@ -194,6 +221,7 @@ def load_splits(cfg: Config, check_images: Optional[bool] = None, report: Option
             "content_sha256": {s: content_sha256(t) for s, t in out.items()},
             **({"validation_split": _split_record(cfg, out)} if "validation" in out and held_out else {}),
         },
+        row_names,
     )
 
 
@@ -299,13 +327,15 @@ def _read_file(file: str, flag: str) -> RawSplit:
     finally:
         datasets.logging.set_verbosity_error()
     # Rows of a jsonl file are its lines (blank lines aside); a csv's are after its header line.
-    row_name = None
+    names = None
     if path.suffix.lower() == ".jsonl":
         lines = _nonblank_lines(path)
-        row_name = (lambda i: f"{file}:{lines[i]}") if len(lines) == len(ds) else None
+        if len(lines) == len(ds):
+            contiguous = lines == list(range(1, len(lines) + 1))
+            names = RowNames(file, line_offset=1) if contiguous else RowNames(file, lines=tuple(lines))
     elif builder == "csv":
-        row_name = lambda i: f"{file} row {i} (line {i + 2} if no field spans lines)"  # noqa: E731
-    return RawSplit(ds, file, path.resolve().parent, row_name)
+        names = RowNames(file, line_offset=2, spans_lines=True)
+    return RawSplit(ds, file, path.resolve().parent, names)
 
 
 def _root_cause(e: BaseException) -> BaseException:
@@ -390,7 +420,7 @@ def _read_jsonl_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
             if has_images(kind):
                 rows["image"].append(rec.image)
         out[split] = RawSplit(
-            datasets.Dataset.from_dict(rows), str(path), path.parent, lambda line, p=path: f"{p}:{line}", problems
+            datasets.Dataset.from_dict(rows), str(path), path.parent, RowNames(str(path), line_offset=0), problems
         )
     return out
 
@@ -408,7 +438,7 @@ def _read_published_layout(cfg: Config) -> dict[str, Optional[RawSplit]]:
             continue
         path = layout.files[split]
         ds = layout.to_dataset(split).add_column("row", [row.line for row in layout.splits[split]])
-        out[split] = RawSplit(ds, str(path), layout.root, lambda line, p=path: f"{p}:{line}", problems=[])
+        out[split] = RawSplit(ds, str(path), layout.root, RowNames(str(path), line_offset=0), problems=[])
     return out
 
 
@@ -742,6 +772,7 @@ class PredictionRows:
     ids: Optional[list]  # the id column's values, row by row; None: the file has no id column
     origin: str
     labelled: int  # rows with a label (metrics are over these)
+    row_names: RowNames  # how messages name its rows (file:line for jsonl)
 
 
 def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> PredictionRows:
@@ -817,4 +848,4 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
         features["image"] = datasets.Image(decode=False) if image_is_feature else datasets.Value("string")
     table = datasets.Dataset.from_dict(out, features=datasets.Features(features))
     ids = column_values(raw.ds, id_column) if id_column else None
-    return PredictionRows(table, ids, file, labelled)
+    return PredictionRows(table, ids, file, labelled, raw.row_names)

@@ -14,7 +14,7 @@ from torch.utils.data import Dataset
 from shardtrain.config.settings import ConfigError, reads_images
 from shardtrain.data.image_cache import ImageCache, UndecodableImage
 from shardtrain.data.images import BAD_IMAGE_HINT, load_image
-from shardtrain.data.sources import column_values, image_key, image_source
+from shardtrain.data.sources import RowNames, column_values, image_key, image_source
 
 
 class SplitDataset(Dataset):
@@ -28,8 +28,10 @@ class SplitDataset(Dataset):
         cache: Optional[ImageCache] = None,
         unlabelled: int = 0,
         source: Optional[dict] = None,
+        row_names: Optional[RowNames] = None,
     ):
         self.table, self.origin, self.image_size = table, origin, image_size
+        self.row_names = row_names or RowNames(origin)
         self.images, self.cache = images, cache
         # Read by the loop for the banner and summary.json: bad rows left out (--skip-bad-samples), rows
         # labelled -1 dropped, and where the splits came from (a percentage split's seed and rows).
@@ -74,7 +76,7 @@ class SplitDataset(Dataset):
             except Exception as e:
                 why = str(e) if isinstance(e, UndecodableImage) else f"{type(e).__name__}: {e}"
                 name = image if isinstance(image, str) else image.get("path") or "(embedded)"
-                at = f"{self.origin} row {row['row']}"
+                at = self.row_names(row["row"])
                 raise ConfigError(f"{at}: cannot decode image {name}: {why}{BAD_IMAGE_HINT}") from None
         return item
 
@@ -118,7 +120,8 @@ def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDa
         if images and cfg.data.image_cache:
             keys = [image_key(v) for v in column_values(table, "image")]
             cache = open_source_image_cache(cfg, split, keys)
-            table, dropped = _without_undecodable(table, keys, cache, splits.source[split], cfg.data.skip_bad_samples)
+            names = splits.row_names[split]
+            table, dropped = _without_undecodable(table, keys, cache, names, cfg.data.skip_bad_samples)
             skipped = skipped + dropped
         made.append(
             SplitDataset(
@@ -130,19 +133,20 @@ def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDa
                 cache,
                 splits.unlabelled.get(split, 0),
                 splits.source,
+                splits.row_names.get(split),
             )
         )
     made[0].labels = splits.labels
     return made[0], made[1]
 
 
-def _without_undecodable(table, keys: list[str], cache: ImageCache, origin: str, skip: bool):
+def _without_undecodable(table, keys: list[str], cache: ImageCache, row_names: RowNames, skip: bool):
     """(table without the rows whose image the cache could not decode, their messages) with --skip-bad-samples;
     without it, the rows stay and the first one raises when it is loaded, as a decode would."""
     bad = [i for i, key in enumerate(keys) if cache.problem(key)]
     if not skip or not bad:
         return table, []
     rows = column_values(table, "row")
-    messages = [f"{origin} row {rows[i]}: cannot decode image {keys[i]}: {cache.problem(keys[i])}" for i in bad]
+    messages = [f"{row_names(rows[i])}: cannot decode image {keys[i]}: {cache.problem(keys[i])}" for i in bad]
     drop = set(bad)
     return table.select([i for i in range(len(table)) if i not in drop]), messages

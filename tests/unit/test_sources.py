@@ -272,6 +272,39 @@ def test_check_data_lists_every_problem_of_a_source(tmp_path):
     assert check_source(cfg) == [f"--validation-file (data.validation_file): {empty} has no rows"]
 
 
+def test_an_image_that_fails_to_decode_mid_run_is_named_by_its_file_and_line(tmp_path):
+    """An image is decoded when the run loads it (predict --file, --train-file): a jsonl row is named by its line,
+    as check-data names it, and a held-out validation row by the file it came from (it used to be `row N`, from 0,
+    of "the held-out share")."""
+    from shardtrain.data.split_dataset import source_datasets
+
+    d = tmp_path / "posts"
+    (d / "pics").mkdir(parents=True)
+    for i in range(6):
+        Image.new("RGB", (12, 12), (40 * i, 0, 0)).save(d / "pics" / f"{i}.png")
+    (d / "pics" / "4.png").write_bytes(b"not a png")
+    rows = [{"text": f"post {i}", "image": f"pics/{i}.png", "label": "ab"[i % 2]} for i in range(6)]
+    path = d / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 1 else "") for i, r in enumerate(rows)))
+    train, _ = source_datasets(config("multimodal", train_file=str(path), validation_file=str(path)), is_rank0=False)
+    with pytest.raises(ConfigError, match=rf"^{path}:6: cannot decode image \S*pics/4\.png"):
+        train[4]  # the fifth record, on line 6 after a blank line
+    held = config("multimodal", train_file=str(path), validation_split_percentage=50)
+    corrupt = str(d / "pics" / "4.png")
+    bad = next(ds for ds in source_datasets(held, is_rank0=False) if corrupt in list(ds.table["image"]))
+    with pytest.raises(ConfigError, match=rf"^{path}:6: cannot decode image"):
+        bad[list(bad.table["image"]).index(corrupt)]
+    # predict --file reads the file with its own reader, and its dataset names the row the same way.
+    from shardtrain.data.sources import prediction_rows
+    from shardtrain.data.split_dataset import SplitDataset
+
+    trained = config("multimodal", train_file=str(path), label_names=["a", "b"])  # the run's classes
+    read = prediction_rows(trained, str(path), None)
+    data = SplitDataset(read.table, read.origin, 224, True, [], row_names=read.row_names)
+    with pytest.raises(ConfigError, match=rf"^{path}:6: cannot decode image"):
+        data[4]
+
+
 def test_the_jsonl_layout_is_one_source_with_its_file_line_messages(tmp_path):
     from shardtrain.data import make_data
 
