@@ -27,20 +27,44 @@ STOP = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 WORKER_SCRIPT = os.path.join("shardtrain", "main.py")
 
 
-def training_workers(exclude: int) -> list[int]:
-    """Pids of the processes running shardtrain/main.py (read from /proc: no psutil before requirements are in)."""
-    pids = []
+def training_workers(root: int) -> list[int]:
+    """Pids of the processes below `root` that run shardtrain/main.py, read from /proc (no psutil before the
+    requirements are in). Only below it: another job on the same host runs the same script, and PID 1 of a
+    container has every process of the container below it (orphans are re-parented to it)."""
+    parent, runs_worker = {}, set()
     for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) == exclude:
+        if not name.isdigit():
             continue
         try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 args = f.read().split(b"\0")
         except OSError:  # exited meanwhile
             continue
+        pid = int(name)
+        parent[pid] = int(stat[stat.rindex(b")") + 2 :].split()[1])  # after "pid (comm) state"
         if any(a.decode(errors="replace").endswith(WORKER_SCRIPT) for a in args[1:3]):
-            pids.append(int(name))
-    return pids
+            runs_worker.add(pid)
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    below, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        below.append(pid)
+        todo.extend(children.get(pid, []))
+    return sorted(pid for pid in below if pid in runs_worker)
+
+
+def check_proc_is_ours() -> None:
+    """A /proc of another PID namespace (`unshare --pid` without --mount-proc) names other processes by the
+    pids this one reads: a stop would signal the wrong ones, or none. A container always mounts its own."""
+    if os.getpid() == 1 and os.readlink("/proc/self") != "1":
+        raise SystemExit(
+            "container_init: /proc belongs to another PID namespace, so a stop signal could not find the "
+            "training workers: mount this namespace's own /proc (a container does; unshare --mount-proc)"
+        )
 
 
 def _status_code(status: int) -> int:
@@ -48,17 +72,23 @@ def _status_code(status: int) -> int:
 
 
 def run(cmd: list[str]) -> int:
+    check_proc_is_ours()
     waited = {*STOP, signal.SIGCHLD}
     signal.pthread_sigmask(signal.SIG_BLOCK, waited)
-    child = subprocess.Popen(
-        cmd, process_group=0, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
-    )
+    try:
+        child = subprocess.Popen(
+            cmd, process_group=0, preexec_fn=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
+        )
+    except OSError as e:  # not found, not executable: one line, as a shell says it, and its status 127
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, waited)
+        print(f"container_init: cannot run {cmd[0]}: {e.strerror}", file=sys.stderr)
+        return 127
     code, stopping = None, False
     while True:
         info = signal.sigwaitinfo(waited)
         if info.si_signo in STOP:
             stopping = True
-            workers = training_workers(exclude=os.getpid())
+            workers = training_workers(root=os.getpid())
             if workers:
                 for pid in workers:
                     try:
@@ -84,7 +114,17 @@ def run(cmd: list[str]) -> int:
             return code
 
 
+USAGE = "usage: python -m shardtrain.runtime.container_init CMD [ARG...]"
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        sys.exit(USAGE)
+    if argv[0] in ("-h", "--help"):
+        print(USAGE + "\n\n" + __doc__.split("\n\n", 1)[1].strip())  # why it exists, and what it does
+        sys.exit(0)
+    return run(argv)
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 2:
-        sys.exit("usage: python -m shardtrain.runtime.container_init CMD [ARG...]")
-    sys.exit(run(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))
