@@ -1137,11 +1137,21 @@ def with_sagemaker_env(
         return cfg, {}
     check_hosts(env)
     applied = {name: value for name, value in sagemaker_settings(env).items() if name not in explicit}
+    # Files, a hub dataset or an image folder named by a hyperparameter (or the YAML) are the data, which may
+    # sit inside the channels: the channels are then not the jsonl layout that --data-dir reads.
+    other_source = next((n for n in ("train_file", "dataset_name", "train_dir") if value_of(cfg, n)), None)
+    unmapped = [n for n in ("data_dir", "eval_data_dir") if n in applied] if other_source else []
+    for name in unmapped:
+        del applied[name]
     if "output_dir" in applied:  # the instance's checkpoint folder, not a path the user chose
         check_checkpoints_shared(env, applied["output_dir"])
     # parse_cli runs on every rank; RANK is unset in a plain process, which is rank 0 too.
-    if applied and env.get("RANK", "0") == "0":
-        print("shardtrain: SageMaker environment: " + ", ".join(f"{k}={v}" for k, v in applied.items()), flush=True)
+    if (applied or unmapped) and env.get("RANK", "0") == "0":
+        line = ", ".join(f"{k}={v}" for k, v in applied.items())
+        if unmapped:
+            channels = ", ".join({"data_dir": "train", "eval_data_dir": "validation"}[n] for n in unmapped)
+            line += f" (channels {channels} not mapped to --data-dir: {flag_of(other_source)} names the data)"
+        print(f"shardtrain: SageMaker environment: {line}", flush=True)
     return replace_fields(cfg, **applied), applied
 
 

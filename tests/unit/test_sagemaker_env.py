@@ -115,6 +115,27 @@ def test_parse_cli_takes_sagemaker_spellings_and_env(clean_env, tmp_path):
         parse_cli(["--max_stepz", "3"])
 
 
+def test_files_named_by_hyperparameters_leave_the_channels_unmapped_and_the_line_says_so(clean_env, tmp_path, capsys):
+    """With train_file set (Hugging Face's csv/jsonl, class names as labels), the start-up line still said
+    data_dir=<the train channel>, a folder the run never read."""
+    train, val = tmp_path / "train", tmp_path / "validation"
+    for folder, name in ((train, "train.csv"), (val, "validation.csv")):
+        folder.mkdir()
+        (folder / name).write_text("text,label\nsome words,positive\nother words,negative\n")
+    clean_env.setenv("SM_CHANNEL_TRAIN", str(train))
+    clean_env.setenv("SM_CHANNEL_VALIDATION", str(val))
+    clean_env.setenv("SHARDTRAIN_SM_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    tiny = str(REPO / "configs/longformer_tiny.yaml")
+    cfg = parse_cli(
+        ["--config", tiny, "--train_file", str(train / "train.csv"), "--validation_file", str(val / "validation.csv")]
+    )
+    out = capsys.readouterr().out
+    assert cfg.data.data_dir != str(train) and cfg.data.eval_data_dir != str(val)
+    line = next(x for x in out.splitlines() if x.startswith("shardtrain: SageMaker environment:"))
+    assert "data_dir" not in line.split("(")[0] and f"output_dir={tmp_path / 'ckpt'}" in line, line
+    assert "channels train, validation not mapped to --data-dir: --train-file names the data" in line, line
+
+
 def test_missing_validation_channel_folder_is_one_line(clean_env, tmp_path):
     clean_env.setenv("SM_CHANNEL_VALIDATION", str(tmp_path / "nope"))
     clean_env.setenv("SHARDTRAIN_SM_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
