@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from shardtrain.config.labels import ClassLabels
+from shardtrain.config.settings import where
 from shardtrain.workloads.base import Workload
 
 if TYPE_CHECKING:
@@ -98,7 +99,12 @@ class JsonlWorkload(Workload):
                         if done.from_cache
                         else f"tokenised and cached in {done.cache_file.parent}"
                     )
-                    print(f"{split}: {len(ds):,} token sequences {how} in {done.seconds:.2f}s", flush=True)
+                    cut = f"; {done.truncated:,} longer than {where('max_length')} {d.max_length}, cut to it"
+                    print(
+                        f"{split}: {len(ds):,} token sequences {how} in {done.seconds:.2f}s"
+                        + (cut if done.truncated else ""),
+                        flush=True,
+                    )
         return train, validation
 
     def labels(self) -> ClassLabels | None:

@@ -8,8 +8,10 @@ The fingerprint is set here rather than left to `map`: `map` hashes the tokenize
 trained per run (data/tokenizer.py) lives in each run's own output folder. It is keyed by the tokenizer's
 content instead, so the same training text gives the same tokenizer and the same cache file.
 
-Only truncation happens here; padding stays in collate (to the longest text of each batch, and to Longformer's
-window multiple), so the ids a batch holds are those today's tokenize-in-collate path gives.
+Only truncation happens here, and each text cut at max_length is marked (`truncated`), so the run can say how
+many the model sees only in part, from the cache too; padding stays in collate (to the longest text of each
+batch, and to Longformer's window multiple), so the ids a batch holds are those today's tokenize-in-collate
+path gives.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Callable, Optional
 from shardtrain.config.settings import ConfigError, where
 
 # Bump when what `Tokenize` writes changes: cache files of the old form must stop matching.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the `truncated` column
 CACHE_SUBDIR = "shardtrain-tokenized"
 
 
@@ -38,7 +40,13 @@ class Tokenize:
         # A sentence pair (the canonical `text_pair` column) is tokenised as one input with a separator.
         pair = batch.get("text_pair")
         enc = self.tokenizer(batch["text"], pair, truncation=True, max_length=self.max_length)
-        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        # A fast tokenizer keeps what truncation cut off; exactly max_length tokens is not a cut. A slow one
+        # keeps nothing: reaching the limit is the best sign there is.
+        if enc.encodings is not None:
+            cut = [bool(e.overflowing) for e in enc.encodings]
+        else:
+            cut = [len(ids) >= self.max_length for ids in enc["input_ids"]]
+        return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "truncated": cut}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -66,6 +74,7 @@ class Preprocessed:
     cache_file: Path
     from_cache: bool  # True: loaded from an earlier run's file, no text was tokenised
     seconds: float
+    truncated: int  # texts longer than max_length, cut to it
 
 
 def token_counts(table) -> list[int]:
@@ -128,4 +137,7 @@ def tokenize_table(
     else:
         barrier()
         out = run()
-    return Preprocessed(out, path, from_cache, time.perf_counter() - t0)
+    import pyarrow.compute as pc
+
+    truncated = pc.sum(out.with_format("arrow")[:]["truncated"]).as_py() or 0
+    return Preprocessed(out.remove_columns("truncated"), path, from_cache, time.perf_counter() - t0, truncated)

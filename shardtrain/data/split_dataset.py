@@ -38,6 +38,7 @@ class SplitDataset(Dataset):
         self.skipped, self.unlabelled, self.source = skipped, unlabelled, source or {}
         self.has_pair = "text_pair" in table.column_names
         self.tokens = None  # token ids row by row, once tokenize() has run
+        self.truncated: Optional[int] = None  # texts cut at max_length, once tokenize() has counted them
 
     def __len__(self) -> int:
         return len(self.table)
@@ -56,6 +57,7 @@ class SplitDataset(Dataset):
         text = self.table.select_columns(["text", "text_pair"] if self.has_pair else ["text"])
         done = tokenize_table(text, tokenizer, max_length, num_proc, is_rank0, barrier)
         self.tokens = done.dataset.select_columns(["input_ids", "attention_mask"])
+        self.truncated = done.truncated
         return done
 
     def __getitem__(self, i: int) -> dict:

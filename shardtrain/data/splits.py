@@ -47,6 +47,7 @@ class JsonlDataset(Dataset):
         self.path, self.kind, self.image_size, self.cache = path, kind, image_size, cache
         self.root = path.parent
         self.skipped = skipped
+        self.truncated: Optional[int] = None  # texts cut at max_length, once tokenize() has counted them
         rows = {
             "line": [r.line for r in records],
             "text": [r.text for r in records],
@@ -92,7 +93,7 @@ class JsonlDataset(Dataset):
         from shardtrain.data.preprocess import tokenize_table
 
         done = tokenize_table(self.table, tokenizer, max_length, num_proc, is_rank0, barrier)
-        self.table = done.dataset
+        self.table, self.truncated = done.dataset, done.truncated
         return done
 
 

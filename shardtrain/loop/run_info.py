@@ -43,6 +43,11 @@ def describe_run(
         **({"recompute_choice": recompute.why} if recompute.why else {}),
         **parameter_counts(strategy, frozen),
         "bad_samples_skipped": {"train": len(skipped(train_ds)), "validation": len(skipped(eval_ds))},
+        # Texts longer than max_length, cut to it: known where the workload tokenised its splits ahead (None: not).
+        "texts_truncated": {
+            "train": getattr(train_ds, "truncated", None),
+            "validation": getattr(eval_ds, "truncated", None),
+        },
         # A published layout's posts kept and left out, by reason (--dataset-format, data/layouts.py).
         **({"data": train_ds.data_report} if getattr(train_ds, "data_report", None) else {}),
         "unlabelled_dropped": {

@@ -101,3 +101,22 @@ def test_unwritable_cache_is_one_line_naming_the_variable(mm_dir, tmp_path, monk
     cfg = make_cfg(mm_dir)
     with pytest.raises(ConfigError, match="HF_DATASETS_CACHE: cannot write the tokenised splits in .*a-file"):
         tokenized(cfg, build_tokenizer(cfg, tmp_path, True, lambda: None))
+
+
+def test_texts_cut_at_max_length_are_counted_from_the_cache_too(ld_dir, cache, tmp_path):
+    """A long document cut at --max-length used to be cut in silence: for a 4096-token Longformer run, whether the
+    model saw the whole text is the question. Counted exactly (the tokenizer's overflow, not `== max_length`),
+    the same when the ids come from the cache, and said in the split's line and in summary.json."""
+    cfg = make_cfg(ld_dir, name="longformer", max_length=48)
+    tok = build_tokenizer(cfg, tmp_path, True, lambda: None)
+    raw = build_split(cfg, "train")
+    longer = sum(len(tok(raw[i]["text"])["input_ids"]) > 48 for i in range(len(raw)))
+    assert 0 < longer < len(raw)
+    ds, done = tokenized(cfg, tok)
+    assert not done.from_cache and done.truncated == ds.truncated == longer
+    again, done = tokenized(cfg, tok)
+    assert done.from_cache and done.truncated == again.truncated == longer
+    assert "truncated" not in again[0]  # the count is the split's, not a field of each item
+    exact = max(len(tok(raw[i]["text"])["input_ids"]) for i in range(len(raw)))
+    _, done = tokenized(make_cfg(ld_dir, name="longformer", max_length=exact), tok)
+    assert done.truncated == 0  # the longest text, exactly max_length long: not cut
