@@ -30,7 +30,11 @@ def test_runtime_error_is_one_line_exit_1(capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     assert cli.run_guarded(fail_with(FloatingPointError("non-finite at step 3\nmore")), []) == 1
     err = capsys.readouterr().err
-    assert err == "shardtrain: error: FloatingPointError: non-finite at step 3 (--debug shows the traceback)\n"
+    # Raised in this file, which is user code to the guard, so the line also says where.
+    assert err == (
+        "shardtrain: error: FloatingPointError: non-finite at step 3 (raised in fn, tests/unit/test_errors.py:17; "
+        "--debug shows the traceback)\n"
+    )
 
 
 def test_debug_shows_the_traceback():
@@ -100,3 +104,60 @@ def test_metrics_untouched_until_the_first_record(tmp_path):
         1.0,
         0.5,
     ]
+
+
+def test_an_error_in_the_users_own_code_names_the_method_file_and_line(tmp_path, capsys, monkeypatch):
+    """A workload's build_model, datasets, forward or loss that raised said only `ValueError: ...`, and a loss
+    reading batch["label"] said `KeyError: 'label'`, which pointed at the data; the line names the method now."""
+    import importlib
+    import sys
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_tasks.py").write_text(
+        "class MyTask:\n"
+        "    def loss(self, outputs, batch):\n"
+        "        return outputs - batch['label']\n"
+        "def helper():\n"
+        "    raise ValueError('bad width')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_tasks", None)
+    tasks = importlib.import_module("my_tasks")
+    assert cli.run_guarded(lambda argv: tasks.MyTask().loss(1, {"labels": 1}), []) == 1
+    assert capsys.readouterr().err == (
+        "shardtrain: error: KeyError: 'label' (raised in MyTask.loss, my_tasks.py:3; --debug shows the traceback)\n"
+    )
+    assert cli.run_guarded(lambda argv: tasks.helper(), []) == 1
+    assert "ValueError: bad width (raised in helper, my_tasks.py:5;" in capsys.readouterr().err
+
+
+def test_a_dataloader_workers_error_is_its_own_line_not_torchs_wrapper(tmp_path, capsys, monkeypatch):
+    """With num_workers > 0 torch re-raises a worker's error as `Caught FileNotFoundError in DataLoader worker
+    process 0.`: the path that was missing was lost from the one line."""
+    from torch.utils.data import DataLoader, Dataset
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_data.py").write_text(
+        "from torch.utils.data import Dataset\n"
+        "class Images(Dataset):\n"
+        "    def __len__(self):\n"
+        "        return 2\n"
+        "    def __getitem__(self, i):\n"
+        "        return open(f'images/{i}.png', 'rb').read()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import importlib
+    import sys
+
+    sys.modules.pop("my_data", None)
+    images = importlib.import_module("my_data").Images()
+    assert isinstance(images, Dataset)
+    assert cli.run_guarded(lambda argv: next(iter(DataLoader(images, num_workers=1))), []) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "shardtrain: error: FileNotFoundError: [Errno 2] No such file or directory: 'images/0.png' (raised in "
+        "__getitem__, my_data.py:6, in DataLoader worker process 0;"
+    ), err
+    assert err.count("\n") == 1
