@@ -182,7 +182,9 @@ def report_once(msg: str, secondary: bool) -> None:
 
         # The loop's preemption handler only sets a flag; the launcher's SIGTERM must end us here.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        time.sleep(QUIET_SECONDS)
+        # A consequence waits twice as long: the rank whose error caused it (also waiting, if it is not rank 0)
+        # speaks first and exits, and the launcher then stops this rank before it repeats the news.
+        time.sleep(QUIET_SECONDS * (2 if secondary else 1))
     where_from = "" if rank == 0 else f" (rank {rank})"
     _say(f"shardtrain: error{where_from}: {msg}", over_other_ranks=rank == 0 and not secondary)
 

@@ -161,3 +161,26 @@ def test_a_dataloader_workers_error_is_its_own_line_not_torchs_wrapper(tmp_path,
         "__getitem__, my_data.py:6, in DataLoader worker process 0;"
     ), err
     assert err.count("\n") == 1
+
+
+def test_a_consequence_waits_longer_than_the_error_that_caused_it(capsys, monkeypatch):
+    """Rank 1's own error (a missing image in its shard) and rank 0's consequence of it (gloo: `Connection closed
+    by peer`) both waited QUIET_SECONDS, so both were printed: the consequence must wait longer, and be stopped
+    by the launcher once rank 1 has spoken and exited."""
+    import signal
+    import time
+
+    waits = {}
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        for rank, error in (
+            ("1", FileNotFoundError("images/31.png")),
+            ("0", RuntimeError("Connection closed by peer")),
+        ):
+            monkeypatch.setenv("RANK", rank)
+            monkeypatch.setattr(time, "sleep", lambda s, rank=rank: waits.__setitem__(rank, s))
+            cli.run_guarded(fail_with(error), [])
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert waits["0"] >= waits["1"] + 2.0, waits
