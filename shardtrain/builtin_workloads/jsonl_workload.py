@@ -56,6 +56,7 @@ class JsonlWorkload(Workload):
         from shardtrain.data.sources import source_of
 
         d = self.cfg.data
+        source = source_of(self.cfg)  # asked first, whatever the layout: it is also how the loop knows we read it
         # Records are validated before the tokenizer is trained.
         if d.dataset_format:
             from shardtrain.data.split_dataset import write_label_file
@@ -64,7 +65,7 @@ class JsonlWorkload(Workload):
             train, validation = layout_datasets(self.cfg)
             if _rank0():
                 write_label_file(self.cfg, list(train.labels.names))
-        elif source_of(self.cfg) != "data_dir":
+        elif source != "data_dir":
             from shardtrain.data.sources import column_values
             from shardtrain.data.split_dataset import source_datasets
 

@@ -49,8 +49,11 @@ def source_asks() -> int:
 
 
 def unread_source_flags(cfg: Config, asks_before: int) -> str | None:
-    """A line to warn with when the config names training data that datasets() did not ask for."""
-    given = [name for name in SOURCE_FLAGS if getattr(cfg.data, name)]
+    """A line to warn with when the config names training data that datasets() did not ask for: a source flag,
+    a published layout, or a --data-dir other than the default folder (which nobody named)."""
+    given = [name for name in (*SOURCE_FLAGS, "dataset_format") if getattr(cfg.data, name)]
+    if cfg.data.data_dir != FIELDS["data_dir"][1].default:
+        given.append("data_dir")
     if not given or _source_asks > asks_before:
         return None
     return (

@@ -415,3 +415,16 @@ def test_a_users_workload_takes_any_source_through_load_splits(tmp_path):
     train, validation = reviews.datasets()
     assert train[0] == {"row": 0, "text": "fine", "label": 1} and len(validation) == 3
     assert reviews.labels() == ClassLabels(2, ("bad", "good")) and cfg.data.label_names == []
+
+
+def test_a_data_folder_the_workload_never_reads_is_warned_about_like_a_train_file():
+    """--data-dir was ignored in silence by a workload that reads its own data (only --train-file and the other
+    source flags were warned about); the default folder, which nobody named, is not."""
+    from shardtrain.data.sources import source_asks, unread_source_flags
+
+    asks = source_asks()
+    line = unread_source_flags(replace_fields(config("multimodal"), data_dir="myproj/data_missing"), asks)
+    assert line.startswith("--data-dir (data.data_dir) names training data, but the workload's datasets() did not")
+    assert unread_source_flags(config("multimodal"), asks) is None
+    layout = replace_fields(config("multimodal"), dataset_format="mvsa-single")
+    assert unread_source_flags(layout, asks).startswith("--dataset-format (data.dataset_format) names training data")
