@@ -465,7 +465,21 @@ def check_workload_args(cfg: Config, cls: type[Workload]) -> None:
 
 
 def _args_error(cls: type[Workload], cfg: Config, e: TypeError) -> ConfigError:
-    return ConfigError(f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}")
+    """The constructor's own TypeError, and for an unknown keyword the argument meant (as a YAML key's typo is
+    answered) and those the constructor takes."""
+    import difflib
+    import re
+
+    line = f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}"
+    unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))
+    if unknown:
+        params = inspect.signature(cls).parameters.values()
+        takes = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)][1:]  # after cfg
+        close = difflib.get_close_matches(unknown.group(1), takes, n=1)
+        line += (
+            f"; did you mean '{close[0]}'?" if close else ""
+        ) + f" ({cls.__name__} takes {', '.join(takes) or 'no arguments'})"
+    return ConfigError(line)
 
 
 def _as_target(written: str, attr: str) -> str:

@@ -370,3 +370,8 @@ def test_train_refuses_workload_args_the_constructor_does_not_take_before_any_pr
     assert code == 2 and err.count("\n") == 1, err
     assert "--workload-args (workload.args): Tiny(size): " in err and "unexpected keyword argument 'size'" in err
     assert "starting 2 processes" not in printed and not out.exists()
+    # A near miss is named with the argument meant, as a YAML key's typo is; the accepted ones are listed.
+    argv[4] = '{"brokenat": 3}'
+    code, _, err = run_cli(capsys, *argv, "--output-dir", str(out))
+    assert code == 2 and err.count("\n") == 1, err
+    assert "unexpected keyword argument 'brokenat'; did you mean 'broken_at'? (Tiny takes n, broken_at, key)" in err
