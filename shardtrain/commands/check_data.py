@@ -39,7 +39,11 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--config", default=None, help="a training config whose workload (and its args) to check")
     add_workload_flags(parser)
-    parser.add_argument("--samples", type=int, default=4, help="with a user's workload: samples read per split")
+    parser.add_argument(
+        "--samples",
+        default="4",
+        help="with a user's workload: samples read per split, or all (every one read; a few batched)",
+    )
     parser.add_argument("--debug", action="store_true")
     own = (
         "--kind",
@@ -116,7 +120,7 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
     from shardtrain.data.sources import source_of
 
     own = argparse.ArgumentParser(add_help=False)
-    own.add_argument("--samples", type=int, default=4)
+    own.add_argument("--samples", default="4")
     args, rest = own.parse_known_args(rest)
     if any(a.split("=")[0] == "--kind" for a in rest):
         raise ConfigError(
@@ -194,15 +198,19 @@ def _check_workload(cfg, args) -> int:
             f"check-data: {cfg.workload.workload} reads its own data in datasets(); drop "
             f"{'the folder ' + args.dir if args.dir else '--kind'} (pass its location in --workload-args)"
         )
-    if args.samples < 1:
-        raise ConfigError(f"check-data: --samples must be positive, got {args.samples}")
+    samples = None if args.samples == "all" else int(args.samples) if args.samples.isdigit() else 0
+    if samples is not None and samples < 1:
+        raise ConfigError(f"check-data: --samples must be a positive number or all, got {args.samples}")
     name = cls.__name__
-    problems, notes = check_workload_data(cfg, args.samples)
+    problems, notes, read = check_workload_data(cfg, samples)
     for line in notes + problems:
         print(line)
-    print(
-        f"{len(problems)} problem(s) in {name}'s data"
-        if problems
-        else f"{name}: datasets() and collate give batches its model takes; no problems found"
-    )
-    return 1 if problems else 0
+    if problems:
+        print(f"{len(problems)} problem(s) in {name}'s data")
+        return 1
+    if any(got < n for got, n in read.values()):  # a clean few is not a clean split: say how few
+        counts = [f"{got} of {n} {split}" for split, (got, n) in read.items()]
+        counts[0] = counts[0].replace(" train", " train samples", 1)
+        print(f"read {' and '.join(counts)}: --samples all reads every one")
+    print(f"{name}: datasets() and collate give batches its model takes; no problems found")
+    return 0

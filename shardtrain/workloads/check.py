@@ -20,17 +20,22 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
 
 
-def check_workload_data(cfg: Config, samples: int = 4) -> tuple[list[str], list[str]]:
-    """(problems, notes on what was checked). A workload that does not construct raises its ConfigError."""
+# How many samples of each split are batched through collate, also when every one is read (--samples all).
+BATCHED = 4
+
+
+def check_workload_data(cfg: Config, samples: int | None = 4) -> tuple[list[str], list[str], dict[str, tuple]]:
+    """(problems, notes on what was checked, split -> (samples read, samples in it)). `samples`: how many of
+    each split to read (None: every one). A workload that does not construct raises its ConfigError."""
     workload = load_workload(cfg)
     name = type(workload).__name__
     try:
         splits = workload.datasets()
     except Exception as e:  # noqa: BLE001 - the user's code: say which method failed and how
-        return [f"{name}.datasets() raised {_one_line(e)}"], []
+        return [f"{name}.datasets() raised {_one_line(e)}"], [], {}
     if not (isinstance(splits, (tuple, list)) and len(splits) == 2):
-        return [f"{name}.datasets() must return (train, validation_or_None), got {type(splits).__name__}"], []
-    problems, notes, batches = [], [], []
+        return [f"{name}.datasets() must return (train, validation_or_None), got {type(splits).__name__}"], [], {}
+    problems, notes, batches, read = [], [], [], {}
     for split, ds in zip(("train", "validation"), splits):
         if ds is None:
             if split == "train":
@@ -48,11 +53,15 @@ def check_workload_data(cfg: Config, samples: int = 4) -> tuple[list[str], list[
             problems.append(f"{where} is empty")
             continue
         items = []
-        for i in range(min(samples, n)):
+        read[split] = (n if samples is None else min(samples, n), n)
+        for i in range(read[split][0]):
             try:
-                items.append(ds[i])
+                item = ds[i]
             except Exception as e:  # noqa: BLE001
                 problems.append(f"{where} item {i}: {_one_line(e)}")
+                continue
+            if len(items) < (samples or BATCHED):
+                items.append(item)
         if not items:
             continue
         try:
@@ -64,7 +73,7 @@ def check_workload_data(cfg: Config, samples: int = 4) -> tuple[list[str], list[
         notes.append(f"{split}: {n} samples; {len(items)} batched by {name}.collate into {shape_summary(batch)}")
     if batches:
         problems += _check_against_model(workload, name, batches)
-    return problems, notes
+    return problems, notes, read
 
 
 def _check_against_model(workload: Workload, name: str, batches: list[dict]) -> list[str]:
