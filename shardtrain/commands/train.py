@@ -11,6 +11,11 @@ def main(argv: list[str]) -> int:
 
     args = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]  # the deepspeed launcher adds it
     cfg = parse_cli(args)
+    from shardtrain.runtime.chatter import quiet_libraries
+
+    # Before a user's workload module is imported below: one that imports transformers at its top (and so
+    # torchao) would otherwise print library deprecations in every process.
+    quiet_libraries(cfg.log.verbose)
     # The files the strategy reads (DeepSpeed JSON, FSDP policy) are checked before any process starts.
     from shardtrain.strategies import check_strategy_config
 

@@ -184,3 +184,27 @@ def test_a_consequence_waits_longer_than_the_error_that_caused_it(capsys, monkey
     finally:
         signal.signal(signal.SIGTERM, old)
     assert waits["0"] >= waits["1"] + 2.0, waits
+
+
+def test_library_chatter_is_quieted_before_a_users_workload_module_is_imported(tmp_path, monkeypatch):
+    """A user's tasks.py that imports transformers (and so torchao) at the top was imported before `train`
+    quieted the libraries: two torch pytree deprecation lines per process, in every run of a user's workload."""
+    import sys
+
+    from shardtrain.runtime import chatter
+
+    order = []
+    monkeypatch.setattr(chatter, "quiet_libraries", lambda verbose: order.append("quiet"))
+    (tmp_path / "noisy_tasks.py").write_text(
+        "import builtins\nbuiltins._shardtrain_test_order.append('imported')\n"
+        "from shardtrain import Workload\nclass Noisy(Workload):\n    def __init__(self, cfg):\n        super().__init__(cfg)\n"
+    )
+    monkeypatch.setattr("builtins._shardtrain_test_order", order, raising=False)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "noisy_tasks", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    argv = ["--workload", "noisy_tasks:Noisy", "--workload-args", '{"nope": 1}', "--output-dir", str(tmp_path / "o")]
+    from shardtrain.commands import train
+
+    assert cli.run_guarded(train.main, argv) == 2  # refused at its args, after the import
+    assert order[:2] == ["quiet", "imported"], order
