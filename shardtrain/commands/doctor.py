@@ -454,7 +454,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.config:
         from shardtrain.config.settings import from_dict, load_yaml
 
-        workers = from_dict(load_yaml(args.config), source=f"--config {args.config}").data.num_workers
+        cfg = from_dict(load_yaml(args.config), source=f"--config {args.config}")
+        # Unset: the default (data/loaders.py) fits the CPUs by its own rule, so there is nothing to check.
+        workers = cfg.data.num_workers
     report = diagnose(os.environ, workers)
     print(json.dumps(report, indent=1) if args.json else render(report), flush=True)
     return 0 if report["ok"] else 1

@@ -457,6 +457,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
 
     from shardtrain.data import batch_to_device
     from shardtrain.data.batches import top_tensor
+    from shardtrain.data.loaders import loader_workers
     from shardtrain.strategies.base import DTYPES
     from shardtrain.workloads.base import CheckedCollate, logits_of
 
@@ -469,7 +470,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
         Subset(data, range(start, stop)),
         batch_size=args.batch_size or cfg.eval_batch_size,
         collate_fn=CheckedCollate(workload),
-        num_workers=cfg.data.num_workers,
+        num_workers=loader_workers(cfg, world),
     )
     bar = _progress(stop - start, rank)
     sums: dict = {}

@@ -136,7 +136,11 @@ class DataConfig:
     tokenizer_vocab_size: int = setting(2000, "vocabulary size of the tokenizer trained when none is given")
     max_length: int = setting(128, "texts are truncated to this many tokens", "sequence length")
     image_size: int = setting(224, "images are resized to this many pixels square", "image size", "multimodal")
-    num_workers: int = setting(4, "data-loading worker processes per rank (0: load in the training process)")
+    num_workers: Optional[int] = setting(
+        None,
+        "data-loading worker processes per rank (0: load in the training process); unset: up to 4, as many as "
+        "leave each rank a CPU of its own",
+    )
     pin_memory: bool = setting(True, "page-locked host memory for batches, for faster copies to the GPU (CUDA only)")
     skip_bad_samples: bool = setting(
         False,

@@ -91,6 +91,24 @@ def length_group_size(cfg: Config) -> int:
     return 50 * cfg.train.per_device_batch_size * cfg.train.grad_accum if grouped else 0
 
 
+# Unset --num-workers: at most this many per rank (what keeps a GPU fed with decoded JPEGs at 224 px).
+DEFAULT_MAX_WORKERS = 4
+
+
+def loader_workers(cfg: Config, world_size: int = 1) -> int:
+    """--num-workers, or unset: up to DEFAULT_MAX_WORKERS per rank, as many as leave each rank of this host a
+    CPU of its own (the CPUs this job may use: a Slurm task's or a container's share), as `shardtrain doctor`
+    checks. 2 ranks on 2 cores load in the training processes rather than start 8 workers."""
+    import os
+
+    from shardtrain.runtime import device_defaults
+
+    if cfg.data.num_workers is not None:
+        return cfg.data.num_workers
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or world_size)
+    return max(0, min(DEFAULT_MAX_WORKERS, device_defaults.allotted_cpus() // max(1, local) - 1))
+
+
 def build_loaders(
     cfg: Config,
     tokenizer,
@@ -109,7 +127,7 @@ def build_loaders(
     micro-batches (None: samples, padded to the longest)."""
     geometry = geometry or BatchGeometry.configured(cfg, world_size)
     collate = collate or make_collator(cfg, tokenizer)
-    workers = cfg.data.num_workers
+    workers = loader_workers(cfg, world_size)
 
     def loader_kwargs(salt: int) -> dict:
         return dict(

@@ -197,7 +197,8 @@ def test_library_chatter_is_quieted_before_a_users_workload_module_is_imported(t
     monkeypatch.setattr(chatter, "quiet_libraries", lambda verbose: order.append("quiet"))
     (tmp_path / "noisy_tasks.py").write_text(
         "import builtins\nbuiltins._shardtrain_test_order.append('imported')\n"
-        "from shardtrain import Workload\nclass Noisy(Workload):\n    def __init__(self, cfg):\n        super().__init__(cfg)\n"
+        "from shardtrain import Workload\nclass Noisy(Workload):\n"
+        "    def __init__(self, cfg):\n        super().__init__(cfg)\n"
     )
     monkeypatch.setattr("builtins._shardtrain_test_order", order, raising=False)
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -95,3 +95,19 @@ def test_close_ends_the_workers_even_while_the_stream_is_referenced():
     assert not any(w.is_alive() for w in workers)
     assert first + stream.next_batch()[0].tolist() == order[:4]  # read on from the same position
     stream.close()
+
+
+def test_unset_num_workers_leaves_each_rank_a_cpu_of_its_own(monkeypatch):
+    """The default was 4 workers per rank whatever the machine: 2 ranks on 2 cores started 8 workers, and
+    torch warned on every rank. Unset now means up to 4, as many as leave each rank a CPU of its own (what
+    `shardtrain doctor` checks); a number given is used as given."""
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.data.loaders import loader_workers
+    from shardtrain.runtime import device_defaults
+
+    assert parse_cli([]).data.num_workers is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    for cpus, want in ((2, 0), (4, 1), (8, 3), (32, 4)):
+        monkeypatch.setattr(device_defaults, "allotted_cpus", lambda cpus=cpus: cpus)
+        assert loader_workers(parse_cli([])) == want, cpus
+    assert loader_workers(parse_cli(["--num-workers", "6"])) == 6
