@@ -63,6 +63,7 @@ class StepOutcome:
     applied: bool = False  # the optimizer updated the weights (not skipped as non-finite or overflowed)
     stop: bool = False  # a preemption signal reached some rank: save and stop after this step
     samples: int = 0  # in the step over every rank (under a token budget they vary from step to step)
+    lr: float = float("nan")  # the base learning rate the step applied (the scheduler has moved on since)
 
 
 class Trainer:
@@ -217,13 +218,14 @@ class Trainer:
         if smaller is not None:
             self.geometry = smaller
             return StepOutcome(redo=True)
+        lr = base_lr(self.strategy.optimizer)  # this step's rate: the scheduler moves on inside step()
         with self.oom.optimizer_step(), self.profiler.phase("optimizer"):  # an OOM here stops every rank (loop/oom.py)
             result = self.strategy.step(skip=not agreed.finite, grad_norm=agreed.grad_norm)
         self.step = step
         self.mem_table = self.mem.end_step(step)  # on a few steps only: a tensor walk and a gather to rank 0
         self.health.update(step, result.applied, result.overflow, agreed, result.grad_norm)  # raises per policy
         samples = share.samples if share else self.geometry.global_batch
-        return StepOutcome(False, agreed.loss_mean, result.grad_norm, result.applied, agreed.stop, samples)
+        return StepOutcome(False, agreed.loss_mean, result.grad_norm, result.applied, agreed.stop, samples, lr)
 
     def _micro_step(self, batch, micro: int, step: int, weight: float | None) -> torch.Tensor:
         """Forward, loss and backward of one micro-batch; its loss (times `weight`, where micro-batches differ in
@@ -293,7 +295,7 @@ class Trainer:
         record = {
             "step": self.step,
             "loss": outcome.loss,
-            "lr": base_lr(self.strategy.optimizer),
+            "lr": outcome.lr,
             "grad_norm": outcome.grad_norm,
             "samples": outcome.samples,
             "samples_per_sec": outcome.samples / seconds,

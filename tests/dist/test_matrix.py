@@ -143,6 +143,18 @@ def matrix(data_dirs, tmp_path_factory) -> dict:
     return results
 
 
+def applied_rates(workload: str, steps: int) -> list[float]:
+    """The learning rate of each of a tiny config's first `steps` steps, from its schedule."""
+    import dataclasses
+
+    from shardtrain.config.settings import from_dict, load_yaml
+    from shardtrain.strategies.optim import lr_lambda
+
+    t = from_dict(load_yaml(REPO / "configs" / f"{workload}_tiny.yaml")).train
+    t = dataclasses.replace(t, max_steps=steps)
+    return [t.lr * lr_lambda(t)(s) for s in range(steps)]
+
+
 def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -158,6 +170,9 @@ def test_every_strategy_workload_and_checkpointing_mode_trains(matrix):
                     arm,
                 )
                 assert r["eval"]["n_examples"] == 16
+                # Each step logs the rate it applied (it logged the next one: step 1 showed warmup's second rate,
+                # and the last step 0.0).
+                assert r["lrs"] == pytest.approx(applied_rates(workload, steps), rel=1e-6), (workload, strategy, arm)
                 # checkpointing really wrapped blocks, and only when asked
                 assert (r["describe"]["recompute_blocks"] > 0) == (arm == "ac"), r["describe"]
     assert matrix["multimodal/fsdp_sgo/fp32"]["describe"]["sharding"] == "SHARD_GRAD_OP"
