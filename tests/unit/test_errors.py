@@ -2,6 +2,7 @@
 (bf16 on an old GPU), the output-dir probe, and metrics.jsonl left alone until a run really writes."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -31,8 +32,9 @@ def test_runtime_error_is_one_line_exit_1(capsys, monkeypatch):
     assert cli.run_guarded(fail_with(FloatingPointError("non-finite at step 3\nmore")), []) == 1
     err = capsys.readouterr().err
     # Raised in this file, which is user code to the guard, so the line also says where.
+    line = fail_with.__code__.co_firstlineno + 2  # fn's raise
     assert err == (
-        "shardtrain: error: FloatingPointError: non-finite at step 3 (raised in fn, tests/unit/test_errors.py:17; "
+        f"shardtrain: error: FloatingPointError: non-finite at step 3 (raised in fn, tests/unit/test_errors.py:{line}; "
         "--debug shows the traceback)\n"
     )
 
@@ -106,24 +108,29 @@ def test_metrics_untouched_until_the_first_record(tmp_path):
     ]
 
 
-def test_an_error_in_the_users_own_code_names_the_method_file_and_line(tmp_path, capsys, monkeypatch):
-    """A workload's build_model, datasets, forward or loss that raised said only `ValueError: ...`, and a loss
-    reading batch["label"] said `KeyError: 'label'`, which pointed at the data; the line names the method now."""
+def users_module(tmp_path, monkeypatch, name: str, code: str):
+    """`code` as the user's own module `name`, imported from the working directory (tmp_path), rank 0."""
     import importlib
-    import sys
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_tasks.py").write_text(
+    (tmp_path / f"{name}.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module(name)
+
+
+def test_an_error_in_the_users_own_code_names_the_method_file_and_line(tmp_path, capsys, monkeypatch):
+    """A workload's build_model, datasets, forward or loss that raised said only `ValueError: ...`, and a loss
+    reading batch["label"] said `KeyError: 'label'`, which pointed at the data; the line names the method now."""
+    code = (
         "class MyTask:\n"
         "    def loss(self, outputs, batch):\n"
         "        return outputs - batch['label']\n"
         "def helper():\n"
         "    raise ValueError('bad width')\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    sys.modules.pop("my_tasks", None)
-    tasks = importlib.import_module("my_tasks")
+    tasks = users_module(tmp_path, monkeypatch, "my_tasks", code)
     assert cli.run_guarded(lambda argv: tasks.MyTask().loss(1, {"labels": 1}), []) == 1
     assert capsys.readouterr().err == (
         "shardtrain: error: KeyError: 'label' (raised in MyTask.loss, my_tasks.py:3; --debug shows the traceback)\n"
@@ -137,9 +144,7 @@ def test_a_dataloader_workers_error_is_its_own_line_not_torchs_wrapper(tmp_path,
     process 0.`: the path that was missing was lost from the one line."""
     from torch.utils.data import DataLoader, Dataset
 
-    monkeypatch.delenv("RANK", raising=False)
-    monkeypatch.chdir(tmp_path)
-    (tmp_path / "my_data.py").write_text(
+    code = (
         "from torch.utils.data import Dataset\n"
         "class Images(Dataset):\n"
         "    def __len__(self):\n"
@@ -147,12 +152,7 @@ def test_a_dataloader_workers_error_is_its_own_line_not_torchs_wrapper(tmp_path,
         "    def __getitem__(self, i):\n"
         "        return open(f'images/{i}.png', 'rb').read()\n"
     )
-    monkeypatch.syspath_prepend(str(tmp_path))
-    import importlib
-    import sys
-
-    sys.modules.pop("my_data", None)
-    images = importlib.import_module("my_data").Images()
+    images = users_module(tmp_path, monkeypatch, "my_data", code).Images()
     assert isinstance(images, Dataset)
     assert cli.run_guarded(lambda argv: next(iter(DataLoader(images, num_workers=1))), []) == 1
     err = capsys.readouterr().err
