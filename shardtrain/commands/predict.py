@@ -147,7 +147,16 @@ def main(argv: list[str]) -> int:
     what = args.file if args.file else f"the {args.split} split"
     labelled = metrics.pop("_labelled", None)
     rows = metrics.pop("_rows")
+    truncated = metrics.pop("_truncated", 0)
     print(f"wrote {rows} predictions of {what} to {output}")
+    if truncated:
+        from shardtrain.config.settings import where
+
+        length = source.cfg.data.max_length
+        print(
+            f"predict: {truncated} of {rows} texts longer than {where('max_length')} {length} were cut to it, as "
+            f"in training (the model saw their first {length} tokens; `truncated` in their lines)"
+        )
     if metrics:
         over = f" (over the {labelled} labelled rows)" if labelled is not None and labelled < rows else ""
         print(f"{'file' if args.file else args.split} metrics{over}: {json.dumps(metrics)}")
@@ -228,8 +237,8 @@ def split_metrics(path: Path, given: dict, int8: bool = False, split: str = "val
     with tempfile.TemporaryDirectory(prefix=".eval-", dir=path) as tmp, contextlib.redirect_stdout(io.StringIO()):
         predict_block(source, args, 0, 1, Path(tmp))
         metrics = join_blocks(Path(tmp), 1, Path(tmp) / "preds.jsonl", source.workload)
-    metrics.pop("_labelled", None)
-    metrics.pop("_rows", None)
+    for key in ("_labelled", "_rows", "_truncated"):
+        metrics.pop(key, None)
     return metrics
 
 
@@ -465,6 +474,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
     device = _device(cfg, args.precision)
     data, rows, ids = predicted_data(source, args)
     start, stop = block_bounds(len(data), rank, world)
+    cut = _truncated(workload, data, start, stop, cfg.data.max_length) if args.file is not None else None
     model = source.load_model().to(device)
     loader = DataLoader(
         Subset(data, range(start, stop)),
@@ -515,15 +525,30 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
                 )
                 if known is not None and bool(known[row]):
                     line["true_label"] = _name(names, int(labels.reshape(-1)[row]))
+                if cut is not None and cut[index - start]:
+                    line["truncated"] = True  # longer than --max-length: the model saw its first max_length tokens
                 out.write(json.dumps(line) + "\n")
                 index += 1
             if bar is not None:
                 bar.update(len(probs))
     if bar is not None:
         bar.close()
-    torch.save(
-        {"rows": index - start, "expected": stop - start, "sums": sums, "labelled": labelled}, parts / f"rank-{rank}.pt"
-    )
+    block = {"rows": index - start, "expected": stop - start, "sums": sums, "labelled": labelled}
+    torch.save({**block, "truncated": sum(cut) if cut else 0}, parts / f"rank-{rank}.pt")
+
+
+def _truncated(workload, data, start: int, stop: int, max_length: int) -> list[bool] | None:
+    """Which rows of the block are longer than --max-length: the file's texts are tokenised in collate, which
+    cuts them there as training did. None where the workload tokenises no text of this table."""
+    from shardtrain.data.preprocess import truncated_rows
+    from shardtrain.data.sources import column_values
+
+    tokenizer, table = getattr(workload, "tokenizer", None), getattr(data, "table", None)
+    if tokenizer is None or table is None or "text" not in table.column_names:
+        return None
+    block = table.select(range(start, stop))
+    pairs = column_values(block, "text_pair") if "text_pair" in block.column_names else None
+    return truncated_rows(tokenizer, column_values(block, "text"), pairs, max_length)
 
 
 def _rows_of_batch(batch: dict, keep) -> dict:
@@ -647,7 +672,7 @@ def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
 
     from shardtrain.checkpointing.export import normal_mode
 
-    rows, sums, labelled = 0, {}, 0
+    rows, sums, labelled, truncated = 0, {}, 0, 0
     tmp = tempfile.NamedTemporaryFile("w", dir=output.parent, prefix=f".{output.name}.", suffix=".tmp", delete=False)
     try:
         with tmp:
@@ -664,6 +689,7 @@ def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
                     shutil.copyfileobj(f, tmp)
                 rows += block["rows"]
                 labelled += block.get("labelled", 0)
+                truncated += block.get("truncated", 0)
                 for key, value in block["sums"].items():
                     sums[key] = sums[key] + value if key in sums else value
         normal_mode(Path(tmp.name))  # the mode open() would give preds.jsonl, not mkstemp's 0600
@@ -672,4 +698,4 @@ def join_blocks(parts: Path, world: int, output: Path, workload) -> dict:
         Path(tmp.name).unlink(missing_ok=True)
         raise
     metrics = workload.metrics(sums) if sums else {}
-    return {**metrics, "_rows": rows, "_labelled": labelled}
+    return {**metrics, "_rows": rows, "_labelled": labelled, "_truncated": truncated}

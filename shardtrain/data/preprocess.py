@@ -49,6 +49,12 @@ class Tokenize:
         return {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"], "truncated": cut}
 
 
+def truncated_rows(tokenizer, texts: list[str], pairs: Optional[list[str]], max_length: int) -> list[bool]:
+    """Which texts (with their pairs) are longer than max_length and get cut, as Tokenize marks them: for texts
+    that are tokenised in collate instead (`predict --file`)."""
+    return Tokenize(tokenizer, max_length)({"text": texts, "text_pair": pairs})["truncated"]
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
     """A hash of what decides the token ids: the tokenizer's pipeline (normaliser, pre-tokeniser, model,
     post-processor) and special tokens, not its path. Truncation/padding settings are left out: transformers

@@ -58,6 +58,13 @@ def shardtrain(capsys, *argv: str) -> str:
     return out.out
 
 
+def trained_ids(run: Path, text: str) -> list[int]:
+    """`text`'s token ids, untruncated, by the run's own trained tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(run / "tokenizer"))(text)["input_ids"]
+
+
 def printed_metrics(output: str, what: str) -> dict:
     line = next(x for x in output.splitlines() if x.startswith(f"{what} metrics"))
     return json.loads(line.split(": ", 1)[1])
@@ -183,6 +190,8 @@ def test_a_longformer_export_is_two_lines_of_plain_transformers_and_reproduces_p
     preds = jsonl(tmp_path / "preds.jsonl")
     assert [p["row"] for p in preds] == list(range(60)) and [p["id"] for p in preds] == [r["id"] for r in rows]
     assert "file metrics (over the 30 labelled rows): " in out, out
+    longer = [len(trained_ids(run, r["document"])) > 256 for r in rows]
+    assert [p.get("truncated", False) for p in preds] == longer, (sum(longer), out)
     metrics = printed_metrics(out, "file")
     assert metrics["n_examples"] == 30 == sum("true_label" in p for p in preds)
     assert metrics["accuracy"] == pytest.approx(
@@ -258,6 +267,12 @@ def test_a_multimodal_export_hands_plain_transformers_its_tokenizer_and_class_na
         json.loads((run / "summary.json").read_text())["eval"], rel=1e-9
     ), out
     assert [p["id"] for p in jsonl(tmp_path / "p.jsonl")] == [r["id"] for r in rows]
+    # A text longer than max_length is cut to it, as in training: predict says how many, and marks each one.
+    past = [" ".join(["long"] * 200) if k == "text" else v for k, v in rows[0].items()]
+    long = write_csv(tmp_path / "long.csv", list(rows[0]), [list(r.values()) for r in rows[:3]] + [past])
+    out = shardtrain(capsys, "predict", export, "--file", long, "--output", tmp_path / "long.jsonl")
+    assert [p.get("truncated", False) for p in jsonl(tmp_path / "long.jsonl")] == [False, False, False, True]
+    assert "predict: 1 of 4 texts longer than --max-length (data.max_length) 64 were cut to it" in out, out
 
 
 def test_a_resume_on_other_data_is_in_the_changed_settings_line(runs):
