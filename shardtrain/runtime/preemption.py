@@ -60,6 +60,13 @@ def _run_through_sigterm(cmd: list[str]) -> subprocess.CompletedProcess:
 
 
 STOP_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# Whether any StopFlag of this process has been raised: read by the error guard (cli.report_once), for which a
+# lost peer after a stop signal is that stop's consequence, not news. A plain bool: set in a signal handler.
+_stop_received = False
+
+
+def stop_received() -> bool:
+    return _stop_received
 
 
 class StopFlag:
@@ -76,7 +83,8 @@ class StopFlag:
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        self.raised = True
+        global _stop_received
+        self.raised = _stop_received = True
         self.requeue = self.requeue or signum == signal.SIGUSR1
         if signum == signal.SIGINT:
             self.interrupted = True

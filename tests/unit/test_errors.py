@@ -209,3 +209,29 @@ def test_library_chatter_is_quieted_before_a_users_workload_module_is_imported(t
 
     assert cli.run_guarded(train.main, argv) == 2  # refused at its args, after the import
     assert order[:2] == ["quiet", "imported"], order
+
+
+def test_a_consequence_after_the_launcher_began_stopping_the_job_says_nothing(capsys, monkeypatch):
+    """Rank 1 said its error and exited; torchrun then SIGTERMs rank 0, which was still inside the collective
+    and took the signal as a stop (the handler only sets a flag), and 6 s later said `Connection closed by peer`
+    anyway: a second line for one failure. A lost peer after a stop signal is that stop's consequence."""
+    import signal
+    import time
+
+    from shardtrain.runtime import preemption
+
+    monkeypatch.setattr(preemption, "_stop_received", False)  # and back after the test: a process-wide record
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    try:
+        preemption.StopFlag()
+        signal.raise_signal(signal.SIGTERM)  # the launcher's
+        assert cli.run_guarded(fail_with(RuntimeError("Connection closed by peer [127.0.0.1]:1")), []) == 1
+        assert capsys.readouterr().err == ""
+        assert cli.run_guarded(fail_with(FloatingPointError("non-finite")), []) == 1  # its own error: said
+        assert "FloatingPointError: non-finite" in capsys.readouterr().err
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
