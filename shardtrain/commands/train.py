@@ -27,6 +27,10 @@ def main(argv: list[str]) -> int:
     check_workload_args(cfg, workload)
     check_planned_settings(cfg, workload)
     note = workload.check_before_launch(cfg)
+    if os.environ.get("RANK", "0") == "0":  # the process that will open the loggers' runs
+        from shardtrain.observability.servers import check_tracking_servers
+
+        check_tracking_servers(cfg.log.report_to)
     from shardtrain.checkpointing.output_lock import check_output_dir_free
     from shardtrain.checkpointing.store import refuse_to_overwrite
 
