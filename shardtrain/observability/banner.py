@@ -33,7 +33,8 @@ def _loggers(loggers: list[dict]) -> str:
     if not loggers:
         return "none besides metrics.jsonl (--report-to wandb,tensorboard,mlflow)"
     return " | ".join(
-        f"{lg['name']} ({lg['where']})" if lg["on"] else f"{lg['name']} off (see the warning above)" for lg in loggers
+        f"{lg['name']} ({lg['where']})" if lg["on"] else f"{lg['name']} off (see its warning, on stderr)"
+        for lg in loggers
     )
 
 
