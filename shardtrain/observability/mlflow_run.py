@@ -121,10 +121,13 @@ class MlflowRun:
     @staticmethod
     def _experiment_id(client) -> str:
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME")
-        if name:
-            found = client.get_experiment_by_name(name)
-            return found.experiment_id if found is not None else client.create_experiment(name)
-        return os.environ.get("MLFLOW_EXPERIMENT_ID") or "0"  # "0": MLflow's Default experiment
+        if not name and os.environ.get("MLFLOW_EXPERIMENT_ID"):
+            return os.environ["MLFLOW_EXPERIMENT_ID"]
+        # Unnamed: MLflow's Default experiment, by name. A file store makes it (as id 0) only in a folder it
+        # creates itself, so an empty folder made beforehand (`mkdir mlruns`) has none: made here, as a name is.
+        name = name or "Default"
+        found = client.get_experiment_by_name(name)
+        return found.experiment_id if found is not None else client.create_experiment(name)
 
     def _tags(self) -> dict:
         text = os.environ.get("MLFLOW_TAGS")

@@ -209,3 +209,22 @@ def test_a_failing_mlflow_call_stops_mlflow_only(tmp_path, monkeypatch):
         warnings == ["MLflow log failed (ConnectionError: tracking server unreachable); continuing without MLflow"]
         and not run.active
     )
+
+
+def test_an_empty_store_folder_made_beforehand_gets_the_default_experiment(tmp_path, monkeypatch):
+    """`mkdir mlruns` and MLFLOW_TRACKING_URI=file://.../mlruns: MLflow makes its Default experiment (id 0) only
+    in a store folder it creates itself, and the run was `MLflow init failed (... Could not find experiment with
+    ID 0)`: MLflow off for the whole run. Without a name, the experiment named Default is used, made if missing."""
+    from mlflow.tracking import MlflowClient
+
+    from shardtrain.observability.mlflow_run import MlflowRun
+
+    (tmp_path / "mlruns").mkdir()
+    store = (tmp_path / "mlruns").resolve().as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    warnings = []
+    run = MlflowRun(warnings.append, tmp_path / "out", None, {})
+    assert warnings == [] and run.active and run.experiment == "Default"
+    run.finish({})
+    assert MlflowClient(tracking_uri=store).get_run(run.run_id).info.status == "FINISHED"
