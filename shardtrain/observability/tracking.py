@@ -297,7 +297,10 @@ class Tracker:
         wandb = self._logger("wandb")
         if final_model is not None and wandb is not None and logs_model_artifact(self.cfg.log):
             wandb.log_model(final_model)
-        totals = {**wandb_summary(summary), "preempted": bool(summary.get("preempted"))}
+        # A preempted attempt's figures are not the run's: the requeued attempt logs the real ones at its end, and
+        # TensorBoard and MLflow would keep both as summary/* points.
+        preempted = bool(summary.get("preempted"))
+        totals = {"preempted": True} if preempted else {**wandb_summary(summary), "preempted": False}
         for logger in self.loggers:
             logger.finish(totals)
         if self.cfg.log.report:

@@ -228,3 +228,27 @@ def test_an_empty_store_folder_made_beforehand_gets_the_default_experiment(tmp_p
     assert warnings == [] and run.active and run.experiment == "Default"
     run.finish({})
     assert MlflowClient(tracking_uri=store).get_run(run.run_id).info.status == "FINISHED"
+
+
+def test_a_preempted_attempt_leaves_no_summary_figures_beside_the_real_ones(tmp_path, capsys):
+    """An attempt stopped by a preemption logged summary/final_loss and summary/eval/* at its stop step, and the
+    requeued attempt its own at the end: two "final" losses in TensorBoard and MLflow for one run."""
+    from mlflow.tracking import MlflowClient
+
+    out = tmp_path / "run"
+    cfg = config(out, "--report-to", "tensorboard,mlflow")
+    first = Tracker(cfg, DIST, Console(0), out, 0, RUN_INFO)
+    for step, loss in ((1, 1.0), (2, 0.9)):
+        first.step(record(step, loss), BATCH)
+    state = first.checkpoint_state()
+    first.finish({"train_loss": [0.9], "eval": {"accuracy": 0.5}, "samples_per_sec": 4.0, "preempted": True})
+    resumed = Tracker(cfg, DIST, Console(0), out, 2, RUN_INFO, resume_state=state)
+    for step, loss in ((3, 0.7), (4, 0.6)):
+        resumed.step(record(step, loss), BATCH)
+    resumed.finish({"train_loss": [0.6], "eval": {"accuracy": 0.75}, "samples_per_sec": 4.0})
+    tb = tensorboard_scalars(out / "tensorboard")
+    assert tb["summary/final_loss"] == pytest.approx({4: 0.6}) and tb["summary/eval/accuracy"] == {4: 0.75}
+    client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
+    run_id = state["mlflow_run_id"]
+    assert mlflow_history(client, run_id, "summary/final_loss") == [(4, 0.6)]
+    assert client.get_run(run_id).info.status == "FINISHED"
