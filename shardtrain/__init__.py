@@ -3,7 +3,16 @@
     from shardtrain import Workload, fit
 
 Looked up lazily: `shardtrain doctor` and config errors must not pay for importing torch.
+
+The composition root: the built-ins' settings and names go into the config's slot (config/shipped.py) here, on the
+first import of anything in the package, so that every process (torchrun's, DeepSpeed's, a DataLoader worker's)
+reads configs with them, and config/ itself names no model.
 """
+
+from shardtrain.builtin_workloads.settings import BUILTINS as _BUILTINS
+from shardtrain.config.settings import ship as _ship
+
+_ship(_BUILTINS)
 
 
 def __getattr__(name):

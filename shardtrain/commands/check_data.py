@@ -12,8 +12,8 @@ from shardtrain.config.errors import ConfigError
 def main(argv: list[str]) -> int:
     import argparse
 
-    from shardtrain.config.settings import add_workload_flags
-    from shardtrain.data.records import KINDS, data_kind, guess_kind
+    from shardtrain.config.settings import add_workload_flags, record_kinds
+    from shardtrain.data.records import data_kind, guess_kind
 
     parser = argparse.ArgumentParser(
         prog="shardtrain check-data",
@@ -23,7 +23,10 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("dir", nargs="?", default=None, help="a built-in dataset folder (not with a user's --workload)")
     parser.add_argument(
-        "--kind", choices=KINDS, default=None, help=f"default: {KINDS[0]} if records name images, else {KINDS[1]}"
+        "--kind",
+        choices=record_kinds(),
+        default=None,
+        help="default: {} if records name images, else {}".format(*record_kinds()),
     )
     parser.add_argument(
         "--num-labels",
@@ -182,12 +185,13 @@ def _where_problems_are(problems: list[str], names: list[str]) -> str:
 
 def _check_workload(cfg, args) -> int:
     """check-data for a user's workload: its datasets() and collate on a few samples (workloads/check.py)."""
-    from shardtrain.config.settings import BUILTIN_WORKLOADS, where
-    from shardtrain.data.records import KINDS
+    from shardtrain.config.settings import BUILTIN_WORKLOADS, record_kinds, where
     from shardtrain.workloads.base import workload_class
     from shardtrain.workloads.check import check_workload_data
 
-    if cfg.workload.workload in set(KINDS) - set(BUILTIN_WORKLOADS):  # the kinds and workloads differ by one name
+    if cfg.workload.workload in set(record_kinds()) - set(
+        BUILTIN_WORKLOADS
+    ):  # the kinds and workloads differ by one name
         raise ConfigError(
             f"{where('workload')}: {cfg.workload.workload} is a kind of records, not a workload: check-data DIR "
             f"--kind {cfg.workload.workload} (the built-in workloads: {', '.join(BUILTIN_WORKLOADS)})"

@@ -6,10 +6,13 @@ import argparse
 
 
 def main(argv: list[str]) -> int:
-    from shardtrain.data.records import KINDS
+    from shardtrain.config.settings import record_kinds
 
     parser = argparse.ArgumentParser(prog="shardtrain make-data")
-    parser.add_argument("kind", choices=KINDS, help=f"{KINDS[0]}: text and an image per record; {KINDS[1]}: text")
+    with_images, text_only = record_kinds()
+    parser.add_argument(
+        "kind", choices=record_kinds(), help=f"{with_images}: text and an image per record; {text_only}: text"
+    )
     parser.add_argument("dir", help="the folder to write train.jsonl, validation.jsonl (and images/) into")
     parser.add_argument("--n-train", type=int, default=512, help="training records (default: %(default)s)")
     parser.add_argument("--n-val", type=int, default=128, help="validation records (default: %(default)s)")

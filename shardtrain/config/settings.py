@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Iterator, Literal, Mapping, Optional, Union, g
 
 from shardtrain.config.errors import ConfigError  # everyone imports it from here; sagemaker_env, below us, from errors
 from shardtrain.config.recompute import every_n
+from shardtrain.config.shipped import ShippedWorkloads
 
 
 class RecomputeSetting:
@@ -51,47 +52,10 @@ def compared_fields(section: type) -> list[tuple[str, str, str | None]]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: Literal["multimodal", "longformer"] = setting(
-        "multimodal",
-        "the built-in model: multimodal (text + image fusion) or longformer (long documents)",
-        compared_as="model",
-    )
-    text_model: str = setting(
-        "roberta-base", "the text encoder: a Hugging Face hub name or a local folder", compared_as="text model"
-    )
-    # With pretrained=false the architecture alone is used (random init): the tests' tiny models.
-    pretrained: bool = setting(
-        True,
-        "load the text model's pretrained weights; false: its architecture, randomly initialised",
-        compared_as="pretrained weights",
-    )
-    text_config: dict = setting(
-        {},
-        'overrides of the text model\'s Hugging Face config, as JSON, e.g. {"num_hidden_layers": 2}',
-        compared_as="text model config",
-    )
-    image_model: Literal["resnet50", "resnet18", "densenet121"] = setting(
-        "resnet50", "the image encoder (torchvision) of the multimodal model", "image model", "multimodal"
-    )
-    image_weights: Optional[str] = setting(
-        None,
-        "the image encoder's weights: a torchvision weights name (e.g. "
-        "IMAGENET1K_V2) or a local .pth/.safetensors file; unset: random init",
-        compared_as="image weights",
-        read_by="multimodal",
-    )
-    image_config: dict = setting(
-        {},
-        'overrides of the torchvision constructor, as JSON, e.g. {"layers": [1,1,1,1]} or DenseNet\'s block_config',
-        compared_as="image model config",
-        read_by="multimodal",
-    )
-    fusion: Literal["concat", "gated"] = setting(
-        "concat", "how the multimodal head combines text and image features", "fusion", "multimodal"
-    )
-    fusion_hidden: int = setting(512, "width of the fusion head's hidden layer (units)", "fusion width", "multimodal")
-    dropout: float = setting(
-        0.1, "dropout probability of the text encoder and the fusion head (0..1)", compared_as="dropout"
+    """The framework's model settings; the shipped workloads add their own (config/shipped.py)."""
+
+    name: Optional[str] = setting(
+        None, "a workload the package ships, by name (as --workload takes it)", compared_as="model"
     )
     # The jsonl --data-dir layout's integer labels do not say how many classes there are, hence its 3.
     num_labels: Optional[int] = setting(
@@ -111,19 +75,12 @@ class ModelConfig:
         "optimizer step at which the frozen layers start to train; unset: frozen for the whole run",
         compared_as="unfreeze step",
     )
-    attention_window: int = setting(
-        512, "Longformer's sliding attention window (tokens)", "attention window", "longformer"
-    )
-    channels_last: bool = setting(False, "channels-last layout for the CNN's activations: faster convolutions on GPUs")
-    attention: Literal["sdpa", "eager"] = setting(
-        "sdpa", "the text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls"
-    )
 
 
 @dataclass(frozen=True)
 class DataConfig:
     data_dir: str = setting(
-        "data/multimodal",
+        "data",
         "folder of train.jsonl and validation.jsonl (or of a published layout, with --dataset-format)",
     )
     # None trains a byte-level BPE on the training text, which only a randomly initialised model can use.
@@ -135,7 +92,7 @@ class DataConfig:
     )
     tokenizer_vocab_size: int = setting(2000, "vocabulary size of the tokenizer trained when none is given")
     max_length: int = setting(128, "texts are truncated to this many tokens", "sequence length")
-    image_size: int = setting(224, "images are resized to this many pixels square", "image size", "multimodal")
+    image_size: int = setting(224, "images are resized to this many pixels square", "image size")
     num_workers: Optional[int] = setting(
         None,
         "data-loading worker processes per rank (0: load in the training process); unset: up to 4, as many as "
@@ -231,7 +188,7 @@ class TrainConfig:
     )
     lr_multipliers: dict = setting(
         {},
-        'learning-rate factors by part of the model, as JSON, e.g. {"text": 0.1, "image": 0.1, "fusion": 1.0}: '
+        'learning-rate factors by part of the model, as JSON, e.g. {"text": 0.1, "image": 0.1}: '
         "a part the workload names (Workload.parts) or a parameter-name prefix; every other parameter x1",
     )
     warmup_steps: int = setting(0, "optimizer steps of linear warmup from 0 to lr")
@@ -427,7 +384,7 @@ class WorkloadConfig:
     # import path. None: the built-in that model.name names (the configs written before workloads existed).
     workload: Optional[str] = setting(
         None,
-        "your Workload, my_pkg.tasks:MyTask, or a built-in (multimodal, longformer); unset: the one model.name names",
+        "your Workload, my_pkg.tasks:MyTask, or a built-in ({builtins}); unset: the one model.name names",
     )
     workload_args: dict = setting({}, "keyword arguments for the workload's constructor, as JSON")
 
@@ -453,16 +410,21 @@ class PeftConfig:
     )
 
 
+def _section(name: str) -> Any:
+    """A Config section's field: its default is the section's class as the shipped workloads extend it."""
+    return field(default_factory=lambda: section_class(name)())
+
+
 @dataclass(frozen=True)
 class Config:
-    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
-    peft: PeftConfig = field(default_factory=PeftConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    log: LogConfig = field(default_factory=LogConfig)
+    workload: WorkloadConfig = _section("workload")
+    model: ModelConfig = _section("model")
+    peft: PeftConfig = _section("peft")
+    data: DataConfig = _section("data")
+    train: TrainConfig = _section("train")
+    parallel: ParallelConfig = _section("parallel")
+    checkpoint: CheckpointConfig = _section("checkpoint")
+    log: LogConfig = _section("log")
     # field name -> (`configs/x.yaml:12`, the value read there) for the settings from_dict read from a YAML file,
     # so that validate() names the file and line. Set per instance; not a field, so saved configs lack it.
     origins: ClassVar[Mapping[str, tuple[str, Any]]] = MappingProxyType({})
@@ -504,9 +466,41 @@ FLAG_ALIASES = {
 }
 
 
+# Section name -> its class: the framework's own, or the subclass with the shipped workloads' fields (ship()).
+_FRAMEWORK_SECTIONS = MappingProxyType({name: get_type_hints(Config)[name] for name in SECTIONS})
+_SECTION_CLASSES: dict[str, type] = dict(_FRAMEWORK_SECTIONS)
+_SHIPPED = [ShippedWorkloads()]
+
+
 def _section_classes() -> dict[str, type]:
-    hints = get_type_hints(Config)
-    return {name: hints[name] for name in SECTIONS}
+    return dict(_SECTION_CLASSES)
+
+
+def section_class(name: str) -> type:
+    """The class of a Config section, with the shipped workloads' fields."""
+    return _SECTION_CLASSES[name]
+
+
+def shipped() -> ShippedWorkloads:
+    """The workloads the package ships by name: their names, settings and rules (config/shipped.py)."""
+    return _SHIPPED[0]
+
+
+def ship(workloads: ShippedWorkloads) -> None:
+    """Put the shipped workloads in the config's slot: their sections' subclasses become the sections' classes,
+    their fields flags and YAML keys, their names what --workload and model.name take. Called once, by the package
+    root, before any config is read; the tables below are updated in place, for the modules that imported them."""
+    for name, cls in workloads.sections.items():
+        base = _FRAMEWORK_SECTIONS[name]
+        if not issubclass(cls, base):
+            raise TypeError(f"{cls.__name__} must extend the config's {base.__name__} to be its {name} section")
+    _SHIPPED[0] = workloads
+    _SECTION_CLASSES.clear()
+    _SECTION_CLASSES.update({**_FRAMEWORK_SECTIONS, **workloads.sections})
+    FIELDS.clear()
+    FIELDS.update(_field_index())
+    BUILTIN_WORKLOADS.clear()
+    BUILTIN_WORKLOADS.update(workloads.targets)
 
 
 # The same aliases as YAML keys (`learning_rate` -> `lr`): YAML takes only our names, but suggests them.
@@ -932,7 +926,7 @@ def help_of(name: str) -> str:
     """A flag's `--help` line: its description (the field's `setting` help), default and YAML key."""
     _, f, _ = FIELDS[name]
     default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    described = f.metadata.get("help", "")
+    described = f.metadata.get("help", "").replace("{builtins}", ", ".join(BUILTIN_WORKLOADS))
     if default is None and "unset:" in described:
         shown = described  # it says what unset means
     else:
@@ -1023,16 +1017,18 @@ def logs_model_artifact(log: LogConfig) -> bool:
     return os.environ.get("WANDB_LOG_MODEL", "false").strip().lower() in ("end", "true", "checkpoint")
 
 
-# Built-in workloads by name. Strings, so that naming one imports nothing until it is chosen.
-BUILTIN_WORKLOADS = {
-    "multimodal": "shardtrain.builtin_workloads.multimodal:MultimodalWorkload",
-    "longformer": "shardtrain.builtin_workloads.longformer:LongformerWorkload",
-}
-# The jsonl records' two kinds, as make-data and check-data --kind spell them: the built-ins' data, each record
-# with an image, and without. Named here, beside the built-ins' other names, so that data/ compares to these.
-IMAGE_RECORDS, TEXT_RECORDS = "multimodal", "longdoc"
-# A built-in's name for its records' kind, so that `check-data --kind longformer` does what the user means.
-RECORD_KIND_ALIASES = {"longformer": TEXT_RECORDS}
+# The workloads the package ships, by name -> `module:Class` (filled by ship()).
+BUILTIN_WORKLOADS: dict[str, str] = {}
+
+
+def record_kinds() -> tuple[str, str]:
+    """The jsonl records' two kinds, as make-data and check-data --kind spell them: with an image each, and without."""
+    return shipped().image_records, shipped().text_records
+
+
+def record_kind_aliases() -> Mapping[str, str]:
+    """Other names a user may mean by one of the records' kinds (a workload's name for its records)."""
+    return shipped().record_kind_aliases
 
 
 def workload_target(cfg: Config) -> str:
@@ -1048,36 +1044,24 @@ def is_builtin_workload(cfg: Config) -> bool:
 
 
 def reads_images(cfg: Config) -> bool:
-    """Whether the configured model reads an image per sample (the multimodal built-in)."""
-    return cfg.model.name == "multimodal"
+    """Whether the configured model reads an image per sample."""
+    return shipped().reads_images(cfg)
 
 
 def pad_multiple(cfg: Config) -> int | None:
-    """Texts are padded to a multiple of this many tokens (Longformer's attention window); None: no such rule."""
-    return cfg.model.attention_window if cfg.model.name == "longformer" else None
+    """Texts are padded to a multiple of this many tokens; None: no such rule."""
+    return shipped().pad_multiple(cfg)
 
 
 def hub_fields(cfg: Config) -> dict[str, str | None]:
-    """field -> the hub name (or folder) it gives, for what the run loads by name: the built-ins' text model
-    when pretrained, and the tokenizer (runtime/hub.py checks them before launch)."""
-    return {"text_model": cfg.model.text_model if cfg.model.pretrained else None, "tokenizer": cfg.data.tokenizer}
+    """field -> the hub name (or folder) it gives, for what the run loads by name: the shipped workloads' (their
+    pretrained model), and the tokenizer (runtime/hub.py checks them before launch)."""
+    return {**shipped().hub_names(cfg), "tokenizer": cfg.data.tokenizer}
 
 
 def without_download(cfg: Config, field: str) -> str:
-    """The way to train with nothing downloaded, for a new user offline: the same architecture randomly
-    initialised (and, with no --tokenizer, a tokenizer trained on the data), or the shipped tiny config."""
-    if field not in ("text_model", "tokenizer") or getattr(cfg.model, "name", None) is None:
-        return ""
-    how = (
-        "--pretrained false (the same architecture, randomly initialised"
-        + (", with a tokenizer trained on your data" if field == "text_model" else "")
-        + ")"
-    )
-    if field == "tokenizer":
-        how = "drop --tokenizer with --pretrained false (a tokenizer trained on your data)"
-    tiny = REPO / "configs" / f"{cfg.model.name}_tiny.yaml"
-    shown = f"configs/{tiny.name}"
-    return f"; or train without downloading: {how}" + (f", or --config {shown}" if tiny.is_file() else "")
+    """The way to train with nothing downloaded, for a new user offline, when `field`'s hub name is not at hand."""
+    return shipped().without_download(cfg, field)
 
 
 def add_import_paths(config_path: str | None) -> None:
@@ -1119,14 +1103,7 @@ def command_config(config_path: str | None, workload: str | None = None, workloa
     add_import_paths(config_path)
     given = {"workload": workload, "workload_args": workload_args}
     flags = {name: _coerce(name, v, FIELDS[name][2], flag_of(name)) for name, v in given.items() if v is not None}
-    return _with_builtin_model_name(replace_fields(cfg, **flags))
-
-
-def _with_builtin_model_name(cfg: Config) -> Config:
-    """`--workload longformer`: the built-in reads the model section as model.name did, so model.name says it."""
-    if cfg.workload.workload not in get_args(get_type_hints(ModelConfig)["name"]):
-        return cfg
-    return replace_fields(cfg, name=cfg.workload.workload)
+    return shipped().named_by_workload(replace_fields(cfg, **flags))
 
 
 def with_sagemaker_env(
@@ -1190,36 +1167,35 @@ def validate(cfg: Config) -> Config:
 def _validate(cfg: Config) -> Config:
     """The checks in a fixed order (a config with several errors reports the first that fails), each resolution
     step before the checks that read its value."""
-    cfg = _with_builtin_model_name(cfg)
+    cfg = shipped().named_by_workload(cfg)
     cfg = replace_sections(cfg, parallel=resolve_shipped_ds_config(cfg.parallel))  # plan comes here, not via parse_cli
     _check_streaming_source(cfg.data)
     cfg = _with_default_num_labels(cfg)
-    _check_positive(cfg, *POSITIVE)
+    check_positive(cfg, *POSITIVE)
     _check_lr(cfg.train)
     _check_lr_multipliers(cfg.train)
     profile_range(cfg.log.profile_steps, cfg.train.max_steps)
-    _check_not_negative(cfg, *NOT_NEGATIVE)
+    check_not_negative(cfg, *NOT_NEGATIVE)
     _check_best_metric(cfg.train)
     _check_early_stopping(cfg.train, cfg.checkpoint)
     _check_unfreeze_at_step(cfg.model, cfg.train)
     _check_lora(cfg)
     cfg = replace_fields(cfg, inject_nan_at_steps=_nan_steps(cfg.train.inject_nan_at_steps))
-    _check_longformer_length(cfg)
+    shipped().check(cfg)
     _check_deepspeed_file(cfg.parallel)
     _check_auto_recompute(cfg)
     _check_nproc(cfg.parallel.nproc)
-    _check_not_negative(cfg, "memory_every")
+    check_not_negative(cfg, "memory_every")
     _check_engine_features(cfg)
-    _check_attention(cfg.model)
     _check_oom_injection(cfg.train)
-    _check_positive(cfg, "memory_budget_gb")
+    check_positive(cfg, "memory_budget_gb")
     _check_data_settings(cfg)
     if cfg.data.dataset_format is not None:
         cfg = _with_layout_defaults(cfg)
         check_dataset_format(cfg)
     _check_checkpoint_paths(cfg.checkpoint)
     cfg = replace_fields(cfg, report_to=resolve_report_to(cfg.log.report_to))
-    cfg = _with_pretrained_tokenizer(cfg)
+    cfg = shipped().with_dependent_defaults(cfg)
     check_output_dir(cfg.checkpoint.output_dir)
     return cfg
 
@@ -1235,7 +1211,6 @@ POSITIVE = (
     "max_bad_steps",
     "log_every",
     "keep_last",
-    "attention_window",
     "dist_timeout",
     "eval_batch_size",
     "num_labels",
@@ -1252,7 +1227,6 @@ NOT_NEGATIVE = (
     "save_every",
     "freeze_layers",
     "num_workers",
-    "dropout",
 )
 # The sources read into memory, which a streamed train.jsonl cannot be combined with.
 IN_MEMORY_SOURCES = ("dataset_name", "train_file", "train_dir", "dataset_format")
@@ -1263,14 +1237,14 @@ def value_of(cfg: Config, name: str) -> Any:
     return getattr(getattr(cfg, FIELDS[name][0]), name)
 
 
-def _check_positive(cfg: Config, *names: str) -> None:
+def check_positive(cfg: Config, *names: str) -> None:
     for name in names:
         value = value_of(cfg, name)
         if value is not None and value <= 0:
             raise ConfigError(f"{where(name)} must be positive, got {value}")
 
 
-def _check_not_negative(cfg: Config, *names: str) -> None:
+def check_not_negative(cfg: Config, *names: str) -> None:
     for name in names:
         value = value_of(cfg, name)
         if value is not None and value < 0:
@@ -1401,11 +1375,6 @@ def _nan_steps(steps: list) -> list[int]:
         raise ConfigError(f"{where('inject_nan_at_steps')} must be step numbers, e.g. 3,4; got {steps!r}") from None
 
 
-def _check_longformer_length(cfg: Config) -> None:
-    if cfg.model.name == "longformer" and cfg.data.max_length > 16384:
-        raise ConfigError(f"{where('max_length')}={cfg.data.max_length} is beyond what Longformer positions support")
-
-
 def _check_deepspeed_file(p: ParallelConfig) -> None:
     if p.strategy == "deepspeed" and not p.ds:
         raise ConfigError(
@@ -1454,14 +1423,6 @@ def _check_engine_features(cfg: Config) -> None:
         )
 
 
-def _check_attention(m: ModelConfig) -> None:
-    if m.attention != "sdpa" and m.name == "longformer":
-        raise ConfigError(
-            f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
-            f"the setting applies to the multimodal model's RoBERTa only"
-        )
-
-
 def _check_oom_injection(t: TrainConfig) -> None:
     """The test-only out-of-memory faults: a size, and POINT@STEP:RANK specs."""
     if t.inject_oom_above is not None and t.inject_oom_above < 0:
@@ -1475,7 +1436,7 @@ def _check_oom_injection(t: TrainConfig) -> None:
 
 
 def _check_data_settings(cfg: Config) -> None:
-    """The data section's own settings: preprocessing processes, the validation folder, the image cache."""
+    """The data section's own settings: preprocessing processes, the validation folder."""
     d = cfg.data
     if d.preprocessing_num_workers is not None and d.preprocessing_num_workers < 1:
         raise ConfigError(
@@ -1484,10 +1445,6 @@ def _check_data_settings(cfg: Config) -> None:
         )
     if d.eval_data_dir is not None and not Path(d.eval_data_dir).is_dir():
         raise ConfigError(f"{where('eval_data_dir')}: folder not found: {d.eval_data_dir}")
-    if d.image_cache is not None and cfg.model.name != "multimodal":
-        raise ConfigError(
-            f"{where('image_cache')}: only the multimodal model reads images; drop it for {cfg.model.name}"
-        )
 
 
 def _with_layout_defaults(cfg: Config) -> Config:
@@ -1502,11 +1459,6 @@ def check_dataset_format(cfg: Config) -> None:
     """What a published layout cannot be combined with; its files are checked later, in data/precheck.py."""
     d = cfg.data
     fmt = f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')})"
-    if cfg.model.name != "multimodal":
-        raise ConfigError(
-            f"{fmt}: the layouts pair each text with an image; train them with the multimodal "
-            f"model, not {cfg.model.name}"
-        )
     if d.eval_data_dir is not None:
         raise ConfigError(f"{fmt}: the layout's own files give its validation split; drop {where('eval_data_dir')}")
 
@@ -1545,13 +1497,6 @@ def _check_checkpoint_paths(c: CheckpointConfig) -> None:
         raise ConfigError(f"{where('final_model_dir')}: {c.final_model_dir} is a file, not a folder")
     if c.resume not in ("auto", "none") and not Path(c.resume).exists():
         raise ConfigError(f"{where('resume')}: checkpoint not found: {c.resume} (use 'auto', 'none' or a path)")
-
-
-def _with_pretrained_tokenizer(cfg: Config) -> Config:
-    """A pretrained text model needs the tokenizer it was trained with; unset, it is the model's own."""
-    if cfg.model.pretrained and cfg.data.tokenizer is None:
-        return replace_fields(cfg, tokenizer=cfg.model.text_model)
-    return cfg
 
 
 def check_output_dir(output_dir: str) -> None:

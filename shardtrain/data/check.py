@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shardtrain.config.settings import TEXT_RECORDS, ConfigError, reads_images
+from shardtrain.config.settings import ConfigError, reads_images, record_kinds
 from shardtrain.data.images import image_problem
 from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import has_images, iter_split, normalize_kind, split_path
@@ -33,7 +33,8 @@ def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
                 n_good += 1
         if n_good == 0 and found and all(p.endswith(": missing field 'image'") for p in found):
             # Text records checked as image records: one line, not one per record.
-            found = [f"{path}: no record names an image: these are {TEXT_RECORDS} records (--kind {TEXT_RECORDS})"]
+            text_only = record_kinds()[1]
+            found = [f"{path}: no record names an image: these are {text_only} records (--kind {text_only})"]
         elif n_good == 0:
             found.append(f"{path}: no usable records")
         problems += found

@@ -13,33 +13,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from shardtrain.config.settings import (
-    IMAGE_RECORDS,
-    RECORD_KIND_ALIASES,
-    TEXT_RECORDS,
-    ConfigError,
-    reads_images,
-    where,
-)
+from shardtrain.config.settings import ConfigError, reads_images, record_kind_aliases, record_kinds, where
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
-KINDS = (IMAGE_RECORDS, TEXT_RECORDS)
 
 
 def data_kind(cfg) -> str:
     """The records the configured workload reads: text with an image each, or text alone (config's reads_images)."""
-    return IMAGE_RECORDS if reads_images(cfg) else TEXT_RECORDS
+    with_images, text_only = record_kinds()
+    return with_images if reads_images(cfg) else text_only
 
 
 def has_images(kind: str) -> bool:
     """Whether records of this kind name an image each."""
-    return kind == IMAGE_RECORDS
+    return kind == record_kinds()[0]
 
 
 def normalize_kind(kind: str) -> str:
-    kind = RECORD_KIND_ALIASES.get(kind, kind)
-    if kind not in KINDS:
-        raise ConfigError(f"data kind '{kind}' is not one of {', '.join(KINDS)}")
+    kind = record_kind_aliases().get(kind, kind)
+    if kind not in record_kinds():
+        raise ConfigError(f"data kind '{kind}' is not one of {', '.join(record_kinds())}")
     return kind
 
 
@@ -49,9 +42,9 @@ def guess_kind(data_dir) -> str:
 
     try:
         with open(Path(data_dir) / SPLIT_FILES["train"]) as f:
-            return IMAGE_RECORDS if "image" in json.loads(f.readline() or "{}") else TEXT_RECORDS
+            return record_kinds()[0 if "image" in json.loads(f.readline() or "{}") else 1]
     except (OSError, ValueError):
-        return IMAGE_RECORDS
+        return record_kinds()[0]
 
 
 def config_split_path(cfg, split: str) -> Path:

@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import Dataset
 
 from shardtrain.config.labels import ClassLabels
-from shardtrain.config.settings import IMAGE_RECORDS, Config, ConfigError, pad_multiple, reads_images, where
+from shardtrain.config.settings import Config, ConfigError, pad_multiple, reads_images, record_kinds, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
 from shardtrain.data.images import BAD_IMAGE_HINT, image_problem, load_image
 from shardtrain.data.layouts import check_num_labels, read_layout
@@ -169,7 +169,7 @@ def layout_datasets(cfg: Config) -> tuple[JsonlDataset, JsonlDataset]:
                 f"({dropped}; shardtrain check-data {layout.root} --dataset-format "
                 f"{d.dataset_format} shows why)"
             )
-        out.append(JsonlDataset(path, IMAGE_RECORDS, records, d.image_size, skipped, cache))
+        out.append(JsonlDataset(path, record_kinds()[0], records, d.image_size, skipped, cache))
     report, lines = layout.report(), layout.report_lines()
     if held_out:
         report["validation_held_out"] = {"percent": percent, "seed": cfg.train.seed, "posts": len(splits["validation"])}

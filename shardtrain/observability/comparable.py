@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 from shardtrain.config.labels import run_config_dict
-from shardtrain.config.settings import DataConfig, ModelConfig, compared_fields, flag_of
+from shardtrain.config.settings import compared_fields, flag_of, section_class
 from shardtrain.observability.runlog import RunLog
 
 # Groups, by what a difference breaks:
@@ -21,7 +21,6 @@ from shardtrain.observability.runlog import RunLog
 #   training      optimisation settings: losses differ, throughput and memory still compare
 WORKLOAD = ("model", "data")
 TRAJECTORY = ("seed", "batch")
-SECTIONS = {"model": ModelConfig, "data": DataConfig}
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,7 @@ def _compared(section: str) -> tuple[Setting, ...]:
     """The section's fields that the config marks as compared (config/settings.py `compared_as`)."""
     return tuple(
         Setting(label, section, f"config.{section}.{name}", read_by)
-        for name, label, read_by in compared_fields(SECTIONS[section])
+        for name, label, read_by in compared_fields(section_class(section))
     )
 
 

@@ -264,18 +264,13 @@ def test_the_collective_check_finds_every_spelling(tmp_path):
 
 # ---- the framework knows only Workload -----------------------------------------------------------------------
 BUILTINS = "builtin_workloads"
-# The built-ins' names, their networks', and their model settings (config/settings.py ModelConfig's own fields).
+# The built-ins' names, their networks', and their own settings (builtin_workloads/settings.py's sections).
 BUILTIN_WORDS = re.compile(
     r"multimodal|longformer|roberta|resnet|densenet"
     r"|\b(text_model|text_config|image_model|image_weights|image_config|fusion|fusion_hidden|attention_window"
     r"|channels_last)\b",
     flags=re.I,
 )
-# Folders that still name the built-ins, and why; each entry goes when its folder is clean (the test below says so).
-NOT_YET_APART = {
-    "config": "the built-ins' config section (ModelConfig), its checks, and their names (the workloads' and the jsonl "
-    "records' kinds) still live in settings.py",
-}
 
 
 def code_words(path: Path) -> list[str]:
@@ -306,6 +301,11 @@ def framework_modules(skip=()) -> list[Path]:
     return [p for p in sorted(PACKAGE.rglob("*.py")) if folder_of(module_name(p, PACKAGE)) not in {BUILTINS, *skip}]
 
 
+# The composition root puts the built-ins' settings in the config's slot (config/shipped.py); nothing else of
+# the framework imports the built-ins, and their settings module imports only config/ (no torch on import).
+SHIPPED_SETTINGS = f"shardtrain.{BUILTINS}.settings"
+
+
 def test_nothing_imports_the_builtins_they_are_looked_up_by_name():
     graph = import_graph()
     importers = sorted(
@@ -315,22 +315,17 @@ def test_nothing_imports_the_builtins_they_are_looked_up_by_name():
         for target in targets
         if folder_of(target) == BUILTINS
     )
-    assert importers == [], "the built-ins come in as any user's workload does, by name (workload_class)"
+    assert importers == [f"shardtrain imports {SHIPPED_SETTINGS}"], (
+        "the built-ins come in as any user's workload does, by name (workload_class); only the package root "
+        "imports their settings, to fill the config's slot"
+    )
+    assert {folder_of(m) for m in graph[SHIPPED_SETTINGS]} == {"config"}
 
 
-@pytest.mark.parametrize("path", framework_modules(skip=NOT_YET_APART), ids=lambda p: str(p.relative_to(PACKAGE)))
+@pytest.mark.parametrize("path", framework_modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_the_framework_names_no_builtin_model_or_setting(path):
     named = sorted({w[:80] for w in code_words(path) if BUILTIN_WORDS.search(w)})
     assert named == [], (
         f"{path.relative_to(REPO)} names a built-in or its settings: {named[:6]}; ask the workload (the Workload "
         f"API's optional methods) and keep the built-in's side in shardtrain/{BUILTINS}/"
-    )
-
-
-@pytest.mark.parametrize("folder", sorted(NOT_YET_APART))
-def test_each_folder_not_yet_apart_still_names_a_builtin(folder):
-    """So that the list above shrinks when a folder is done, instead of hiding a folder that needs no exception."""
-    named = [p for p in framework_modules() if folder_of(module_name(p, PACKAGE)) == folder]
-    assert any(BUILTIN_WORDS.search(w) for p in named for w in code_words(p)), (
-        f"{folder} is clean: drop it from the list"
     )

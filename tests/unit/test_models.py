@@ -9,7 +9,8 @@ import torchvision
 from safetensors.torch import save_file
 
 from shardtrain.builtin_workloads.networks import batchnorm_modules, build_model, build_model_from_export
-from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig
+from shardtrain.builtin_workloads.settings import BuiltinModelConfig as ModelConfig
+from shardtrain.config.settings import ConfigError, DataConfig
 
 TINY_TEXT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
 VOCAB = 300

@@ -12,7 +12,8 @@ import dataclasses
 from torch import nn
 
 from shardtrain.builtin_workloads.networks.archs import KNOWN_TEXT_ARCHS, text_config_for
-from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig
+from shardtrain.builtin_workloads.settings import BuiltinModelConfig
+from shardtrain.config.settings import ConfigError, DataConfig
 
 __all__ = [
     "build_model",
@@ -25,7 +26,7 @@ __all__ = [
 
 
 def build_model(
-    mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None = None, load_weights: bool = True
+    mcfg: BuiltinModelConfig, dcfg: DataConfig, vocab_size: int | None = None, load_weights: bool = True
 ) -> nn.Module:
     """`load_weights=False` gives the same architecture (hub config included) with nothing loaded:
     what ranks that receive their weights from rank 0 build, usually on the meta device."""
@@ -57,6 +58,6 @@ def batchnorm_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
-def uses_batchnorm(mcfg: ModelConfig) -> bool:
+def uses_batchnorm(mcfg: BuiltinModelConfig) -> bool:
     """Known from the config alone, before anything is built (the DeepSpeed fp16 check needs it)."""
     return mcfg.name == "multimodal"

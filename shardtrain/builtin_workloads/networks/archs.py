@@ -13,7 +13,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from shardtrain.config.settings import ConfigError, DataConfig, ModelConfig, where
+from shardtrain.builtin_workloads.settings import BuiltinModelConfig
+from shardtrain.config.settings import ConfigError, DataConfig, where
 
 _ROBERTA_COMMON = dict(
     model_type="roberta",
@@ -61,7 +62,7 @@ def config_from_dict(d: dict) -> PretrainedConfig:
     return CONFIG_MAPPING[d.pop("model_type")](**d)
 
 
-def _base_config(mcfg: ModelConfig) -> PretrainedConfig:
+def _base_config(mcfg: BuiltinModelConfig) -> PretrainedConfig:
     name = mcfg.text_model
     local = Path(name)
     if mcfg.pretrained or (local / "config.json").is_file():
@@ -82,7 +83,7 @@ def _base_config(mcfg: ModelConfig) -> PretrainedConfig:
     )
 
 
-def text_config_for(mcfg: ModelConfig, dcfg: DataConfig, vocab_size: int | None = None) -> PretrainedConfig:
+def text_config_for(mcfg: BuiltinModelConfig, dcfg: DataConfig, vocab_size: int | None = None) -> PretrainedConfig:
     """The resolved HF config of the text model: base config, then dropout, overrides, vocab and window."""
     cfg = _base_config(mcfg)
     want = MODEL_TYPE_OF[mcfg.name]

@@ -9,13 +9,13 @@ from transformers.models.longformer.modeling_longformer import LongformerLayer
 
 from shardtrain.builtin_workloads.networks.archs import config_from_dict, load_pretrained
 from shardtrain.builtin_workloads.networks.multimodal import present_classes
-from shardtrain.config.settings import ModelConfig
+from shardtrain.builtin_workloads.settings import BuiltinModelConfig
 
 
 class LongformerClassifier(nn.Module):
     batch_keys = ("input_ids", "attention_mask")
 
-    def __init__(self, mcfg: ModelConfig, text_cfg: PretrainedConfig):
+    def __init__(self, mcfg: BuiltinModelConfig, text_cfg: PretrainedConfig):
         super().__init__()
         self.mcfg, self.text_cfg = mcfg, text_cfg
         # No SDPA here: Longformer's sliding-window attention is its own kernel (transformers has no SDPA path).
@@ -53,7 +53,7 @@ class LongformerClassifier(nn.Module):
 
 
 def rebuild(d: dict) -> LongformerClassifier:
-    mcfg = ModelConfig(
+    mcfg = BuiltinModelConfig(
         name="longformer",
         text_model=d["text_model"],
         pretrained=False,

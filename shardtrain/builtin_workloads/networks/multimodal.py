@@ -15,7 +15,8 @@ from transformers import PretrainedConfig, RobertaModel
 from transformers.models.roberta.modeling_roberta import RobertaLayer
 
 from shardtrain.builtin_workloads.networks.archs import config_from_dict, load_pretrained
-from shardtrain.config.settings import ConfigError, ModelConfig, where
+from shardtrain.builtin_workloads.settings import BuiltinModelConfig
+from shardtrain.config.settings import ConfigError, where
 
 # Constructor defaults of the torchvision builders; image_config overrides them. Calling ResNet/DenseNet
 # directly (not resnet50(**kw)) is what lets image_config change `layers` or `block_config`.
@@ -46,7 +47,7 @@ def _load_weights_file(path: str) -> dict:
     return {_LEGACY_DENSENET.sub(r"\1\2", k): v for k, v in sd.items()}
 
 
-def build_image_encoder(mcfg: ModelConfig) -> tuple[nn.Module, int]:
+def build_image_encoder(mcfg: BuiltinModelConfig) -> tuple[nn.Module, int]:
     """torchvision backbone with its classifier replaced by Identity -> (module, pooled feature dim)."""
     cls, defaults = IMAGE_ARCHS[mcfg.image_model]
     kwargs = {**defaults, **mcfg.image_config}
@@ -118,7 +119,7 @@ class FusionHead(nn.Module):
 class MultimodalClassifier(nn.Module):
     batch_keys = ("input_ids", "attention_mask", "pixel_values")
 
-    def __init__(self, mcfg: ModelConfig, text_cfg: PretrainedConfig):
+    def __init__(self, mcfg: BuiltinModelConfig, text_cfg: PretrainedConfig):
         super().__init__()
         self.mcfg, self.text_cfg = mcfg, text_cfg
         if mcfg.pretrained:
@@ -199,7 +200,7 @@ def present_classes(model: nn.Module, candidates: tuple[type, ...]) -> tuple[typ
 
 
 def rebuild(d: dict) -> MultimodalClassifier:
-    mcfg = ModelConfig(
+    mcfg = BuiltinModelConfig(
         name="multimodal",
         text_model=d["text_model"],
         pretrained=False,

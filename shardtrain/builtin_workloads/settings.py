@@ -1,0 +1,166 @@
+"""The built-ins' settings, names and rules: what they add to the config, through config/shipped.py's slot.
+
+Their fields keep the YAML keys and flags users know (`model.image_model`, `--attention-window`): they are
+subclasses of the config's own sections, which the package root (shardtrain/__init__.py) puts in the slot before
+any config is read. Imports nothing but config/, so that `shardtrain doctor` and config errors stay free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, get_args, get_type_hints
+
+from shardtrain.config.settings import (
+    REPO,
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    check_not_negative,
+    check_positive,
+    flag_of,
+    key_of,
+    replace_fields,
+    setting,
+    where,
+)
+from shardtrain.config.shipped import ShippedWorkloads
+
+MULTIMODAL, LONGFORMER = "multimodal", "longformer"
+
+
+@dataclass(frozen=True)
+class BuiltinModelConfig(ModelConfig):
+    name: Literal["multimodal", "longformer"] = setting(
+        MULTIMODAL,
+        "the built-in model: multimodal (text + image fusion) or longformer (long documents)",
+        compared_as="model",
+    )
+    text_model: str = setting(
+        "roberta-base", "the text encoder: a Hugging Face hub name or a local folder", compared_as="text model"
+    )
+    # With pretrained=false the architecture alone is used (random init): the tests' tiny models.
+    pretrained: bool = setting(
+        True,
+        "load the text model's pretrained weights; false: its architecture, randomly initialised",
+        compared_as="pretrained weights",
+    )
+    text_config: dict = setting(
+        {},
+        'overrides of the text model\'s Hugging Face config, as JSON, e.g. {"num_hidden_layers": 2}',
+        compared_as="text model config",
+    )
+    image_model: Literal["resnet50", "resnet18", "densenet121"] = setting(
+        "resnet50", "the image encoder (torchvision) of the multimodal model", "image model", MULTIMODAL
+    )
+    image_weights: Optional[str] = setting(
+        None,
+        "the image encoder's weights: a torchvision weights name (e.g. "
+        "IMAGENET1K_V2) or a local .pth/.safetensors file; unset: random init",
+        compared_as="image weights",
+        read_by=MULTIMODAL,
+    )
+    image_config: dict = setting(
+        {},
+        'overrides of the torchvision constructor, as JSON, e.g. {"layers": [1,1,1,1]} or DenseNet\'s block_config',
+        compared_as="image model config",
+        read_by=MULTIMODAL,
+    )
+    fusion: Literal["concat", "gated"] = setting(
+        "concat", "how the multimodal head combines text and image features", "fusion", MULTIMODAL
+    )
+    fusion_hidden: int = setting(512, "width of the fusion head's hidden layer (units)", "fusion width", MULTIMODAL)
+    dropout: float = setting(
+        0.1, "dropout probability of the text encoder and the fusion head (0..1)", compared_as="dropout"
+    )
+    attention_window: int = setting(
+        512, "Longformer's sliding attention window (tokens)", "attention window", LONGFORMER
+    )
+    channels_last: bool = setting(False, "channels-last layout for the CNN's activations: faster convolutions on GPUs")
+    attention: Literal["sdpa", "eager"] = setting(
+        "sdpa", "the text encoder's attention kernel: PyTorch SDPA (flash / memory-efficient) or plain matmuls"
+    )
+
+
+@dataclass(frozen=True)
+class BuiltinDataConfig(DataConfig):
+    data_dir: str = setting(
+        "data/multimodal",
+        "folder of train.jsonl and validation.jsonl (or of a published layout, with --dataset-format)",
+    )
+    image_size: int = setting(224, "images are resized to this many pixels square", "image size", MULTIMODAL)
+
+
+# Beyond this, Longformer has no position embeddings.
+LONGFORMER_MAX_POSITIONS = 16384
+
+
+class Builtins(ShippedWorkloads):
+    sections = {"model": BuiltinModelConfig, "data": BuiltinDataConfig}
+    targets = {
+        MULTIMODAL: "shardtrain.builtin_workloads.multimodal:MultimodalWorkload",
+        LONGFORMER: "shardtrain.builtin_workloads.longformer:LongformerWorkload",
+    }
+    image_records, text_records = MULTIMODAL, "longdoc"
+    # `check-data --kind longformer` does what the user means.
+    record_kind_aliases = {LONGFORMER: "longdoc"}
+
+    def named_by_workload(self, cfg: Config) -> Config:
+        """`--workload longformer`: the built-in reads the model section as model.name did, so model.name says it."""
+        if cfg.workload.workload not in get_args(get_type_hints(BuiltinModelConfig)["name"]):
+            return cfg
+        return replace_fields(cfg, name=cfg.workload.workload)
+
+    def with_dependent_defaults(self, cfg: Config) -> Config:
+        """A pretrained text model needs the tokenizer it was trained with; unset, it is the model's own."""
+        if cfg.model.pretrained and cfg.data.tokenizer is None:
+            return replace_fields(cfg, tokenizer=cfg.model.text_model)
+        return cfg
+
+    def check(self, cfg: Config) -> None:
+        m, d = cfg.model, cfg.data
+        check_positive(cfg, "attention_window")
+        check_not_negative(cfg, "dropout")
+        if m.name == LONGFORMER and d.max_length > LONGFORMER_MAX_POSITIONS:
+            raise ConfigError(f"{where('max_length')}={d.max_length} is beyond what Longformer positions support")
+        if m.attention != "sdpa" and m.name == LONGFORMER:
+            raise ConfigError(
+                f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
+                f"the setting applies to the multimodal model's RoBERTa only"
+            )
+        if d.image_cache is not None and m.name != MULTIMODAL:
+            raise ConfigError(f"{where('image_cache')}: only the multimodal model reads images; drop it for {m.name}")
+        if d.dataset_format is not None and m.name != MULTIMODAL:
+            raise ConfigError(
+                f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')}): the layouts pair each "
+                f"text with an image; train them with the multimodal model, not {m.name}"
+            )
+
+    def reads_images(self, cfg: Config) -> bool:
+        return cfg.model.name == MULTIMODAL
+
+    def pad_multiple(self, cfg: Config) -> int | None:
+        """Longformer pads to its attention window inside forward otherwise, on every step."""
+        return cfg.model.attention_window if cfg.model.name == LONGFORMER else None
+
+    def hub_names(self, cfg: Config) -> dict[str, str | None]:
+        return {"text_model": cfg.model.text_model if cfg.model.pretrained else None}
+
+    def without_download(self, cfg: Config, field: str) -> str:
+        """For a new user offline: the same architecture randomly initialised (and, with no --tokenizer, a tokenizer
+        trained on the data), or the shipped tiny config."""
+        if field not in ("text_model", "tokenizer") or getattr(cfg.model, "name", None) is None:
+            return ""
+        how = (
+            "--pretrained false (the same architecture, randomly initialised"
+            + (", with a tokenizer trained on your data" if field == "text_model" else "")
+            + ")"
+        )
+        if field == "tokenizer":
+            how = "drop --tokenizer with --pretrained false (a tokenizer trained on your data)"
+        tiny = REPO / "configs" / f"{cfg.model.name}_tiny.yaml"
+        shown = f"configs/{tiny.name}"
+        return f"; or train without downloading: {how}" + (f", or --config {shown}" if tiny.is_file() else "")
+
+
+BUILTINS = Builtins()
