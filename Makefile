@@ -14,7 +14,7 @@ export HF_HUB_OFFLINE ?= 1
 # The venv may be shared by many clones (CI), so this checkout is put on the path rather than installed into it.
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 
-.PHONY: venv demo test test-unit test-dist bench clean
+.PHONY: venv bytecode demo test test-unit test-dist bench clean
 
 # DeepSpeed's CPU accelerator for the CPU runs alone: a GPU run must not inherit it (shardtrain sets it itself
 # for --device cpu and says so when a CUDA run finds it set).
@@ -45,13 +45,18 @@ demo: venv
 	$(PY) -m shardtrain train --config configs/multimodal_tiny.yaml --strategy fsdp --device cpu \
 		--nproc $(NPROC) --data-dir data/multimodal --output-dir $(DEMO_OUT) --resume none --overwrite-output-dir --save-every 20
 
-test: venv
+# Each test launch is a fresh interpreter: where PYTHONDONTWRITEBYTECODE is set (as on the dev machines), every
+# one of them would compile the checkout's modules it imports again. Compiled once here, they are only read.
+bytecode:
+	$(PY) -m compileall -q shardtrain tests examples benchmarks
+
+test: venv bytecode
 	$(PY) -m pytest -q $(PYTEST_PAR) tests/unit tests/dist
 
-test-unit: venv
+test-unit: venv bytecode
 	$(PY) -m pytest -q $(PYTEST_PAR) tests/unit
 
-test-dist: venv
+test-dist: venv bytecode
 	$(PY) -m pytest -q $(PYTEST_PAR) tests/dist
 
 clean:
