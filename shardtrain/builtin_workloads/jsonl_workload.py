@@ -130,9 +130,11 @@ class JsonlWorkload(Workload):
 
     @classmethod
     def check_before_launch(cls, cfg) -> str | None:
+        from shardtrain.builtin_workloads.settings import Builtins
         from shardtrain.data.precheck import check_splits
         from shardtrain.runtime.hub import check_hub_names
 
+        Builtins.check_text_model(cfg)
         check_splits(cfg)  # a typo on line 7 of the records should not wait for N processes and a model
         # Hub names last (the probe may wait seconds): reachable, cached (offline by itself), or one line now.
         return check_hub_names(cfg)

@@ -16,7 +16,6 @@ from shardtrain.config.settings import (
     ConfigError,
     DataConfig,
     ModelConfig,
-    check_not_negative,
     check_positive,
     flag_of,
     key_of,
@@ -27,6 +26,8 @@ from shardtrain.config.settings import (
 from shardtrain.config.shipped import ShippedWorkloads
 
 MULTIMODAL, LONGFORMER = "multimodal", "longformer"
+# The text encoders the two are built on: the default (the first report's RoBERTa), and the Longformer checkpoint.
+MULTIMODAL_TEXT_MODEL, LONGFORMER_TEXT_MODEL = "roberta-base", "allenai/longformer-base-4096"
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class BuiltinModelConfig(ModelConfig):
         compared_as="model",
     )
     text_model: str = setting(
-        "roberta-base", "the text encoder: a Hugging Face hub name or a local folder", compared_as="text model"
+        MULTIMODAL_TEXT_MODEL, "the text encoder: a Hugging Face hub name or a local folder", compared_as="text model"
     )
     # With pretrained=false the architecture alone is used (random init): the tests' tiny models.
     pretrained: bool = setting(
@@ -106,10 +107,19 @@ class Builtins(ShippedWorkloads):
     record_kind_aliases = {LONGFORMER: "longdoc"}
 
     def named_by_workload(self, cfg: Config) -> Config:
-        """`--workload longformer`: the built-in reads the model section as model.name did, so model.name says it."""
-        if cfg.workload.workload not in get_args(get_type_hints(BuiltinModelConfig)["name"]):
+        """`--workload longformer`: the built-in reads the model section as model.name did, so model.name says it.
+        A config file's own model.name that names the other built-in is a contradiction, not a default to replace:
+        its model settings were written for that one."""
+        named = cfg.workload.workload
+        if named not in get_args(get_type_hints(BuiltinModelConfig)["name"]):
             return cfg
-        return replace_fields(cfg, name=cfg.workload.workload)
+        from_file = cfg.origins.get("name")
+        if from_file and from_file[1] == cfg.model.name != named:
+            raise ConfigError(
+                f"{where('workload')} is {named} but {where('name')} is {cfg.model.name}: two built-ins; drop "
+                f"{key_of('name')} (the workload names the model), or the workload"
+            )
+        return replace_fields(cfg, name=named)
 
     def with_dependent_defaults(self, cfg: Config) -> Config:
         """A pretrained text model needs the tokenizer it was trained with; unset, it is the model's own."""
@@ -119,10 +129,14 @@ class Builtins(ShippedWorkloads):
 
     def check(self, cfg: Config) -> None:
         m, d = cfg.model, cfg.data
-        check_positive(cfg, "attention_window")
-        check_not_negative(cfg, "dropout")
+        check_positive(cfg, "attention_window", "fusion_hidden")
+        if not 0 <= m.dropout <= 1:  # not `< 0 or > 1`: NaN is refused too
+            raise ConfigError(f"{where('dropout')} is a probability, between 0 and 1: got {m.dropout}")
         if m.name == LONGFORMER and d.max_length > LONGFORMER_MAX_POSITIONS:
-            raise ConfigError(f"{where('max_length')}={d.max_length} is beyond what Longformer positions support")
+            raise ConfigError(
+                f"{where('max_length')}={d.max_length} is beyond the {LONGFORMER_MAX_POSITIONS} positions Longformer "
+                f"supports"
+            )
         if m.attention != "sdpa" and m.name == LONGFORMER:
             raise ConfigError(
                 f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
@@ -134,6 +148,17 @@ class Builtins(ShippedWorkloads):
             raise ConfigError(
                 f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')}): the layouts pair each "
                 f"text with an image; train them with the multimodal model, not {m.name}"
+            )
+
+    @staticmethod
+    def check_text_model(cfg: Config) -> None:
+        """Before launch, for a run that builds the model: the default text model is the multimodal one's, which
+        the Longformer cannot be built on (data-only commands such as check-data never read it)."""
+        if cfg.model.name == LONGFORMER and cfg.model.text_model == MULTIMODAL_TEXT_MODEL:
+            raise ConfigError(
+                f"{where('text_model')} is {cfg.model.text_model} (the multimodal model's text encoder, and the "
+                f"default): longformer needs a Longformer checkpoint: --text-model {LONGFORMER_TEXT_MODEL} "
+                f"(configs/longformer_tiny.yaml has a tiny one that downloads nothing)"
             )
 
     def reads_images(self, cfg: Config) -> bool:

@@ -12,7 +12,7 @@ from shardtrain.config.errors import ConfigError
 def main(argv: list[str]) -> int:
     import argparse
 
-    from shardtrain.config.settings import add_workload_flags, record_kinds
+    from shardtrain.config.settings import add_workload_flags, record_kind_aliases, record_kinds
     from shardtrain.data.records import data_kind, guess_kind
 
     parser = argparse.ArgumentParser(
@@ -24,7 +24,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("dir", nargs="?", default=None, help="a built-in dataset folder (not with a user's --workload)")
     parser.add_argument(
         "--kind",
-        choices=record_kinds(),
+        choices=[*record_kinds(), *record_kind_aliases()],  # `--kind longformer` is the longdoc records
         default=None,
         help="default: {} if records name images, else {}".format(*record_kinds()),
     )

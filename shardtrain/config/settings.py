@@ -481,6 +481,12 @@ def section_class(name: str) -> type:
     return _SECTION_CLASSES[name]
 
 
+def shipped_fields() -> set[str]:
+    """The fields the shipped workloads add to the config's sections: theirs alone, read by no user's workload."""
+    own = {f.name for cls in _FRAMEWORK_SECTIONS.values() for f in fields(cls)}
+    return {f.name for cls in _SECTION_CLASSES.values() for f in fields(cls)} - own
+
+
 def shipped() -> ShippedWorkloads:
     """The workloads the package ships by name: their names, settings and rules (config/shipped.py)."""
     return _SHIPPED[0]

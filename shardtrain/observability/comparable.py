@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 
 from shardtrain.config.labels import run_config_dict
-from shardtrain.config.settings import compared_fields, flag_of, section_class
+from shardtrain.config.settings import BUILTIN_WORKLOADS, compared_fields, flag_of, section_class, shipped_fields
 from shardtrain.observability.runlog import RunLog
 
 # Groups, by what a difference breaks:
@@ -29,6 +29,7 @@ class Setting:
     group: str
     path: str  # "config.<section>.<field>" or "run.<key>" (summary.json's run block)
     only_for: str | None = None  # compared only between runs of this model.name (the setting's `read_by`)
+    builtin_only: bool = False  # a built-in's own setting: not compared between runs of users' workloads
 
     @property
     def name(self) -> str:
@@ -39,7 +40,7 @@ class Setting:
 def _compared(section: str) -> tuple[Setting, ...]:
     """The section's fields that the config marks as compared (config/settings.py `compared_as`)."""
     return tuple(
-        Setting(label, section, f"config.{section}.{name}", read_by)
+        Setting(label, section, f"config.{section}.{name}", read_by, name in shipped_fields())
         for name, label, read_by in compared_fields(section_class(section))
     )
 
@@ -158,7 +159,10 @@ def differences(runs: list[RunLog]) -> tuple[list[Difference], list[str]]:
         by_value: dict[str, list[str]] = {}
         for label, s in known.items():
             model = _lookup(s, "config.model.name")
-            if setting.only_for and model is not _MISSING and model != setting.only_for:
+            if _users_own_workload(s):  # model.name is a default it never read
+                if setting.builtin_only:
+                    continue
+            elif setting.only_for and model is not _MISSING and model != setting.only_for:
                 continue
             value = _lookup(s, setting.path)
             if value is not _MISSING:
@@ -166,6 +170,12 @@ def differences(runs: list[RunLog]) -> tuple[list[Difference], list[str]]:
         if len(by_value) > 1:
             out.append(Difference(setting, by_value))
     return out, unknown
+
+
+def _users_own_workload(settings: dict) -> bool:
+    workload = _lookup(settings, "config.workload.workload")
+    builtin = (_MISSING, None, *BUILTIN_WORKLOADS, *BUILTIN_WORKLOADS.values())
+    return workload not in builtin
 
 
 def in_groups(diffs: list[Difference], groups) -> list[Difference]:

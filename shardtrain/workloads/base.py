@@ -18,6 +18,7 @@ it, FSDP and ZeRO-3 hold just this rank's shard (ZeRO-3's has shape [0]), so a l
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -399,6 +400,13 @@ def with_import_root(folder: str | None) -> None:
         sys.path.append(folder)
 
 
+def _nearest_builtin(name: str) -> str:
+    """`; did you mean 'longformer'?` for a misspelt or differently cased built-in name; "" otherwise."""
+    by_lower = {n.lower(): n for n in BUILTIN_WORKLOADS}
+    close = difflib.get_close_matches(name.lower(), list(by_lower), n=1, cutoff=0.75)
+    return f"; did you mean '{by_lower[close[0]]}'?" if close else ""
+
+
 def target_of(cls: type) -> str:
     return f"{cls.__module__}:{cls.__qualname__}"
 
@@ -410,6 +418,7 @@ def workload_class(cfg: Config) -> type[Workload]:
         raise ConfigError(
             f"{where('workload')}: '{target}' is not a workload; write a dotted module path and a class, "
             f"e.g. {_as_target(module_name or target, attr)}, or a built-in: {', '.join(BUILTIN_WORKLOADS)}"
+            f"{_nearest_builtin(target)}"
         )
     try:
         module = importlib.import_module(module_name)

@@ -301,3 +301,21 @@ def test_library_warnings_are_hidden_unless_verbose():
         assert shown == ([] if mode == "quiet" else list(SOURCES)), (mode, proc.stderr[-3000:])
         # Weights the model needs that were not loaded: the report stays, quiet or not.
         assert "encoder.layer.1" in problem and proc.stderr.count("LOAD REPORT") == (1 if mode == "quiet" else 2)
+
+
+def test_a_users_workload_runs_are_not_told_apart_by_the_builtins_own_settings(tmp_path, capsys):
+    """A user's workload never reads the built-ins' dropout or text model (the new-user trial's two runs with identical
+    losses were refused by parity); the framework's settings still count."""
+    mine = {"workload.workload": "my_module:MyWorkload"}
+    a = write_run(tmp_path / "a", config(**mine))
+    b = write_run(tmp_path / "b", config(**mine, **{"model.dropout": 0.3, "model.text_model": "roberta-large"}))
+    _, text = write_compare([str(a), str(b)], tmp_path / "cmp")
+    assert "warning" not in text and "final losses differ by at most" in text
+    assert cli.main(["parity", "--runs", f"{a},{b}"]) == 0
+    c = write_run(tmp_path / "c", config(**mine, **{"train.seed": 7}))
+    _, text = write_compare([str(a), str(c)], tmp_path / "cmp2")
+    assert "runs differ in seed (--seed)" in text
+    # the same settings still tell two built-in runs apart
+    d = write_run(tmp_path / "d", config(**{"model.dropout": 0.3}))
+    _, text = write_compare([str(write_run(tmp_path / "e", config())), str(d)], tmp_path / "cmp3")
+    assert "warning: runs differ in dropout (--dropout): 0.1 (e) vs 0.3 (d)" in text
