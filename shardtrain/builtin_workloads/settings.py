@@ -7,6 +7,7 @@ any config is read. Imports nothing but config/, so that `shardtrain doctor` and
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args, get_type_hints
 
@@ -18,9 +19,12 @@ from shardtrain.config.settings import (
     ModelConfig,
     check_positive,
     flag_of,
+    is_builtin_workload,
     key_of,
     replace_fields,
+    section_class,
     setting,
+    value_of,
     where,
 )
 from shardtrain.config.shipped import ShippedWorkloads
@@ -149,6 +153,23 @@ class Builtins(ShippedWorkloads):
                 f"{flag_of('dataset_format')} {d.dataset_format} ({key_of('dataset_format')}): the layouts pair each "
                 f"text with an image; train them with the multimodal model, not {m.name}"
             )
+        self._check_read_by_the_model_trained(cfg)
+
+    @staticmethod
+    def _check_read_by_the_model_trained(cfg: Config) -> None:
+        """`--fusion gated` on a Longformer run changed nothing, without a word. A user's workload may read any
+        setting from self.cfg, so its runs are not checked."""
+        if not is_builtin_workload(cfg):
+            return
+        for section in ("model", "data"):
+            for f in dataclasses.fields(section_class(section)):
+                owner = f.metadata.get("read_by")
+                default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+                if owner and owner != cfg.model.name and value_of(cfg, f.name) != default:
+                    raise ConfigError(
+                        f"{where(f.name)} is a setting of the {owner} model, and this run trains {cfg.model.name}, "
+                        f"which does not read it: drop it"
+                    )
 
     @staticmethod
     def check_text_model(cfg: Config) -> None:

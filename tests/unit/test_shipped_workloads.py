@@ -57,7 +57,8 @@ def test_a_third_builtin_brings_its_flag_yaml_key_name_and_check_through_the_slo
     with pytest.raises(ConfigError, match=r"^--num-experts \(model.num_experts\) must be at least 2, got 1$"):
         parse_cli(["--workload", "moe", "--num-experts", "1", "--output-dir", str(tmp_path)])
     # the built-ins' own settings are still there beside it
-    assert parse_cli(["--attention-window", "64", "--output-dir", str(tmp_path)]).model.attention_window == 64
+    longformer = parse_cli(["--name", "longformer", "--attention-window", "64", "--output-dir", str(tmp_path)])
+    assert longformer.model.attention_window == 64
 
 
 def test_a_framework_that_ships_no_workload_has_none_of_their_settings(reship, tmp_path):
@@ -152,3 +153,24 @@ def test_the_longformer_on_the_default_text_model_is_refused_before_launch(tmp_p
         "--text-model (model.text_model) is roberta-base (the multimodal model's text encoder, and the default): "
         "longformer needs a Longformer checkpoint: --text-model allenai/longformer-base-4096"
     ), str(e.value)
+
+
+@pytest.mark.parametrize(
+    "workload, flag",
+    [
+        ("longformer", ["--fusion", "gated"]),
+        ("longformer", ["--image-size", "64"]),
+        ("multimodal", ["--attention-window", "64"]),
+    ],
+)
+def test_a_setting_of_the_other_builtin_is_refused_not_ignored(workload, flag, tmp_path):
+    """The new-user trial's Longformer run took --fusion gated, trained, and recorded it: a setting with no effect."""
+    with pytest.raises(
+        ConfigError, match=rf"^{flag[0]} \(\w+\.\w+\) is a setting of the \w+ model, and this run trains {workload}"
+    ):
+        parse_cli(["--config", TINY[workload], *flag, "--output-dir", str(tmp_path)])
+
+
+def test_a_users_workload_may_read_any_setting(tmp_path):
+    cfg = parse_cli(["--workload", "my_pkg.tasks:MyTask", "--attention-window", "64", "--output-dir", str(tmp_path)])
+    assert cfg.model.attention_window == 64
