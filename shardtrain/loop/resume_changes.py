@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardtrain.config.settings import Config, ConfigError, flag_of, where
+from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, flag_of, where, workload_target
 from shardtrain.strategies.optim import lr_lambda
 
 SCHEDULE = ("max_steps", "lr", "warmup_steps", "lr_scheduler")
@@ -24,6 +24,24 @@ class ResumeChanges:
 
     def line(self, step: int) -> str:
         return f"resuming from step {step} with changed settings: {'; '.join(self.changes)}"
+
+
+def check_same_workload(saved_state: dict, cfg: Config, output_dir, checkpoint_name: str) -> None:
+    """A run folder that holds another built-in's run is not this run's to resume: at --max-steps it said "nothing
+    to train" and exited 0, the model never trained; past it, the refusal came after the data was tokenised. (A
+    user's workload under a new module path is the same workload renamed: not refused here, its weights are
+    checked when they load.)"""
+    saved = saved_state.get("config") or {}
+    name = (saved.get("workload") or {}).get("workload") or (saved.get("model") or {}).get("name")
+    theirs, ours = BUILTIN_WORKLOADS.get(name, name), workload_target(cfg)
+    builtins = set(BUILTIN_WORKLOADS.values())
+    if name and theirs != ours and (theirs in builtins or ours in builtins):
+        shown = {target: short for short, target in BUILTIN_WORKLOADS.items()}
+        raise ConfigError(
+            f"{where('output_dir')} {output_dir} holds a run of {shown.get(theirs, theirs)} ({checkpoint_name}), "
+            f"and this run trains {shown.get(ours, ours)}: choose another --output-dir, or start over in it with "
+            f"--resume none --overwrite-output-dir"
+        )
 
 
 def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeChanges:

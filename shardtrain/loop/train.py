@@ -25,7 +25,7 @@ from shardtrain.loop.best import BestCheckpoint, stopped_early
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.evaluate import evaluate
 from shardtrain.loop.oom import OOMRecovery
-from shardtrain.loop.resume_changes import data_changes, resume_changes
+from shardtrain.loop.resume_changes import check_same_workload, data_changes, resume_changes
 from shardtrain.loop.run_info import describe_run, measured_shape_prediction, predicted_memory, skipped
 from shardtrain.loop.saves import Saves
 from shardtrain.loop.step_health import BadStepPolicy, agree
@@ -368,6 +368,8 @@ class Trainer:
         self.resumed_here = self.resume_dir is not None and (
             self.resume_dir.parent.resolve() == checkpoint.checkpoints_root(self.out).resolve()
         )
+        if self.resumed_here:
+            check_same_workload(self.state, cfg, self.out, self.resume_dir.name)
         return self.resumed_here and (self.state["step"] >= cfg.train.max_steps or stopped_early(self.state, cfg.train))
 
     def _nothing_to_train(self, cfg: Config) -> dict:

@@ -213,7 +213,7 @@ def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
     assert isinstance(model, torch.nn.Module)
 
 
-def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, tmp_path):
+def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, mm_data, tmp_path):
     """A run with no --save-every still ends with a committed checkpoint, and `export` of the run folder takes
     it. Extending it with other settings says what changed in one line; a resume with nothing left to train
     leaves summary.json alone. With --save-final false, `export RUN` refuses a checkpoint older than the run."""
@@ -243,6 +243,12 @@ def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, 
     run = torchrun(shorter)
     assert "nothing to train: " in run.output and "step 6 and --max-steps is 3" in run.output, run.tail()
     assert (out / "summary.json").read_bytes() == before
+    # The other built-in into this folder: not "nothing to train" (exit 0, the model never trained), one line.
+    other = torchrun(tiny_args("multimodal", mm_data, out, "--max-steps", "3", "--resume", "auto"), check=False)
+    assert other.returncode != 0 and "holds a run of longformer (step-000006), and this run trains multimodal" in (
+        other.output
+    ), other.tail()
+    assert "nothing to train" not in other.output and (out / "summary.json").read_bytes() == before
 
     unsaved = tmp_path / "unsaved"
     torchrun(
