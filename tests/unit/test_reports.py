@@ -319,3 +319,15 @@ def test_a_users_workload_runs_are_not_told_apart_by_the_builtins_own_settings(t
     d = write_run(tmp_path / "d", config(**{"model.dropout": 0.3}))
     _, text = write_compare([str(write_run(tmp_path / "e", config())), str(d)], tmp_path / "cmp3")
     assert "warning: runs differ in dropout (--dropout): 0.1 (e) vs 0.3 (d)" in text
+
+
+def test_parity_compares_finished_runs_of_other_lengths_on_the_steps_they_share(tmp_path, capsys):
+    """A max_steps difference is a note (docs/observability.md), not a failure shown as a Python dict whose meaning
+    flipped with the order of the runs."""
+    a = write_run(tmp_path / "four", config(**{"train.max_steps": 4}), losses=(1.0, 0.9, 0.8, 0.7))
+    b = write_run(tmp_path / "three", config(**{"train.max_steps": 3}), losses=(1.0, 0.9, 0.8))
+    for runs in (f"{a},{b}", f"{b},{a}"):
+        assert cli.main(["parity", "--runs", runs]) == 0
+        out = capsys.readouterr().out
+        assert "parity: note: compared the 3 steps every run logged (three has no step 4)" in out, out
+    assert "{" not in out
