@@ -136,6 +136,10 @@ class Builtins(ShippedWorkloads):
         check_positive(cfg, "attention_window", "fusion_hidden")
         if not 0 <= m.dropout <= 1:  # not `< 0 or > 1`: NaN is refused too
             raise ConfigError(f"{where('dropout')} is a probability, between 0 and 1: got {m.dropout}")
+        # Longformer splits its window in half on each side (builtin_workloads/networks/archs.py checks a per-layer
+        # text_config one).
+        if m.name == LONGFORMER and "attention_window" not in m.text_config and m.attention_window % 2:
+            raise ConfigError(f"{where('attention_window')}: {m.attention_window} must be an even number of tokens")
         if m.name == LONGFORMER and d.max_length > LONGFORMER_MAX_POSITIONS:
             raise ConfigError(
                 f"{where('max_length')}={d.max_length} is beyond the {LONGFORMER_MAX_POSITIONS} positions Longformer "

@@ -825,8 +825,10 @@ def _section_values(section: str, values: Any, at) -> Iterator[tuple[str, str, A
     """(key, `file:line` or source, the value converted to the key's type) for one section of from_dict's
     mapping; a section or key this config has not is an error that suggests the nearest."""
     if section not in SECTIONS:
+        belongs = f"; it belongs in section '{FIELDS[section][0]}'" if section in FIELDS else ""
         raise ConfigError(
-            f"{at(section)}: unknown section '{section}'{_suggest(section, SECTIONS)} (sections: {', '.join(SECTIONS)})"
+            f"{at(section)}: unknown section '{section}'{_suggest(section, SECTIONS) or belongs} "
+            f"(sections: {', '.join(SECTIONS)})"
         )
     if values is None:
         return

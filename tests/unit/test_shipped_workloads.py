@@ -100,6 +100,11 @@ TINY = {name: str(REPO / "configs" / f"{name}_tiny.yaml") for name in ("multimod
             ["--config", TINY["multimodal"], "--fusion-hidden", "0"],
             "--fusion-hidden (model.fusion_hidden) must be positive, got 0",
         ),
+        # refused only after both processes had started
+        (
+            ["--config", TINY["longformer"], "--attention-window", "15"],
+            "--attention-window (model.attention_window): 15 must be an even number of tokens",
+        ),
         (
             ["--config", TINY["longformer"], "--max-length", "20000"],
             "--max-length (data.max_length)=20000 is beyond the 16384 positions Longformer supports",
@@ -111,7 +116,7 @@ TINY = {name: str(REPO / "configs" / f"{name}_tiny.yaml") for name in ("multimod
             "built-ins; drop model.name",
         ),
     ],
-    ids=["dropout", "fusion_hidden", "max_length", "name"],
+    ids=["dropout", "fusion_hidden", "odd_window", "max_length", "name"],
 )
 def test_the_builtins_own_rules_are_one_line_before_launch(argv, message, tmp_path):
     with pytest.raises(ConfigError) as e:
@@ -174,3 +179,12 @@ def test_a_setting_of_the_other_builtin_is_refused_not_ignored(workload, flag, t
 def test_a_users_workload_may_read_any_setting(tmp_path):
     cfg = parse_cli(["--workload", "my_pkg.tasks:MyTask", "--attention-window", "64", "--output-dir", str(tmp_path)])
     assert cfg.model.attention_window == 64
+
+
+def test_a_setting_written_as_a_yaml_section_is_pointed_to_its_section(tmp_path):
+    path = tmp_path / "top.yaml"
+    path.write_text("attention_window: 64\n")
+    with pytest.raises(
+        ConfigError, match=r"top.yaml:1: unknown section 'attention_window'; it belongs in section 'model'"
+    ):
+        parse_cli(["--config", str(path)])
