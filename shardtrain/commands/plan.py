@@ -26,7 +26,7 @@ class _OneLineParser(argparse.ArgumentParser):
     def error(self, message):
         raise ConfigError(
             f"plan: {message} (plan takes --config/--workload, --gpus, --gpu, the batch, length and "
-            f"precision flags, and train's data and peft flags: shardtrain plan --help)"
+            f"precision flags, and train's model, data and peft flags: shardtrain plan --help)"
         )
 
 
@@ -43,10 +43,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--debug", action="store_true")
     from shardtrain.config.settings import FIELDS, FLAG_ALIASES, flag_of, key_of
 
-    # train's data flags (--train-file, --text-column-names, ...): the vocabulary and the classes come from the data;
+    # train's model flags: the model planned (a workload's own, such as the built-ins' window or image encoder);
+    # its data flags (--train-file, --text-column-names, ...): the vocabulary and the classes come from the data;
     # its peft flags (--peft lora, --lora-r, --target-modules, ...): the adapters change what trains
     for name, (section, _, typ) in FIELDS.items():
-        if section in ("data", "peft") and name != "max_length":
+        if section in ("model", "data", "peft") and name != "max_length":
             extra = (
                 {"nargs": "?", "const": "true", "metavar": "{true,false}"} if typ is bool else {"metavar": name.upper()}
             )

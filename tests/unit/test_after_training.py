@@ -212,3 +212,15 @@ def test_plan_prints_the_launch_flags_and_takes_data_flags(tmp_path, capsys):
     )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "plan: unrecognized arguments: --lr 3" in err, err
+
+
+def test_plan_takes_the_model_flags_of_the_model_it_plans(capsys):
+    """The Longformer's window changes its padding and activations: `plan --attention-window` was an unrecognized
+    argument. The model flags are checked as train checks them, and go into the launch line."""
+    base = ["plan", "--config", "configs/longformer_tiny.yaml", "--gpus", "2", "--gpu", "a100"]
+    assert cli.main([*base, "--attention-window", "0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--attention-window (model.attention_window) must be positive, got 0"), err
+    assert cli.main([*base, "--attention-window", "32"]) == 0
+    launch = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "--config configs/longformer_tiny.yaml --attention-window 32 --strategy " in launch, launch
