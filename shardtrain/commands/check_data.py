@@ -189,9 +189,8 @@ def _check_workload(cfg, args) -> int:
     from shardtrain.workloads.base import workload_class
     from shardtrain.workloads.check import check_workload_data
 
-    if cfg.workload.workload in set(record_kinds()) - set(
-        BUILTIN_WORKLOADS
-    ):  # the kinds and workloads differ by one name
+    # The records' kinds and the workloads differ by one name.
+    if cfg.workload.workload in set(record_kinds()) - set(BUILTIN_WORKLOADS):
         raise ConfigError(
             f"{where('workload')}: {cfg.workload.workload} is a kind of records, not a workload: check-data DIR "
             f"--kind {cfg.workload.workload} (the built-in workloads: {', '.join(BUILTIN_WORKLOADS)})"

@@ -1045,6 +1045,13 @@ def workload_target(cfg: Config) -> str:
     return BUILTIN_WORKLOADS.get(name, name)
 
 
+def recorded_workload_target(config: Mapping) -> str | None:
+    """workload_target of a config as a run recorded it (a dict: summary.json's, a checkpoint's); None if it names
+    none."""
+    name = (config.get("workload") or {}).get("workload") or (config.get("model") or {}).get("name")
+    return BUILTIN_WORKLOADS.get(name, name) if name else None
+
+
 def is_builtin_workload(cfg: Config) -> bool:
     """The built-ins read jsonl records from data.data_dir and a text model from the hub; a user's workload
     brings its own data and model, so those checks are not run for it."""

@@ -10,7 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, flag_of, where, workload_target
+from shardtrain.config.settings import (
+    BUILTIN_WORKLOADS,
+    Config,
+    ConfigError,
+    flag_of,
+    recorded_workload_target,
+    where,
+    workload_target,
+)
 from shardtrain.strategies.optim import lr_lambda
 
 SCHEDULE = ("max_steps", "lr", "warmup_steps", "lr_scheduler")
@@ -31,11 +39,9 @@ def check_same_workload(saved_state: dict, cfg: Config, output_dir, checkpoint_n
     to train" and exited 0, the model never trained; past it, the refusal came after the data was tokenised. (A
     user's workload under a new module path is the same workload renamed: not refused here, its weights are
     checked when they load.)"""
-    saved = saved_state.get("config") or {}
-    name = (saved.get("workload") or {}).get("workload") or (saved.get("model") or {}).get("name")
-    theirs, ours = BUILTIN_WORKLOADS.get(name, name), workload_target(cfg)
+    theirs, ours = recorded_workload_target(saved_state.get("config") or {}), workload_target(cfg)
     builtins = set(BUILTIN_WORKLOADS.values())
-    if name and theirs != ours and (theirs in builtins or ours in builtins):
+    if theirs and theirs != ours and (theirs in builtins or ours in builtins):
         shown = {target: short for short, target in BUILTIN_WORKLOADS.items()}
         raise ConfigError(
             f"{where('output_dir')} {output_dir} holds a run of {shown.get(theirs, theirs)} ({checkpoint_name}), "

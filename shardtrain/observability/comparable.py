@@ -12,7 +12,14 @@ import json
 from dataclasses import dataclass
 
 from shardtrain.config.labels import run_config_dict
-from shardtrain.config.settings import BUILTIN_WORKLOADS, compared_fields, flag_of, section_class, shipped_fields
+from shardtrain.config.settings import (
+    BUILTIN_WORKLOADS,
+    compared_fields,
+    flag_of,
+    recorded_workload_target,
+    section_class,
+    shipped_fields,
+)
 from shardtrain.observability.runlog import RunLog
 
 # Groups, by what a difference breaks:
@@ -173,9 +180,8 @@ def differences(runs: list[RunLog]) -> tuple[list[Difference], list[str]]:
 
 
 def _users_own_workload(settings: dict) -> bool:
-    workload = _lookup(settings, "config.workload.workload")
-    builtin = (_MISSING, None, *BUILTIN_WORKLOADS, *BUILTIN_WORKLOADS.values())
-    return workload not in builtin
+    target = recorded_workload_target(settings.get("config") or {})
+    return target is not None and target not in BUILTIN_WORKLOADS.values()
 
 
 def in_groups(diffs: list[Difference], groups) -> list[Difference]:

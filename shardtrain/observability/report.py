@@ -185,12 +185,10 @@ def _memory_rows(run: RunLog) -> list[list[str]]:
 
 def run_workload(run: RunLog) -> tuple[str | None, dict]:
     """(workload target, its args) as the run recorded them in summary.json; (None, {}) if it did not finish."""
-    from shardtrain.config.settings import BUILTIN_WORKLOADS
+    from shardtrain.config.settings import recorded_workload_target
 
     cfg = run.summary.get("config") or {}
-    section = cfg.get("workload") or {}
-    name = section.get("workload") or (cfg.get("model") or {}).get("name")
-    return BUILTIN_WORKLOADS.get(name, name), section.get("workload_args") or {}
+    return recorded_workload_target(cfg), (cfg.get("workload") or {}).get("workload_args") or {}
 
 
 def check_workload(run: RunLog, workload: str | None, workload_args: dict | None) -> None:
