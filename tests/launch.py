@@ -90,6 +90,7 @@ def _output_dir(args: list[str]) -> Path | None:
 def run(
     cmd: list[str], timeout: float = DEFAULT_TIMEOUT, env: dict | None = None, cwd: Path = REPO, check: bool = True
 ) -> Run:
+    started = _launch_clock()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=env or test_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -105,7 +106,37 @@ def run(
     except BaseException:
         kill_tree(proc.pid)
         raise
+    _log_launch(cmd, started)
     return result.check() if check else result
+
+
+def _launch_clock() -> tuple[float, float] | None:
+    if not os.environ.get("SHARDTRAIN_TEST_CPU_LOG"):
+        return None
+    import resource
+    import time
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.monotonic(), children.ru_utime + children.ru_stime
+
+
+def _log_launch(cmd: list[str], started: tuple[float, float] | None) -> None:
+    """With SHARDTRAIN_TEST_CPU_LOG (tests/conftest.py), one more line per launch: which test made it, the command
+    and what it cost, so that the suite's launches can be counted and compared, not only its tests."""
+    if started is None:
+        return
+    import resource
+    import time
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    line = {
+        "launch": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+        "cmd": [Path(c).name if os.sep in c and Path(c).is_absolute() else c for c in cmd],
+        "wall_s": time.monotonic() - started[0],
+        "cpu_s": children.ru_utime + children.ru_stime - started[1],
+    }
+    with open(os.environ["SHARDTRAIN_TEST_CPU_LOG"], "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def dump_stacks(pid: int, wait: float = 3.0) -> None:
