@@ -108,12 +108,25 @@ def quiet_libraries(verbose: bool) -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNoise) for f in logger.filters):
             logger.addFilter(_DropNoise())
-    if "transformers" in sys.modules:
-        try:
-            sys.modules["transformers"].logging.set_verbosity_warning()
-            # The "Loading weights" bar of a pretrained load, one per rank.
-            sys.modules["transformers"].logging.disable_progress_bar()
-        except AttributeError:
-            pass
+    global _quiet
+    _quiet = True
+    quiet_late_imports()
     if not isinstance(sys.stdout, _LineFilter):
         sys.stdout = _LineFilter(sys.stdout, _PRINTED_NOISE)
+
+
+_quiet = False  # quiet_libraries ran without --verbose
+
+
+def quiet_late_imports() -> None:
+    """What quiet_libraries does to transformers, once more where it may have been imported since: a user's
+    workload module imports it at its top, after the command quieted the libraries. transformers reads its
+    progress-bar setting at import time, so the environment alone does not hide the "Loading weights" bar."""
+    if not _quiet or "transformers" not in sys.modules:
+        return
+    try:
+        sys.modules["transformers"].logging.set_verbosity_warning()
+        # The "Loading weights" bar of a pretrained load, one per rank.
+        sys.modules["transformers"].logging.disable_progress_bar()
+    except AttributeError:
+        pass

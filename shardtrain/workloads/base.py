@@ -427,6 +427,9 @@ def workload_class(cfg: Config) -> type[Workload]:
             f"{where('workload')}: cannot import {module_name} ({e}); the config file's folder and "
             f"the working directory are on the import path"
         ) from None
+    from shardtrain.runtime.chatter import quiet_late_imports
+
+    quiet_late_imports()
     cls = module
     for part in attr.split("."):
         cls = getattr(cls, part, None)

@@ -2,7 +2,10 @@
 (bf16 on an old GPU), the output-dir probe, and metrics.jsonl left alone until a run really writes."""
 
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +14,8 @@ from shardtrain import cli
 from shardtrain.config.settings import ConfigError, check_output_dir, parse_cli
 from shardtrain.observability.tracking import MetricsLog
 from shardtrain.strategies.base import check_precision_supported
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def fail_with(exc):
@@ -209,6 +214,29 @@ def test_library_chatter_is_quieted_before_a_users_workload_module_is_imported(t
 
     assert cli.run_guarded(train.main, argv) == 2  # refused at its args, after the import
     assert order[:2] == ["quiet", "imported"], order
+
+
+def test_transformers_imported_by_a_users_workload_module_shows_no_loading_bar(tmp_path):
+    """The module imports transformers at its top, after the command quieted the libraries; transformers reads its
+    progress-bar setting when imported, so `export` of such a run drew the "Loading weights" bar."""
+    (tmp_path / "hf_tasks.py").write_text(
+        "import transformers\nfrom shardtrain import Workload\nclass Hf(Workload):\n    pass\n"
+    )
+    code = (
+        "import sys\n"
+        "from shardtrain.runtime.chatter import quiet_libraries\n"
+        "from shardtrain.config.settings import parse_cli\n"
+        "from shardtrain.workloads.base import workload_class\n"
+        "quiet_libraries(verbose=False)\n"
+        "assert 'transformers' not in sys.modules\n"
+        "workload_class(parse_cli(['--workload', 'hf_tasks:Hf']))\n"
+        "from transformers.utils import logging\n"
+        "print('bar', logging.is_progress_bar_enabled())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((str(tmp_path), str(REPO)))}
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and "bar False" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
 def test_a_consequence_after_the_launcher_began_stopping_the_job_says_nothing(capsys, monkeypatch):
