@@ -71,12 +71,14 @@ def main(argv: list[str]) -> int:
     from shardtrain.data import check_data
     from shardtrain.data.synthetic import dataset_info
 
+    kind_from_workload = False
     if args.config or args.workload:
         from shardtrain.config.settings import command_config, is_builtin_workload
 
         cfg = command_config(args.config, args.workload, args.workload_args)
         if not is_builtin_workload(cfg):
             return _check_workload(cfg, args)
+        kind_from_workload = args.kind is None
         args.kind = args.kind or data_kind(cfg)
         args.dir = args.dir or cfg.data.data_dir
     if args.dir is None:
@@ -93,7 +95,7 @@ def main(argv: list[str]) -> int:
     recorded = dataset_info(args.dir)
     kind = args.kind or recorded.get("kind") or guess_kind(args.dir)
     num_labels = args.num_labels or recorded.get("num_labels") or 3
-    problems = check_data(args.dir, kind, num_labels)
+    problems = check_data(args.dir, kind, num_labels, kind_from_workload)
     for line in problems:
         print(line)
     if problems and args.num_labels is None and any("is outside 0.." in p for p in problems):
@@ -146,7 +148,7 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
         return _check_layout(cfg.data.data_dir, cfg.data.dataset_format)
     if source_of(cfg) == "data_dir":
         what = cfg.data.data_dir
-        problems = check_data(what, data_kind(cfg), cfg.model.num_labels)
+        problems = check_data(what, data_kind(cfg), cfg.model.num_labels, kind_from_workload=True)
     else:
         problems = check_source(cfg)
         what = ", ".join(_source_names(cfg))

@@ -7,11 +7,13 @@ from pathlib import Path
 from shardtrain.config.settings import ConfigError, reads_images, record_kinds
 from shardtrain.data.images import image_problem
 from shardtrain.data.layouts import read_layout
-from shardtrain.data.records import has_images, iter_split, normalize_kind, split_path
+from shardtrain.data.records import has_images, iter_split, normalize_kind, split_path, workload_reading
 
 
-def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
-    """Scan both splits: each record, and each image fully decoded. Returns `file:line: message` strings."""
+def check_data(data_dir, kind: str, num_labels: int = 3, kind_from_workload: bool = False) -> list[str]:
+    """Scan both splits: each record, and each image fully decoded. Returns `file:line: message` strings.
+    `kind_from_workload`: the workload chose the kind (--workload, --config), so records of the other kind are
+    pointed to the workload that reads them rather than to --kind."""
     kind = normalize_kind(kind)
     problems = []
     for split in ("train", "validation"):
@@ -34,7 +36,8 @@ def check_data(data_dir, kind: str, num_labels: int = 3) -> list[str]:
         if n_good == 0 and found and all(p.endswith(": missing field 'image'") for p in found):
             # Text records checked as image records: one line, not one per record.
             text_only = record_kinds()[1]
-            found = [f"{path}: no record names an image: these are {text_only} records (--kind {text_only})"]
+            fix = f"--workload {workload_reading(text_only)}" if kind_from_workload else f"--kind {text_only}"
+            found = [f"{path}: no record names an image: these are {text_only} records ({fix})"]
         elif n_good == 0:
             found.append(f"{path}: no usable records")
         problems += found

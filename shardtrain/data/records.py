@@ -13,7 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
-from shardtrain.config.settings import ConfigError, reads_images, record_kind_aliases, record_kinds, where
+from shardtrain.config.settings import (
+    BUILTIN_WORKLOADS,
+    ConfigError,
+    reads_images,
+    record_kind_aliases,
+    record_kinds,
+    where,
+)
 
 SPLIT_FILES = {"train": "train.jsonl", "validation": "validation.jsonl"}
 
@@ -34,6 +41,11 @@ def normalize_kind(kind: str) -> str:
     if kind not in record_kinds():
         raise ConfigError(f"data kind '{kind}' is not one of {', '.join(record_kinds())}")
     return kind
+
+
+def workload_reading(kind: str) -> str:
+    """The shipped workload that reads records of this kind: the one named by the kind, or by its alias."""
+    return next((name for name in BUILTIN_WORKLOADS if record_kind_aliases().get(name, name) == kind), kind)
 
 
 def guess_kind(data_dir) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardtrain import cli
 from shardtrain.config.settings import Config, ConfigError, replace_fields
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer, check_data, make_data
 
@@ -435,3 +436,13 @@ def test_check_data_of_text_records_as_image_records_is_one_line_per_split(ld_di
         f"{ld_dir / name}: no record names an image: these are longdoc records (--kind longdoc)"
         for name in ("train.jsonl", "validation.jsonl")
     ]
+
+
+def test_check_data_of_text_records_under_the_multimodal_workload_points_to_the_longformer(ld_dir, capsys):
+    """`check-data --workload multimodal DIR` on longdoc records pointed to --kind, a flag about the records,
+    although the user had named a workload: the workload that reads them is the fix."""
+    assert cli.main(["check-data", "--workload", "multimodal", str(ld_dir)]) == 1
+    out = capsys.readouterr().out
+    assert out.count("these are longdoc records (--workload longformer)") == 2, out
+    assert cli.main(["check-data", str(ld_dir), "--kind", "multimodal"]) == 1
+    assert capsys.readouterr().out.count("these are longdoc records (--kind longdoc)") == 2
