@@ -590,6 +590,15 @@ def where(name: str) -> str:
     return f"{flag_of(name)} ({key_of(name)})"
 
 
+def located(cfg: Config, name: str) -> str:
+    """where() for a line outside validate(), such as a warning: a value still as a YAML file set it is named by
+    its `file:line: key`, any other by its flag and key."""
+    origin = cfg.origins.get(name)
+    if origin and getattr(getattr(cfg, FIELDS[name][0]), name) == origin[1]:
+        return f"{origin[0]}: {key_of(name)}"
+    return f"{flag_of(name)} ({key_of(name)})"
+
+
 @contextlib.contextmanager
 def located_errors(cfg: Config):
     """A ConfigError raised inside about a value from a YAML file starts with its `file:line:`, as a compiler's

@@ -30,7 +30,15 @@ from pathlib import Path
 from typing import Any, Optional
 
 from shardtrain.config.labels import ClassLabels, run_config_dict
-from shardtrain.config.settings import FIELDS, Config, ConfigError, is_builtin_workload, reads_images, where
+from shardtrain.config.settings import (
+    FIELDS,
+    Config,
+    ConfigError,
+    is_builtin_workload,
+    located,
+    reads_images,
+    where,
+)
 from shardtrain.data.records import relative_to_cwd
 
 # The flags that each name the training data; at most one of them, and none means the jsonl --data-dir layout.
@@ -57,7 +65,7 @@ def unread_source_flags(cfg: Config, asks_before: int) -> str | None:
     if not given or _source_asks > asks_before:
         return None
     return (
-        f"{where(given[0])} names training data, but the workload's datasets() did not read the run's data "
+        f"{located(cfg, given[0])} names training data, but the workload's datasets() did not read the run's data "
         f"source (shardtrain.data.load_splits(cfg), docs/data.md): it trains on what its own code reads"
     )
 

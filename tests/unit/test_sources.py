@@ -417,10 +417,12 @@ def test_a_users_workload_takes_any_source_through_load_splits(tmp_path):
     assert reviews.labels() == ClassLabels(2, ("bad", "good")) and cfg.data.label_names == []
 
 
-def test_a_data_folder_the_workload_never_reads_is_warned_about_like_a_train_file():
+def test_a_data_folder_the_workload_never_reads_is_warned_about_like_a_train_file(tmp_path, monkeypatch):
     """--data-dir was ignored in silence by a workload that reads its own data (only --train-file and the other
     source flags were warned about); the default folder, which nobody named, is not."""
     from shardtrain.data.sources import source_asks, unread_source_flags
+
+    monkeypatch.chdir(tmp_path)
 
     asks = source_asks()
     line = unread_source_flags(replace_fields(config("multimodal"), data_dir="myproj/data_missing"), asks)
@@ -428,3 +430,11 @@ def test_a_data_folder_the_workload_never_reads_is_warned_about_like_a_train_fil
     assert unread_source_flags(config("multimodal"), asks) is None
     layout = replace_fields(config("multimodal"), dataset_format="mvsa-single")
     assert unread_source_flags(layout, asks).startswith("--dataset-format (data.dataset_format) names training data")
+    # Set in a YAML file: the warning names the file and line, as an error about it would.
+    yaml = Path("myproj") / "run.yaml"
+    yaml.parent.mkdir(exist_ok=True)
+    yaml.write_text("model:\n  name: multimodal\ndata:\n  data_dir: myproj/data_missing\n")
+    from shardtrain.config.settings import parse_cli
+
+    line = unread_source_flags(parse_cli(["--config", str(yaml)]), asks)
+    assert line.startswith("myproj/run.yaml:4: data.data_dir names training data"), line
