@@ -32,6 +32,8 @@ from shardtrain.config.shipped import ShippedWorkloads
 MULTIMODAL, LONGFORMER = "multimodal", "longformer"
 # The text encoders the two are built on: the default (the first report's RoBERTa), and the Longformer checkpoint.
 MULTIMODAL_TEXT_MODEL, LONGFORMER_TEXT_MODEL = "roberta-base", "allenai/longformer-base-4096"
+# Both are RoBERTa-family encoders (networks/archs.py): their positions start after this padding id.
+ROBERTA_PAD_TOKEN_ID = 1
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,7 @@ class Builtins(ShippedWorkloads):
                 f"{where('max_length')}={d.max_length} is beyond the {LONGFORMER_MAX_POSITIONS} positions Longformer "
                 f"supports"
             )
+        self._check_positions(cfg)
         if m.attention != "sdpa" and m.name == LONGFORMER:
             raise ConfigError(
                 f"{where('attention')}={m.attention}: Longformer has its own sliding-window attention; "
@@ -158,6 +161,20 @@ class Builtins(ShippedWorkloads):
                 f"text with an image; train them with the multimodal model, not {m.name}"
             )
         self._check_read_by_the_model_trained(cfg)
+
+    @staticmethod
+    def _check_positions(cfg: Config) -> None:
+        """A text model built from its config gets the positions --max-length needs (networks/archs.py), unless
+        text_config sets them: then they were set on purpose, and too few is the user's to fix, not ours to raise."""
+        text_config, max_length = cfg.model.text_config, cfg.data.max_length
+        positions = text_config.get("max_position_embeddings")
+        pad = text_config.get("pad_token_id", ROBERTA_PAD_TOKEN_ID)
+        if isinstance(positions, int) and isinstance(pad, int) and positions < max_length + pad + 1:
+            raise ConfigError(
+                f"{where('text_config')}: max_position_embeddings {positions} holds {positions - pad - 1} tokens "
+                f"(positions start after pad_token_id {pad}), fewer than {where('max_length')} {max_length}: "
+                f"set it to {max_length + pad + 1} or more, or leave it out"
+            )
 
     @staticmethod
     def _check_read_by_the_model_trained(cfg: Config) -> None:

@@ -115,8 +115,14 @@ TINY = {name: str(REPO / "configs" / f"{name}_tiny.yaml") for name in ("multimod
             f"{TINY['multimodal']}:4: --workload (workload.target) is longformer but model.name is multimodal: two "
             "built-ins; drop model.name",
         ),
+        # an explicit max_position_embeddings below what --max-length needs was raised in silence
+        (
+            ["--config", TINY["multimodal"], "--text-config", '{"max_position_embeddings": 40}'],
+            f"{TINY['multimodal']}:15: --text-config (model.text_config): max_position_embeddings 40 holds 38 tokens "
+            "(positions start after pad_token_id 1), fewer than data.max_length 64: set it to 66 or more",
+        ),
     ],
-    ids=["dropout", "fusion_hidden", "odd_window", "max_length", "name"],
+    ids=["dropout", "fusion_hidden", "odd_window", "max_length", "name", "positions"],
 )
 def test_the_builtins_own_rules_are_one_line_before_launch(argv, message, tmp_path):
     with pytest.raises(ConfigError) as e:
