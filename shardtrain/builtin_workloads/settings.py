@@ -32,7 +32,8 @@ from shardtrain.config.shipped import ShippedWorkloads
 MULTIMODAL, LONGFORMER = "multimodal", "longformer"
 # The text encoders the two are built on: the default (the first report's RoBERTa), and the Longformer checkpoint.
 MULTIMODAL_TEXT_MODEL, LONGFORMER_TEXT_MODEL = "roberta-base", "allenai/longformer-base-4096"
-# Both are RoBERTa-family encoders (networks/archs.py): their positions start after this padding id.
+# Both are RoBERTa-family encoders (shardtrain/builtin_workloads/networks/archs.py): their positions start after
+# this padding id.
 ROBERTA_PAD_TOKEN_ID = 1
 
 
@@ -164,8 +165,9 @@ class Builtins(ShippedWorkloads):
 
     @staticmethod
     def _check_positions(cfg: Config) -> None:
-        """A text model built from its config gets the positions --max-length needs (networks/archs.py), unless
-        text_config sets them: then they were set on purpose, and too few is the user's to fix, not ours to raise."""
+        """A text model built from its config gets the positions --max-length needs
+        (shardtrain/builtin_workloads/networks/archs.py), unless text_config sets them: then they were set on
+        purpose, and too few is the user's to fix, not ours to raise."""
         text_config, max_length = cfg.model.text_config, cfg.data.max_length
         positions = text_config.get("max_position_embeddings")
         pad = text_config.get("pad_token_id", ROBERTA_PAD_TOKEN_ID)
