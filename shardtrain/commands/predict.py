@@ -152,10 +152,11 @@ def main(argv: list[str]) -> int:
     if truncated:
         from shardtrain.config.settings import where
 
-        length = source.cfg.data.max_length
+        length, trained = source.cfg.data.max_length, source.trained_max_length
+        as_trained = "as in training" if length == trained else f"not {trained} as in training"
         print(
-            f"predict: {truncated} of {rows} texts longer than {where('max_length')} {length} were cut to it, as "
-            f"in training (the model saw their first {length} tokens; `truncated` in their lines)"
+            f"predict: {truncated} of {rows} texts longer than {where('max_length')} {length} were cut to it, "
+            f"{as_trained} (the model saw their first {length} tokens; `truncated` in their lines)"
         )
     if metrics:
         over = f" (over the {labelled} labelled rows)" if labelled is not None and labelled < rows else ""
@@ -250,6 +251,7 @@ class Source:
     load_model: object  # () -> nn.Module in eval mode, weights loaded
     label_names: list
     where: str  # the checkpoint or export, for messages
+    trained_max_length: int  # the run's data.max_length, which predict's --max-length may change
 
 
 def open_source(args, given: dict) -> Source:
@@ -285,7 +287,8 @@ def _checkpoint_source(path: Path, given: dict, which: str = "final") -> Source:
         model = _build(workload, cfg, load_weights=base is not None)
         return load_fitting_weights(model, weights, workload, f"predict {ckpt}", base).eval()
 
-    return Source(cfg, workload, load_model, list(cfg.data.label_names), str(ckpt))
+    trained = _trained_max_length(run_config_dict(state), cfg)
+    return Source(cfg, workload, load_model, list(cfg.data.label_names), str(ckpt), trained)
 
 
 def _export_source(path: Path, args, given: dict) -> Source:
@@ -349,7 +352,11 @@ def _export_source(path: Path, args, given: dict) -> Source:
             model, _readable(lambda: load_file(str(file)), file), workload, f"predict {path}"
         ).eval()
 
-    return Source(cfg, workload, load_model, names, str(path))
+    return Source(cfg, workload, load_model, names, str(path), _trained_max_length(saved, cfg))
+
+
+def _trained_max_length(saved: dict, cfg) -> int:
+    return (saved.get("data") or {}).get("max_length") or cfg.data.max_length
 
 
 def _with_exported_adapters(workload, cfg, path: Path):

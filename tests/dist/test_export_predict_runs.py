@@ -272,7 +272,12 @@ def test_a_multimodal_export_hands_plain_transformers_its_tokenizer_and_class_na
     long = write_csv(tmp_path / "long.csv", list(rows[0]), [list(r.values()) for r in rows[:3]] + [past])
     out = shardtrain(capsys, "predict", export, "--file", long, "--output", tmp_path / "long.jsonl")
     assert [p.get("truncated", False) for p in jsonl(tmp_path / "long.jsonl")] == [False, False, False, True]
-    assert "predict: 1 of 4 texts longer than --max-length (data.max_length) 64 were cut to it" in out, out
+    assert "predict: 1 of 4 texts longer than --max-length (data.max_length) 64 were cut to it, as in" in out, out
+    # predict's own --max-length: the line says it is not the length the model trained at.
+    out = shardtrain(
+        capsys, "predict", export, "--file", long, "--max-length", "8", "--output", tmp_path / "short.jsonl"
+    )
+    assert "texts longer than --max-length (data.max_length) 8 were cut to it, not 64 as in training" in out, out
 
 
 def test_a_resume_on_other_data_is_in_the_changed_settings_line(runs):
