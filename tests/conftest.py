@@ -110,10 +110,30 @@ def pytest_xdist_make_scheduler(config, log):
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):
+        ordered = False
+
         def _split_scope(self, nodeid: str) -> str:
             return _unit_of(nodeid)
 
+        def _assign_work_unit(self, node) -> None:
+            # The first assignment comes right after the whole queue was built (xdist: by number of tests).
+            if not self.ordered:
+                self.ordered = True
+                units = sorted(self.workqueue.items(), key=lambda unit: _expected_length(*unit))
+                self.workqueue.clear()
+                self.workqueue.update(units)
+            super()._assign_work_unit(node)
+
     return ByFile(config, log)
+
+
+def _expected_length(unit: str, nodeids) -> tuple:
+    """Longest units first, so that no worker is left with a long one at the end while the other idles: the
+    machine-wide unit (eight files in series, about a third of a worker's time), then the files that launch
+    processes, then the in-process unit tests; by number of tests within each. Simulated with the per-test times
+    of five fresh-clone runs (SHARDTRAIN_TEST_CPU_LOG), this ends 10 to 50 s sooner than xdist's order by count."""
+    kind = 0 if unit == "machine_wide" else 1 if unit.startswith("tests/dist/") else 2
+    return kind, -len(nodeids)
 
 
 def pytest_collection_modifyitems(items):
