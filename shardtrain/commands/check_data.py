@@ -95,7 +95,7 @@ def main(argv: list[str]) -> int:
     recorded = dataset_info(args.dir)
     kind = args.kind or recorded.get("kind") or guess_kind(args.dir)
     num_labels = args.num_labels or recorded.get("num_labels") or 3
-    problems = check_data(args.dir, kind, num_labels, kind_from_workload)
+    problems = check_data(args.dir, kind, num_labels, kind_from_workload=kind_from_workload)
     for line in problems:
         print(line)
     if problems and args.num_labels is None and any("is outside 0.." in p for p in problems):

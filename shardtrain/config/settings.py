@@ -582,21 +582,27 @@ def where(name: str) -> str:
     YAML file set it (in the config validate() was given) is named by its key, and the error starts with the
     file and line (see located_errors)."""
     checking = _CHECKING.get()
-    origin = checking and checking[0].origins.get(name)
-    if origin and getattr(getattr(checking[0], FIELDS[name][0]), name) == origin[1]:
+    line = checking and _set_in_file(checking[0], name)
+    if line:
         named = checking[1]
-        named.append((origin[0], key_of(name)))
-        return key_of(name) if len(named) == 1 else f"{key_of(name)} ({origin[0]})"
+        named.append((line, key_of(name)))
+        return key_of(name) if len(named) == 1 else f"{key_of(name)} ({line})"
     return f"{flag_of(name)} ({key_of(name)})"
 
 
 def located(cfg: Config, name: str) -> str:
     """where() for a line outside validate(), such as a warning: a value still as a YAML file set it is named by
     its `file:line: key`, any other by its flag and key."""
+    line = _set_in_file(cfg, name)
+    return f"{line}: {key_of(name)}" if line else f"{flag_of(name)} ({key_of(name)})"
+
+
+def _set_in_file(cfg: Config, name: str) -> str | None:
+    """The `file:line` of a YAML file that set this value, while the config still holds the value it set."""
     origin = cfg.origins.get(name)
     if origin and getattr(getattr(cfg, FIELDS[name][0]), name) == origin[1]:
-        return f"{origin[0]}: {key_of(name)}"
-    return f"{flag_of(name)} ({key_of(name)})"
+        return origin[0]
+    return None
 
 
 @contextlib.contextmanager

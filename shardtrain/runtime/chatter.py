@@ -81,6 +81,9 @@ class _LineFilter:
         return getattr(self._stream, name)
 
 
+_quiet = False  # quiet_libraries ran without --verbose
+
+
 def quiet_libraries(verbose: bool) -> None:
     """Call before DeepSpeed / transformers are imported; filters survive their own setLevel calls."""
     if verbose:
@@ -113,9 +116,6 @@ def quiet_libraries(verbose: bool) -> None:
     quiet_late_imports()
     if not isinstance(sys.stdout, _LineFilter):
         sys.stdout = _LineFilter(sys.stdout, _PRINTED_NOISE)
-
-
-_quiet = False  # quiet_libraries ran without --verbose
 
 
 def quiet_late_imports() -> None:
