@@ -153,10 +153,13 @@ def main(argv: list[str]) -> int:
         from shardtrain.config.settings import where
 
         length, trained = source.cfg.data.max_length, source.trained_max_length
-        as_trained = "as in training" if length == trained else f"not {trained} as in training"
+        if length == trained:
+            cut = f"longer than {where('max_length')} {length} were cut to it, as in training"
+        else:
+            cut = f"longer than predict's --max-length {length} were cut to it, not {trained} as in training"
         print(
-            f"predict: {truncated} of {rows} texts longer than {where('max_length')} {length} were cut to it, "
-            f"{as_trained} (the model saw their first {length} tokens; `truncated` in their lines)"
+            f"predict: {truncated} of {rows} texts {cut} (the model saw their first {length} tokens; `truncated` "
+            f"in their lines)"
         )
     if metrics:
         over = f" (over the {labelled} labelled rows)" if labelled is not None and labelled < rows else ""
@@ -255,6 +258,18 @@ class Source:
 
 
 def open_source(args, given: dict) -> Source:
+    source = _open_source(args, given)
+    length = source.cfg.data.max_length
+    if length > source.trained_max_length:
+        # Positions the model never trained, or has none of (RoBERTa's 512): torch's index error otherwise.
+        raise ConfigError(
+            f"predict --max-length {length}: the model trained at {source.trained_max_length} tokens; predict at "
+            f"that length or less"
+        )
+    return source
+
+
+def _open_source(args, given: dict) -> Source:
     from shardtrain.checkpointing.export import EXPORT_META
 
     path = Path(args.source)

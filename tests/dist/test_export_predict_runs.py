@@ -277,7 +277,11 @@ def test_a_multimodal_export_hands_plain_transformers_its_tokenizer_and_class_na
     out = shardtrain(
         capsys, "predict", export, "--file", long, "--max-length", "8", "--output", tmp_path / "short.jsonl"
     )
-    assert "texts longer than --max-length (data.max_length) 8 were cut to it, not 64 as in training" in out, out
+    assert "texts longer than predict's --max-length 8 were cut to it, not 64 as in training" in out, out
+    # Longer than it trained at: positions it never trained (RoBERTa has 512): one line, not torch's index error.
+    assert cli.main(["predict", str(export), "--file", str(long), "--max-length", "1000"]) == 2
+    err = capsys.readouterr().err
+    assert "predict --max-length 1000: the model trained at 64 tokens; predict at that length or less" in err, err
 
 
 def test_a_resume_on_other_data_is_in_the_changed_settings_line(runs):
