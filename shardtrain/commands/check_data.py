@@ -71,14 +71,15 @@ def main(argv: list[str]) -> int:
     from shardtrain.data import check_data
     from shardtrain.data.synthetic import dataset_info
 
-    kind_from_workload = False
+    chosen_by = "--kind"
     if args.config or args.workload:
         from shardtrain.config.settings import command_config, is_builtin_workload
 
         cfg = command_config(args.config, args.workload, args.workload_args)
         if not is_builtin_workload(cfg):
             return _check_workload(cfg, args)
-        kind_from_workload = args.kind is None
+        if args.kind is None:
+            chosen_by = "--config" if args.config else "--workload"
         args.kind = args.kind or data_kind(cfg)
         args.dir = args.dir or cfg.data.data_dir
     if args.dir is None:
@@ -95,13 +96,19 @@ def main(argv: list[str]) -> int:
     recorded = dataset_info(args.dir)
     kind = args.kind or recorded.get("kind") or guess_kind(args.dir)
     num_labels = args.num_labels or recorded.get("num_labels") or 3
-    problems = check_data(args.dir, kind, num_labels, kind_from_workload=kind_from_workload)
+    problems = check_data(args.dir, kind, num_labels, chosen_by=chosen_by)
     for line in problems:
         print(line)
     if problems and args.num_labels is None and any("is outside 0.." in p for p in problems):
         print(f"(labels were checked against {num_labels} classes: pass --num-labels with the model's num_labels)")
     print(f"{len(problems)} problem(s) in {args.dir}" if problems else f"{args.dir}: no problems found")
     return 1 if problems else 0
+
+
+def _kind_chosen_by(argv: list[str]) -> str:
+    """A config file chose the workload unless --workload did (and no file contradicts it)."""
+    flags = {a.split("=")[0] for a in argv}
+    return "--workload" if "--workload" in flags and "--config" not in flags else "--config"
 
 
 def _check_layout(data_dir: str, fmt: str) -> int:
@@ -148,7 +155,7 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
         return _check_layout(cfg.data.data_dir, cfg.data.dataset_format)
     if source_of(cfg) == "data_dir":
         what = cfg.data.data_dir
-        problems = check_data(what, data_kind(cfg), cfg.model.num_labels, kind_from_workload=True)
+        problems = check_data(what, data_kind(cfg), cfg.model.num_labels, chosen_by=_kind_chosen_by(rest))
     else:
         problems = check_source(cfg)
         what = ", ".join(_source_names(cfg))

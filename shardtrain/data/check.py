@@ -10,10 +10,11 @@ from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import has_images, iter_split, normalize_kind, split_path, workload_reading
 
 
-def check_data(data_dir, kind: str, num_labels: int = 3, kind_from_workload: bool = False) -> list[str]:
+def check_data(data_dir, kind: str, num_labels: int = 3, chosen_by: str = "--kind") -> list[str]:
     """Scan both splits: each record, and each image fully decoded. Returns `file:line: message` strings.
-    `kind_from_workload`: the workload chose the kind (--workload, --config), so records of the other kind are
-    pointed to the workload that reads them rather than to --kind."""
+    `chosen_by`: the flag that chose the kind. Records of the other kind are pointed to what reads them in its
+    terms: `--kind`, `--workload`, or (for a config, whose model.name another --workload would contradict) the
+    workload alone."""
     kind = normalize_kind(kind)
     problems = []
     for split in ("train", "validation"):
@@ -36,8 +37,11 @@ def check_data(data_dir, kind: str, num_labels: int = 3, kind_from_workload: boo
         if n_good == 0 and found and all(p.endswith(": missing field 'image'") for p in found):
             # Text records checked as image records: one line, not one per record.
             text_only = record_kinds()[1]
-            fix = f"--workload {workload_reading(text_only)}" if kind_from_workload else f"--kind {text_only}"
-            found = [f"{path}: no record names an image: these are {text_only} records ({fix})"]
+            reader = workload_reading(text_only)
+            fix = {"--kind": f" (--kind {text_only})", "--workload": f" (--workload {reader})"}.get(
+                chosen_by, f", which the {reader} workload reads"
+            )
+            found = [f"{path}: no record names an image: these are {text_only} records{fix}"]
         elif n_good == 0:
             found.append(f"{path}: no usable records")
         problems += found

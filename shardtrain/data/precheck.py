@@ -6,10 +6,10 @@ the others' checks.
 
 from __future__ import annotations
 
-from shardtrain.config.settings import ConfigError, reads_images, where
+from shardtrain.config.settings import ConfigError, reads_images, record_kinds, where
 from shardtrain.data.image_cache import open_image_cache, open_source_image_cache
 from shardtrain.data.layouts import check_num_labels, layout_files
-from shardtrain.data.records import config_split_path, data_kind, iter_split
+from shardtrain.data.records import config_split_path, data_kind, has_images, iter_split, workload_reading
 from shardtrain.data.sources import column_values, image_key, load_splits, source_of
 
 
@@ -57,10 +57,16 @@ def check_splits(cfg) -> None:
 def _how_many_more(path, kind: str, num_labels: int) -> str:
     """After the first bad record: how many the split has, and the two ways on, so that a user does not fix one
     line per run. Records only (no image decoding): a second pass over a file the check just read."""
-    bad = sum(1 for _rec, problem in iter_split(path, kind, num_labels) if problem)
+    problems = [problem for _rec, problem in iter_split(path, kind, num_labels) if problem]
+    bad = len(problems)
+    if has_images(kind) and all(p.endswith(": missing field 'image'") for p in problems):
+        # Text records under the multimodal workload: skipping them all trains on nothing.
+        text_only = record_kinds()[1]
+        reader = workload_reading(text_only)
+        return f" (no record of {path.name} names one: these are {text_only} records, which {reader} reads)"
     if bad == 1:
         return f" (the only bad record in {path.name}; {where('skip_bad_samples')} leaves such records out)"
     return (
-        f" ({bad} bad records in {path.name}: shardtrain check-data {path.parent} lists them all, "
+        f" ({bad} bad records in {path.name}: shardtrain check-data {path.parent} --kind {kind} lists them all, "
         f"{where('skip_bad_samples')} leaves them out)"
     )

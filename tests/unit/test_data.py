@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from shardtrain import cli
-from shardtrain.config.settings import Config, ConfigError, replace_fields
+from shardtrain.config.settings import Config, ConfigError, parse_cli, replace_fields
 from shardtrain.data import build_datasets, build_loaders, build_tokenizer, check_data, make_data
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def make_cfg(data_dir, name="multimodal", **data):
@@ -446,3 +448,22 @@ def test_check_data_of_text_records_under_the_multimodal_workload_points_to_the_
     assert out.count("these are longdoc records (--workload longformer)") == 2, out
     assert cli.main(["check-data", str(ld_dir), "--kind", "multimodal"]) == 1
     assert capsys.readouterr().out.count("these are longdoc records (--kind longdoc)") == 2
+    # A config names model.name, which --workload longformer would contradict: the workload alone is named.
+    config = str(REPO / "configs" / "multimodal_tiny.yaml")
+    assert cli.main(["check-data", str(ld_dir), "--config", config]) == 1
+    assert capsys.readouterr().out.count("these are longdoc records, which the longformer workload reads") == 2
+
+
+def test_training_the_multimodal_model_on_text_records_is_refused_naming_what_reads_them(ld_dir, tmp_path):
+    """The refusal's advice was `check-data DIR` (which, reading the folder on its own as longdoc, found no problem)
+    and --skip-bad-samples (which would skip every record)."""
+    from shardtrain.data.precheck import check_splits
+
+    cfg = parse_cli(["--config", str(REPO / "configs" / "multimodal_tiny.yaml"), "--data-dir", str(ld_dir),
+                     "--output-dir", str(tmp_path)])  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        check_splits(cfg)
+    assert str(e.value) == (
+        f"{ld_dir / 'train.jsonl'}:1: missing field 'image' (no record of train.jsonl names one: these are longdoc "
+        "records, which longformer reads)"
+    )
