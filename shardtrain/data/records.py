@@ -16,6 +16,7 @@ from typing import Iterator, Optional
 from shardtrain.config.settings import (
     BUILTIN_WORKLOADS,
     ConfigError,
+    located,
     reads_images,
     record_kind_aliases,
     record_kinds,
@@ -62,18 +63,20 @@ def guess_kind(data_dir) -> str:
 def config_split_path(cfg, split: str) -> Path:
     """The split file a config trains on: validation.jsonl may live in eval_data_dir (SageMaker's separate
     validation channel)."""
-    d = cfg.data
-    return split_path(d.eval_data_dir if split == "validation" and d.eval_data_dir else d.data_dir, split)
+    field = "eval_data_dir" if split == "validation" and cfg.data.eval_data_dir else "data_dir"
+    return split_path(getattr(cfg.data, field), split, named=located(cfg, field), kind=data_kind(cfg))
 
 
-def split_path(data_dir: str | Path, split: str) -> Path:
-    """The split file, or a ConfigError naming --data-dir and the path that is missing."""
-    root = Path(data_dir)
+def split_path(data_dir: str | Path, split: str, named: str | None = None, kind: str | None = None) -> Path:
+    """The split file, or a ConfigError naming the setting (`named`: the config file and line that set it, where one
+    did; else --data-dir) and the path that is missing; given the records' `kind`, how to make a folder to try."""
+    root, named = Path(data_dir), named or where("data_dir")
     if not root.is_dir():
-        raise ConfigError(f"{where('data_dir')}: folder not found: {root}{relative_to_cwd(root)}")
+        try_one = f"; `shardtrain make-data {kind} {root}` writes synthetic records to try" if kind else ""
+        raise ConfigError(f"{named}: folder not found: {root}{relative_to_cwd(root)}{try_one}")
     path = root / SPLIT_FILES[split]
     if not path.is_file():
-        raise ConfigError(f"{where('data_dir')}: split file not found: {path}{relative_to_cwd(path)}")
+        raise ConfigError(f"{named}: split file not found: {path}{relative_to_cwd(path)}")
     return path
 
 

@@ -454,6 +454,21 @@ def test_check_data_of_text_records_under_the_multimodal_workload_points_to_the_
     assert capsys.readouterr().out.count("these are longdoc records, which the longformer workload reads") == 2
 
 
+def test_a_missing_data_folder_set_in_a_config_names_its_file_and_line_and_how_to_make_one(tmp_path, monkeypatch):
+    """A new user who skipped make-data met `--data-dir (data.data_dir): folder not found: data/multimodal`: no
+    word of the config file that set it, nor of the command that writes one."""
+    from shardtrain.data.precheck import check_splits
+
+    monkeypatch.chdir(tmp_path)
+    config = REPO / "configs" / "multimodal_tiny.yaml"
+    with pytest.raises(ConfigError) as e:
+        check_splits(parse_cli(["--config", str(config)]))
+    assert str(e.value) == (
+        f"{config}:13: data.data_dir: folder not found: data/multimodal (relative paths are read from the working "
+        f"directory, {tmp_path}); `shardtrain make-data multimodal data/multimodal` writes synthetic records to try"
+    )
+
+
 def test_training_the_multimodal_model_on_text_records_is_refused_naming_what_reads_them(ld_dir, tmp_path):
     """The refusal's advice was `check-data DIR` (which, reading the folder on its own as longdoc, found no problem)
     and --skip-bad-samples (which would skip every record)."""
