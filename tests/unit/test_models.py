@@ -130,6 +130,23 @@ def test_text_config_resolution():
     assert big.text_cfg.max_position_embeddings == 1002  # grown for random init (positions start at pad+1)
 
 
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"hidden_size": 63}, "is not a multiple of the number of attention heads"),
+        ({"hidden_dropout_prob": 3}, "dropout probability has to be between 0 and 1"),
+    ],
+)
+def test_a_text_config_transformers_cannot_build_is_named_in_one_line(change, says):
+    """transformers checks these as it builds the layers: the run ended in `ValueError: ...` (exit 1) that named
+    neither --text-config nor model.text_config."""
+    mcfg = replace(mm_cfg(), text_config={**TINY_TEXT, **change})
+    with pytest.raises(ConfigError) as e:
+        build_model(mcfg, DataConfig(max_length=32), vocab_size=VOCAB)
+    assert str(e.value).startswith("--text-config (model.text_config) {") and says in str(e.value), str(e.value)
+    assert "the text model cannot be built: " in str(e.value)
+
+
 def test_local_safetensors_image_weights(tmp_path):
     ref = torchvision.models.resnet.ResNet(torchvision.models.resnet.BasicBlock, [1, 1, 1, 1])
     good = tmp_path / "resnet.safetensors"

@@ -13,7 +13,7 @@ from torch import nn
 
 from shardtrain.builtin_workloads.networks.archs import KNOWN_TEXT_ARCHS, text_config_for
 from shardtrain.builtin_workloads.settings import BuiltinModelConfig
-from shardtrain.config.settings import ConfigError, DataConfig
+from shardtrain.config.settings import ConfigError, DataConfig, where
 
 __all__ = [
     "build_model",
@@ -34,12 +34,17 @@ def build_model(
     if not load_weights:
         mcfg = dataclasses.replace(mcfg, pretrained=False, image_weights=None)
     if mcfg.name == "longformer":
-        from shardtrain.builtin_workloads.networks.longformer import LongformerClassifier
-
-        return LongformerClassifier(mcfg, text_cfg)
-    from shardtrain.builtin_workloads.networks.multimodal import MultimodalClassifier
-
-    return MultimodalClassifier(mcfg, text_cfg)
+        from shardtrain.builtin_workloads.networks.longformer import LongformerClassifier as classifier
+    else:
+        from shardtrain.builtin_workloads.networks.multimodal import MultimodalClassifier as classifier
+    try:
+        return classifier(mcfg, text_cfg)
+    except ValueError as e:
+        if not mcfg.text_config:
+            raise
+        # transformers checks a config's values only as it builds the layers (a hidden size the heads do not
+        # divide, a dropout above 1): name the setting the user wrote, not transformers' ValueError.
+        raise ConfigError(f"{where('text_config')} {mcfg.text_config}: the text model cannot be built: {e}") from None
 
 
 def build_model_from_export(d: dict) -> nn.Module:
