@@ -13,6 +13,7 @@ import torch
 
 from shardtrain.config.settings import Config, ConfigError
 from shardtrain.data.batches import shape_summary
+from shardtrain.data.sources import source_asks, unread_source_flags
 from shardtrain.workloads.base import CheckedCollate, Workload, load_workload, model_inputs
 
 
@@ -29,6 +30,7 @@ def check_workload_data(cfg: Config, samples: int | None = 4) -> tuple[list[str]
     each split to read (None: every one). A workload that does not construct raises its ConfigError."""
     workload = load_workload(cfg)
     name = type(workload).__name__
+    asks = source_asks()
     try:
         splits = workload.datasets()
     except Exception as e:  # noqa: BLE001 - the user's code: say which method failed and how
@@ -36,6 +38,9 @@ def check_workload_data(cfg: Config, samples: int | None = 4) -> tuple[list[str]
     if not (isinstance(splits, (tuple, list)) and len(splits) == 2):
         return [f"{name}.datasets() must return (train, validation_or_None), got {type(splits).__name__}"], [], {}
     problems, notes, batches, read = [], [], [], {}
+    unread = unread_source_flags(cfg, asks)  # what train warns about: a data setting its datasets() never read
+    if unread:
+        notes.append(f"note: {unread}")
     for split, ds in zip(("train", "validation"), splits):
         if ds is None:
             if split == "train":

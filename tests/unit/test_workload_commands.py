@@ -210,6 +210,11 @@ def test_check_data_batches_a_few_samples_with_the_workloads_collate(tasks, caps
     assert "train: 16 samples; 4 batched by Tiny.collate into x (4, 8), labels (4,)" in out
     assert out.rstrip().endswith("Tiny: datasets() and collate give batches its model takes; no problems found")
 
+    # A data setting that its datasets() never reads: train warns of it, and check-data said "no problems found".
+    code, out, err = run_cli(capsys, "check-data", "--workload", "user_tasks:Tiny", "--train-file", "t.csv")
+    assert code == 0, out + err
+    assert "note: --train-file (data.train_file) names training data, but the workload's datasets() did not" in out
+
 
 @pytest.mark.parametrize(
     "target, args, problem",
