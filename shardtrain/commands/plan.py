@@ -72,6 +72,8 @@ def main(argv: list[str]) -> int:
     note = memory_model.check_offline()
     if note:
         print(f"shardtrain: {note}", file=sys.stderr)
+    if sys.stderr.isatty():  # a new user stared at a minute of silence (the 4096-token Longformer on a CPU)
+        print("plan: measuring the model's activations on this machine's CPU first (up to a minute)", file=sys.stderr)
     p = plan(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)
     p["launch"] = launch_line(p, args, argv)
     print(

@@ -222,5 +222,17 @@ def test_plan_takes_the_model_flags_of_the_model_it_plans(capsys):
     err = capsys.readouterr().err.strip()
     assert err.endswith("--attention-window (model.attention_window) must be positive, got 0"), err
     assert cli.main([*base, "--attention-window", "32"]) == 0
-    launch = capsys.readouterr().out.strip().splitlines()[-1]
+    printed = capsys.readouterr()
+    launch = printed.out.strip().splitlines()[-1]
     assert "--config configs/longformer_tiny.yaml --attention-window 32 --strategy " in launch, launch
+    assert printed.err == ""  # not a terminal: no progress line
+
+
+def test_plan_on_a_terminal_says_it_measures_first(capsys, monkeypatch):
+    """A new user watched `plan` of the 4096-token Longformer print nothing for 63 s."""
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert cli.main(["plan", "--config", "configs/longformer_tiny.yaml", "--gpus", "2", "--gpu", "a100"]) == 0
+    err = capsys.readouterr().err
+    assert err == "plan: measuring the model's activations on this machine's CPU first (up to a minute)\n", err
