@@ -7,7 +7,14 @@ from pathlib import Path
 from shardtrain.config.settings import ConfigError, reads_images, record_kinds
 from shardtrain.data.images import image_problem
 from shardtrain.data.layouts import read_layout
-from shardtrain.data.records import has_images, iter_split, normalize_kind, split_path, workload_reading
+from shardtrain.data.records import (
+    all_lack_images,
+    has_images,
+    iter_split,
+    normalize_kind,
+    split_path,
+    workload_reading,
+)
 
 
 def check_data(data_dir, kind: str, num_labels: int = 3, chosen_by: str = "--kind") -> list[str]:
@@ -34,7 +41,7 @@ def check_data(data_dir, kind: str, num_labels: int = 3, chosen_by: str = "--kin
                 found.append(problem)
             else:
                 n_good += 1
-        if n_good == 0 and found and all(p.endswith(": missing field 'image'") for p in found):
+        if n_good == 0 and all_lack_images(found):
             # Text records checked as image records: one line, not one per record.
             text_only = record_kinds()[1]
             reader = workload_reading(text_only)

@@ -9,7 +9,14 @@ from __future__ import annotations
 from shardtrain.config.settings import ConfigError, reads_images, record_kinds, where
 from shardtrain.data.image_cache import open_image_cache, open_source_image_cache
 from shardtrain.data.layouts import check_num_labels, layout_files
-from shardtrain.data.records import config_split_path, data_kind, has_images, iter_split, workload_reading
+from shardtrain.data.records import (
+    all_lack_images,
+    config_split_path,
+    data_kind,
+    has_images,
+    iter_split,
+    workload_reading,
+)
 from shardtrain.data.sources import column_values, image_key, load_splits, source_of
 
 
@@ -59,7 +66,7 @@ def _how_many_more(path, kind: str, num_labels: int) -> str:
     line per run. Records only (no image decoding): a second pass over a file the check just read."""
     problems = [problem for _rec, problem in iter_split(path, kind, num_labels) if problem]
     bad = len(problems)
-    if has_images(kind) and all(p.endswith(": missing field 'image'") for p in problems):
+    if has_images(kind) and all_lack_images(problems):
         # Text records under the multimodal workload: skipping them all trains on nothing.
         text_only = record_kinds()[1]
         reader = workload_reading(text_only)

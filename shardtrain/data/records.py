@@ -49,6 +49,11 @@ def workload_reading(kind: str) -> str:
     return next((name for name in BUILTIN_WORKLOADS if record_kind_aliases().get(name, name) == kind), kind)
 
 
+def all_lack_images(problems: list[str]) -> bool:
+    """The problems of image records that are text records instead: every one a missing image field."""
+    return bool(problems) and all(p.endswith(": missing field 'image'") for p in problems)
+
+
 def guess_kind(data_dir) -> str:
     """The kind of a jsonl folder's records, from its first training record: images named, or not."""
     import json
