@@ -227,6 +227,30 @@ def test_the_activation_measurement_frees_its_models_without_a_full_collection(m
     assert len(built) == 2 and all(ref() is None for ref in built)
 
 
+@pytest.mark.parametrize("config", ["configs/longformer_tiny.yaml", "configs/multimodal_tiny.yaml"])
+def test_the_measurement_draws_no_random_weights_and_saves_what_random_weights_save(config, monkeypatch):
+    """Drawing random weights for throwaway models was half of `plan`'s time (and of the banner's at every start);
+    a forward saves what the shapes decide, so zero weights save the same bytes to the byte."""
+    from shardtrain.builtin_workloads import memory_model, networks
+
+    measure = memory_model.BuiltinMemoryModel(parse_cli(["--config", str(REPO / config)]))
+    cases = [(1, False, "fp32", False), (2, True, "fp32", False), (2, False, "bf16", True)]
+    draws = []
+    for name in ("normal_", "uniform_"):
+        own = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda t, *a, _own=own, **k: draws.append(t.shape) or _own(t, *a, **k))
+    zeros = [measure.saved_bytes(layers, 32, rec, precision, 2, g16) for layers, rec, precision, g16 in cases]
+    assert draws == []
+    monkeypatch.undo()
+
+    def randomly_initialised(cfg, vocab):
+        return networks.build_model(cfg.model, cfg.data, vocab, load_weights=False)
+
+    monkeypatch.setattr(memory_model, "_built_without_random_init", randomly_initialised)
+    drawn = [measure.saved_bytes(layers, 32, rec, precision, 2, g16) for layers, rec, precision, g16 in cases]
+    assert zeros == drawn and all(b > 0 for b in zeros)
+
+
 def test_zero3_activations_are_measured_with_deepspeeds_linear():
     """zero.Init swaps DeepSpeed's linear in for torch's (mem_efficient_linear, on by default), and a ZeRO-3 run
     trains with it: it saves a non-contiguous input as it is, where torch's linear saves the contiguous copy it
