@@ -17,6 +17,15 @@ def main(argv: list[str]) -> int:
 
     parser = argparse.ArgumentParser(
         prog="shardtrain check-data",
+        # argparse's own usage lists only the flags below; the training flags a source is named by go through
+        # train's parser (_check_source_main), so the usage names the four ways in.
+        usage="shardtrain check-data DIR [--kind {}] [--num-labels N]\n"
+        "       shardtrain check-data DIR --dataset-format FORMAT\n"
+        "       shardtrain check-data [DIR] --config FILE | --dataset-name NAME | --train-file FILE | --train-dir DIR\n"
+        "                             [train's data flags: --validation-file, --text-column-names, ...]\n"
+        "       shardtrain check-data --workload MODULE:CLASS [--workload-args JSON] [--samples N|all]".format(
+            "|".join(record_kinds())
+        ),
         description="List every problem of a jsonl data folder (DIR), of the "
         "source that training flags name (--config, --dataset-name, --train-file, --train-dir, --dataset-format, "
         "column flags), or of a user's --workload (its datasets() and collate on a few samples).",

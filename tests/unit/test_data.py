@@ -430,6 +430,24 @@ def test_a_relative_data_dir_not_found_names_the_working_directory(tmp_path, mon
         split_path(tmp_path / "nope", "train")
 
 
+def test_check_data_usage_names_the_training_flags_a_source_is_given_by(capsys):
+    """The usage line had listed only check-data's own flags, though a source is named by train's: a user reading
+    --help did not see that `--train-file` or `--dataset-name` work here."""
+    with pytest.raises(SystemExit):
+        cli.main(["check-data", "--help"])
+    usage = capsys.readouterr().out.split("\n\n")[0]
+    for way in (
+        "check-data DIR [--kind multimodal|longdoc]",
+        "--dataset-format FORMAT",
+        "--train-file FILE",
+        "--dataset-name NAME",
+        "--train-dir DIR",
+        "--config FILE",
+        "--workload MODULE:CLASS",
+    ):
+        assert way in usage, usage
+
+
 def test_check_data_of_text_records_as_image_records_is_one_line_per_split(ld_dir):
     """`check-data data/longdoc --kind multimodal` printed one `missing field 'image'` per record (642 lines);
     it is one line per split now, naming the kind the records are."""
