@@ -582,7 +582,7 @@ def where(name: str) -> str:
     YAML file set it (in the config validate() was given) is named by its key, and the error starts with the
     file and line (see located_errors)."""
     checking = _CHECKING.get()
-    line = checking and _set_in_file(checking[0], name)
+    line = checking and set_in_file(checking[0], name)
     if line:
         named = checking[1]
         named.append((line, key_of(name)))
@@ -593,11 +593,11 @@ def where(name: str) -> str:
 def located(cfg: Config, name: str) -> str:
     """where() for a line outside validate(), such as a warning: a value still as a YAML file set it is named by
     its `file:line: key`, any other by its flag and key."""
-    line = _set_in_file(cfg, name)
+    line = set_in_file(cfg, name)
     return f"{line}: {key_of(name)}" if line else f"{flag_of(name)} ({key_of(name)})"
 
 
-def _set_in_file(cfg: Config, name: str) -> str | None:
+def set_in_file(cfg: Config, name: str) -> str | None:
     """The `file:line` of a YAML file that set this value, while the config still holds the value it set."""
     origin = cfg.origins.get(name)
     if origin and getattr(getattr(cfg, FIELDS[name][0]), name) == origin[1]:

@@ -37,6 +37,7 @@ from shardtrain.config.settings import (
     is_builtin_workload,
     located,
     reads_images,
+    set_in_file,
     where,
 )
 from shardtrain.data.records import relative_to_cwd
@@ -58,9 +59,10 @@ def source_asks() -> int:
 
 def unread_source_flags(cfg: Config, asks_before: int) -> str | None:
     """A line to warn with when the config names training data that datasets() did not ask for: a source flag,
-    a published layout, or a --data-dir other than the default folder (which nobody named)."""
+    a published layout, or a --data-dir other than the default folder (which nobody named) or that a YAML file
+    names, the default included: a file that says `data_dir: data/multimodal` asked for that folder."""
     given = [name for name in (*SOURCE_FLAGS, "dataset_format") if getattr(cfg.data, name)]
-    if cfg.data.data_dir != FIELDS["data_dir"][1].default:
+    if cfg.data.data_dir != FIELDS["data_dir"][1].default or set_in_file(cfg, "data_dir"):
         given.append("data_dir")
     if not given or _source_asks > asks_before:
         return None

@@ -438,3 +438,19 @@ def test_a_data_folder_the_workload_never_reads_is_warned_about_like_a_train_fil
 
     line = unread_source_flags(parse_cli(["--config", str(yaml)]), asks)
     assert line.startswith("myproj/run.yaml:4: data.data_dir names training data"), line
+
+
+def test_a_yaml_that_names_the_default_data_folder_is_warned_about_too(tmp_path, monkeypatch):
+    """A file that says `data_dir: data/multimodal` asked for that folder, though it is the default: a workload
+    that reads its own data ignored it without a word (only values other than the default were warned about)."""
+    from shardtrain.config.settings import FIELDS, parse_cli
+    from shardtrain.data.sources import source_asks, unread_source_flags
+
+    monkeypatch.chdir(tmp_path)
+    default = FIELDS["data_dir"][1].default
+    Path("run.yaml").write_text(f"model:\n  name: multimodal\ndata:\n  data_dir: {default}\n")
+    line = unread_source_flags(parse_cli(["--config", "run.yaml"]), source_asks())
+    assert line is not None and line.startswith("run.yaml:4: data.data_dir names training data"), line
+    # Nobody named it: no warning.
+    Path("bare.yaml").write_text("model:\n  name: multimodal\n")
+    assert unread_source_flags(parse_cli(["--config", "bare.yaml"]), source_asks()) is None
