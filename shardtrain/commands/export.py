@@ -66,12 +66,7 @@ def main(argv: list[str]) -> int:
             f"{100 * info['size_reduction']:.1f}% smaller"
         )
     if "workload" in info:  # a user's workload: evaluated by its own metrics, if asked
-        for key in ("eval_fp32", "eval_int8"):
-            if key in info:
-                print(
-                    f"{key[5:]} validation: "
-                    + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in info[key].items())
-                )
+        _print_evals(info)
         return 0
     if args.eval:
         # The run's own data source (a --data-dir layout, --train-file, --dataset-name, ...), or --data-dir's.
@@ -79,16 +74,18 @@ def main(argv: list[str]) -> int:
 
         given = {"data_dir": args.data_dir} if args.data_dir else {}
         info["eval_fp32"] = split_metrics(Path(args.out), given)
-        e32 = info["eval_fp32"]
-        print(
-            f"fp32 validation: accuracy {e32['accuracy']:.4f}, macro-F1 {e32['macro_f1']:.4f} "
-            f"({e32['n_examples']} examples)"
-        )
         if args.int8:
-            info["eval_int8"] = e8 = split_metrics(Path(args.out), given, int8=True)
-            print(
-                f"int8 validation: accuracy {e8['accuracy']:.4f} ({e8['accuracy'] - e32['accuracy']:+.4f}), "
-                f"macro-F1 {e8['macro_f1']:.4f} ({e8['macro_f1'] - e32['macro_f1']:+.4f})"
-            )
+            info["eval_int8"] = split_metrics(Path(args.out), given, int8=True)
+        _print_evals(info)
         (Path(args.out) / EXPORT_META).write_text(json.dumps(info, indent=1))
     return 0
+
+
+def _print_evals(info: dict) -> None:
+    """fp32, then INT8 with each number's change from fp32: one format for the built-ins and users' workloads."""
+    from shardtrain.observability.metric_text import metrics_line
+
+    if "eval_fp32" in info:
+        print(f"fp32 validation: {metrics_line(info['eval_fp32'])}")
+    if "eval_int8" in info:
+        print(f"int8 validation: {metrics_line(info['eval_int8'], before=info.get('eval_fp32'))}")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from shardtrain.config.settings import logs_model_artifact
 from shardtrain.observability.loggers import RUN_ID_KEYS, described, eval_values, logged_values
+from shardtrain.observability.metric_text import metrics_line
 
 
 class Console:
@@ -270,16 +271,7 @@ class Tracker:
         if not result:
             return  # a workload with no validation set
         where = "eval" if final else f"step {step} eval"
-        if {"accuracy", "macro_f1", "n_examples"} <= set(result):  # the default metrics
-            self.console.info(
-                f"{where} | accuracy {result['accuracy']:.4f} | macro-F1 {result['macro_f1']:.4f} | "
-                f"{result['n_examples']} examples"
-            )
-        else:  # a workload's own metrics(), as it names them
-            self.console.info(
-                f"{where} | "
-                + " | ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in result.items())
-            )
+        self.console.info(f"{where} | {metrics_line(result, sep=' | ')}")
         self.evals.write({"step": step, "final": final, **result})
         self._fan_out(step, eval_values(result))
 

@@ -252,3 +252,23 @@ def test_a_preempted_attempt_leaves_no_summary_figures_beside_the_real_ones(tmp_
     run_id = state["mlflow_run_id"]
     assert mlflow_history(client, run_id, "summary/final_loss") == [(4, 0.6)]
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_eval_lines_and_export_show_any_workloads_metrics_alike(tmp_path, capsys):
+    """One format for every workload's metrics: a workload that returned the default three plus its own had its
+    own dropped from the eval line, and `export --eval` printed a user's workload's as `n_examples 8`, a built-in's
+    as `(8 examples)`."""
+    from shardtrain.commands.export import _print_evals
+
+    tracker = Tracker(config(tmp_path / "run"), DIST, Console(0), tmp_path / "run", 0, RUN_INFO)
+    capsys.readouterr()
+    fp32 = {"accuracy": 0.5, "macro_f1": 0.4, "n_examples": 8, "top2_accuracy": 0.875}
+    tracker.evaluated(2, fp32)
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == "step 2 eval | accuracy 0.5000 | macro-F1 0.4000 | 8 examples | top2_accuracy 0.8750"
+    _print_evals({"eval_fp32": fp32, "eval_int8": {**fp32, "accuracy": 0.375}})
+    assert capsys.readouterr().out.splitlines() == [
+        "fp32 validation: accuracy 0.5000, macro-F1 0.4000, 8 examples, top2_accuracy 0.8750",
+        "int8 validation: accuracy 0.3750 (-0.1250), macro-F1 0.4000 (+0.0000), 8 examples, "
+        "top2_accuracy 0.8750 (+0.0000)",
+    ]

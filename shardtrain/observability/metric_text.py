@@ -1,0 +1,23 @@
+"""A workload's metrics as one line of text, the same in the run's eval lines and in `export --eval`."""
+
+from __future__ import annotations
+
+# The default metrics (workloads/base.py classification_metrics) by the names people read them by.
+SHOWN_AS = {"macro_f1": "macro-F1"}
+
+
+def metrics_line(result: dict, sep: str = ", ", before: dict | None = None) -> str:
+    """`accuracy 0.9375, macro-F1 0.9370, 128 examples`; a workload's own keys as it names them. `before`: each
+    number's change from that result, as `export --int8 --eval` shows INT8 against fp32."""
+    parts = []
+    for key, value in result.items():
+        if key == "n_examples":
+            parts.append(f"{value} examples")
+        elif isinstance(value, float):
+            change = before.get(key) if before else None
+            parts.append(
+                f"{SHOWN_AS.get(key, key)} {value:.4f}" + (f" ({value - change:+.4f})" if change is not None else "")
+            )
+        else:
+            parts.append(f"{SHOWN_AS.get(key, key)} {value}")
+    return sep.join(parts)
