@@ -83,7 +83,17 @@ class Workload:
 
         logits = logits_of(outputs)
         n = logits.shape[-1]
-        idx = labels_of(batch, f"{type(self).__name__}.metric_sums").reshape(-1) * n + logits.argmax(dim=-1).reshape(-1)
+        labels = labels_of(batch, f"{type(self).__name__}.metric_sums").reshape(-1)
+        outside = labels[(labels < 0) | (labels >= n)]
+        if outside.numel():
+            # A training batch's cross_entropy refuses such a label; one in the validation data alone would end the
+            # run at its last evaluation, after all its steps, as a confusion matrix of the wrong size.
+            raise ConfigError(
+                f"{type(self).__name__}.metric_sums: an evaluation batch has label {outside[0].item()}, outside "
+                f"0..{n - 1} (the model gives {n} logits): fix the validation data's labels, or give the model "
+                f"as many outputs as classes"
+            )
+        idx = labels * n + logits.argmax(dim=-1).reshape(-1)
         return {"confusion": torch.bincount(idx, minlength=n * n).double().view(n, n)}
 
     def metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:

@@ -231,6 +231,28 @@ def test_default_metrics_count_every_example_from_summed_confusions():
     assert m["macro_f1"] == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
 
 
+@pytest.mark.parametrize("label", [7, -1])
+def test_a_validation_label_outside_the_models_classes_is_one_line_naming_it(label):
+    """A trial's workload had label 7 in its validation data alone, with 2 classes: the run trained every step, then
+    ended at its last evaluation with `RuntimeError: shape '[2, 2]' is invalid for input of size 15`."""
+    task = Task(Config())
+    message = rf"Task.metric_sums: an evaluation batch has label {label}, outside 0..1 \(the model gives 2 logits\)"
+    with pytest.raises(ConfigError, match=message + ": fix the validation data's labels"):
+        task.metric_sums(torch.zeros(3, 2), {"labels": torch.tensor([0, label, 1])})
+
+
+def test_an_int8_export_that_grew_says_larger():
+    """A model of few Linear layers (an EmbeddingBag and one small Linear) grows by the quantization scales: the
+    size line said `-4.6% smaller`."""
+    from shardtrain.commands.export import size_change
+
+    assert (size_change(0.4616), size_change(-0.046), size_change(0.0)) == (
+        "46.2% smaller",
+        "4.6% larger",
+        "0.0% smaller",
+    )
+
+
 def test_freezing_without_freezable_parameter_names_says_what_is_missing():
     with pytest.raises(
         ConfigError,
