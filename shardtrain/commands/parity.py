@@ -157,13 +157,15 @@ def run_one(name: str, args: argparse.Namespace, common: list[str], extra: list[
     ]
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's choice; unset, the deepspeed path ran ~1.8x slower
-    # The runs start in the checkout; a --workload module in the user's working directory must still import.
+    # The runs start where parity was started, as `train` would: a relative data_dir in the config, or a
+    # relative --out, means the same folder to both. Python puts a script's folder, not the working directory, on
+    # sys.path, so a --workload module there is put on it.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (os.getcwd(), env.get("PYTHONPATH")) if p)
     log = run_dir / "parity.log"
     with open(log, "w") as f:
         f.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         f.flush()
-        code = subprocess.run(cmd, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if code != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         print(f"parity: {name} failed (exit {code}); log: {log}\n{tail}", file=sys.stderr)

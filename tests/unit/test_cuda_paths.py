@@ -515,3 +515,25 @@ def test_the_gpu_suite_shell_keeps_its_hard_stop_above_budget_plus_the_longest_c
         assert f"hard stop {stop} s" in run.stdout, run.stdout
         (line,) = [x for x in run.stdout.splitlines() if x.startswith("PY ")]
         assert "benchmarks/gpu_suite.py" in line and "--out o.json --work w" in line
+
+
+def test_parity_runs_start_where_parity_was_started(tmp_path, monkeypatch):
+    """They started in the checkout: a config's relative data_dir was looked for there (`folder not found:
+    data/multimodal ... read from the working directory, <the checkout>`), and a relative --out was written there
+    while parity read it here."""
+    from pathlib import Path
+
+    from shardtrain.commands import parity
+
+    started = []
+
+    def record(cmd, **kw):
+        started.append((kw.get("cwd"), cmd[cmd.index("--output-dir") + 1]))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(parity.subprocess, "run", record)
+    monkeypatch.chdir(tmp_path)
+    args = parity.argparse.Namespace(config=str(REPO / "configs/multimodal_tiny.yaml"), nproc=2, steps=2)
+    assert parity.run_one("ddp", args, [], [], Path("out")) == Path("out/ddp")
+    ((cwd, output_dir),) = started
+    assert cwd in (None, str(tmp_path)) and output_dir == "out/ddp"
