@@ -295,9 +295,32 @@ def conclude(results: dict[str, dict[int, dict]], args: argparse.Namespace, out:
             f"parity: DIVERGED at step {div['step']}: {div['strategy']} vs {report['reference']} "
             f"(loss {div['loss_rel_diff']:.2e} relative, grad norm {div['grad_norm_rel_diff']:.2e}){where}"
         )
+        drift = _late_drift(report)
+        if drift:
+            print(drift)
         return 1
     print(f"parity: OK, {', '.join(results)} agree over {len(report['steps'])} steps{where}")
     return 0
+
+
+def _late_drift(report: dict, first: int = 5) -> str | None:
+    """A note when the runs agreed to many digits over their first steps and parted later: the sign of
+    summation-order noise that training amplifies, not of a wrong average, accumulation or sync, which differs
+    from the first step. Measured on the tiny multimodal config (fp32, CPU, 60 steps): every strategy within 3e-6
+    of DDP for 12 to 30 steps, then apart by up to 16% as the loss neared 0.01 (docs/strategies.md)."""
+    early = report["steps"][:first]
+    if len(early) < first or report["first_divergence"]["step"] <= early[-1]["step"]:
+        return None
+    loss = max(max(row["loss_rel_diff"].values(), default=0.0) for row in early)
+    grad = max(max(row["grad_norm_rel_diff"].values(), default=0.0) for row in early)
+    if loss > report["tolerance"] / 100 or grad > report["grad_norm_tolerance"] / 100:
+        return None
+    return (
+        f"parity: note: the first {first} steps agreed within {loss:.1e} (loss) and {grad:.1e} (grad norm): the"
+        f" strategies' summation orders differ, and training amplifies that noise (most on a small model near zero"
+        f" loss), where a wrong average, accumulation or sync differs from step 1; compare the first steps"
+        f" (--steps 10) or give longer runs a --tolerance"
+    )
 
 
 def _listed(steps: list[int], most: int = 5) -> str:

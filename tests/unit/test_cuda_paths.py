@@ -537,3 +537,23 @@ def test_parity_runs_start_where_parity_was_started(tmp_path, monkeypatch):
     assert parity.run_one("ddp", args, [], [], Path("out")) == Path("out/ddp")
     ((cwd, output_dir),) = started
     assert cwd in (None, str(tmp_path)) and output_dir == "out/ddp"
+
+
+def test_parity_says_when_runs_parted_after_agreeing_for_many_steps(tmp_path, capsys):
+    """A trial compared two healthy 20-step runs of the shipped tiny config (ddp, fsdp): DIVERGED at step 13, and
+    nothing said that the 12 steps before agreed to 1e-7, the mark of summation-order noise, not of a bug."""
+    from test_reports import config, write_run
+
+    from shardtrain import cli
+
+    agreed = [1.0 - 0.05 * i for i in range(12)]
+    a = write_run(tmp_path / "ddp", config(), losses=[*agreed, 0.3, 0.25])
+    b = write_run(tmp_path / "fsdp", config(), losses=[*(x * (1 + 1e-7) for x in agreed), 0.3 * 1.01, 0.25 * 1.02])
+    assert cli.main(["parity", "--runs", f"{a},{b}"]) == 1
+    out = capsys.readouterr().out
+    assert "parity: DIVERGED at step 13: " in out
+    assert "parity: note: the first 5 steps agreed within 1.0e-07 (loss) and 0.0e+00 (grad norm)" in out, out
+    # Apart from the first steps: no such note.
+    c = write_run(tmp_path / "wrong", config(), losses=[x * 1.01 for x in [*agreed, 0.3, 0.25]])
+    assert cli.main(["parity", "--runs", f"{a},{c}"]) == 1
+    assert "parity: note: the first" not in capsys.readouterr().out
