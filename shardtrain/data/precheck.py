@@ -27,7 +27,10 @@ def check_splits(cfg) -> None:
     if source_of(cfg) != "data_dir":
         # Columns, labels, num_labels and every row of another source: what load_splits raises on each rank
         # later, once, now. Images are only checked to exist here, as below.
-        splits = load_splits(cfg, check_images=False)
+        try:
+            splits = load_splits(cfg, check_images=False)
+        except ConfigError as e:
+            raise ConfigError(str(e) + _how_many_more_rows(cfg)) from None
         if cfg.data.image_cache is not None and reads_images(cfg):
             for split, table in (("train", splits.train), ("validation", splits.validation)):
                 if table is not None:  # missing or stale: one line now, as below
@@ -59,6 +62,25 @@ def check_splits(cfg) -> None:
                 break
         if not good:
             raise ConfigError(f"{where('data_dir')}: no usable records in {path}")
+
+
+def _how_many_more_rows(cfg) -> str:
+    """After a source's first bad row, as after a jsonl file's: how many there are, and the two ways on. Read again
+    collecting the rows' problems (images only checked to exist); nothing to add when the source cannot be read
+    at all (a missing file or column), whose error says why."""
+    problems: list[str] = []
+    try:
+        load_splits(cfg, check_images=False, report=problems)
+    except ConfigError:
+        return ""
+    if not problems:
+        return ""
+    if len(problems) == 1:
+        return f" (the only bad row; {where('skip_bad_samples')} leaves such rows out)"
+    return (
+        f" ({len(problems)} bad rows: shardtrain check-data with the same data flags lists them all, "
+        f"{where('skip_bad_samples')} leaves them out)"
+    )
 
 
 def _how_many_more(path, kind: str, num_labels: int) -> str:

@@ -272,6 +272,24 @@ def test_check_data_lists_every_problem_of_a_source(tmp_path):
     assert check_source(cfg) == [f"--validation-file (data.validation_file): {empty} has no rows"]
 
 
+def test_trains_refusal_of_a_bad_row_says_how_many_there_are_and_the_ways_on(tmp_path):
+    """As for a jsonl file's bad record: a trial's CSV with two empty texts was refused by its first alone, with no
+    count, no check-data and no --skip-bad-samples (docs/data.md promised the count)."""
+    from shardtrain.data.precheck import check_splits
+
+    rows = [["good text", "pos"], ["", "neg"], ["more text", "neg"], ["", "pos"], ["fine", "pos"]]
+    cfg = config(train_file=str(write_csv(tmp_path / "reviews.csv", ["review", "sentiment"], rows)),
+                 text_column_names=["review"], label_column_name="sentiment")  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        check_splits(cfg)
+    first = "reviews.csv row 1 (line 3 if no field spans lines): empty text (2 bad rows: shardtrain check-data "
+    assert first in str(e.value)
+    assert str(e.value).endswith("lists them all, --skip-bad-samples (data.skip_bad_samples) leaves them out)")
+    write_csv(tmp_path / "reviews.csv", ["review", "sentiment"], rows[:3])
+    with pytest.raises(ConfigError, match=r"empty text \(the only bad row; --skip-bad-samples"):
+        check_splits(cfg)
+
+
 def test_an_image_that_fails_to_decode_mid_run_is_named_by_its_file_and_line(tmp_path):
     """An image is decoded when the run loads it (predict --file, --train-file): a jsonl row is named by its line,
     as check-data names it, and a held-out validation row by the file it came from (it used to be `row N`, from 0,
