@@ -524,12 +524,35 @@ def _label_scheme(cfg: Config, r: RawSplit, column: str) -> tuple[list[str], boo
     if kind == "int":
         return given, True
     found = sorted({_label_text(v) for v in values if not (_missing(v) or _unlabelled(v))})
+    if not given:
+        _refuse_one_class_spelt_two_ways(r, column, values, found)
     if given:
         unknown = [name for name in found if name not in given]
         if unknown:
             raise ConfigError(f"{r.origin}: labels {unknown[:5]} are not in {where('label_names')} {given}")
         return given, False
     return found, False
+
+
+def _refuse_one_class_spelt_two_ways(r: RawSplit, column: str, values: list, found: list[str]) -> None:
+    """`Pos` beside `pos` (or `pos `) became a class of its own in silence, with its one row. Names that differ only
+    in case or surrounding spaces are one class spelt two ways far more often than two classes; --label-names
+    that lists them both keeps them apart."""
+    spellings: dict[str, list[str]] = {}
+    for name in found:
+        spellings.setdefault(name.strip().casefold(), []).append(name)
+    clash = next((names for names in spellings.values() if len(names) > 1), None)
+    if clash is None:
+        return
+    counts = {name: 0 for name in clash}
+    for v in values:
+        if not (_missing(v) or _unlabelled(v)) and _label_text(v) in counts:
+            counts[_label_text(v)] += 1
+    shown = " and ".join(f"{name!r} ({n} row{'s' if n != 1 else ''})" for name, n in counts.items())
+    raise ConfigError(
+        f"{r.origin}: column '{column}' has labels {shown}, which differ only in case or spaces: fix the data, "
+        f"or list every class in {where('label_names')} to keep them apart"
+    )
 
 
 def _missing(v) -> bool:

@@ -290,6 +290,27 @@ def test_trains_refusal_of_a_bad_row_says_how_many_there_are_and_the_ways_on(tmp
         check_splits(cfg)
 
 
+def test_a_class_spelt_two_ways_is_refused_unless_label_names_lists_both(tmp_path):
+    """A trial's CSV had one `Pos` among `pos` and `neg`: the run trained three classes (0=Pos, 1=neg, 2=pos), and
+    check-data said nothing."""
+    from shardtrain.data.check import check_source
+    from shardtrain.data.sources import load_splits
+
+    rows = [["good", "pos"], ["bad", "neg"], ["fine", "pos"], ["great", "Pos"], ["awful", "neg"]]
+    f = write_csv(tmp_path / "reviews.csv", ["review", "sentiment"], rows)
+    cfg = config(train_file=str(f), text_column_names=["review"], label_column_name="sentiment")
+    message = (
+        f"{f}: column 'sentiment' has labels 'Pos' (1 row) and 'pos' (2 rows), which differ only in case or spaces: "
+        "fix the data, or list every class in --label-names (data.label_names) to keep them apart"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_splits(cfg)
+    assert str(e.value) == message
+    assert check_source(cfg) == [message]
+    kept = load_splits(replace_fields(cfg, label_names=["Pos", "neg", "pos"]))
+    assert list(kept.labels.names) == ["Pos", "neg", "pos"]
+
+
 def test_an_image_that_fails_to_decode_mid_run_is_named_by_its_file_and_line(tmp_path):
     """An image is decoded when the run loads it (predict --file, --train-file): a jsonl row is named by its line,
     as check-data names it, and a held-out validation row by the file it came from (it used to be `row N`, from 0,
