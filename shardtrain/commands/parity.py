@@ -165,7 +165,7 @@ def run_one(name: str, args: argparse.Namespace, common: list[str], extra: list[
     with open(log, "w") as f:
         f.write(" ".join(shlex.quote(c) for c in cmd) + "\n")
         f.flush()
-        code = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(cmd, cwd=os.getcwd(), env=env, stdout=f, stderr=subprocess.STDOUT).returncode
     if code != 0:
         tail = "\n".join(log.read_text().splitlines()[-15:])
         print(f"parity: {name} failed (exit {code}); log: {log}\n{tail}", file=sys.stderr)

@@ -315,7 +315,7 @@ def test_parity_passes_the_workload_to_every_run(tasks, capsys, monkeypatch):
     cmd, env = launched[0]
     assert code == 3 and "--config" not in cmd, cmd
     assert cmd[cmd.index("--workload") + 1] == "user_tasks:Tiny" and cmd[cmd.index("--workload-args") + 1] == args
-    assert str(tasks) in env["PYTHONPATH"].split(":")  # the runs start in the checkout, the module is here
+    assert str(tasks) in env["PYTHONPATH"].split(":")  # a script's folder, not the working directory, is on sys.path
     launched.clear()
     code = cli.main(["parity", "--workload", "user_tasks:Nope", "--strategies", "ddp,fsdp"])
     assert code == 2 and not launched  # one line, before any run
