@@ -524,13 +524,12 @@ def _label_scheme(cfg: Config, r: RawSplit, column: str) -> tuple[list[str], boo
     if kind == "int":
         return given, True
     found = sorted({_label_text(v) for v in values if not (_missing(v) or _unlabelled(v))})
-    if not given:
-        _refuse_one_class_spelt_two_ways(r, column, values, found)
     if given:
         unknown = [name for name in found if name not in given]
         if unknown:
             raise ConfigError(f"{r.origin}: labels {unknown[:5]} are not in {where('label_names')} {given}")
         return given, False
+    _refuse_one_class_spelt_two_ways(r, column, values, found)
     return found, False
 
 
