@@ -189,7 +189,13 @@ def torchrun(
 ) -> Run:
     # `script`: a test driver that calls shardtrain.loop.train.Trainer(cfg).train() for several configs in one
     # process group (one launch instead of many); everything else goes through MAIN, the file users run.
-    cmd = [
+    return run(torchrun_cmd(args, nproc, extra_launcher_args, script), timeout=timeout, env=env, check=check)
+
+
+def torchrun_cmd(
+    args: list[str], nproc: int = 2, extra_launcher_args: list[str] = (), script: Path = MAIN
+) -> list[str]:
+    return [
         str(BIN / "torchrun"),
         f"--nproc_per_node={nproc}",
         "--master_addr=127.0.0.1",
@@ -198,7 +204,6 @@ def torchrun(
         str(script),
         *args,
     ]
-    return run(cmd, timeout=timeout, env=env, check=check)
 
 
 DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"

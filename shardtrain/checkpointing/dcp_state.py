@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from shardtrain.checkpointing.flat_chunks import SavePlanner
-from shardtrain.checkpointing.store import AsyncWrite
+from shardtrain.checkpointing.store import AsyncWrite, committed_steps, rank_error
 from shardtrain.checkpointing.unpickle_guard import check_dcp_metadata
 from shardtrain.config.settings import ConfigError
 from shardtrain.runtime import faults
@@ -141,10 +142,44 @@ def dist_rank() -> int:
 
 
 def read_metadata(ckpt_dir: Path):
-    """The DCP metadata, after the unpickling guard. Shapes of every saved tensor, by flattened key."""
+    """The DCP metadata, after the unpickling guard, with every shard file it indexes checked to be whole. Shapes
+    of every saved tensor, by flattened key."""
     path = ckpt_dir / MODEL_DIR
     check_dcp_metadata(path)
-    return dcp.FileSystemReader(str(path)).read_metadata()
+    metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    _check_shard_files(ckpt_dir, metadata)
+    return metadata
+
+
+def _check_shard_files(ckpt_dir: Path, metadata) -> None:
+    """A shard file cut short (a host that died mid-copy, a partial sync from S3) or gone: one line naming it,
+    before any rank reads. torch's own error names no file, and comes wrapped in every rank's traceback."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name, end = getattr(info, "relative_path", None), getattr(info, "offset", 0) + getattr(info, "length", 0)
+        if name is not None:
+            needed[name] = max(needed.get(name, 0), end)
+    for name, size in sorted(needed.items()):
+        file = ckpt_dir / MODEL_DIR / name
+        have = file.stat().st_size if file.is_file() else None
+        if have is None or have < size:
+            state = "is missing" if have is None else f"is truncated ({have:,} of the {size:,} bytes its index names)"
+            raise ConfigError(f"checkpoint file {file} {state}{_earlier_checkpoint(ckpt_dir)}")
+
+
+def read_failed(ckpt_dir: Path, e: BaseException) -> ConfigError:
+    """A shard that DCP could not read, in one line: the error a rank hit, not DCP's every-rank traceback."""
+    error = rank_error(e)
+    msg = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+    return ConfigError(
+        f"checkpoint {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt?): {msg}{_earlier_checkpoint(ckpt_dir)}"
+    )
+
+
+def _earlier_checkpoint(ckpt_dir: Path) -> str:
+    """The way on from a damaged checkpoint: the newest committed one before it in the same run, if any."""
+    earlier = [d for d in committed_steps(ckpt_dir.parent) if d.name < ckpt_dir.name]
+    return f"; the run's previous checkpoint is whole: --resume {earlier[-1]}" if earlier else ""
 
 
 def tensor_shapes(metadata) -> dict[str, tuple]:
@@ -198,9 +233,8 @@ def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn
         state["optim"] = {"state": have}
     try:
         dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR))
-    except Exception as e:  # noqa: BLE001 - DCP wraps per-rank read errors; one line is what users need
-        msg = " ".join(str(e).split())[:300]
-        raise ConfigError(f"--resume {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): {msg}") from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException
+        raise read_failed(ckpt_dir, e) from None
     if load_optimizer:
         optim_state.update(state["optim"]["state"])
     set_state_dict(

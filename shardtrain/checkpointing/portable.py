@@ -10,13 +10,14 @@ from pathlib import Path
 
 import torch
 
-from shardtrain.checkpointing.dcp_state import MODEL_DIR, read_metadata, tensor_shapes
+from shardtrain.checkpointing.dcp_state import MODEL_DIR, read_failed, read_metadata, tensor_shapes
 from shardtrain.config.settings import ConfigError
 
 
 def read_portable(ckpt_dir: str | Path, optimizer: bool = False) -> dict[str, dict]:
     """-> {"model": {fqn: tensor}, "optim": {flattened key: tensor}} (optim only when asked)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ckpt_dir = Path(ckpt_dir)
@@ -35,10 +36,8 @@ def read_portable(ckpt_dir: str | Path, optimizer: bool = False) -> dict[str, di
         flat[key] = torch.empty(shapes[key], dtype=meta.properties.dtype)
     try:
         dcp.load(flat, checkpoint_id=str(ckpt_dir / MODEL_DIR), no_dist=True)
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError(
-            f"{ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): {' '.join(str(e).split())[:300]}"
-        ) from None
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException
+        raise read_failed(ckpt_dir, e) from None
     model = {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
     optim = {k[len("optim.state.") :]: v for k, v in flat.items() if k.startswith("optim.state.")}
     return {"model": model, "optim": optim}

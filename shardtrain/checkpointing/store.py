@@ -171,10 +171,13 @@ class AsyncWrite:
 
     def wait(self) -> BaseException | None:
         """Blocks until the write ends; its error, or None once the files are written and fsynced."""
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        # Any error: the caller agrees with the other ranks, then reports it. DCP's own is a BaseException.
         try:
             self.future.result()
             return None
-        except Exception as e:  # noqa: BLE001 - the caller agrees with the other ranks, then reports it
+        except (Exception, CheckpointException) as e:  # noqa: BLE001
             return e
 
     @property
@@ -224,7 +227,6 @@ def start_save(strategy, trainer_state: dict, output_dir: str | Path, keep_last:
             shutil.rmtree(path)
         path.mkdir()
     barrier()
-    step, rank = trainer_state["step"], strategy.dist.rank
     # The trainer state and RNG belong to the step that was snapshotted, not to the step its write finishes at.
     pending = PendingSave(
         path,
@@ -241,8 +243,7 @@ def start_save(strategy, trainer_state: dict, output_dir: str | Path, keep_last:
             pending.write = strategy.save_async(path)
         else:
             strategy.save(path)
-        faults.maybe_disk_full(step, rank)  # here every rank is past the strategy's own collectives
-        save_rng(path / "rng", rank)
+        save_rng(path / "rng", strategy.dist.rank)
     except (OSError, CheckpointException) as e:
         pending.failure = e
     return pending
@@ -273,14 +274,15 @@ def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) 
     root = path.parent
     if failed:
         # Every rank says the same thing: the highest errno seen anywhere (ENOSPC, EDQUOT, EIO...).
-        code = all_reduce_max(float(getattr(failure, "errno", None) or (-1 if failure else 0)), strategy.device)
+        error = rank_error(failure) if failure else None
+        code = all_reduce_max(float(getattr(error, "errno", None) or (-1 if error else 0)), strategy.device)
         _abandon(path, root, rank0)
         from shardtrain.config.settings import ConfigError
 
         previous = latest_committed(root)
         cause = (
-            _cause(failure)
-            if failure and getattr(failure, "errno", None) == code
+            _cause(error)
+            if error and getattr(error, "errno", None) == code
             else os.strerror(int(code))
             if code > 0
             else "a rank failed to write its shards"
@@ -314,6 +316,16 @@ def _abandon(path: Path, root: Path, rank0: bool) -> None:
     barrier()
     if rank0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def rank_error(e: BaseException) -> BaseException:
+    """The error a rank hit, out of DCP's CheckpointException, which wraps every failing rank's (with its
+    traceback) and carries no errno of its own: a real full disk reaches the caller that way."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return e
 
 
 def _cause(e: BaseException) -> str:

@@ -5,7 +5,6 @@
 POINT is where rank RANK fails while working on optimizer step STEP (1-based):
     step    SIGKILL itself after the step's backward, before the optimizer update (a mid-step crash)
     save    SIGKILL itself after writing its checkpoint shards, before COMMITTED (a torn save)
-    enospc  its checkpoint write fails with "No space left on device" (a full disk, simulated)
     stall   sleeps 120 s after the step's backward (a slow step, for signals that must act within one)
     write_stall  the DCP write of step STEP's checkpoint sleeps 300 s (with --async-save: in the background,
                  while training goes on), so a test can kill -9 the job while that write is in flight
@@ -23,13 +22,12 @@ Unset (always, outside tests) it costs one set lookup per call.
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import time
 
 ENV = "SHARDTRAIN_FAULT"
-POINTS = ("step", "save", "enospc", "stall", "write_stall")
+POINTS = ("step", "save", "stall", "write_stall")
 WRITE_DELAY_ENV = "SHARDTRAIN_WRITE_DELAY"
 
 
@@ -104,11 +102,6 @@ def write_delay(step: int, rank: int) -> float:
         print(f"[fault injection] rank {rank}: stalling the checkpoint write at write_stall@{step}", flush=True)
         delay += 300.0
     return delay
-
-
-def maybe_disk_full(step: int, rank: int) -> None:
-    if armed("enospc", step, rank):
-        raise OSError(errno.ENOSPC, "No space left on device (fault injection)")
 
 
 def maybe_nan(loss, step: int, steps: list[int], rank: int, world_size: int):

@@ -469,8 +469,15 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         buffers, resharded by DCP from whatever the checkpoint holds: another ZeRO stage or world size, FSDP's
         row shards, DDP's whole tensors, or the gathered form DeepSpeed checkpoints had before. Collective."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
 
-        from shardtrain.checkpointing.dcp_state import MODEL_DIR, check_model_fits, read_metadata, tensor_shapes
+        from shardtrain.checkpointing.dcp_state import (
+            MODEL_DIR,
+            check_model_fits,
+            read_failed,
+            read_metadata,
+            tensor_shapes,
+        )
         from shardtrain.checkpointing.flat_chunks import FlatRange, LoadPlanner
 
         shapes = tensor_shapes(read_metadata(ckpt_dir))
@@ -513,11 +520,8 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         state = {"model": model, **({"optim": {"state": moments}} if load_optimizer else {})}
         try:
             dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR), planner=LoadPlanner())
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(
-                f"--resume {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt or truncated?): "
-                f"{' '.join(str(e).split())[:300]}"
-            ) from None
+        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException
+            raise read_failed(ckpt_dir, e) from None
         self._weights_from_masters(params)
         for name, buf in buffers.items():
             buf.copy_(model[name])

@@ -122,3 +122,66 @@ def test_slurm_requeue_survives_the_sigterm_it_causes(tmp_path, monkeypatch):
     assert requeue_if_slurm(lines.append) is True, lines
     assert lines == ["requeued Slurm job 814; it resumes from the checkpoint (--resume auto)"]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 814\n"
+
+
+def _committed_step(root, step: int, weight: torch.Tensor):
+    """A committed checkpoint of a one-tensor model, written by DCP as a run writes its `model_optim/`."""
+    import torch.distributed.checkpoint as dcp
+
+    path = root / checkpoint.step_dir_name(step)
+    dcp.save({"model": {"w": weight}}, checkpoint_id=str(path / "model_optim"), no_dist=True)
+    (path / checkpoint.TRAINER_STATE).write_text(json.dumps({"step": step}))
+    (path / checkpoint.COMMIT_MARKER).write_text("ok\n")
+    return path
+
+
+def test_a_shard_cut_short_or_gone_is_named_with_the_checkpoint_before_it(tmp_path):
+    """A shard file that a dying host or a partial S3 sync cut short: torch's error named no file, and DCP's
+    CheckpointException (a BaseException) carried every rank's traceback past the one-line handler."""
+    from shardtrain.checkpointing.portable import read_portable
+
+    root = tmp_path / "checkpoints"
+    earlier = _committed_step(root, 2, torch.ones(4096))
+    damaged = _committed_step(root, 4, torch.arange(4096.0))
+    (shard,) = (damaged / "model_optim").glob("*.distcp")
+    size = shard.stat().st_size
+    os.truncate(shard, size // 2)
+    with pytest.raises(ConfigError) as cut:
+        read_portable(damaged)
+    assert str(cut.value) == (
+        f"checkpoint file {shard} is truncated ({size // 2:,} of the {size:,} bytes its index names); "
+        f"the run's previous checkpoint is whole: --resume {earlier}"
+    )
+    shard.unlink()
+    with pytest.raises(ConfigError, match=rf"^checkpoint file {shard} is missing; .* --resume {earlier}$"):
+        read_portable(damaged)
+    assert torch.equal(read_portable(earlier)["model"]["w"], torch.ones(4096))
+
+
+def test_a_shard_damaged_inside_is_one_line_naming_the_rank_error(tmp_path):
+    from shardtrain.checkpointing.portable import read_portable
+
+    damaged = _committed_step(tmp_path / "checkpoints", 2, torch.arange(4096.0))
+    (shard,) = (damaged / "model_optim").glob("*.distcp")
+    data = bytearray(shard.read_bytes())
+    data[: len(data) // 2] = bytes(len(data) // 2)  # the size is whole, the bytes are not
+    shard.write_bytes(bytes(data))
+    with pytest.raises(ConfigError) as bad:
+        read_portable(damaged)
+    line = str(bad.value)
+    assert line.startswith(f"checkpoint {damaged}: cannot read model_optim/ (corrupt?): ") and "\n" not in line
+    assert "Traceback" not in line and "CheckpointException" not in line
+
+
+def test_a_write_error_wrapped_by_dcp_keeps_its_errno():
+    """A real full disk reaches the save's commit wrapped in DCP's CheckpointException, which has no errno: the
+    line said "a rank failed to write its shards" instead of the cause."""
+    import errno
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+    wrapped = CheckpointException("CheckpointException ranks:dict_keys([1])", {1: (full, traceback.StackSummary())})
+    assert checkpoint.rank_error(wrapped) is full and checkpoint.rank_error(full) is full
+    assert checkpoint._cause(checkpoint.rank_error(wrapped)) == "No space left on device"
