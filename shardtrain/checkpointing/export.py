@@ -292,6 +292,7 @@ def evaluate_workload(workload, model: nn.Module) -> dict:
     """The exported weights on the workload's own validation set, by its own metric_sums / metrics."""
     from torch.utils.data import DataLoader
 
+    from shardtrain.workloads.adapters import forwarded_model
     from shardtrain.workloads.base import CheckedCollate
 
     validation = workload.datasets()[1]
@@ -303,7 +304,8 @@ def evaluate_workload(workload, model: nn.Module) -> dict:
         batch_size=workload.cfg.train.eval_batch_size or workload.cfg.train.per_device_batch_size,
         collate_fn=CheckedCollate(workload),
     ):
-        for key, value in workload.metric_sums(workload.forward(model, batch), batch).items():
+        outputs = workload.forward(forwarded_model(workload, model), batch)
+        for key, value in workload.metric_sums(outputs, batch).items():
             sums[key] = sums[key] + value.double() if key in sums else value.double()
     return workload.metrics(sums)
 

@@ -490,6 +490,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
     from shardtrain.data.batches import top_tensor
     from shardtrain.data.loaders import loader_workers
     from shardtrain.strategies.base import DTYPES
+    from shardtrain.workloads.adapters import forwarded_model
     from shardtrain.workloads.base import CheckedCollate, logits_of
 
     cfg, workload = source.cfg, source.workload
@@ -511,7 +512,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
         for batch in loader:
             batch = batch_to_device(batch, device)
             with torch.autocast(device.type, dtype=DTYPES[args.precision], enabled=args.precision != "fp32"):
-                outputs = workload.forward(model, batch)
+                outputs = workload.forward(forwarded_model(workload, model), batch)
             logits = logits_of(outputs).float()
             if logits.dim() != 2:
                 raise ConfigError(

@@ -22,19 +22,22 @@ from typing import Any, Callable
 
 from torch import nn
 
+from shardtrain.workloads.adapters import forwarded_model
+
 
 class WorkloadRoot(nn.Module):
-    def __init__(self, model: nn.Module, forward: Callable[[nn.Module, Any], Any]):
+    def __init__(self, model: nn.Module, forward: Callable[[nn.Module, Any], Any], forwarded: nn.Module):
         super().__init__()
         # The model's own tables: a parameter FSDP2 or ZeRO-3 replaces on either is replaced on both.
         for table in ("_parameters", "_buffers", "_non_persistent_buffers_set", "_modules"):
             object.__setattr__(self, table, getattr(model, table))
         object.__setattr__(self, "model", model)  # a plain attribute: not registered, so no "model." prefix
         object.__setattr__(self, "workload_forward", forward)
+        object.__setattr__(self, "forwarded", forwarded)  # the model, or under --peft lora the base inside it
         self.training = model.training
 
     def forward(self, batch):
-        return self.workload_forward(self.model, batch)
+        return self.workload_forward(self.forwarded, batch)
 
     def train(self, mode: bool = True):
         super().train(mode)  # the shared submodules
@@ -47,4 +50,4 @@ class WorkloadRoot(nn.Module):
 
 def workload_root(model: nn.Module, workload) -> WorkloadRoot:
     """What every strategy's setup wraps (DDP, fully_shard, deepspeed.initialize) instead of the model."""
-    return WorkloadRoot(model, workload.forward)
+    return WorkloadRoot(model, workload.forward, forwarded_model(workload, model))

@@ -36,6 +36,16 @@ def apply_lora(workload, peft: PeftConfig) -> None:
     workload.lora_applied = True
 
 
+def forwarded_model(workload, model: nn.Module) -> nn.Module:
+    """The model Workload.forward receives: the module its build_model returned. Under --peft lora that is the
+    base inside the PeftModel apply_lora made, where peft has put the adapters in place of the targeted Linear
+    modules, so a forward written for the plain model (`model["text"](...)` on an nn.ModuleDict) runs them; a
+    PeftModel's own forward calls that same module. A PeftModel that build_model returned itself stays one."""
+    if getattr(workload, "lora_applied", False) and is_peft_model(model):
+        return model.get_base_model()
+    return model
+
+
 def is_peft_model(model: nn.Module) -> bool:
     """Without importing peft (seconds) for the runs that do not use it."""
     peft_module = sys.modules.get("peft")

@@ -171,3 +171,36 @@ def test_the_banner_names_the_adapters():
     line = describe_adapters(workload.build_model())
     assert line == "lora r=2, alpha 4, dropout 0.0 on query, value; trained whole: classifier", line
     assert describe_adapters(Classifier()) is None
+
+
+class FusionTask(Workload):
+    """The first report's shape: an nn.ModuleDict, which has no forward of its own, called part by part."""
+
+    def build_model(self):
+        return nn.ModuleDict({"text": Encoder(), "fusion": nn.Linear(8, 3)})
+
+    def forward(self, model, batch):
+        return model["fusion"](model["text"](batch["x"]))
+
+
+def test_a_moduledict_workloads_forward_gets_its_own_model_with_the_adapters_in_it():
+    """Its forward received the PeftModel, which is not subscriptable: `model["text"]` failed in the user's own
+    correct code, under every strategy."""
+    from shardtrain.strategies.root import workload_root
+
+    workload = FusionTask(lora_cfg("--target-modules", "query,value", "--modules-to-save", "fusion"))
+    apply_lora(workload, workload.cfg.peft)
+    torch.manual_seed(0)
+    model = workload.build_model()
+    root = workload_root(model, workload)
+    batch = {"x": torch.randn(4, 8)}
+    out = root(batch)
+    assert out.shape == (4, 3)
+    out.sum().backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained and all(".lora_" in n or ".modules_to_save." in n for n in trained), trained
+    with torch.no_grad():  # the adapters are in the path: moving LoRA's B (zero at start) moves the output
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.add_(0.5)
+        assert not torch.allclose(root(batch), out)
