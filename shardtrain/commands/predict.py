@@ -513,7 +513,7 @@ def predict_block(source: Source, args, rank: int, world: int, parts: Path) -> N
             batch = batch_to_device(batch, device)
             with torch.autocast(device.type, dtype=DTYPES[args.precision], enabled=args.precision != "fp32"):
                 outputs = workload.forward(forwarded_model(workload, model), batch)
-            logits = logits_of(outputs).float()
+            logits = logits_of(outputs, f"{type(workload).__name__}.forward").float()
             if logits.dim() != 2:
                 raise ConfigError(
                     f"predict classifies examples: {type(workload).__name__}.forward gives logits of "

@@ -75,13 +75,14 @@ class Workload:
     def loss(self, outputs, batch) -> torch.Tensor:
         import torch.nn.functional as F
 
-        return F.cross_entropy(logits_of(outputs).float(), labels_of(batch, f"{type(self).__name__}.loss"))
+        method = f"{type(self).__name__}.loss"
+        return F.cross_entropy(logits_of(outputs, method).float(), labels_of(batch, method))
 
     def metric_sums(self, outputs, batch: dict) -> dict[str, torch.Tensor]:
         """Quantities that add up over batches and ranks; here a confusion matrix (true x predicted)."""
         import torch
 
-        logits = logits_of(outputs)
+        logits = logits_of(outputs, f"{type(self).__name__}.metric_sums")
         n = logits.shape[-1]
         labels = labels_of(batch, f"{type(self).__name__}.metric_sums").reshape(-1)
         outside = labels[(labels < 0) | (labels >= n)]
@@ -213,8 +214,25 @@ class Workload:
 
 
 # ---- helpers the defaults (and user code) use ----------------------------------------------------------
-def logits_of(outputs) -> torch.Tensor:
-    return outputs.logits if hasattr(outputs, "logits") else outputs
+def logits_of(outputs, method: str = "Workload.loss") -> torch.Tensor:
+    """The logits in what forward returned: the tensor itself, a model output's `.logits` (transformers'), or a
+    dict's "logits". Anything else is one line naming `method`, the default that reads them."""
+    import torch
+
+    logits = outputs.logits if hasattr(outputs, "logits") else outputs
+    if isinstance(logits, Mapping) and "logits" in logits:
+        logits = logits["logits"]
+    if isinstance(logits, torch.Tensor):
+        return logits
+    what = type(outputs).__name__
+    if isinstance(outputs, Mapping):
+        what = f"a dict with keys {', '.join(map(str, outputs))} and no 'logits'"
+    elif isinstance(outputs, (tuple, list)):
+        what = f"a {what} of {len(outputs)}"
+    raise ConfigError(
+        f"{method}: the default reads the logits from what forward returned, here {what}: return the logits "
+        f"tensor (or a dict with 'logits') from forward, or override {method}"
+    )
 
 
 def labels_of(batch, method: str) -> torch.Tensor:
@@ -312,10 +330,13 @@ def check_loss(loss, workload_name: str) -> torch.Tensor:
             if isinstance(loss, torch.Tensor)
             else type(loss).__name__
         )
-        raise ConfigError(
-            f"{workload_name}.loss must return a scalar floating-point tensor, got {what} "
-            f"(reduce it, e.g. with .mean())"
-        )
+        if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+            how = "reduce it, e.g. with .mean()"
+        elif isinstance(loss, torch.Tensor):
+            how = "compute it from the logits, in a floating type"
+        else:  # a Python number: .item() or float() cut it from the graph
+            how = "return the tensor itself, without .item() or float()"
+        raise ConfigError(f"{workload_name}.loss must return a scalar floating-point tensor, got {what} ({how})")
     if loss.requires_grad is False and torch.is_grad_enabled():
         raise ConfigError(
             f"{workload_name}.loss returned a tensor that does not depend on the model's parameters "

@@ -195,13 +195,31 @@ def test_collate_keys_the_model_does_not_take():
             r"Task.loss must return a scalar floating-point tensor, got a tensor of "
             r"shape \(3,\)",
         ),
-        (0.5, r"Task.loss must return a scalar floating-point tensor, got float"),
+        (0.5, r"Task.loss must return a scalar floating-point tensor, got float \(return the tensor itself, "),
         (torch.tensor(1.0), r"Task.loss returned a tensor that does not depend on the model's parameters"),
     ],
 )
 def test_a_loss_that_is_not_a_scalar_tensor(loss, message):
     with pytest.raises(ConfigError, match=message):
         check_loss(loss, "Task")
+
+
+def test_the_default_loss_reads_a_dict_of_logits_and_names_itself_for_anything_else():
+    """A trial's forward returned {"logits": ...} (the most natural thing for a model of one's own) or a tuple:
+    the default loss ended the run with `AttributeError: 'dict' object has no attribute 'float'`, naming nothing."""
+    task = Task(Config())
+    logits = torch.tensor([[2.0, 0.0], [0.0, 2.0]], requires_grad=True)
+    batch = {"labels": torch.tensor([0, 1])}
+    assert torch.equal(task.loss({"logits": logits}, batch), task.loss(logits, batch))
+    assert torch.equal(task.metric_sums({"logits": logits}, batch)["confusion"], torch.eye(2, dtype=torch.float64))
+    with pytest.raises(ConfigError) as e:
+        task.loss((logits, logits), batch)
+    assert str(e.value) == (
+        "Task.loss: the default reads the logits from what forward returned, here a tuple of 2: return the logits "
+        "tensor (or a dict with 'logits') from forward, or override Task.loss"
+    )
+    with pytest.raises(ConfigError, match=r"^Task.metric_sums: .* here a dict with keys scores and no 'logits': "):
+        task.metric_sums({"scores": logits}, batch)
 
 
 def test_unbatchable_samples_name_collate_and_datasets():
