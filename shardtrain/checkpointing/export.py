@@ -233,7 +233,7 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     from shardtrain.config.settings import add_import_paths
     from shardtrain.runtime.training_rng import aside
     from shardtrain.workloads.adapters import is_peft_model, merged
-    from shardtrain.workloads.base import load_workload, with_import_root
+    from shardtrain.workloads.base import load_workload, model_of, with_import_root
 
     add_import_paths(None)  # the `shardtrain` console script's sys.path lacks the working directory
     state = checkpoint.read_trainer_state(ckpt_dir)
@@ -245,7 +245,7 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
         (out / EXPORT_META).write_text(json.dumps(own, indent=1))
         return own
     with aside(seed=cfg.train.seed):  # the caller's random numbers (shardtrain.fit's, a notebook's) stay as they were
-        model = workload.build_model()
+        model = model_of(workload)
     base = state.get("base")  # a LoRA run's checkpoint leaves it out: build_model loaded it (above)
     load_fitting_weights(model, read_portable(ckpt_dir)["model"], workload, f"export {ckpt_dir}", base)
     if merge:  # a PeftModel's export is its adapters (PeftModel.from_pretrained); merged, the plain model's
@@ -293,9 +293,9 @@ def evaluate_workload(workload, model: nn.Module) -> dict:
     from torch.utils.data import DataLoader
 
     from shardtrain.workloads.adapters import forwarded_model
-    from shardtrain.workloads.base import CheckedCollate
+    from shardtrain.workloads.base import CheckedCollate, splits_of
 
-    validation = workload.datasets()[1]
+    validation = splits_of(workload)[1]
     if validation is None:
         raise ConfigError(f"export --eval: {type(workload).__name__}.datasets() has no validation split")
     sums: dict = {}

@@ -381,10 +381,11 @@ def _with_exported_adapters(workload, cfg, path: Path):
     from safetensors.torch import load_file
 
     from shardtrain.runtime.training_rng import aside
+    from shardtrain.workloads.base import model_of
 
     file = path / "adapter_model.safetensors"
     with aside(seed=cfg.train.seed):  # a base built from a config (no pretrained weights) is built as training did
-        model = workload.build_model()
+        model = model_of(workload)
     result = set_peft_model_state_dict(model, _readable(lambda: load_file(str(file)), file))
     wanted = {k for k, p in model.named_parameters() if p.requires_grad}
     missing = sorted(wanted & set(result.missing_keys))
@@ -465,11 +466,12 @@ def _workload(cfg, import_root: str | None = None):
 
 def _build(workload, cfg, load_weights: bool = False):
     from shardtrain.runtime.training_rng import aside
+    from shardtrain.workloads.base import model_of
 
     workload.loads_weights = load_weights  # by default the checkpoint's weights replace any pretrained ones
     try:
         with aside(seed=cfg.train.seed):  # built as training built it, leaving the caller's random numbers alone
-            return workload.build_model()
+            return model_of(workload)
     finally:
         workload.loads_weights = True
 
@@ -583,6 +585,7 @@ def predicted_data(source: Source, args) -> tuple:
     """(the Dataset to predict, each example's source row or None, each example's id or None)."""
     from shardtrain.config.settings import is_builtin_workload, reads_images
     from shardtrain.data.sources import column_values
+    from shardtrain.workloads.base import splits_of
 
     cfg, workload = source.cfg, source.workload
     if args.file is not None:
@@ -600,7 +603,7 @@ def predicted_data(source: Source, args) -> tuple:
             read.table, read.origin, cfg.data.image_size, reads_images(cfg), [], row_names=read.row_names
         )
         return data, column_values(read.table, "row"), read.ids
-    train, validation = workload.datasets()
+    train, validation = splits_of(workload)
     data = train if args.split == "train" else validation
     if data is None:
         raise ConfigError(

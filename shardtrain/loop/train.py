@@ -45,7 +45,15 @@ from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
 from shardtrain.strategies.optim import base_lr
 from shardtrain.workloads.adapters import apply_lora, base_fingerprint, check_same_base
-from shardtrain.workloads.base import CheckedCollate, Workload, check_loss, import_root, load_workload
+from shardtrain.workloads.base import (
+    CheckedCollate,
+    Workload,
+    check_loss,
+    import_root,
+    load_workload,
+    model_of,
+    splits_of,
+)
 
 
 def train(cfg: Config, workload: Workload | None = None) -> dict:
@@ -389,7 +397,7 @@ class Trainer:
 
     def _build_data(self) -> None:
         asks = source_asks()
-        self.datasets = train_ds, eval_ds = self.workload.datasets()
+        self.datasets = train_ds, eval_ds = splits_of(self.workload)
         unread = unread_source_flags(self.cfg, asks)
         if unread and self.dist.is_rank0:
             self.console.warn(unread)
@@ -574,8 +582,8 @@ def make_model_factory(workload: Workload, seed: int, device: torch.device, star
             with aside(seed=seed, device=device):
                 if on_meta:
                     with torch.device("meta"):
-                        return workload.build_model()
-                model = workload.build_model()
+                        return model_of(workload)
+                model = model_of(workload)
             if load_weights and factory.base is None:  # the first full build with its weights: rank 0's at least
                 factory.base = base_fingerprint(model)
             return model

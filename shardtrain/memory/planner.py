@@ -816,14 +816,14 @@ def count_workload_model(cfg, persistence_threshold: int = 100_000) -> tuple[Mod
 
     from shardtrain.config.settings import ConfigError
     from shardtrain.runtime.training_rng import aside
-    from shardtrain.workloads.base import load_workload, resolve_block_classes
+    from shardtrain.workloads.base import load_workload, model_of, resolve_block_classes
 
     workload = load_workload(cfg)
     name = type(workload).__name__
     workload.loads_weights = False
     try:
         with aside(seed=cfg.train.seed), torch.device("meta"):
-            model = workload.build_model()
+            model = model_of(workload)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - the user's code; one line names the method

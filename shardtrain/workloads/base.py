@@ -213,6 +213,38 @@ class Workload:
         )
 
 
+# ---- what the framework calls, checked: a wrong return is one line naming the method --------------------
+def splits_of(workload: Workload) -> tuple:
+    """(train, validation or None) from workload.datasets()."""
+    splits = workload.datasets()
+    if not (isinstance(splits, (tuple, list)) and len(splits) == 2):
+        got = _kind(splits)
+        raise ConfigError(f"{_method(workload, 'datasets')} must return (train, validation_or_None), got {got}")
+    return tuple(splits)
+
+
+def model_of(workload: Workload) -> nn.Module:
+    """workload.build_model(), which must be the nn.Module to train."""
+    from torch import nn
+
+    model = workload.build_model()
+    if not isinstance(model, nn.Module):
+        got = _kind(model)
+        raise ConfigError(f"{_method(workload, 'build_model')} must return the nn.Module to train, got {got}")
+    return model
+
+
+def _method(workload: Workload, name: str) -> str:
+    return f"{type(workload).__name__}.{name}()"
+
+
+def _kind(value) -> str:
+    """`a tuple of 2`, `a list of 256`, `a dict`: what a method returned instead."""
+    kind = type(value).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    return f"{article} {kind} of {len(value)}" if isinstance(value, (tuple, list)) else f"{article} {kind}"
+
+
 # ---- helpers the defaults (and user code) use ----------------------------------------------------------
 def logits_of(outputs, method: str = "Workload.loss") -> torch.Tensor:
     """The logits in what forward returned: the tensor itself, a model output's `.logits` (transformers'), or a

@@ -14,7 +14,7 @@ import torch
 from shardtrain.config.settings import Config, ConfigError
 from shardtrain.data.batches import shape_summary
 from shardtrain.data.sources import source_asks, unread_source_flags
-from shardtrain.workloads.base import CheckedCollate, Workload, load_workload, model_inputs
+from shardtrain.workloads.base import CheckedCollate, Workload, load_workload, model_inputs, model_of, splits_of
 
 
 def _one_line(e: BaseException) -> str:
@@ -32,11 +32,11 @@ def check_workload_data(cfg: Config, samples: int | None = 4) -> tuple[list[str]
     name = type(workload).__name__
     asks = source_asks()
     try:
-        splits = workload.datasets()
+        splits = splits_of(workload)
+    except ConfigError as e:
+        return [str(e)], [], {}
     except Exception as e:  # noqa: BLE001 - the user's code: say which method failed and how
         return [f"{name}.datasets() raised {_one_line(e)}"], [], {}
-    if not (isinstance(splits, (tuple, list)) and len(splits) == 2):
-        return [f"{name}.datasets() must return (train, validation_or_None), got {type(splits).__name__}"], [], {}
     problems, notes, batches, read = [], [], [], {}
     unread = unread_source_flags(cfg, asks)  # what train warns about: a data setting its datasets() never read
     if unread:
@@ -90,7 +90,9 @@ def _check_against_model(workload: Workload, name: str, batches: list[dict]) -> 
         workload.loads_weights = False
         try:
             with torch.device("meta"):
-                model = workload.build_model()
+                model = model_of(workload)
+        except ConfigError as e:
+            return [str(e)]
         except Exception as e:  # noqa: BLE001
             return [
                 f"{name}.build_model() failed on the meta device (check-data builds it there to read its "

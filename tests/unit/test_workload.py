@@ -222,6 +222,32 @@ def test_the_default_loss_reads_a_dict_of_logits_and_names_itself_for_anything_e
         task.metric_sums({"scores": logits}, batch)
 
 
+def test_a_wrong_return_from_datasets_or_build_model_is_one_line_naming_it():
+    """A trial's `datasets()` returned the training list alone, and its `build_model()` a (model, None) pair:
+    `train` said `ValueError: too many values to unpack (expected 2)` and `'tuple' object has no attribute 'to'`,
+    naming no method, though check-data already worded the first."""
+    from shardtrain.workloads.base import model_of, splits_of
+
+    class TrainOnly(Task):
+        def datasets(self):
+            return [{"x": torch.zeros(2), "labels": 0}] * 3
+
+    class Pair(Task):
+        def build_model(self):
+            return Net(), None
+
+    with pytest.raises(
+        ConfigError, match=r"^TrainOnly.datasets\(\) must return \(train, validation_or_None\), got a list of 3$"
+    ):
+        splits_of(TrainOnly(Config()))
+    with pytest.raises(
+        ConfigError, match=r"^Pair.build_model\(\) must return the nn.Module to train, got a tuple of 2$"
+    ):
+        model_of(Pair(Config()))
+    train, validation = splits_of(Task(Config()))
+    assert isinstance(train, Pairs) and isinstance(model_of(Task(Config())), Net)
+
+
 def test_unbatchable_samples_name_collate_and_datasets():
     class Ragged(Task):
         def datasets(self):
