@@ -44,7 +44,7 @@ from shardtrain.runtime.startup_gc import restore_collections
 from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
 from shardtrain.strategies.optim import base_lr
-from shardtrain.workloads.adapters import apply_lora, base_fingerprint, check_same_base
+from shardtrain.workloads.adapters import apply_lora, base_fingerprint, check_same_base, untrained_head_warning
 from shardtrain.workloads.base import (
     CheckedCollate,
     Workload,
@@ -496,6 +496,9 @@ class Trainer:
             self.members.state(), self.members.change,
         )  # fmt: skip
         self.startup["banner"] = time.time()  # the memory prediction (run_info), the banner, W&B
+        head = untrained_head_warning(self.strategy.unwrapped)
+        if head and d.is_rank0:
+            self.console.warn(head)
 
     # ---- the end ----------------------------------------------------------------------------------------------
     def _trainer_state(self) -> dict:

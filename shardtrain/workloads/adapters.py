@@ -87,6 +87,25 @@ def base_fingerprint(model: nn.Module) -> dict | None:
     }
 
 
+def untrained_head_warning(model: nn.Module) -> str | None:
+    """Under LoRA with no modules_to_save, a model with no classifier/score head trains its adapters alone: a head
+    of the user's own (`fusion`), newly initialised, stays at its random weights. A trial's run ended below chance
+    with no word about it. None when something trains whole, or for a transformers classifier (peft's SEQ_CLS
+    model trains its head by itself)."""
+    if not is_peft_model(model):
+        return None
+    config = next(iter(model.peft_config.values()))
+    if config.modules_to_save or str(getattr(config, "task_type", None) or "").endswith("SEQ_CLS"):
+        return None
+    parts = [name for name, _ in model.get_base_model().named_children()]
+    example = f" {parts[-1]}" if parts else " NAME"
+    return (
+        f"--peft lora: only the adapters train; the model has no module named {' or '.join(CLASSIFIER_HEADS)}, and "
+        f"--modules-to-save (peft.modules_to_save) names none, so a head of your own stays at the weights "
+        f"build_model gave it: --modules-to-save{example} trains it whole"
+    )
+
+
 def describe_adapters(model: nn.Module) -> str | None:
     """`lora r=8, alpha 8, dropout 0.0 on query, value; trained whole: classifier` for the banner; None for a
     model without adapters."""

@@ -204,3 +204,21 @@ def test_a_moduledict_workloads_forward_gets_its_own_model_with_the_adapters_in_
             if ".lora_B." in name:
                 p.add_(0.5)
         assert not torch.allclose(root(batch), out)
+
+
+def test_lora_with_no_head_to_train_says_so_and_names_one():
+    """A trial's ModuleDict (text, image, fusion) under --peft lora trained its adapters alone: the new fusion head
+    stayed at its random weights and the run ended below chance, with nothing said."""
+    from shardtrain.workloads.adapters import untrained_head_warning
+
+    def built(task, *flags):
+        workload = task(lora_cfg("--target-modules", "query,value", *flags))
+        apply_lora(workload, workload.cfg.peft)
+        return workload.build_model()
+
+    warning = untrained_head_warning(built(FusionTask))
+    assert warning is not None and warning.startswith("--peft lora: only the adapters train; ")
+    assert warning.endswith("build_model gave it: --modules-to-save fusion trains it whole")
+    assert untrained_head_warning(built(FusionTask, "--modules-to-save", "fusion")) is None
+    assert untrained_head_warning(built(Task)) is None  # its `classifier` trains whole by default
+    assert untrained_head_warning(Classifier()) is None
