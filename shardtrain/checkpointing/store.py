@@ -57,6 +57,16 @@ def committed_steps(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def cut_short(root: Path, after: Path | None) -> list[Path]:
+    """Step directories newer than `after` (all of them for None) without COMMITTED: saves a kill cut short, which
+    a resume passes over and the next save removes."""
+    if not root.is_dir():
+        return []
+    newest = int(STEP_DIR.match(after.name).group(1)) if after is not None and STEP_DIR.match(after.name) else -1
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and not is_committed(p)]
+    return [p for step, p in sorted(found) if step > newest]
+
+
 def latest_committed(root: Path) -> Path | None:
     """`latest` if it points at a committed checkpoint, else the newest committed directory."""
     pointer = root / "latest"

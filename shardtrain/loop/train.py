@@ -378,6 +378,12 @@ class Trainer:
         )
         if self.resumed_here:
             check_same_workload(self.state, cfg, self.out, self.resume_dir.name)
+        torn = checkpoint.cut_short(checkpoint.checkpoints_root(self.out), self.resume_dir)
+        if torn and cfg.checkpoint.resume == "auto" and self.dist.is_rank0:
+            self.console.info(
+                f"{', '.join(p.name for p in torn)}: no {checkpoint.COMMIT_MARKER} (a save cut short), passed over"
+                + (f": resuming from {self.resume_dir.name}" if self.resume_dir is not None else ": starting afresh")
+            )
         return self.resumed_here and (self.state["step"] >= cfg.train.max_steps or stopped_early(self.state, cfg.train))
 
     def _nothing_to_train(self, cfg: Config) -> dict:
@@ -453,6 +459,13 @@ class Trainer:
         self.loaders.train.load_state_dict(state["data"])
         self.step = state["step"]
         self.console.info(f"resumed from {self.resume_dir} at step {self.step}")
+        written_under = (state.get("strategy") or {}).get("strategy")
+        if written_under and written_under != self.strategy.name and self.dist.is_rank0:
+            # A handover is allowed, and is also what a wrong STRATEGY on a Slurm requeue looks like: say it.
+            self.console.warn(
+                f"the checkpoint was written under {written_under} and training goes on under {self.strategy.name}: "
+                f"each rank read its own part of it"
+            )
         if self.changed.schedule_changed:
             self.strategy.follow_configured_schedule()
         if self.changed.changes and self.dist.is_rank0:

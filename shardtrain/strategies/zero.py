@@ -431,12 +431,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
             raise ConfigError(f"--resume {ckpt_dir}: cannot read {EXTRA_FILE} (corrupt?): {e}") from None
         if self._needs_engine_files(ckpt_dir, extra, writer, saved.get("world_size")):
             return self._load_engine_files(ckpt_dir, load_optimizer)
-        if writer != self.name or saved.get("world_size") != self.dist.world_size:
-            self._warn(
-                f"resuming a {writer} checkpoint ({saved.get('world_size')} ranks) under {self.name} "
-                f"({self.dist.world_size} ranks): each rank reads its own partition of it"
-            )
-        return self._load_portable(ckpt_dir, load_optimizer)
+        return self._load_portable(ckpt_dir, load_optimizer)  # the loop says a change of strategy or world size
 
     def _needs_engine_files(self, ckpt_dir: Path, extra: dict, writer, world_size) -> bool:
         """The portable form is what a resume reads, from any writer; the one exception is an fp16 checkpoint

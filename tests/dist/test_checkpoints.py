@@ -77,6 +77,8 @@ def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path, unint
     )
     resumed = [line.split(" at step ")[1] for line in run.output.splitlines() if line.startswith("resumed from ")]
     assert run.output.count("[fault injection]") == 3, run.tail()
+    # The torn save is passed over, and said so (it was silent: `latest` named it while step 2 was resumed).
+    assert "step-000004: no COMMITTED (a save cut short), passed over: resuming from step-000002" in run.output
     # The torn step-4 save is ignored: the restart after it resumes from step 2 again; the last from 4.
     assert resumed.count("2") >= 2 and resumed[-1] == "4" and resumed == sorted(resumed), run.tail()
     assert [p.name for p in committed_steps(checkpoints_root(out))] == ["step-000002", "step-000004", "step-000006"]
@@ -210,8 +212,15 @@ def test_cross_strategy_zero2_to_fsdp_to_ddp_and_export(mm_data, tmp_path):
     Each handover run resumes at step 4 with --max-steps 4, so its only save is the converted checkpoint."""
     z2, fs, dp = tmp_path / "zero2", tmp_path / "fsdp", tmp_path / "ddp1"
     torchrun(args(mm_data, z2, "zero2", "--max-steps", "4"))
-    torchrun(args(mm_data, fs, "fsdp", "--max-steps", "4", "--resume", str(z2 / "checkpoints" / "step-000004")))
-    torchrun(args(mm_data, dp, "ddp", "--max-steps", "4", "--resume", str(fs / "checkpoints" / "step-000004")), nproc=1)
+    to_fsdp = torchrun(
+        args(mm_data, fs, "fsdp", "--max-steps", "4", "--resume", str(z2 / "checkpoints" / "step-000004"))
+    )
+    to_ddp = torchrun(
+        args(mm_data, dp, "ddp", "--max-steps", "4", "--resume", str(fs / "checkpoints" / "step-000004")), nproc=1
+    )
+    # Each handover is said (into DDP and FSDP it was silent; into ZeRO only).
+    assert "written under zero2 and training goes on under fsdp" in to_fsdp.output, to_fsdp.tail()
+    assert "written under fsdp and training goes on under ddp" in to_ddp.output, to_ddp.tail()
     back = tmp_path / "zero2-again"  # and back into DeepSpeed from another world size's checkpoint
     torchrun(args(mm_data, back, "zero2", "--max-steps", "4", "--resume", str(dp / "checkpoints" / "step-000004")))
     states = [read_portable(d / "checkpoints" / "step-000004", optimizer=True) for d in (z2, fs, dp, back)]
