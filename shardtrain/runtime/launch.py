@@ -131,12 +131,29 @@ def quiet_torchrun(args: list[str]) -> int:
     try:
         run(parse_args(["--signals-to-handle", "SIGHUP,SIGQUIT", *args]))
     except ChildFailedError as e:
-        code = e.get_first_failure()[1].exitcode
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode
+        if code < 0:  # killed by a signal: the worker itself could say nothing, and the log just stopped
+            print(f"shardtrain: error: {_killed_line(rank, failure.pid, -code)}", file=sys.stderr, flush=True)
         return code if code > 0 else 128 - code
     except SignalException as e:
         print(f"shardtrain: the launcher got {e.sigval.name} before its workers started, and stopped", file=sys.stderr)
         return 128 + int(e.sigval)
     return 0
+
+
+def _killed_line(rank: int, pid: int, signum: int) -> str:
+    import signal
+
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    why = " (kill -9, or the host's out-of-memory killer: see dmesg)" if signum == signal.SIGKILL else ""
+    return (
+        f"rank {rank} (pid {pid}) was killed by {name}{why}, and the job stopped; rerun the same command to go on "
+        f"from the last committed checkpoint (--resume auto)"
+    )
 
 
 def end_with_the_launcher(agent, psutil) -> None:

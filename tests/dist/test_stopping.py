@@ -114,6 +114,27 @@ def test_sigkill_of_shardtrain_train_ends_the_whole_job(ld_data, tmp_path):
     assert _steps_logged(out) == steps
 
 
+def test_a_rank_killed_by_sigkill_is_named_in_one_line(ld_data, tmp_path):
+    """The host's OOM killer (or kill -9) takes one worker: the job stopped with exit 137 and its log just ended,
+    as a hang or a lost log collector would look."""
+    import psutil
+
+    out, log = tmp_path / "run", tmp_path / "log"
+    proc = cli_background(["train", *tiny_args("longformer", ld_data, out, *LONG, "--nproc", "2")], log=log)
+    _wait_until(lambda: _steps_logged(out) >= 2, proc, log)
+    (agent,) = psutil.Process(proc.pid).children()
+    rank1 = next(w for w in agent.children() if w.environ().get("RANK") == "1")
+    rank1.kill()
+    code, output = _finish(proc, log)
+    assert code == 137, output[-3000:]
+    errors = [line for line in output.splitlines() if line.startswith("shardtrain: error:")]
+    assert errors == [
+        f"shardtrain: error: rank 1 (pid {rank1.pid}) was killed by SIGKILL (kill -9, or the host's out-of-memory "
+        f"killer: see dmesg), and the job stopped; rerun the same command to go on from the last committed "
+        f"checkpoint (--resume auto)"
+    ], output[-3000:]
+
+
 def test_a_second_job_in_a_training_runs_folder_is_refused_and_the_first_trains_on(ld_data, tmp_path):
     """A job submitted twice, the second started as torchrun starts it (no `shardtrain train` parent to check
     first): its rank 0 finds the folder held and every rank stops in one line, before reading a checkpoint. The
