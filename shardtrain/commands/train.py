@@ -20,12 +20,18 @@ def main(argv: list[str]) -> int:
     from shardtrain.strategies import check_strategy_config
 
     check_strategy_config(cfg)
-    from shardtrain.workloads.base import check_planned_settings, check_workload_args, workload_class
+    from shardtrain.workloads.base import (
+        check_metric_for_best_model,
+        check_planned_settings,
+        check_workload_args,
+        workload_class,
+    )
 
     # --workload imports and names a Workload, and what it reads is checked, before any process starts.
     workload = workload_class(cfg)
     check_workload_args(cfg, workload)
     check_planned_settings(cfg, workload)
+    check_metric_for_best_model(cfg, workload)
     note = workload.check_before_launch(cfg)
     if os.environ.get("RANK", "0") == "0":  # the process that will open the loggers' runs
         from shardtrain.observability.servers import check_tracking_servers

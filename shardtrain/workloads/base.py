@@ -530,6 +530,26 @@ def check_planned_settings(cfg: Config, cls: type[Workload]) -> None:
             )
 
 
+# What the default Workload.metrics returns (classification_metrics below), known before anything runs.
+DEFAULT_METRICS = ("accuracy", "macro_f1", "n_examples")
+
+
+def check_metric_for_best_model(cfg: Config, cls: type[Workload]) -> None:
+    """With the default metrics their names are known now: a --metric-for-best-model that is none of them (HF's
+    favourite, eval_loss, among others) is refused before any process starts, not at the first evaluation,
+    hours into a real job. A workload's own metrics() is checked there (loop/best.py)."""
+    name = cfg.train.metric_for_best_model
+    if name is None or cls.metrics is not Workload.metrics:
+        return
+    if name in DEFAULT_METRICS or (name.startswith("eval_") and name[5:] in DEFAULT_METRICS):
+        return
+    loss = " (they have no loss: return one from your metric_sums and metrics to choose by it)"
+    raise ConfigError(
+        f"{where('metric_for_best_model')} {name}: not among {cls.__name__}.metrics()' keys "
+        f"({', '.join(DEFAULT_METRICS)})" + (loss if name.removeprefix("eval_").endswith("loss") else "")
+    )
+
+
 def check_workload_args(cfg: Config, cls: type[Workload]) -> None:
     """`--workload-args` against the constructor's signature, without constructing (which may load data or
     weights): `train` runs it before any process starts, where a wrong key failed in every rank."""

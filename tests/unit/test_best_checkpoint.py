@@ -102,6 +102,30 @@ def test_loss_names_default_to_lower_is_better_and_hf_eval_prefix_is_accepted():
     assert explicit.record.greater_is_better
 
 
+def test_a_metric_the_default_metrics_lack_is_refused_before_any_process_starts():
+    """A trial's --metric-for-best-model eval_loss on a built-in was refused at the first evaluation, after
+    training to it; the default metrics' names are known at the start."""
+    from shardtrain.workloads.base import Workload, check_metric_for_best_model, workload_class
+
+    cfg = parse_cli(["--eval-every", "10", "--metric-for-best-model", "eval_loss"])
+    builtin = workload_class(cfg)
+    with pytest.raises(ConfigError) as e:
+        check_metric_for_best_model(cfg, builtin)
+    assert str(e.value) == (
+        f"--metric-for-best-model (train.metric_for_best_model) eval_loss: not among {builtin.__name__}.metrics()' "
+        "keys (accuracy, macro_f1, n_examples) (they have no loss: return one from your metric_sums and metrics to "
+        "choose by it)"
+    )
+    for fine in ("eval_macro_f1", "accuracy"):
+        check_metric_for_best_model(parse_cli(["--eval-every", "10", "--metric-for-best-model", fine]), builtin)
+
+    class OwnMetrics(Workload):
+        def metrics(self, sums):
+            return {"loss": 0.0}
+
+    check_metric_for_best_model(cfg, OwnMetrics)  # its keys are known at its first evaluation (below)
+
+
 def test_a_metric_the_workload_does_not_return_is_one_line_naming_the_flag():
     with pytest.raises(ConfigError) as e:
         tracker(metric_for_best_model="f1").observe(1, METRICS)
