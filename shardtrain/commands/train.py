@@ -23,12 +23,14 @@ def main(argv: list[str]) -> int:
     from shardtrain.workloads.base import (
         check_metric_for_best_model,
         check_planned_settings,
+        check_required_methods,
         check_workload_args,
         workload_class,
     )
 
     # --workload imports and names a Workload, and what it reads is checked, before any process starts.
     workload = workload_class(cfg)
+    check_required_methods(workload)
     check_workload_args(cfg, workload)
     check_planned_settings(cfg, workload)
     check_metric_for_best_model(cfg, workload)

@@ -50,12 +50,14 @@ class Workload:
         self.loads_weights = True
 
     # ---- required --------------------------------------------------------------------------------
+    # Left undefined, each is a user's mistake like any setting's: one line and exit 2 (a ConfigError), where
+    # NotImplementedError exited 1, the code of a failure during training.
     def build_model(self) -> nn.Module:
-        raise NotImplementedError(f"{type(self).__name__}.build_model() must return the nn.Module to train")
+        raise ConfigError(f"{type(self).__name__} defines no build_model(), which must return the nn.Module to train")
 
     def datasets(self) -> tuple:
         """(train, validation or None): map-style torch Datasets or `datasets.Dataset`s."""
-        raise NotImplementedError(f"{type(self).__name__}.datasets() must return (train, validation_or_None)")
+        raise ConfigError(f"{type(self).__name__} defines no datasets(), which must return (train, validation_or_None)")
 
     # ---- optional --------------------------------------------------------------------------------
     def collate(self, samples: list):
@@ -335,6 +337,13 @@ def model_inputs(model: nn.Module, batch: dict, workload_name: str = "Workload")
             f"{workload_name}.forward passes a dict's keys to {type(inner).__name__}.forward by name: "
             f"override {workload_name}.forward(model, batch)"
         )
+    from torch import nn
+
+    if type(inner).forward is nn.Module.forward:  # an nn.ModuleDict: a container with no forward to pass keys to
+        raise ConfigError(
+            f"{type(inner).__name__} has no forward of its own, so the default {workload_name}.forward cannot call "
+            f'it: override {workload_name}.forward(model, batch) to call its parts (model["text"](...), ...)'
+        )
     named, _ = _named_inputs(inner)
     names = [p.name for p in named]
     inputs = {k: v for k, v in batch.items() if k in names}
@@ -528,6 +537,13 @@ def check_planned_settings(cfg: Config, cls: type[Workload]) -> None:
                 f"{where(name)}=auto chooses from predicted activation memory, which needs a memory_model() "
                 f"that {workload_target(cfg)} does not give (docs/your-own-model.md); {instead}"
             )
+
+
+def check_required_methods(cls: type[Workload]) -> None:
+    """`train` runs it before any process starts: a workload class without build_model() or datasets()."""
+    for name in ("build_model", "datasets"):
+        if getattr(cls, name) is getattr(Workload, name):
+            getattr(cls, name)(object.__new__(cls))  # the method's own one line
 
 
 # What the default Workload.metrics returns (classification_metrics below), known before anything runs.

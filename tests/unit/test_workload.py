@@ -248,6 +248,37 @@ def test_a_wrong_return_from_datasets_or_build_model_is_one_line_naming_it():
     assert isinstance(train, Pairs) and isinstance(model_of(Task(Config())), Net)
 
 
+def test_a_workload_without_a_required_method_is_a_usage_error_before_launch():
+    """A trial's workload without datasets() exited 1 (NotImplementedError), the code of a failure in training."""
+    from shardtrain.workloads.base import check_required_methods
+
+    class NoData(Workload):
+        def build_model(self):
+            return Net()
+
+    class NoModel(Workload):
+        def datasets(self):
+            return Pairs(), None
+
+    with pytest.raises(ConfigError, match=r"^NoData defines no datasets\(\), which must return \(train, "):
+        check_required_methods(NoData)
+    with pytest.raises(ConfigError, match=r"^NoModel defines no build_model\(\), which must return the nn.Module"):
+        check_required_methods(NoModel)
+    check_required_methods(Task)
+
+
+def test_a_moduledict_with_the_default_forward_is_told_to_override_forward():
+    """The hint was "make collate return those keys, or override ...forward": no keys can reach a ModuleDict."""
+    from shardtrain.workloads.base import model_inputs
+
+    with pytest.raises(ConfigError) as e:
+        model_inputs(nn.ModuleDict({"text": Net()}), {"x": torch.zeros(2, 4), "labels": torch.zeros(2)}, "Parts")
+    assert str(e.value) == (
+        "ModuleDict has no forward of its own, so the default Parts.forward cannot call it: override "
+        'Parts.forward(model, batch) to call its parts (model["text"](...), ...)'
+    )
+
+
 def test_unbatchable_samples_name_collate_and_datasets():
     class Ragged(Task):
         def datasets(self):
