@@ -298,9 +298,7 @@ def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) 
             else "a rank failed to write its shards"
         )
         kept = f"the previous checkpoint {previous} is intact" if previous else "no earlier checkpoint exists"
-        raise ConfigError(
-            f"saving checkpoint {path} failed ({cause}); {kept}; free space under {root} and rerun with --resume auto"
-        )
+        raise ConfigError(f"saving checkpoint {path} failed ({cause}); {kept}; {_remedy(int(code), root)}")
     faults.maybe_kill("save", pending.step, strategy.dist.rank)
     if not agreed_in_loop:
         barrier()  # every rank's shards are on disk before the commit marker
@@ -326,6 +324,19 @@ def _abandon(path: Path, root: Path, rank0: bool) -> None:
     barrier()
     if rank0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _remedy(code: int, root: Path) -> str:
+    """What to do about a failed write, by its errno: a full disk and a permission problem are fixed differently."""
+    import errno
+
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        fix = f"free space under {root}"
+    elif code in (errno.EACCES, errno.EPERM, errno.EROFS):
+        fix = f"make {root} writable"
+    else:
+        fix = "fix the cause"
+    return f"{fix} and rerun with --resume auto"
 
 
 def rank_error(e: BaseException) -> BaseException:

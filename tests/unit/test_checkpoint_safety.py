@@ -185,3 +185,12 @@ def test_a_write_error_wrapped_by_dcp_keeps_its_errno():
     wrapped = CheckpointException("CheckpointException ranks:dict_keys([1])", {1: (full, traceback.StackSummary())})
     assert checkpoint.rank_error(wrapped) is full and checkpoint.rank_error(full) is full
     assert checkpoint._cause(checkpoint.rank_error(wrapped)) == "No space left on device"
+    # The advice follows the cause: a trial's line said "free space" whatever it was.
+    root = checkpoint.Path("/out/checkpoints")
+    assert checkpoint._remedy(errno.ENOSPC, root) == "free space under /out/checkpoints and rerun with --resume auto"
+    assert checkpoint._remedy(errno.EACCES, root) == "make /out/checkpoints writable and rerun with --resume auto"
+    assert (
+        checkpoint._remedy(errno.EIO, root)
+        == checkpoint._remedy(-1, root)
+        == "fix the cause and rerun with --resume auto"
+    )
