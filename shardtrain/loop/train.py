@@ -167,6 +167,8 @@ class Trainer:
                 continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
             self._log_step(outcome, now() - t0)
             self.preempted = outcome.stop
+            if self._saves_before_final_eval():
+                self._save_final()  # an evaluation that fails must not take the trained model with it
             if self._eval_due():  # also decides the best checkpoint and early stopping, every rank alike
                 self.evaluate(final=self.step >= self.cfg.train.max_steps)
             if self._save_due():
@@ -268,17 +270,28 @@ class Trainer:
         self.best.observe(self.step, self.eval_result)
 
     def _eval_due(self) -> bool:
-        """--eval-every N, and at the last step the final evaluation (not when a preemption stops the run there),
-        before that step's checkpoint: the checkpoint holds the best record of every evaluation up to it."""
+        """--eval-every N, and at the last step the final evaluation (not when a preemption stops the run there);
+        with a best checkpoint tracked, before that step's checkpoint, which holds the best record of every
+        evaluation up to it (_saves_before_final_eval)."""
         every, step = self.cfg.train.eval_every, self.step
         if step >= self.cfg.train.max_steps:
             return not self.preempted
         return bool(every) and step % every == 0
 
     def _save_due(self) -> bool:
-        """--save-every N, a preemption, or a new best evaluation (which checkpoints/best is to name)."""
+        """--save-every N, a preemption, or a new best evaluation (which checkpoints/best is to name); never a
+        step saved already."""
+        if self.last_saved == self.step:
+            return False
         every = self.cfg.checkpoint.save_every
         return bool(every and self.step % every == 0) or self.preempted or self.best.saves_at(self.step)
+
+    def _saves_before_final_eval(self) -> bool:
+        """The last step's checkpoint comes before its evaluation when no best checkpoint is tracked: nothing of
+        the evaluation goes into it then. With --metric-for-best-model or early stopping the checkpoint holds the
+        best record, this evaluation's included, so it waits (a failure in that evaluation loses the steps since
+        the last save; --eval-every meets it sooner)."""
+        return self.step >= self.cfg.train.max_steps and not self.preempted and not self.best.on
 
     def save(self) -> None:
         self.saves.save(self.step, {**self._trainer_state(), **self.tracker.checkpoint_state()})

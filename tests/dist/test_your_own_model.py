@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from launch import REPO, cli, run
 
+from shardtrain.checkpointing.store import committed_steps
+
 SECTION = REPO.joinpath("README.md").read_text().split("## Your own model", 1)[1].split("\n## ", 1)[0]
 
 
@@ -239,6 +241,12 @@ class NanLoss(Rows):
     """A loss that is not finite from the first step (a log of a negative number)."""
     def loss(self, outputs, batch):
         return F.cross_entropy(outputs, batch["labels"]) + torch.log(outputs.sum() * 0 - 1)
+
+
+class MetricsFail(Rows):
+    """Metrics that raise, on every rank alike (after the all-reduce): the run's final evaluation fails."""
+    def metrics(self, sums):
+        raise ValueError("a bug in the user's metrics")
 '''
 
 
@@ -259,6 +267,7 @@ def test_pitfalls_a_weight_read_in_the_loss_and_a_non_finite_first_loss(tmp_path
         ("nan/ddp", "NanLoss", "ddp", True),
         ("l2/fsdp", "WeightDecayInLoss", "fsdp", True),
         ("l2/zero3", "WeightDecayInLoss", "zero3", True),
+        ("metrics/ddp", "MetricsFail", "ddp", True),
     ):
         (tmp_path / f"{target}.yaml").write_text(f"workload: pitfall_tasks:{target}\n")
         plan.append(
@@ -282,7 +291,7 @@ def test_pitfalls_a_weight_read_in_the_loss_and_a_non_finite_first_loss(tmp_path
                     "--num-workers",
                     "0",
                     "--save-final",
-                    "false",
+                    "true" if target == "MetricsFail" else "false",
                     "--predict-memory",
                     "false",
                     "--report",
@@ -291,6 +300,9 @@ def test_pitfalls_a_weight_read_in_the_loss_and_a_non_finite_first_loss(tmp_path
             }
         )
     _, results = run_plan(plan, tmp_path, timeout=300)
+    # A final evaluation that fails keeps the trained model: its checkpoint was saved first (it had been lost).
+    assert "a bug in the user's metrics" in results["metrics/ddp"]["error"], results["metrics/ddp"]
+    assert [p.name for p in committed_steps(tmp_path / "metrics" / "ddp" / "checkpoints")] == ["step-000002"]
     assert results["l2/ddp"]["ok"] and len(results["l2/ddp"]["losses"]) == 2, results["l2/ddp"]
     assert results["nan/ddp"]["error"].startswith(
         "ConfigError: step 1: NanLoss.loss returned a non-finite loss (nan) on rank 0, 1 before any update"
