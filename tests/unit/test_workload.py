@@ -306,6 +306,19 @@ def test_default_metrics_count_every_example_from_summed_confusions():
     assert m["macro_f1"] == pytest.approx((1 + 2 / 3 + 2 / 3) / 3)
 
 
+def test_macro_f1_leaves_out_a_class_no_example_has_nor_any_prediction():
+    """scikit-learn's macro average (over the labels in y_true and y_pred): a trial's 8-row prediction file had
+    no 'positive' row, every prediction right, and macro-F1 0.667 for it."""
+    from shardtrain.workloads.base import classification_metrics
+
+    right = torch.tensor([[5.0, 0, 0], [0, 3.0, 0], [0, 0, 0]])
+    assert classification_metrics(right)["macro_f1"] == 1.0
+    # A class predicted but never true still counts (its F1 is 0), as in scikit-learn.
+    wrong = torch.tensor([[4.0, 0, 1], [0, 3.0, 0], [0, 0, 0]])
+    assert classification_metrics(wrong)["macro_f1"] == pytest.approx((8 / 9 + 1 + 0) / 3)
+    assert classification_metrics(torch.zeros(3, 3))["macro_f1"] == 0.0
+
+
 @pytest.mark.parametrize("label", [7, -1])
 def test_a_validation_label_outside_the_models_classes_is_one_line_naming_it(label):
     """A trial's workload had label 7 in its validation data alone, with 2 classes: the run trained every step, then
