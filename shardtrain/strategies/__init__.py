@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardtrain.config.settings import Config
+from shardtrain.config.settings import Config, ConfigError
 
 if TYPE_CHECKING:
     from shardtrain.config.geometry import BatchGeometry
@@ -56,7 +56,14 @@ def check_strategy_config(cfg: Config) -> None:
 
         env = os.environ
         world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1) if under_launcher() else resolve_nproc(cfg)
-        resolve_ds_config(cfg, world)
+        ds = resolve_ds_config(cfg, world)
+        if cfg.parallel.device == "cpu" and (ds.get("fp16") or {}).get("enabled"):
+            # deepspeed.initialize would say "Type fp16 is not supported on your device", after the processes,
+            # the data and the model: a CPU smoke test of a V100 launch line (longformer_4096.yaml's fp16).
+            raise ConfigError(
+                f"--precision fp16 with DeepSpeed ({cfg.parallel.ds}) on --device cpu: DeepSpeed's fp16 engine runs "
+                f"on GPUs only; on CPU use --precision bf16 or fp32, or --strategy ddp/fsdp, whose fp16 runs there"
+            )
 
 
 def __getattr__(name: str):

@@ -164,6 +164,19 @@ def test_precision_contradiction(tmp_path):
         _resolve(tmp_path, {**STAGE2, "fp16": {"enabled": True}}, precision="bf16")
 
 
+def test_ds_fp16_on_cpu_is_refused_before_any_process_starts():
+    """A trial's CPU smoke test of the V100 launch line (--strategy zero2 with the 4096 config's fp16) failed after
+    the processes, the data and the model, with DeepSpeed's "Type fp16 is not supported on your device"."""
+    from shardtrain.strategies import check_strategy_config
+
+    with pytest.raises(ConfigError, match=r"^--precision fp16 with DeepSpeed \(.*zero2.json\) on --device cpu: "):
+        check_strategy_config(
+            parse_cli(["--strategy", "zero2", "--precision", "fp16", "--device", "cpu", "--nproc", "2"])
+        )
+    check_strategy_config(parse_cli(["--strategy", "zero2", "--precision", "bf16", "--device", "cpu", "--nproc", "2"]))
+    check_strategy_config(parse_cli(["--strategy", "zero2", "--precision", "fp16", "--device", "cuda", "--nproc", "2"]))
+
+
 def test_ds_fp16_refused_on_batchnorm_model(tmp_path):
     with pytest.raises(ConfigError, match="--precision fp16 .* BatchNorm"):
         _resolve(tmp_path, STAGE2, precision="fp16", config="multimodal_tiny")
