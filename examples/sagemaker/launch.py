@@ -197,15 +197,28 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--role", required=True)
     p.add_argument("--image", required=True, help="a PyTorch 2.x GPU training image (SageMaker DLC) URI")
     p.add_argument("--bucket", required=True)
-    p.add_argument("--train", required=True, help="S3 prefix with train.jsonl (and validation.jsonl)")
-    p.add_argument("--validation", help="S3 prefix with validation.jsonl")
+    p.add_argument(
+        "--train", required=True, help="S3 prefix with train.jsonl (and validation.jsonl), or files a --hp names"
+    )
+    p.add_argument("--validation", help="S3 prefix with validation.jsonl, or a file a --hp names")
     p.add_argument("--on-demand", action="store_true", help="no spot capacity")
     p.add_argument("--continue-run", metavar="RUN_ID", help="go on with this run's checkpoints (default: a new run)")
+    p.add_argument(
+        "--hp",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a shardtrain flag for the job, as a hyperparameter (repeatable), e.g. for csv data "
+        "train_file=/opt/ml/input/data/train/train.csv text_column_names=document label_column_name=sentiment",
+    )
     p.add_argument("--wait", action="store_true")
     args = p.parse_args(argv)
+    bad = [h for h in args.hp if "=" not in h]
+    if bad:
+        p.error(f"--hp {bad[0]}: write KEY=VALUE, e.g. train_file=/opt/ml/input/data/train/train.csv")
     job = build_job(
         args.role, args.image, args.bucket, args.train, args.validation, spot=not args.on_demand,
-        run_id=args.continue_run,
+        run_id=args.continue_run, hyperparameters=dict(h.split("=", 1) for h in args.hp),
     )  # fmt: skip
     print(f"run {job['run_id']}: checkpoints in {job['checkpoint_config']['s3_uri']} "
           f"(a later job continues it with --continue-run {job['run_id']})", flush=True)  # fmt: skip

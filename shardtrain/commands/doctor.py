@@ -19,6 +19,7 @@ import socket
 import sys
 from dataclasses import asdict, dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Mapping
 
 from shardtrain.config.sagemaker_env import TORCHRUN_HINT
@@ -205,6 +206,16 @@ def check_launcher(env: Mapping[str, str], n_gpus: int) -> list[Problem]:
     return out
 
 
+def _data_hyperparameter(env: Mapping[str, str]) -> str | None:
+    """The hyperparameter (SM_HPS) that names the job's data other than by the channels' jsonl layout."""
+    try:
+        hps = json.loads(env.get("SM_HPS") or "{}")
+    except ValueError:
+        return None
+    keys = {k.replace("-", "_") for k in hps} if isinstance(hps, dict) else set()
+    return next((k for k in ("train_file", "dataset_name", "train_dir") if k in keys), None)
+
+
 def check_sagemaker(env: Mapping[str, str], n_gpus: int) -> list[Problem]:
     out = []
     channels = {k: v for k, v in env.items() if k.startswith("SM_CHANNEL_")}
@@ -212,12 +223,18 @@ def check_sagemaker(env: Mapping[str, str], n_gpus: int) -> list[Problem]:
         if not os.path.isdir(path):
             out.append(Problem("error", f"{name}={path} is not a folder", "check the channel's S3 input"))
     train = env.get("SM_CHANNEL_TRAIN") or env.get("SM_CHANNEL_TRAINING")
+    named = _data_hyperparameter(env)
+    if named:  # the data is named by a hyperparameter (a csv, a dataset): the channels are not the jsonl layout
+        train = None
     if train and os.path.isdir(train) and not os.path.isfile(os.path.join(train, "train.jsonl")):
+        from shardtrain.data.records import other_forms
+
         out.append(
             Problem(
                 "error",
-                f"the train channel {train} has no train.jsonl",
-                "upload train.jsonl (and its images) at the channel's S3 prefix",
+                f"the train channel {train} has no train.jsonl{other_forms(Path(train), 'train')}",
+                "upload train.jsonl (and its images) at the channel's S3 prefix, or name the data with a "
+                "hyperparameter (train_file=/opt/ml/input/data/train/train.csv)",
             )
         )
     if (

@@ -81,8 +81,24 @@ def split_path(data_dir: str | Path, split: str, named: str | None = None, kind:
         raise ConfigError(f"{named}: folder not found: {root}{relative_to_cwd(root)}{try_one}")
     path = root / SPLIT_FILES[split]
     if not path.is_file():
-        raise ConfigError(f"{named}: split file not found: {path}{relative_to_cwd(path)}")
+        raise ConfigError(f"{named}: split file not found: {path}{relative_to_cwd(path)}{other_forms(root, split)}")
     return path
+
+
+# Hugging Face's data forms, which --train-file / --validation-file name (data/sources.py reads them).
+OTHER_FORMS = (".csv", ".tsv", ".json", ".parquet")
+
+
+def other_forms(root: Path, split: str) -> str:
+    """Where the folder holds the split in another form (a SageMaker channel with train.csv): how to name it."""
+    flag = "--train-file" if split == "train" else "--validation-file"
+    found = sorted(p.name for p in root.iterdir() if p.is_file() and p.suffix in OTHER_FORMS)
+    if not found:
+        return ""
+    return (
+        f"; the folder holds {', '.join(found[:3])}{' ...' if len(found) > 3 else ''}: name it with {flag} "
+        f"(and --text-column-names / --label-column-name for other column names), as docs/data.md shows"
+    )
 
 
 def relative_to_cwd(path: Path) -> str:

@@ -428,6 +428,10 @@ def test_a_relative_data_dir_not_found_names_the_working_directory(tmp_path, mon
         split_path("empty", "train")
     with pytest.raises(ConfigError, match=f"folder not found: {tmp_path / 'nope'}$"):
         split_path(tmp_path / "nope", "train")
+    # A folder holding the split in another form (a SageMaker channel of csv): the line says how to name it.
+    (tmp_path / "empty" / "validation.csv").write_text("text,label\n")
+    with pytest.raises(ConfigError, match=r"the folder holds validation.csv: name it with --validation-file \("):
+        split_path("empty", "validation")
 
 
 def test_check_data_usage_names_the_training_flags_a_source_is_given_by(capsys):

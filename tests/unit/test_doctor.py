@@ -54,6 +54,17 @@ def test_sagemaker_checks(tmp_path):
     assert any(lv == "error" and "2 SageMaker hosts and no launcher" in m for lv, m in msgs)
     fix = next(p.fix for p in doctor.check_sagemaker(env, n_gpus=4) if "no launcher" in p.message)
     assert fix.startswith("start the job with ModelTrainer(distributed=Torchrun()) (SDK v2: distribution="), fix
+    # csv in the channel: the error says what it holds and how to name it; named by a hyperparameter, no error.
+    # (A trial's doctor failed csv data that trains, which the docs name by hyperparameters.)
+    (train / "train.csv").write_text("document,sentiment\n")
+    csv_env = {"SM_CHANNEL_TRAIN": str(train), "SM_NUM_GPUS": "4", "SM_HOSTS": '["algo-1"]'}
+    (problem,) = [p for p in doctor.check_sagemaker(csv_env, 4) if "train.jsonl" in p.message]
+    assert problem.message.endswith("has no train.jsonl; the folder holds train.csv: name it with --train-file "
+                                    "(and --text-column-names / --label-column-name for other column names), as "
+                                    "docs/data.md shows")  # fmt: skip
+    assert "train_file=/opt/ml/input/data/train/train.csv" in problem.fix
+    named = {**csv_env, "SM_HPS": json.dumps({"train_file": str(train / "train.csv"), "text_column_names": "document"})}
+    assert doctor.check_sagemaker(named, 4) == []
     (train / "train.jsonl").write_text("")
     (train / "validation.jsonl").write_text("")
     ok = {"SM_CHANNEL_TRAIN": str(train), "SM_NUM_GPUS": "4", "SM_HOSTS": '["algo-1"]'}

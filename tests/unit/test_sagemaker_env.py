@@ -183,6 +183,23 @@ def test_example_launcher_builds_the_job_without_sdk_or_aws():
         ex.build_job("r", "i", "b", "s3://b/t", max_run_hours=10, max_wait_hours=5)
 
 
+def test_the_example_launcher_passes_hyperparameters_for_csv_data(monkeypatch, capsys):
+    """A trial's data was csv with class names: the docs name it by hyperparameters (train_file=...,
+    text_column_names=...), and the launcher had no way to pass one."""
+    ex = _example()
+    started = []
+    monkeypatch.setattr(ex, "start", lambda job, wait: started.append(job))
+    csv = "/opt/ml/input/data/train/train.csv"
+    hps = ["--hp", f"train_file={csv}", "--hp", "text_column_names=document", "--hp", "label_column_name=sentiment"]
+    ex.main(["--role", "r", "--image", "i", "--bucket", "b", "--train", "s3://b/t", *hps])
+    hp = started[0]["trainer"]["hyperparameters"]
+    assert (hp["train_file"], hp["text_column_names"], hp["label_column_name"]) == (csv, "document", "sentiment")
+    assert hp["config"] == "configs/longformer_4096.yaml"  # the defaults stay
+    with pytest.raises(SystemExit):
+        ex.main(["--role", "r", "--image", "i", "--bucket", "b", "--train", "s3://b/t", "--hp", "train_file"])
+    assert "--hp train_file: write KEY=VALUE" in capsys.readouterr().err
+
+
 def test_a_bad_hyperparameter_names_its_own_spelling(monkeypatch):
     from shardtrain.config.settings import parse_cli
 
