@@ -39,6 +39,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--per-device-batch-size", type=int)
     parser.add_argument("--max-length", type=int)
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument(
+        "--memory-budget-gb",
+        type=float,
+        help="plan for this much memory per GPU instead of the card's, as train's auto choices do "
+        "(parallel.memory_budget_gb)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--debug", action="store_true")
     from shardtrain.config.settings import FIELDS, FLAG_ALIASES, flag_of, key_of
@@ -64,9 +70,12 @@ def main(argv: list[str]) -> int:
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be positive, got {args.gpus}")
     gpu = resolve_gpu(args.gpu)
+    # The memory the run's auto choices fit in: the card's, or --memory-budget-gb (from the flag or the config)
+    budget = cfg.parallel.memory_budget_gb
+    capacity = budget * GIB if budget is not None else gpu.memory_gib * GIB
     memory_model = memory_model_of(cfg)
     if memory_model is None:
-        p = plan_workload(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)
+        p = plan_workload(cfg, args.gpus, capacity, bf16_ok=gpu.bf16)
         print(json.dumps(p, indent=2) if args.json else format_workload_plan(p, gpu.name))
         return 0
     note = memory_model.check_offline()
@@ -74,7 +83,7 @@ def main(argv: list[str]) -> int:
         print(f"shardtrain: {note}", file=sys.stderr)
     if sys.stderr.isatty():  # a new user stared at a minute of silence (the 4096-token Longformer on a CPU)
         print("plan: measuring the model's activations on this machine's CPU first (up to a minute)", file=sys.stderr)
-    p = plan(cfg, args.gpus, gpu.memory_gib * GIB, bf16_ok=gpu.bf16)
+    p = plan(cfg, args.gpus, capacity, bf16_ok=gpu.bf16)
     p["launch"] = launch_line(p, args, argv)
     print(
         json.dumps(p, indent=2)
@@ -136,8 +145,9 @@ def _plan_config(args):
         "per_device_batch_size": args.per_device_batch_size,
         "max_length": args.max_length,
         "precision": args.precision,
+        "memory_budget_gb": args.memory_budget_gb,
     }
-    changes = {name: value for name, value in given.items() if value}
+    changes = {name: value for name, value in given.items() if value is not None}
     for name in FIELDS:
         value = getattr(args, f"data__{name}", None)
         if value is not None:

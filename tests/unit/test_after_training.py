@@ -228,6 +228,20 @@ def test_plan_takes_the_model_flags_of_the_model_it_plans(capsys):
     assert printed.err == ""  # not a terminal: no progress line
 
 
+def test_plan_takes_the_memory_budget_the_shipped_config_suggests(capsys):
+    """configs/longformer_4096.yaml's comment suggests `--memory-budget-gb 13` for more headroom; plan refused it
+    ("unrecognized arguments"), so the choice it makes could not be seen before renting."""
+    import json
+
+    base = ["plan", "--config", "configs/longformer_tiny.yaml", "--gpus", "2", "--gpu", "v100-16gb", "--json"]
+    assert cli.main([*base, "--memory-budget-gb", "13"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["capacity_bytes"] == 13 * 2**30
+    assert "--memory-budget-gb 13" in planned["launch"], planned["launch"]
+    assert cli.main([*base, "--memory-budget-gb", "0"]) == 2
+    assert "--memory-budget-gb (parallel.memory_budget_gb) must be positive" in capsys.readouterr().err
+
+
 def test_plan_on_a_terminal_says_it_measures_first(capsys, monkeypatch):
     """A new user watched `plan` of the 4096-token Longformer print nothing for 63 s."""
     import sys
