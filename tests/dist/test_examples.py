@@ -234,6 +234,8 @@ def examples(mm_data, tmp_path_factory) -> dict:
             variants[s],
             ["--save-every", str(MODULEDICT_RESUME_AT), "--lr", MODULEDICT_LR],
         )
+    # The report's code under --peft lora, as a user would add it: its forward calls model["text"] on the ModuleDict.
+    add("moduledict_fusion/lora/ddp", "moduledict_fusion", moduledict_fusion, variants["ddp"], [*lora])
     for s in MODULEDICT_RESUMED:
         add(
             f"moduledict_fusion/resumed/{s}",
@@ -471,6 +473,11 @@ def test_the_reports_moduledict_code_trains_resumes_and_exports_on_every_strateg
         worst = max(rel(a, b) for a, b in zip(resumed["losses"], r["losses"][MODULEDICT_RESUME_AT:]))
         print(f"  {s:6s} | {worst:.2e}")
         assert worst <= 1e-6, (s, resumed["losses"], r["losses"])
+    # Under --peft lora its forward gets its own ModuleDict, adapters inside (it got peft's PeftModel, which
+    # `model["text"]` cannot index): the adapters and the fusion head's classifier train, the rest stays frozen.
+    lora = examples["moduledict_fusion/lora/ddp"]
+    assert lora["ok"] and len(lora["losses"]) == STEPS and lora["losses"][-1] < lora["losses"][0], lora
+    assert 0 < lora["describe"]["params_trainable"] < ref["describe"]["params_trainable"] / 10, lora["describe"]
     # The layers the report's build_model froze (text embeddings, the CNN stem) are counted frozen, as on every rank
     frozen = {s: examples[f"moduledict_fusion/{s}"]["describe"]["params_frozen"] for s in STRATEGIES}
     assert ref["describe"]["params_frozen"] > 0 and len(set(frozen.values())) == 1, frozen
