@@ -285,7 +285,7 @@ def _commit(strategy, pending: PendingSave, failed: bool, agreed_in_loop: bool) 
     if failed:
         # Every rank says the same thing: the highest errno seen anywhere (ENOSPC, EDQUOT, EIO...).
         error = rank_error(failure) if failure else None
-        code = all_reduce_max(float(getattr(error, "errno", None) or (-1 if error else 0)), strategy.device)
+        code = all_reduce_max(float(_errno_of(error, path) or (-1 if error else 0)), strategy.device)
         _abandon(path, root, rank0)
         from shardtrain.config.settings import ConfigError
 
@@ -324,6 +324,26 @@ def _abandon(path: Path, root: Path, rank0: bool) -> None:
     barrier()
     if rank0:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def _errno_of(error: BaseException | None, path: Path) -> int | None:
+    """The failed write's errno. torch's own stream writer, under DCP, reports a full disk as a RuntimeError
+    ("file write failed") with none: a filesystem left (almost) without space then says ENOSPC. Read before
+    the partial folder is removed, which frees that space again."""
+    import errno
+
+    code = getattr(error, "errno", None)
+    if code or error is None:
+        return code
+    try:
+        full = shutil.disk_usage(path if path.exists() else path.parent).free < FULL_BELOW_BYTES
+    except OSError:
+        return None
+    return errno.ENOSPC if full else None
+
+
+# Free space under which a write error without an errno is taken for a full disk (the failed write filled it).
+FULL_BELOW_BYTES = 1 << 20
 
 
 def _remedy(code: int, root: Path) -> str:

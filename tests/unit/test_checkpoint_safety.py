@@ -173,7 +173,7 @@ def test_a_shard_damaged_inside_is_one_line_naming_the_rank_error(tmp_path):
     assert "Traceback" not in line and "CheckpointException" not in line
 
 
-def test_a_write_error_wrapped_by_dcp_keeps_its_errno():
+def test_a_write_error_wrapped_by_dcp_keeps_its_errno(monkeypatch):
     """A real full disk reaches the save's commit wrapped in DCP's CheckpointException, which has no errno: the
     line said "a rank failed to write its shards" instead of the cause."""
     import errno
@@ -185,6 +185,14 @@ def test_a_write_error_wrapped_by_dcp_keeps_its_errno():
     wrapped = CheckpointException("CheckpointException ranks:dict_keys([1])", {1: (full, traceback.StackSummary())})
     assert checkpoint.rank_error(wrapped) is full and checkpoint.rank_error(full) is full
     assert checkpoint._cause(checkpoint.rank_error(wrapped)) == "No space left on device"
+    # torch's stream writer reports a full disk as a RuntimeError with no errno (seen once in four real full-disk
+    # runs): a filesystem left without space says ENOSPC; one with space, nothing.
+    written = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    here = checkpoint.Path(".")
+    assert checkpoint._errno_of(written, here) is None
+    monkeypatch.setattr(checkpoint, "FULL_BELOW_BYTES", 1 << 62)  # any filesystem is "full" below that
+    assert checkpoint._errno_of(written, here) == errno.ENOSPC
+    assert checkpoint._errno_of(full, here) == errno.ENOSPC and checkpoint._errno_of(None, here) is None
     # The advice follows the cause: a trial's line said "free space" whatever it was.
     root = checkpoint.Path("/out/checkpoints")
     assert checkpoint._remedy(errno.ENOSPC, root) == "free space under /out/checkpoints and rerun with --resume auto"
