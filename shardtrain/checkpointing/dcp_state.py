@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
 from shardtrain.checkpointing.flat_chunks import SavePlanner
-from shardtrain.checkpointing.store import AsyncWrite, committed_steps, rank_error
+from shardtrain.checkpointing.store import AsyncWrite, committed_steps, rank_error, step_number
 from shardtrain.checkpointing.unpickle_guard import check_dcp_metadata
 from shardtrain.config.settings import ConfigError
 from shardtrain.runtime import faults
@@ -167,18 +167,23 @@ def _check_shard_files(ckpt_dir: Path, metadata) -> None:
             raise ConfigError(f"checkpoint file {file} {state}{_earlier_checkpoint(ckpt_dir)}")
 
 
-def read_failed(ckpt_dir: Path, e: BaseException) -> ConfigError:
-    """A shard that DCP could not read, in one line: the error a rank hit, not DCP's every-rank traceback."""
-    error = rank_error(e)
-    msg = " ".join(f"{type(error).__name__}: {error}".split())[:300]
-    return ConfigError(
-        f"checkpoint {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt?): {msg}{_earlier_checkpoint(ckpt_dir)}"
-    )
+def load_shards(state: dict, ckpt_dir: Path, **options) -> None:
+    """dcp.load of `ckpt_dir`'s model_optim/ into `state`; a shard it cannot read is one line: the error a rank
+    hit, not DCP's CheckpointException (a BaseException) with every rank's traceback."""
+    try:
+        dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR), **options)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001
+        error = rank_error(e)
+        msg = " ".join(f"{type(error).__name__}: {error}".split())[:300]
+        raise ConfigError(
+            f"checkpoint {ckpt_dir}: cannot read {MODEL_DIR}/ (corrupt?): {msg}{_earlier_checkpoint(ckpt_dir)}"
+        ) from None
 
 
 def _earlier_checkpoint(ckpt_dir: Path) -> str:
     """The way on from a damaged checkpoint: the newest committed one before it in the same run, if any."""
-    earlier = [d for d in committed_steps(ckpt_dir.parent) if d.name < ckpt_dir.name]
+    step = step_number(ckpt_dir)
+    earlier = [d for d in committed_steps(ckpt_dir.parent) if step is not None and step_number(d) < step]
     return f"; the run's previous checkpoint is whole: --resume {earlier[-1]}" if earlier else ""
 
 
@@ -231,10 +236,7 @@ def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn
                 f"(e.g. {skipped[0]}): they start with fresh optimizer state"
             )
         state["optim"] = {"state": have}
-    try:
-        dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR))
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException
-        raise read_failed(ckpt_dir, e) from None
+    load_shards(state, ckpt_dir)
     if load_optimizer:
         optim_state.update(state["optim"]["state"])
     set_state_dict(

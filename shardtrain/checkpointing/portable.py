@@ -10,14 +10,12 @@ from pathlib import Path
 
 import torch
 
-from shardtrain.checkpointing.dcp_state import MODEL_DIR, read_failed, read_metadata, tensor_shapes
+from shardtrain.checkpointing.dcp_state import MODEL_DIR, load_shards, read_metadata, tensor_shapes
 from shardtrain.config.settings import ConfigError
 
 
 def read_portable(ckpt_dir: str | Path, optimizer: bool = False) -> dict[str, dict]:
     """-> {"model": {fqn: tensor}, "optim": {flattened key: tensor}} (optim only when asked)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ckpt_dir = Path(ckpt_dir)
@@ -34,10 +32,7 @@ def read_portable(ckpt_dir: str | Path, optimizer: bool = False) -> dict[str, di
         meta = metadata.state_dict_metadata[key]
         assert isinstance(meta, TensorStorageMetadata)
         flat[key] = torch.empty(shapes[key], dtype=meta.properties.dtype)
-    try:
-        dcp.load(flat, checkpoint_id=str(ckpt_dir / MODEL_DIR), no_dist=True)
-    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException
-        raise read_failed(ckpt_dir, e) from None
+    load_shards(flat, ckpt_dir, no_dist=True)
     model = {k[len("model.") :]: v for k, v in flat.items() if k.startswith("model.")}
     optim = {k[len("optim.state.") :]: v for k, v in flat.items() if k.startswith("optim.state.")}
     return {"model": model, "optim": optim}

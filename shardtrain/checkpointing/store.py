@@ -50,6 +50,12 @@ def is_committed(path: Path) -> bool:
     return (path / COMMIT_MARKER).is_file() and (path / TRAINER_STATE).is_file()
 
 
+def step_number(path: Path) -> int | None:
+    """120 for `step-000120` (steps past 999,999 have more digits, so names do not sort as numbers)."""
+    m = STEP_DIR.match(path.name)
+    return int(m.group(1)) if m else None
+
+
 def committed_steps(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
@@ -62,7 +68,7 @@ def cut_short(root: Path, after: Path | None) -> list[Path]:
     a resume passes over and the next save removes."""
     if not root.is_dir():
         return []
-    newest = int(STEP_DIR.match(after.name).group(1)) if after is not None and STEP_DIR.match(after.name) else -1
+    newest = (step_number(after) if after is not None else None) or -1
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)) and not is_committed(p)]
     return [p for step, p in sorted(found) if step > newest]
 

@@ -463,16 +463,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         """Each rank reads only its own partitions (fp32 weights, Adam moments) straight into the engine's
         buffers, resharded by DCP from whatever the checkpoint holds: another ZeRO stage or world size, FSDP's
         row shards, DDP's whole tensors, or the gathered form DeepSpeed checkpoints had before. Collective."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from shardtrain.checkpointing.dcp_state import (
-            MODEL_DIR,
-            check_model_fits,
-            read_failed,
-            read_metadata,
-            tensor_shapes,
-        )
+        from shardtrain.checkpointing.dcp_state import check_model_fits, load_shards, read_metadata, tensor_shapes
         from shardtrain.checkpointing.flat_chunks import FlatRange, LoadPlanner
 
         shapes = tensor_shapes(read_metadata(ckpt_dir))
@@ -513,10 +504,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
                 }
         model.update({n: torch.empty_like(b, device="cpu") for n, b in buffers.items()})
         state = {"model": model, **({"optim": {"state": moments}} if load_optimizer else {})}
-        try:
-            dcp.load(state, checkpoint_id=str(ckpt_dir / MODEL_DIR), planner=LoadPlanner())
-        except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's own is a BaseException
-            raise read_failed(ckpt_dir, e) from None
+        load_shards(state, ckpt_dir, planner=LoadPlanner())
         self._weights_from_masters(params)
         for name, buf in buffers.items():
             buf.copy_(model[name])
