@@ -133,9 +133,11 @@ class JsonlWorkload(Workload):
         from shardtrain.builtin_workloads.settings import Builtins
         from shardtrain.data.precheck import check_splits
         from shardtrain.runtime.hub import check_hub_names
+        from shardtrain.runtime.launch import launch_world_size
 
         Builtins.check_text_model(cfg)
-        check_splits(cfg)  # a typo on line 7 of the records should not wait for N processes and a model
+        # A typo on line 7 of the records, or 3 records for 4 ranks, should not wait for N processes and a model.
+        check_splits(cfg, launch_world_size(cfg))
         # Hub names last (the probe may wait seconds): reachable, cached (offline by itself), or one line now.
         return check_hub_names(cfg)
 

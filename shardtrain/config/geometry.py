@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from shardtrain.config.settings import where
+
 
 @dataclass(frozen=True)
 class BatchGeometry:
@@ -49,3 +51,17 @@ class BatchGeometry:
             "world_size": self.world,
             "global_batch_size": self.global_batch,
         }
+
+
+def no_batch_problem(micro: int, examples: int, world: int) -> str | None:
+    """Why an epoch of `examples` training examples at `world` ranks has no micro-batch of `micro` (each rank
+    takes an equal share, the rest left out as DistributedSampler's drop_last leaves it); None when it has one.
+    Said before any process starts (data/precheck.py) and by the loop when OOM recovery or a resize changes the
+    micro-batch (data/train_stream.py)."""
+    share = examples // world
+    if micro <= share:
+        return None
+    return (
+        f"{where('per_device_batch_size')}={micro} is larger than each rank's share of the training set "
+        f"({examples} examples // world size {world} = {share}): an epoch would have no batch"
+    )

@@ -6,6 +6,7 @@ the others' checks.
 
 from __future__ import annotations
 
+from shardtrain.config.geometry import no_batch_problem
 from shardtrain.config.settings import ConfigError, reads_images, record_kinds, where
 from shardtrain.data.image_cache import open_image_cache, open_source_image_cache
 from shardtrain.data.layouts import check_num_labels, layout_files
@@ -20,10 +21,12 @@ from shardtrain.data.records import (
 from shardtrain.data.sources import column_values, image_key, load_splits, source_of
 
 
-def check_splits(cfg) -> None:
+def check_splits(cfg, world_size: int = 1) -> None:
     """Both splits' records, before any process, process group or model exists: the first bad one raises
     `file:line: message`. Cheap (no torch, no image decoding; images are only checked to exist). With
-    --skip-bad-samples only the files must exist: the dataset skips and counts the bad records."""
+    --skip-bad-samples only the files must exist: the dataset skips and counts the bad records. A training set
+    too small for one micro-batch per rank at `world_size` ranks is refused here too, not by every rank after
+    the launch, the data and the model."""
     if source_of(cfg) != "data_dir":
         # Columns, labels, num_labels and every row of another source: what load_splits raises on each rank
         # later, once, now. Images are only checked to exist here, as below.
@@ -35,6 +38,7 @@ def check_splits(cfg) -> None:
             for split, table in (("train", splits.train), ("validation", splits.validation)):
                 if table is not None:  # missing or stale: one line now, as below
                     open_source_image_cache(cfg, split, [image_key(v) for v in column_values(table, "image")])
+        _check_one_batch_fits(cfg, len(splits.train), world_size)
         return
     if cfg.data.dataset_format:
         # A published layout: its files and folders, not its thousands of posts (read once, by the run).
@@ -62,6 +66,18 @@ def check_splits(cfg) -> None:
                 break
         if not good:
             raise ConfigError(f"{where('data_dir')}: no usable records in {path}")
+        if split == "train":
+            _check_one_batch_fits(cfg, good, world_size)
+
+
+def _check_one_batch_fits(cfg, examples: int, world_size: int) -> None:
+    """Each rank's share of the training set holds a micro-batch. Not under a token budget (its batches are cut by
+    tokens) nor streaming (the stream's length is unknown), which say so themselves."""
+    if cfg.data.max_tokens_per_batch or cfg.data.streaming:
+        return
+    problem = no_batch_problem(cfg.train.per_device_batch_size, examples, world_size)
+    if problem:
+        raise ConfigError(problem)
 
 
 def _how_many_more_rows(cfg) -> str:

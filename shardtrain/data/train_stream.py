@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from shardtrain.config.geometry import no_batch_problem
 from shardtrain.config.settings import ConfigError, where
 
 
@@ -97,12 +98,9 @@ class TrainStream:
         """Rebuild the loader for a new per-device batch size; the next batch starts at the same sample."""
         if n == self.micro_batch_size:
             return
-        if n > self.samples_per_rank:
-            raise ConfigError(
-                f"{where('per_device_batch_size')}={n} is larger than this rank's share of the "
-                f"training set ({len(self.dataset)} examples // world size {self.world_size} = "
-                f"{self.samples_per_rank}): an epoch would have no batch"
-            )
+        problem = no_batch_problem(n, len(self.dataset), self.world_size)
+        if problem:
+            raise ConfigError(problem)
         self.micro_batch_size = n
         self._roll_over()  # the new size may not fit in what is left of the epoch
         self.close()  # the old loader's workers end before new ones start

@@ -27,6 +27,15 @@ def resolve_nproc(cfg: Config) -> int:
     return torch.cuda.device_count() if wants_gpu else 1
 
 
+def launch_world_size(cfg: Config) -> int:
+    """The ranks this job will have, before any process group: the launcher's count inside one (torchrun and the
+    deepspeed launcher set WORLD_SIZE, srun SLURM_NTASKS), else what `--nproc` resolves to."""
+    if under_launcher():
+        env = os.environ
+        return int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+    return resolve_nproc(cfg)
+
+
 def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
     """None: carry on in this process. Otherwise the launcher's exit code."""
     if under_launcher():

@@ -49,14 +49,10 @@ def check_strategy_config(cfg: Config) -> None:
 
         load_policy(cfg.parallel.fsdp_policy)
     elif kind == "deepspeed":
-        import os
-
-        from shardtrain.runtime.launch import resolve_nproc, under_launcher
+        from shardtrain.runtime.launch import launch_world_size
         from shardtrain.strategies.ds_config import resolve_ds_config
 
-        env = os.environ
-        world = int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1) if under_launcher() else resolve_nproc(cfg)
-        ds = resolve_ds_config(cfg, world)
+        ds = resolve_ds_config(cfg, launch_world_size(cfg))
         if cfg.parallel.device == "cpu" and (ds.get("fp16") or {}).get("enabled"):
             # deepspeed.initialize would say "Type fp16 is not supported on your device", after the processes,
             # the data and the model: a CPU smoke test of a V100 launch line (longformer_4096.yaml's fp16).

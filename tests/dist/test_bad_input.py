@@ -222,6 +222,14 @@ def config_cases(tmp: Path, mm: Path) -> list:
             ["--unfreeze-at-step (model.unfreeze_at_step)=100 is outside 1..max_steps (8)"],
         ),
         ("nan injection not steps", ["--inject-nan-at-steps", "two"], ["--inject-nan-at-steps", "step numbers"]),
+        (
+            "batch larger than a rank's share",  # was refused by each rank, after the launch, data and model
+            ["--nproc", "2", "--max-train-samples", "3", "--per-device-batch-size", "2"],
+            [
+                "--per-device-batch-size (train.per_device_batch_size)=2 is larger than each rank's share of the "
+                "training set (3 examples // world size 2 = 1): an epoch would have no batch"
+            ],
+        ),
     ]
 
 

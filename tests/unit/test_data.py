@@ -491,6 +491,24 @@ def test_a_missing_data_folder_set_in_a_config_names_its_file_and_line_and_how_t
     )
 
 
+def test_a_training_set_too_small_for_a_batch_on_every_rank_is_refused_before_any_process_starts(mm_dir, tmp_path):
+    """Each rank's loader refused it, after the launch, the data and the model: one line per rank."""
+    from shardtrain.data.precheck import check_splits
+
+    config = str(REPO / "configs" / "multimodal_tiny.yaml")
+    cfg = parse_cli(["--config", config, "--data-dir", str(mm_dir), "--output-dir", str(tmp_path),
+                     "--per-device-batch-size", "8", "--max-train-samples", "15"])  # fmt: skip
+    check_splits(cfg, world_size=1)  # 15 examples, 8 to a batch: one batch an epoch
+    with pytest.raises(ConfigError) as e:
+        check_splits(cfg, world_size=2)
+    assert str(e.value) == (
+        "--per-device-batch-size (train.per_device_batch_size)=8 is larger than each rank's share of the training "
+        "set (15 examples // world size 2 = 7): an epoch would have no batch"
+    )
+    # A token budget cuts batches by tokens, not by count: its own checks apply.
+    check_splits(replace_fields(cfg, max_tokens_per_batch=512), world_size=2)
+
+
 def test_training_the_multimodal_model_on_text_records_is_refused_naming_what_reads_them(ld_dir, tmp_path):
     """The refusal's advice was `check-data DIR` (which, reading the folder on its own as longdoc, found no problem)
     and --skip-bad-samples (which would skip every record)."""

@@ -71,3 +71,19 @@ def test_parent_still_refuses_bad_input_before_launch(mm_data, tmp_path):
         [sys.executable, "-c", PARENT, *args], capture_output=True, text=True, cwd=REPO, env=test_env(), timeout=120
     )
     assert "LAUNCH" not in run.stdout and "bad.json" in run.stderr, run.stdout + run.stderr
+
+
+def test_the_world_size_before_launch_is_the_launchers_or_nproc(monkeypatch):
+    """What the pre-launch checks size the job by (the training set's share per rank, DeepSpeed's batch)."""
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.runtime.launch import launch_world_size
+
+    cfg = parse_cli(["--config", str(REPO / "configs" / "multimodal_tiny.yaml"), "--nproc", "3"])
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert launch_world_size(cfg) == 3  # the parent of `train --nproc 3`
+    monkeypatch.setenv("SLURM_NTASKS", "4")  # srun, one task per GPU
+    assert launch_world_size(cfg) == 4
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "6")  # a torchrun worker of two nodes
+    assert launch_world_size(cfg) == 6

@@ -290,6 +290,18 @@ def test_trains_refusal_of_a_bad_row_says_how_many_there_are_and_the_ways_on(tmp
         check_splits(cfg)
 
 
+def test_a_csv_too_small_for_a_batch_on_every_rank_is_refused_before_any_process_starts(tmp_path):
+    from shardtrain.data.precheck import check_splits
+
+    rows = [[f"text {i}", "pos" if i % 2 else "neg"] for i in range(5)]
+    cfg = config(train_file=str(write_csv(tmp_path / "reviews.csv", ["review", "sentiment"], rows)),
+                 text_column_names=["review"], label_column_name="sentiment")  # fmt: skip
+    cfg = replace_fields(cfg, per_device_batch_size=2, max_train_samples=None)
+    check_splits(cfg, world_size=2)  # 5 // 2 = 2 each
+    with pytest.raises(ConfigError, match=r"=2 is larger than each rank's share of the training set \(5 examples"):
+        check_splits(cfg, world_size=3)
+
+
 def test_a_class_spelt_two_ways_is_refused_unless_label_names_lists_both(tmp_path):
     """A trial's CSV had one `Pos` among `pos` and `neg`: the run trained three classes (0=Pos, 1=neg, 2=pos), and
     check-data said nothing."""
