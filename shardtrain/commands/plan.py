@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
         print(f"shardtrain: {note}", file=sys.stderr)
     if sys.stderr.isatty():  # a new user stared at a minute of silence (the 4096-token Longformer on a CPU)
         print("plan: measuring the model's activations on this machine's CPU first (up to a minute)", file=sys.stderr)
-    p = plan(cfg, args.gpus, capacity, bf16_ok=gpu.bf16)
+    p = plan(cfg, args.gpus, capacity, bf16_ok=gpu.bf16, at_token_budget=True)
     p["launch"] = launch_line(p, args, argv)
     print(
         json.dumps(p, indent=2)
@@ -102,17 +102,17 @@ def launch_line(p: dict, args, argv: list[str]) -> str | None:
     if not rec or rec["variant"] not in STRATEGIES:
         return None
     shown = [a.replace(str(REPO) + "/", "") for a in STRATEGIES[rec["variant"]]]
-    given = [a for a in _without(argv, ("--gpus", "--gpu", "--per-device-batch-size"), ("--json", "--debug"))]
-    flags = [
-        "--nproc",
-        str(args.gpus),
-        *given,
-        *shown,
-        "--per-device-batch-size",
-        str(rec["micro_batch_size"]),
-        "--grad-accum",
-        str(rec["grad_accum"]),
-    ]
+    asked, fits = p.get("asked_max_tokens_per_batch"), p.get("max_tokens_per_batch")
+    if asked:
+        # Under a token budget the micro-batch is the budget's: the user's --per-device-batch-size (length groups,
+        # OOM recovery's unit) stays, and a budget that does not fit gives way to the largest that does.
+        budget = min(asked, fits) if fits else asked
+        given = _without(argv, ("--gpus", "--gpu", "--max-tokens-per-batch"), ("--json", "--debug"))
+        batch = ["--max-tokens-per-batch", str(budget)]
+    else:
+        given = _without(argv, ("--gpus", "--gpu", "--per-device-batch-size"), ("--json", "--debug"))
+        batch = ["--per-device-batch-size", str(rec["micro_batch_size"])]
+    flags = ["--nproc", str(args.gpus), *given, *shown, *batch, "--grad-accum", str(rec["grad_accum"])]
     if rec["activation_checkpointing"] == "auto":  # the fewest blocks that fit: the run chooses them again
         flags += ["--activation-checkpointing", "auto"]
     elif rec["activation_checkpointing"]:

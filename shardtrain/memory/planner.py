@@ -49,6 +49,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.recompute import checkpointed_text
 
 GIB = 1024**3
@@ -520,13 +521,20 @@ def resolve_gpu(name: str) -> GPU:
     return GPUS[key]
 
 
-def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool = True) -> dict:
-    """Every variant with activation checkpointing off and on, at the config's micro-batch; the recommendation."""
+def plan(
+    cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool = True, at_token_budget: bool = False
+) -> dict:
+    """Every variant with activation checkpointing off and on, at the config's micro-batch; the recommendation.
+    `at_token_budget` (`shardtrain plan`): under a --max-tokens-per-batch, at the largest micro-batch the run can
+    meet instead, the budget's worth of max_length texts, as the run's banner predicts."""
     t = cfg.train
     precision = t.precision if (t.precision != "bf16" or bf16_ok) else "fp16"
     vocab, vocab_source = run_vocab(cfg)
     m = count_model(cfg, vocab_size=vocab)
-    global_batch = t.per_device_batch_size * t.grad_accum * gpus
+    planned = BatchGeometry.configured(cfg, gpus)
+    if at_token_budget:
+        planned = planned.at_token_budget(cfg)
+    global_batch = planned.global_batch
 
     def row(variant: str, micro: int, checkpointed: int) -> dict:
         _, _, cost, comm = VARIANTS[variant]
@@ -566,7 +574,7 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
                     rows.insert(-1, row(variant, micro, k))
         return rows
 
-    micro = t.per_device_batch_size
+    micro = planned.micro
     rows = rows_at(micro)
     fitting = [r for r in rows if r["fits"]]
     recommendation, note = None, ""
@@ -576,7 +584,7 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
         if global_batch % (micro * gpus):
             continue
         fitting = [r for r in rows_at(micro) if r["fits"]]
-        note = f"nothing fits at micro-batch {t.per_device_batch_size}; keeps global batch {global_batch}"
+        note = f"nothing fits at micro-batch {planned.micro}; keeps global batch {global_batch}"
     budget = None
     if fitting:
         recommendation = min(fitting, key=lambda r: (r["relative_cost"], r["total_bytes"]))
@@ -590,8 +598,9 @@ def plan(cfg, gpus: int, capacity_bytes: float, bf16_ok: bool = True, cuda: bool
         "capacity_bytes": capacity_bytes,
         "precision": precision,
         "seq_len": cfg.data.max_length,
-        "micro_batch_size": t.per_device_batch_size,
+        "micro_batch_size": planned.micro,
         "global_batch_size": global_batch,
+        "asked_max_tokens_per_batch": cfg.data.max_tokens_per_batch if at_token_budget else None,
         "rows": rows,
         "recommendation": recommendation,
         "max_tokens_per_batch": budget,
@@ -777,12 +786,17 @@ def _ac_cell(row: dict, short: bool = True) -> str:
     return text.replace(" of ", "/").replace(" blocks", "") if short else text
 
 
+def _budget_note(p: dict) -> str:
+    asked = p.get("asked_max_tokens_per_batch")
+    return f" (--max-tokens-per-batch {asked} at seq {p['seq_len']}: the largest it holds)" if asked else ""
+
+
 def format_plan(p: dict, gpu_name: str) -> str:
     vocab = f"vocabulary {p['vocab_size']:,}: {p['vocab_source']}" if p.get("vocab_size") else ""
     lines = [
         f"plan: {p['model_params']:,} parameters{f' ({vocab})' if vocab else ''} on {p['gpus']} x {gpu_name} "
         f"({p['capacity_bytes'] / GIB:.0f} GiB), "
-        f"{p['precision']}, micro-batch {p['micro_batch_size']}, seq {p['seq_len']}, global batch "
+        f"{p['precision']}, micro-batch {p['micro_batch_size']}{_budget_note(p)}, seq {p['seq_len']}, global batch "
         f"{p['global_batch_size']}  (GiB per GPU)",
         *_plan_table(p, with_activations=True),
     ]

@@ -242,6 +242,25 @@ def test_plan_takes_the_memory_budget_the_shipped_config_suggests(capsys):
     assert "--memory-budget-gb (parallel.memory_budget_gb) must be positive" in capsys.readouterr().err
 
 
+def test_plan_with_a_token_budget_plans_the_largest_micro_batch_the_budget_holds(capsys):
+    """`plan --max-tokens-per-batch` planned at --per-device-batch-size: with 4 texts of 256 to a budget of 1,024
+    and the config's 2, its table and launch line were for half the activations the run would meet."""
+    import json
+
+    base = ["plan", "--config", "configs/longformer_tiny.yaml", "--gpus", "2", "--gpu", "v100-16gb", "--json"]
+    assert cli.main([*base, "--per-device-batch-size", "2", "--max-tokens-per-batch", "1024"]) == 0
+    planned = json.loads(capsys.readouterr().out)
+    assert planned["micro_batch_size"] == 4 and planned["asked_max_tokens_per_batch"] == 1024
+    assert {r["micro_batch_size"] for r in planned["rows"]} == {4}
+    # The launch line keeps the budget (the run's micro-batch) and the user's --per-device-batch-size (its length
+    # groups and OOM recovery's unit).
+    launch = planned["launch"]
+    assert "--per-device-batch-size 2 " in launch and launch.count("--per-device-batch-size") == 1, launch
+    assert "--max-tokens-per-batch 1024 --grad-accum" in launch, launch
+    assert cli.main([*base[:-1], "--max-tokens-per-batch", "1024"]) == 0
+    assert "micro-batch 4 (--max-tokens-per-batch 1024 at seq 256: the largest it holds)" in capsys.readouterr().out
+
+
 def test_plan_on_a_terminal_says_it_measures_first(capsys, monkeypatch):
     """A new user watched `plan` of the 4096-token Longformer print nothing for 63 s."""
     import sys
