@@ -4,10 +4,10 @@ Importing torch, transformers (which imports torchvision, torchao and torch._dyn
 close to a million long-lived objects, and the cyclic collector walks the young ones again every 700 allocations
 while it does: a fifth of every rank's import time. So start-up runs with collections made rare, and the training
 loop gets the collector back with the start-up heap frozen (gc.freeze: never scanned again, as CPython's docs
-advise for a long-lived process's import state). benchmarks/import_gc.py measures it (results/import_gc.json, dev
-machine, 5 interleaved rounds, paired medians): a rank's imports cost 4.54 s CPU with Python's thresholds, 3.70 s
-with a young collection every 100k allocations, 3.45 s every 1M (the setting below; 0.25 s saved per process
-over 100k, noise floor 0.20 s), for 8.5 MiB more peak memory (831 MiB against 823).
+advise for a long-lived process's import state). benchmarks/import_gc.py measures it (dev machine, 5 interleaved
+rounds, paired medians, in benchmarks/results/import_gc.json): a rank's imports cost 4.54 s CPU with Python's
+thresholds, 3.70 s with a young collection every 100k allocations, 3.45 s every 1M (the setting below; 0.25 s
+saved per process over 100k, noise floor 0.20 s), for 8.5 MiB more peak memory (831 MiB against 823).
 
 The thresholds are raised, not the collector disabled: a command that never reaches the loop (predict, export,
 plan) keeps a bounded heap. The loop restores the user's thresholds before its first step, so that a cycle holding

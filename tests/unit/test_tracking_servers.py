@@ -63,7 +63,7 @@ def test_train_refuses_before_any_process_starts(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{closed_port()}")
     from shardtrain.data import make_data
 
-    data = make_data("longdoc", tmp_path / "ld", n_train=8, n_val=4, min_words=5, max_words=9)
+    data = make_data("longdoc", tmp_path / "ld", n_train=16, n_val=4, min_words=5, max_words=9)  # a batch of 8 per rank
     out = tmp_path / "run"
     tiny = ["--config", "configs/longformer_tiny.yaml", "--data-dir", str(data), "--nproc", "2"]
     argv = [*tiny, "--report-to", "mlflow", "--output-dir", str(out)]
