@@ -437,6 +437,7 @@ def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
         "output_dir": str(run_dir),
         "strategy": "ddp",
         "ds": None,
+        "engine_files": False,  # a DeepSpeed run's own files: ddp refuses the setting, and predict reads none
     }
     # The run's own (an export keeps it in its root; a run and older exports in tokenizer/); never a new one
     # trained on the data to predict.

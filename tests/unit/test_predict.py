@@ -11,7 +11,7 @@ import torch
 
 from shardtrain import cli
 from shardtrain.commands import predict
-from shardtrain.config.settings import Config, ConfigError
+from shardtrain.config.settings import Config, ConfigError, parse_cli
 from shardtrain.workloads.base import Workload
 
 
@@ -102,6 +102,18 @@ def test_other_data_replaces_the_runs_own_source(tmp_path):
     assert d.tokenizer == str(tmp_path / "tokenizer")  # the run's own, never one trained anew
     with pytest.raises(ConfigError, match="max_eval_samples: expected an integer"):
         predict._with_flags(saved, {"max_eval_samples": "many"}, tmp_path, "ckpt")
+
+
+def test_a_deepspeed_run_with_its_engine_files_predicts_and_evaluates(tmp_path):
+    """A ZeRO run trained with --engine-files (for DeepSpeed's zero_to_fp32.py, as docs/checkpoints.md says) could
+    not be predicted from nor `export --eval`ed: its saved engine_files met predict's ddp, a refused pair, and the
+    line named flags the user never gave those commands."""
+    saved = parse_cli(["--ds", "ds_configs/zero2.json", "--engine-files"]).to_dict()
+    saved["model"].update(pretrained=False)
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    cfg = predict._with_flags(saved, {}, tmp_path, "ckpt")
+    assert (cfg.parallel.strategy, cfg.parallel.ds, cfg.checkpoint.engine_files) == ("ddp", None, False)
 
 
 @pytest.mark.parametrize("n, world", [(0, 2), (1, 3), (7, 2), (64, 3), (10, 10)])
