@@ -245,7 +245,8 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
     def save(self, ckpt_dir: Path):
         self.sync_buffers()
         if self.cfg.checkpoint.engine_files:  # for DeepSpeed's own tools (zero_to_fp32.py); resume does not read it
-            self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+            # `latest` in the step folder names the tag, as zero_to_fp32.py (copied beside it) reads by default.
+            self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=True)
         # The portable form, each rank writing only the partition it owns (no gather): what every strategy at any
         # world size, `export` and a resume read.
         model_sd, optim_state = self._partition_state()
@@ -259,7 +260,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         for that write inside the next engine.step(), so training would stall there for the whole write."""
         self.sync_buffers()
         if self.cfg.checkpoint.engine_files:
-            self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=False)
+            self.engine.save_checkpoint(str(ckpt_dir), tag=TAG, save_latest=True)
         model_sd, optim_state = self._partition_state(snapshot=True)
         return save_portable_async(ckpt_dir, model_sd, optim_state, self._extra(), self.dist.is_rank0, self._save_group)
 
