@@ -59,17 +59,14 @@ class JsonlWorkload(Workload):
         source = source_of(self.cfg)  # asked first, whatever the layout: it is also how the loop knows we read it
         # Records are validated before the tokenizer is trained.
         if d.dataset_format:
-            from shardtrain.data.split_dataset import write_label_file
             from shardtrain.data.splits import layout_datasets
 
             train, validation = layout_datasets(self.cfg)
-            if _rank0():
-                write_label_file(self.cfg, list(train.labels.names))
         elif source != "data_dir":
             from shardtrain.data.sources import column_values
             from shardtrain.data.split_dataset import source_datasets
 
-            train, validation = source_datasets(self.cfg, _rank0())
+            train, validation = source_datasets(self.cfg)
             self._train_texts = lambda: column_values(train.table, "text")
         else:
             from shardtrain.data.splits import build_split

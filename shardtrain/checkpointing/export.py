@@ -250,6 +250,7 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     load_fitting_weights(model, read_portable(ckpt_dir)["model"], workload, f"export {ckpt_dir}", base)
     if merge:  # a PeftModel's export is its adapters (PeftModel.from_pretrained); merged, the plain model's
         model = merged(model, f"export {ckpt_dir}")
+    name_the_classes(model, cfg.data.label_names)
     workload.export(model.eval(), out)
     for f in out.glob("*.safetensors"):
         normal_mode(f)
@@ -274,6 +275,23 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
             info["eval_int8"] = evaluate_workload(workload, model)
     (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))
     return info
+
+
+def name_the_classes(model: nn.Module, names: list[str]) -> None:
+    """A transformers model's config gets the run's class names where it still has transformers' own (LABEL_0,
+    ...), so that the config.json its save_pretrained writes in a workload's export() maps ids to them, as the
+    built-ins' exports do: without them `pipeline("text-classification")` answered LABEL_2 for "positive". Names a
+    user's build_model() gave its config are theirs; a model of another kind has no such config."""
+    from shardtrain.workloads.adapters import is_peft_model
+
+    config = getattr(model.get_base_model() if is_peft_model(model) else model, "config", None)
+    id2label = getattr(config, "id2label", None)
+    if not names or not isinstance(id2label, dict) or len(id2label) != len(names):
+        return
+    if {int(i): label for i, label in id2label.items()} != {i: f"LABEL_{i}" for i in range(len(names))}:
+        return
+    config.id2label = dict(enumerate(names))
+    config.label2id = {name: i for i, name in enumerate(names)}
 
 
 def label_maps(cfg) -> dict:

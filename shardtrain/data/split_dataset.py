@@ -101,17 +101,15 @@ def write_label_file(cfg, label_names: list[str]) -> None:
     )
 
 
-def source_datasets(cfg, is_rank0: bool) -> tuple[SplitDataset, Optional[SplitDataset]]:
+def source_datasets(cfg) -> tuple[SplitDataset, Optional[SplitDataset]]:
     """(train, validation) of the source the config names, validated and wrapped for the loop. The train
-    dataset carries `labels`, the classes the data decided (config/labels.py); rank 0 writes their mapping
-    into the run folder."""
+    dataset carries `labels`, the classes the data decided (config/labels.py), which the Trainer writes into the
+    run folder."""
     from shardtrain.data.image_cache import open_source_image_cache
     from shardtrain.data.sources import load_splits
 
     # With an image cache, the images that did not decode are known from its build: none is decoded here.
     splits = load_splits(cfg, check_images=False if cfg.data.image_cache else None)
-    if is_rank0 and splits.label_names:
-        write_label_file(cfg, splits.label_names)
     images = reads_images(cfg)
     made = []
     for split, table in (("train", splits.train), ("validation", splits.validation)):

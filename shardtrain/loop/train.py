@@ -21,6 +21,7 @@ from shardtrain.checkpointing.output_lock import hold_output_dir
 from shardtrain.config.settings import Config, ConfigError, profile_range
 from shardtrain.data import batch_to_device, build_loaders
 from shardtrain.data.sources import check_resumed_labels, source_asks, unread_source_flags
+from shardtrain.data.split_dataset import write_label_file
 from shardtrain.loop.best import BestCheckpoint, stopped_early
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.evaluate import evaluate
@@ -421,6 +422,8 @@ class Trainer:
         if unread and self.dist.is_rank0:
             self.console.warn(unread)
         self.labels = self.workload.labels()  # what the data decided of the classes: the run's state
+        if self.labels and self.labels.names and self.dist.is_rank0:
+            write_label_file(self.cfg, list(self.labels.names))  # any workload's, for the export and its readers
         # What the planner and the banner describe: the user's config with the data's classes in it.
         self.model_cfg = self.labels.applied_to(self.cfg) if self.labels else self.cfg
         if self.state:

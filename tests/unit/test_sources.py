@@ -337,12 +337,12 @@ def test_an_image_that_fails_to_decode_mid_run_is_named_by_its_file_and_line(tmp
     rows = [{"text": f"post {i}", "image": f"pics/{i}.png", "label": "ab"[i % 2]} for i in range(6)]
     path = d / "train.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" + ("\n" if i == 1 else "") for i, r in enumerate(rows)))
-    train, _ = source_datasets(config("multimodal", train_file=str(path), validation_file=str(path)), is_rank0=False)
+    train, _ = source_datasets(config("multimodal", train_file=str(path), validation_file=str(path)))
     with pytest.raises(ConfigError, match=rf"^{path}:6: cannot decode image \S*pics/4\.png"):
         train[4]  # the fifth record, on line 6 after a blank line
     held = config("multimodal", train_file=str(path), validation_split_percentage=50)
     corrupt = str(d / "pics" / "4.png")
-    bad = next(ds for ds in source_datasets(held, is_rank0=False) if corrupt in list(ds.table["image"]))
+    bad = next(ds for ds in source_datasets(held) if corrupt in list(ds.table["image"]))
     with pytest.raises(ConfigError, match=rf"^{path}:6: cannot decode image"):
         bad[list(bad.table["image"]).index(corrupt)]
     # predict --file reads the file with its own reader, and its dataset names the row the same way.
