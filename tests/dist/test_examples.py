@@ -45,7 +45,10 @@ def bert_tokenizer(data_dir: Path, out: Path) -> Path:
     )
     out.mkdir(parents=True, exist_ok=True)
     (out / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
-    BertTokenizerFast(vocab_file=str(out / "vocab.txt")).save_pretrained(str(out / "tok"))
+    # vocab=, not vocab_file=: transformers 5 ignores vocab_file and gives a 5-token vocabulary, every word [UNK]
+    tok = BertTokenizerFast(vocab=str(out / "vocab.txt"))
+    assert tok.unk_token_id not in tok(words[0])["input_ids"], "the tokenizer knows none of the data's words"
+    tok.save_pretrained(str(out / "tok"))
     return out / "tok"
 
 

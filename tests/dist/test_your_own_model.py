@@ -39,7 +39,8 @@ def user_dir(mm_data, tmp_path_factory) -> Path:
     )
     (d / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *words]) + "\n")
     model_dir = d / "tiny-roberta"
-    tok = BertTokenizerFast(vocab_file=str(d / "vocab.txt"))
+    tok = BertTokenizerFast(vocab=str(d / "vocab.txt"))  # vocab_file= gives every word [UNK] in transformers 5
+    assert tok.unk_token_id not in tok(words[0])["input_ids"], "the tokenizer knows none of the data's words"
     tok.save_pretrained(str(model_dir))
     cfg = RobertaConfig(
         vocab_size=len(tok),
