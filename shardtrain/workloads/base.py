@@ -78,7 +78,11 @@ class Workload:
         import torch.nn.functional as F
 
         method = f"{type(self).__name__}.loss"
-        return F.cross_entropy(logits_of(outputs, method).float(), labels_of(batch, method))
+        logits = logits_of(outputs, method)
+        if not getattr(self, "_head_checked", False):  # the first batch's: the head does not change
+            check_head_fits_classes(self, logits.shape[-1])
+            self._head_checked = True
+        return F.cross_entropy(logits.float(), labels_of(batch, method))
 
     def metric_sums(self, outputs, batch: dict) -> dict[str, torch.Tensor]:
         """Quantities that add up over batches and ranks; here a confusion matrix (true x predicted)."""
@@ -248,6 +252,21 @@ def _kind(value) -> str:
 
 
 # ---- helpers the defaults (and user code) use ----------------------------------------------------------
+def check_head_fits_classes(workload: Workload, outputs: int) -> None:
+    """A model with another number of logits than the classes its workload's labels() names: cross_entropy's
+    `IndexError: Target 2 is out of bounds` (a device-side assert on CUDA) for fewer, and for more a class that
+    no data has, trained silently and printed by predict ("3": 0.24); one line instead, at the first step."""
+    classes = workload.labels()
+    if classes is None or classes.count == outputs:
+        return
+    name = type(workload).__name__
+    named = f" ({', '.join(classes.names)})" if classes.names else ""
+    raise ConfigError(
+        f"{name}.build_model() gives {outputs} logits, but {name}.labels() names {classes.count} classes{named}: "
+        f"build the head with as many outputs as classes (num_labels={classes.count} for a transformers model)"
+    )
+
+
 def logits_of(outputs, method: str = "Workload.loss") -> torch.Tensor:
     """The logits in what forward returned: the tensor itself, a model output's `.logits` (transformers'), or a
     dict's "logits". Anything else is one line naming `method`, the default that reads them."""

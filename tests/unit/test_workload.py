@@ -439,3 +439,26 @@ def test_fsdp_with_no_blocks_to_shard_names_block_classes():
             "Bag.block_classes()",
         )
     assert len(_units(Net(), load_policy("fsdp_policies/default.yaml"), (Block,))) == 2
+
+
+def test_a_head_of_another_size_than_the_classes_is_one_line_at_the_first_step():
+    """A trial's `num_labels: 2` in --workload-args over 3 classes ended in `IndexError: Target 2 is out of bounds`,
+    and `num_labels: 4` trained a class no data has, which predict then printed ("3": 0.24)."""
+    import torch
+
+    from shardtrain.config.labels import ClassLabels
+    from shardtrain.config.settings import Config, ConfigError
+
+    class Reviews(Workload):
+        def labels(self):
+            return ClassLabels(3, ("negative", "neutral", "positive"))
+
+    batch = {"labels": torch.tensor([0, 2])}
+    for outputs in (2, 4):
+        with pytest.raises(ConfigError) as e:
+            Reviews(Config()).loss(torch.zeros(2, outputs), batch)
+        assert str(e.value) == (
+            f"Reviews.build_model() gives {outputs} logits, but Reviews.labels() names 3 classes (negative, neutral, "
+            "positive): build the head with as many outputs as classes (num_labels=3 for a transformers model)"
+        )
+    assert Reviews(Config()).loss(torch.zeros(2, 3), batch).item() == pytest.approx(torch.log(torch.tensor(3.0)))
