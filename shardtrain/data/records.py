@@ -91,6 +91,9 @@ OTHER_FORMS = (".csv", ".tsv", ".json", ".parquet")
 
 def other_forms(root: Path, split: str) -> str:
     """Where the folder holds the split in another form (a SageMaker channel with train.csv): how to name it."""
+    if (root / "dataset_dict.json").is_file() or (root / "state.json").is_file():
+        # datasets' save_to_disk (a DatasetDict, or one Dataset): its .json files are metadata, not records.
+        return f"; the folder is a `datasets` save_to_disk folder: name it with --dataset-name {root}"
     flag = "--train-file" if split == "train" else "--validation-file"
     found = sorted(p.name for p in root.iterdir() if p.is_file() and p.suffix in OTHER_FORMS)
     if not found:

@@ -432,6 +432,13 @@ def test_a_relative_data_dir_not_found_names_the_working_directory(tmp_path, mon
     (tmp_path / "empty" / "validation.csv").write_text("text,label\n")
     with pytest.raises(ConfigError, match=r"the folder holds validation.csv: name it with --validation-file \("):
         split_path("empty", "validation")
+    # A trial's DatasetDict.save_to_disk folder was pointed to --train-file, which takes one file, by its metadata.
+    saved = tmp_path / "reviews"
+    import datasets
+
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["a"], "label": [0]})}).save_to_disk(saved)
+    with pytest.raises(ConfigError, match=rf"a `datasets` save_to_disk folder: name it with --dataset-name {saved}$"):
+        split_path(saved, "train")
 
 
 def test_check_data_usage_names_the_training_flags_a_source_is_given_by(capsys):
