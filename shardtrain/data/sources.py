@@ -64,11 +64,27 @@ def unread_source_flags(cfg: Config, asks_before: int) -> str | None:
     given = [name for name in (*SOURCE_FLAGS, "dataset_format") if getattr(cfg.data, name)]
     if cfg.data.data_dir != FIELDS["data_dir"][1].default or set_in_file(cfg, "data_dir"):
         given.append("data_dir")
-    if not given or _source_asks > asks_before:
+    if not given:
         return None
+    if _source_asks > asks_before:
+        return _data_dir_beside_another_source(cfg)
     return (
         f"{located(cfg, given[0])} names training data, but the workload's datasets() did not read the run's data "
         f"source (shardtrain.data.load_splits(cfg), docs/data.md): it trains on what its own code reads"
+    )
+
+
+def _data_dir_beside_another_source(cfg: Config) -> str | None:
+    """A --data-dir given beside the flag that names the training data (a trial's --data-dir over a config file's
+    dataset_name) is not read: one source per run. Said, where it was ignored in silence. Not when a config file
+    set it: the shipped configs name a data folder that --train-file and the others replace."""
+    d = cfg.data
+    other = next((name for name in SOURCE_FLAGS if getattr(d, name)), None)
+    if other is None or d.data_dir == FIELDS["data_dir"][1].default or set_in_file(cfg, "data_dir"):
+        return None
+    return (
+        f"{located(cfg, 'data_dir')} {d.data_dir} is not read: {located(cfg, other)} names the training data "
+        f"(one source per run)"
     )
 
 

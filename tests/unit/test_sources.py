@@ -491,6 +491,28 @@ def test_a_data_folder_the_workload_never_reads_is_warned_about_like_a_train_fil
     assert line.startswith("myproj/run.yaml:4: data.data_dir names training data"), line
 
 
+def test_a_data_dir_given_beside_the_source_a_config_file_names_is_said_to_be_unread(tmp_path, monkeypatch):
+    """A trial's --data-dir over a config file's dataset_name trained on the dataset without a word."""
+    from shardtrain.config.settings import parse_cli
+    from shardtrain.data.sources import source_asks, source_of, unread_source_flags
+
+    monkeypatch.chdir(tmp_path)
+    Path("run.yaml").write_text("model:\n  name: longformer\ndata:\n  dataset_name: reviews_disk\n")
+    cfg = parse_cli(["--config", "run.yaml", "--data-dir", "other_data"])
+    asks = source_asks()
+    assert source_of(cfg) == "dataset_name"  # the workload read the run's source
+    assert unread_source_flags(cfg, asks) == (
+        "--data-dir (data.data_dir) other_data is not read: run.yaml:4: data.dataset_name names the training data "
+        "(one source per run)"
+    )
+    # A config file's own data folder, which --train-file and the others replace, is not worth a line.
+    Path("ship.yaml").write_text("model:\n  name: longformer\ndata:\n  data_dir: data/longdoc\n")
+    cfg = parse_cli(["--config", "ship.yaml", "--train-file", "mine.csv"])
+    asks = source_asks()
+    source_of(cfg)
+    assert unread_source_flags(cfg, asks) is None
+
+
 def test_a_yaml_that_names_the_default_data_folder_is_warned_about_too(tmp_path, monkeypatch):
     """A file that says `data_dir: data/multimodal` asked for that folder, though it is the default: a workload
     that reads its own data ignored it without a word (only values other than the default were warned about)."""
