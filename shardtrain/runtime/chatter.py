@@ -29,7 +29,8 @@ _NOISE = [
 ]
 # transformers' table of the keys a pretrained load skipped or initialised, once per rank and per load.
 _LOAD_REPORT = re.compile(r".*LOAD REPORT")
-_LOAD_ROW = re.compile(r"^(\S[^|]*?)\s*\|\s*(UNEXPECTED|MISSING|MISMATCH|CONVERSION)\b", re.M)
+# A row is one line: a key that could run on over the line before (the table's `---+---` rule) was not the key.
+_LOAD_ROW = re.compile(r"^([^\s|][^|\n]*?)[ \t]*\|[ \t]*(UNEXPECTED|MISSING|MISMATCH|CONVERSION)\b", re.M)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 

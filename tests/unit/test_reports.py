@@ -331,3 +331,17 @@ def test_parity_compares_finished_runs_of_other_lengths_on_the_steps_they_share(
         out = capsys.readouterr().out
         assert "parity: note: compared the 3 steps every run logged (three has no step 4)" in out, out
     assert "{" not in out
+
+
+def test_a_new_heads_load_report_is_routine_whichever_row_comes_first():
+    """transformers 5's report of a fresh classifier head, as `export` of a trial's own BERT workload printed it: its
+    first row ran on from the table's rule line, so `classifier.weight` was not read as the key and it stayed."""
+    from shardtrain.runtime.chatter import _routine_load_report
+
+    report = (
+        "\x1b[1mBertForSequenceClassification LOAD REPORT\x1b[0m from: /tmp/base\nKey               | Status  | \n"
+        "------------------+---------+-\nclassifier.weight | MISSING | \nclassifier.bias   | MISSING | \n\nNotes:\n"
+        "- MISSING:\tthose params were newly initialized because missing from the checkpoint."
+    )
+    assert _routine_load_report(report)
+    assert not _routine_load_report(report.replace("classifier.bias  ", "encoder.layer.1.x"))
