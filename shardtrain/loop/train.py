@@ -49,7 +49,9 @@ from shardtrain.workloads.adapters import apply_lora, base_fingerprint, check_sa
 from shardtrain.workloads.base import (
     CheckedCollate,
     Workload,
+    check_head_fits_classes,
     check_loss,
+    declared_outputs,
     import_root,
     load_workload,
     model_of,
@@ -616,6 +618,7 @@ def make_model_factory(workload: Workload, seed: int, device: torch.device, star
                     with torch.device("meta"):
                         return model_of(workload)
                 model = model_of(workload)
+            check_head_fits_classes(workload, declared_outputs(model))  # before a forward that fails on it
             if load_weights and factory.base is None:  # the first full build with its weights: rank 0's at least
                 factory.base = base_fingerprint(model)
             return model

@@ -252,11 +252,12 @@ def _kind(value) -> str:
 
 
 # ---- helpers the defaults (and user code) use ----------------------------------------------------------
-def check_head_fits_classes(workload: Workload, outputs: int) -> None:
+def check_head_fits_classes(workload: Workload, outputs: int | None) -> None:
     """A model with another number of logits than the classes its workload's labels() names: cross_entropy's
     `IndexError: Target 2 is out of bounds` (a device-side assert on CUDA) for fewer, and for more a class that
-    no data has, trained silently and printed by predict ("3": 0.24); one line instead, at the first step."""
-    classes = workload.labels()
+    no data has, trained silently and printed by predict ("3": 0.24); one line instead. Checked once the model
+    is built where its config declares its outputs (declared_outputs), else at the first step's loss."""
+    classes = workload.labels() if outputs is not None else None
     if classes is None or classes.count == outputs:
         return
     name = type(workload).__name__
@@ -265,6 +266,18 @@ def check_head_fits_classes(workload: Workload, outputs: int) -> None:
         f"{name}.build_model() gives {outputs} logits, but {name}.labels() names {classes.count} classes{named}: "
         f"build the head with as many outputs as classes (num_labels={classes.count} for a transformers model)"
     )
+
+
+def declared_outputs(model) -> int | None:
+    """The logits a transformers sequence classifier declares (its config's `num_labels`), a PeftModel's base's
+    included: it computes its own loss when the batch has labels, so a head of the wrong size fails inside its
+    forward, before Workload.loss sees the logits. None for any other model (other heads' configs carry a
+    num_labels that means nothing)."""
+    base = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+    if not type(base).__name__.endswith("ForSequenceClassification"):
+        return None
+    declared = getattr(getattr(base, "config", None), "num_labels", None)
+    return declared if isinstance(declared, int) else None
 
 
 def logits_of(outputs, method: str = "Workload.loss") -> torch.Tensor:

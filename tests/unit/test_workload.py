@@ -462,3 +462,25 @@ def test_a_head_of_another_size_than_the_classes_is_one_line_at_the_first_step()
             "positive): build the head with as many outputs as classes (num_labels=3 for a transformers model)"
         )
     assert Reviews(Config()).loss(torch.zeros(2, 3), batch).item() == pytest.approx(torch.log(torch.tensor(3.0)))
+
+
+def test_a_transformers_classifier_with_too_few_labels_is_refused_before_its_forward():
+    """A trial's BERT with num_labels=2 over 3 classes: transformers' forward computes its own loss from the batch's
+    labels, so its IndexError came before Workload.loss could look at the logits."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from shardtrain.config.labels import ClassLabels
+    from shardtrain.config.settings import Config, ConfigError
+    from shardtrain.workloads.base import check_head_fits_classes, declared_outputs
+
+    class Reviews(Workload):
+        def labels(self):
+            return ClassLabels(3, ("negative", "neutral", "positive"))
+
+    small = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=50)
+    model = AutoModelForSequenceClassification.from_config(AutoConfig.for_model("bert", **small, num_labels=2))
+    assert declared_outputs(model) == 2
+    with pytest.raises(ConfigError, match=r"^Reviews.build_model\(\) gives 2 logits, but Reviews.labels\(\) names 3"):
+        check_head_fits_classes(Reviews(Config()), declared_outputs(model))
+    assert declared_outputs(nn.ModuleDict({"head": nn.Linear(4, 3)})) is None  # the first report's shape: at the loss
+    check_head_fits_classes(Reviews(Config()), None)
