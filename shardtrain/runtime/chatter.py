@@ -26,6 +26,9 @@ _NOISE = [
     # torchao 0.18 registers two Enums as pytree constants at import, which torch 2.14 deprecates; transformers
     # imports torchao whenever it is installed (export --int8 needs it), so every model build would say it
     re.compile(r".* is an Enum subclass and is now natively supported by torch\.compile"),
+    # peft 0.x reads transformers' is_gradient_checkpointing as it wraps a model (peft_model.py), which
+    # transformers 5 deprecates: every --peft lora command would say it
+    re.compile(r"`is_gradient_checkpointing` is deprecated"),
 ]
 # transformers' table of the keys a pretrained load skipped or initialised, once per rank and per load.
 _LOAD_REPORT = re.compile(r".*LOAD REPORT")

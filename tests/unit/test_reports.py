@@ -345,3 +345,16 @@ def test_a_new_heads_load_report_is_routine_whichever_row_comes_first():
     )
     assert _routine_load_report(report)
     assert not _routine_load_report(report.replace("classifier.bias  ", "encoder.layer.1.x"))
+
+
+def test_peft_reading_a_deprecated_transformers_property_is_not_shown_unless_verbose():
+    """Every `--peft lora` command (train, export, predict) printed transformers 5's FutureWarning for peft's read of
+    `is_gradient_checkpointing`, a trial found: the libraries' business, not the user's."""
+    probe = (
+        "import sys, warnings\nfrom shardtrain.runtime.chatter import quiet_libraries\n"
+        "quiet_libraries(sys.argv[1] == 'verbose')\n"
+        "warnings.warn('`is_gradient_checkpointing` is deprecated and will be removed in v6.', FutureWarning)\n"
+    )
+    for mode, shown in (("quiet", False), ("verbose", True)):
+        proc = subprocess.run([sys.executable, "-c", probe, mode], capture_output=True, text=True, cwd=REPO)
+        assert proc.returncode == 0 and ("is_gradient_checkpointing" in proc.stderr) == shown, (mode, proc.stderr)
