@@ -78,9 +78,14 @@ def format_banner(info: dict) -> str:
     # None: a --streaming training split, whose length is unknown until read.
     train = "streamed" if info["train_examples"] is None else f"{info['train_examples']:,}"
     per_epoch = "?" if info["steps_per_epoch"] is None else f"{info['steps_per_epoch']:,}"
+    per_epoch += " steps/epoch"
+    examples, batch = info["train_examples"], info["global_batch_size"]
+    if examples and not info.get("max_tokens_per_batch") and batch > examples:
+        # "1 steps/epoch" hid that every step goes over the whole training set several times.
+        per_epoch = f"1 step = {batch / examples:.1f} epochs (global batch {batch:,} > {examples:,} examples)"
     lines.append(
         f"  data        {train} train | {info['eval_examples']:,} eval | "
-        f"{per_epoch} steps/epoch | {info.get('max_steps', '?')} steps"
+        f"{per_epoch} | {info.get('max_steps', '?')} steps"
         + (f" | images from cache {info['image_cache']}" if info.get("image_cache") else "")
     )
     dropped = info.get("unlabelled_dropped") or {}

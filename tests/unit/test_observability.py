@@ -70,6 +70,12 @@ def test_banner_shows_ranks_strategy_batch_arithmetic_and_data():
     assert "no prediction: test" in text
 
 
+def test_banner_says_when_a_step_is_bigger_than_the_training_set():
+    """A trial's 512 examples at a global batch of 2,048 read `1 steps/epoch`: each step was four epochs."""
+    text = format_banner(run_info(train_examples=512, global_batch_size=2048, steps_per_epoch=1))
+    assert "512 train | 100 eval | 1 step = 4.0 epochs (global batch 2,048 > 512 examples) | 30 steps" in text
+
+
 def test_memory_prediction_falls_back_to_a_note(monkeypatch):
     import shardtrain.memory.planner as planner
 
