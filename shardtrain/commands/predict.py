@@ -427,6 +427,12 @@ def _with_flags(saved: dict, given: dict, run_dir: Path, where: str):
                 sections["data"][name] = None
     for name, value in given.items():
         sections[FIELDS[name][0]][name] = value
+    for val, train in (("validation_file", "train_file"), ("validation_dir", "train_dir")):
+        if given.get(val) and not sections["data"].get(train):
+            # A run that read a --dataset-name (or another form) has no training file to keep beside it: the
+            # given one stands for both splits. Predict reads only its validation split; the classes are the run's
+            # (its label_names), whatever the file holds.
+            sections["data"][train] = given[val]
     data.update(sections)
     cfg = from_dict(data, source=f"predict's flags over the config of {where}")
     changes = {
@@ -592,8 +598,9 @@ def predicted_data(source: Source, args) -> tuple:
     if args.file is not None:
         if not is_builtin_workload(cfg):
             raise ConfigError(
-                f"predict --file: {type(workload).__name__} reads its own data (its datasets()); "
-                f"name other data through its --workload-args and predict a --split"
+                f"predict --file: {type(workload).__name__} reads its own data (its datasets()); where they come "
+                f"from the run's data source (shardtrain.data.load_splits), name a labelled file with "
+                f"--validation-file FILE, else other data through its --workload-args; and predict a --split"
             )
         from shardtrain.data.sources import prediction_rows
         from shardtrain.data.split_dataset import SplitDataset

@@ -116,6 +116,22 @@ def test_a_deepspeed_run_with_its_engine_files_predicts_and_evaluates(tmp_path):
     assert (cfg.parallel.strategy, cfg.parallel.ds, cfg.checkpoint.engine_files) == ("ddp", None, False)
 
 
+def test_a_validation_file_alone_predicts_for_a_run_that_read_a_dataset(tmp_path):
+    """A trial's run read a save_to_disk folder (--dataset-name): `predict --validation-file new.csv` was refused,
+    "needs --train-file beside it", though predict reads no training data."""
+    saved = Config().to_dict()
+    saved["data"].update(dataset_name="reviews_disk", label_names=["negative", "neutral", "positive"])
+    saved["model"].update(pretrained=False)
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer.json").write_text("{}")
+    cfg = predict._with_flags(saved, {"validation_file": "new.csv"}, tmp_path, "ckpt")
+    d = cfg.data
+    assert (d.dataset_name, d.train_file, d.validation_file) == (None, "new.csv", "new.csv")
+    assert d.label_names == ["negative", "neutral", "positive"]  # the run's classes, whatever the file holds
+    saved["data"].update(dataset_name=None, train_file="train.csv")  # a run of files keeps its training file
+    assert predict._with_flags(saved, {"validation_file": "new.csv"}, tmp_path, "ckpt").data.train_file == "train.csv"
+
+
 @pytest.mark.parametrize("n, world", [(0, 2), (1, 3), (7, 2), (64, 3), (10, 10)])
 def test_blocks_cover_every_example_once_in_order(n, world):
     bounds = [predict.block_bounds(n, r, world) for r in range(world)]
