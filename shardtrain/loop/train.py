@@ -616,9 +616,13 @@ def make_model_factory(workload: Workload, seed: int, device: torch.device, star
             with aside(seed=seed, device=device):
                 if on_meta:
                     with torch.device("meta"):
-                        return model_of(workload)
-                model = model_of(workload)
-            check_head_fits_classes(workload, declared_outputs(model))  # before a forward that fails on it
+                        model = model_of(workload)
+                else:
+                    model = model_of(workload)
+            # Before a forward that fails on it; on every rank alike (FSDP's other ranks build on meta).
+            check_head_fits_classes(workload, declared_outputs(model))
+            if on_meta:
+                return model
             if load_weights and factory.base is None:  # the first full build with its weights: rank 0's at least
                 factory.base = base_fingerprint(model)
             return model
