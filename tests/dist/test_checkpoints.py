@@ -27,6 +27,9 @@ STRATEGIES = {
     "zero3": ["--ds", "ds_configs/zero3.json"],
 }
 SMALL = ["--per-device-batch-size", "8", "--save-every", "2", "--keep-last", "3"]
+# DDP on three ranks, as the first report's 3 x A100 train: with two, the ranks' gradients sum to the same bits in
+# any order, so a resume that reduced in another bucket layout would still pass (it did, and drifted on three).
+KILL_TEST_NPROC = {"ddp": 3}
 # The kill test's runs as users start them: dropout as every shipped real config has it, and the banner's memory
 # prediction on (the default: it builds and runs throwaway models at every start, each resume's included).
 AS_SHIPPED = ["--dropout", "0.1", "--predict-memory", "true"]
@@ -47,30 +50,34 @@ def losses(out) -> list[float]:
 
 @pytest.fixture(scope="module")
 def uninterrupted(mm_data, tmp_path_factory) -> dict:
-    """Each strategy's uninterrupted 6-step run, the reference of the kill test: all of them in ONE launch of
-    tests/dist/matrix_driver.py (the same parse_cli -> train as main.py; imports and process-group start paid
-    once). The runs under test, the killed ones, each go through main.py."""
+    """Each strategy's uninterrupted 6-step run, the reference of the kill test: the two-rank ones in ONE launch
+    of tests/dist/matrix_driver.py (the same parse_cli -> train as main.py; imports and process-group start paid
+    once), DDP's three ranks through main.py. The runs under test, the killed ones, each go through main.py."""
     from launch import run_plan
 
     root = tmp_path_factory.mktemp("uninterrupted")
-    plan = [{"name": s, "args": args(mm_data, root / s, s, "--max-steps", "6", "--dropout", "0.1")} for s in STRATEGIES]
-    run_plan(plan, root, timeout=600)
+    reference = {s: args(mm_data, root / s, s, "--max-steps", "6", "--dropout", "0.1") for s in STRATEGIES}
+    on_two = [{"name": s, "args": a} for s, a in reference.items() if s not in KILL_TEST_NPROC]
+    run_plan(on_two, root, timeout=600)
+    for s, nproc in KILL_TEST_NPROC.items():
+        torchrun(reference[s], nproc=nproc, timeout=600)
     return {s: root / s for s in STRATEGIES}
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_kill_at_three_points_resumes_exactly(strategy, mm_data, tmp_path, uninterrupted):
-    """One torchrun launch with --max-restarts 3 dies three times: rank 1 SIGKILLed mid-step 3, rank 0
-    SIGKILLed after writing its step-4 shards but before COMMITTED, rank 0 SIGKILLed mid-step 5. Each
-    restart resumes by itself (--resume auto); the result equals an uninterrupted run, with dropout 0.1 and the
-    banner's memory prediction on (which, measured after the RNG was restored, had moved rank 0's dropout
-    stream: max |loss diff| 2.0e-2 under ddp)."""
+    """One torchrun launch with --max-restarts 3 dies three times (DDP on three ranks, the others on two):
+    rank 1 SIGKILLed mid-step 3, rank 0 SIGKILLed after writing its step-4 shards but before COMMITTED, rank 0
+    SIGKILLed mid-step 5. Each restart resumes by itself (--resume auto); the result equals an uninterrupted run,
+    with dropout 0.1 and the banner's memory prediction on (which, measured after the RNG was restored, had moved
+    rank 0's dropout stream: max |loss diff| 2.0e-2 under ddp)."""
     ref = uninterrupted[strategy]
     out = tmp_path / "killed"
     env = test_env(SHARDTRAIN_FAULT="step@3:1,save@4:0,step@5:0", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired")
     # Two spare restarts beyond the three faults: a slow restart must not fail the test by itself.
     run = torchrun(
         args(mm_data, out, strategy, "--max-steps", "6", "--resume", "auto", *AS_SHIPPED),
+        nproc=KILL_TEST_NPROC.get(strategy, 2),
         env=env,
         extra_launcher_args=["--max-restarts", "5"],
         timeout=900,
