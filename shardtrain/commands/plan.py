@@ -18,6 +18,7 @@ from shardtrain.memory.planner import (
     plan_workload,
     resolve_gpu,
 )
+from shardtrain.runtime.host_malloc import keep_freed_blocks
 
 
 class _OneLineParser(argparse.ArgumentParser):
@@ -83,6 +84,7 @@ def main(argv: list[str]) -> int:
         print(f"shardtrain: {note}", file=sys.stderr)
     if sys.stderr.isatty():  # a new user stared at a minute of silence (the 4096-token Longformer on a CPU)
         print("plan: measuring the model's activations on this machine's CPU first (up to a minute)", file=sys.stderr)
+    keep_freed_blocks()  # the measurement's forwards allocate the same large blocks again and again
     p = plan(cfg, args.gpus, capacity, bf16_ok=gpu.bf16, at_token_budget=True)
     p["launch"] = launch_line(p, args, argv)
     print(
