@@ -31,6 +31,7 @@ from shardtrain.strategies.optim import (
     build_optimizer,
     build_scheduler,
     device_problem,
+    idle_keys,
     param_groups,
     part_prefixes,
     set_lr,
@@ -203,12 +204,23 @@ class Strategy(ABC):
         backend = self.cfg.train.compile
         return module if backend == "none" else torch.compile(module, backend=backend)
 
-    def _optimizer_and_scheduler(self, named_params, frozen_names: set[str]):
+    def _optimizer_and_scheduler(self, named_params, frozen_names: set[str], model_names: list[str] | None = None):
+        """`frozen_names`: what --freeze-layers froze (they train from --unfreeze-at-step, if given). `model_names`:
+        every parameter of the model, trainable or not, where `named_params` leaves some out (ZeRO's, the frozen
+        ones): a --lr-multipliers key may name any of them, the same under every strategy."""
         named_params = list(named_params)
         prefixes = None
         if self.cfg.train.lr_multipliers:
-            names = [n for n, _ in named_params] + sorted(frozen_names)  # ZeRO leaves the frozen ones out here
+            names = model_names if model_names is not None else [n for n, _ in named_params]
             prefixes = part_prefixes(self.cfg.train.lr_multipliers, self.workload.parts(), names)
+            training = {n for n, p in named_params if p.requires_grad and n not in frozen_names}
+            if self.cfg.model.unfreeze_at_step is not None:  # no unfreeze reaches what build_model froze itself
+                training |= set(frozen_names) - getattr(self, "user_frozen", frozenset())
+            for key in idle_keys(prefixes, training):
+                self._warn(
+                    f"{where('lr_multipliers')}: '{key}' names only parameters that do not train in this run (frozen "
+                    f"by {type(self.workload).__name__}.build_model() or --freeze-layers): its factor changes nothing"
+                )
         groups = param_groups(
             named_params, self.cfg.train.weight_decay, frozen_names, self.cfg.train.lr, prefixes, self.full_ndim
         )

@@ -55,6 +55,16 @@ def part_prefixes(multipliers: dict[str, float], parts: dict[str, str], names: I
     return out
 
 
+def idle_keys(prefixes: dict[str, tuple], training: set[str]) -> list[str]:
+    """The lr_multipliers keys whose prefix covers no parameter in `training` (those that train in the run at some
+    step): a factor that changes nothing, such as one on a part the workload's build_model() froze itself."""
+    return [key for prefix, (key, _) in prefixes.items() if not any(_covers(prefix, n) for n in training)]
+
+
+def _covers(prefix: str, name: str) -> bool:
+    return name == prefix or name.startswith(prefix + ".")
+
+
 def _part_of(name: str, prefixes: dict[str, tuple]) -> str:
     """The longest prefix that covers `name`; "" for none."""
     matches = [p for p in prefixes if name == p or name.startswith(p + ".")]

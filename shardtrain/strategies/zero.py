@@ -142,7 +142,9 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         # Frozen parameters are left out of the optimizer (a ZeRO group with nothing to train breaks the
         # flattening); once they unfreeze, their groups are the same as under DDP and FSDP (optim.param_groups).
         trainable = [(n, p) for n, p in model.named_parameters() if n not in frozen_now]
-        optimizer, scheduler = self._optimizer_and_scheduler(trainable, self._freezable)
+        optimizer, scheduler = self._optimizer_and_scheduler(
+            trainable, self._freezable, model_names=[n for n, _ in model.named_parameters()]
+        )
         self._client_groups = [list(g["params"]) for g in optimizer.param_groups]  # DeepSpeed flattens them
         engine, optimizer, _, scheduler = deepspeed.initialize(  # the engine's forward runs the workload's
             model=workload_root(model, self.workload),

@@ -16,7 +16,8 @@ In the same launch, a user's workload whose build_model freezes its pretrained b
 with --freeze-layers 1 / --unfreeze-at-step 3 on top (its freezable names overlap the backbone: the embeddings):
 - the backbone holds no gradient and no optimizer state, and its weights (and BatchNorm statistics) end exactly as
   built, under ddp, fsdp, zero2 and zero3, and after a resume under the same strategy and across strategies;
-- the unfreeze trains the --freeze-layers head block only; the summary counts the backbone as frozen.
+- the unfreeze trains the --freeze-layers head block only; the summary counts the backbone as frozen;
+- `--lr-multipliers` naming the backbone is taken under ddp and zero2 alike, with one warning.
 FSDP's root unit holds the frozen embeddings and BatchNorm beside the trainable output layer.
 """
 
@@ -47,6 +48,9 @@ RESUMES = (
 )
 RTOL = 1e-4
 USER_RESUMES = (("zero3", "zero3", 4), ("zero3", "ddp", 2), ("fsdp", "zero2", 4))
+# --lr-multipliers on the part the user's build_model froze, under a strategy that keeps frozen parameters in its
+# optimizer's list and one that leaves them out
+LR_ON_FROZEN = ("ddp", "zero2")
 
 # A user's workload file, as users write one: the backbone stands for a pretrained encoder, frozen by hand.
 USER_WORKLOAD = """
@@ -219,9 +223,15 @@ def runs(ld_data, tmp_path_factory) -> dict:
     for under, writer, step in USER_RESUMES:
         ckpt = root / f"user_{writer}" / "checkpoints" / f"step-{step:06d}"
         add_user(f"user-resume/{under}/{writer}@{step}", under, "--resume", str(ckpt), "--save-every", "0")
-    _, results = run_plan(plan, root, timeout=900, tail=80)
+    for s in LR_ON_FROZEN:  # last: probes (a refusal is recorded, not raised); no --freeze-layers, as the user ran
+        out = root / f"user-lr_{s}"
+        args = ["--config", str(root / "frozen_backbone.yaml"), *flags[s], "--output-dir", str(out), "--resume", "none"]
+        args += ["--max-steps", "1", "--save-every", "0", "--report", "false", "--lr-multipliers", '{"backbone": 0.5}']
+        plan.append({"name": f"user-lr/{s}", "args": args, "expect_error": True})
+    run, results = run_plan(plan, root, timeout=900, tail=80)
     for name in results:
         results[name]["dir"] = str(root / name.replace("/", "_"))
+    results["launch"] = {"output": run.output}
     return results
 
 
@@ -326,3 +336,18 @@ def test_a_resumed_user_frozen_run_continues_the_run(runs, under, writer, step):
     worst = max(rel(a, b) for a, b in pairs)
     print(f"user workload: {under} resumed from {writer}'s step {step}: max rel {worst:.1e}")
     assert len(resumed["losses"]) == STEPS - step and worst <= RTOL, (resumed["losses"], full["losses"][step:])
+
+
+def test_a_factor_for_what_the_users_build_model_froze_is_taken_alike_and_said_to_change_nothing(runs):
+    """`--lr-multipliers '{"backbone": 0.5}'` where the user's build_model froze the backbone: ZeRO refused it as a
+    key that "matches no parameter of the model" (it checked the keys against its optimizer's parameters, which
+    leave the frozen ones out) while DDP took it in silence. Every strategy now takes it, and says in one line that
+    the factor changes nothing (--freeze-layers' overlap with the backbone unfreezes none of it)."""
+    for s in LR_ON_FROZEN:
+        record = runs[f"user-lr/{s}"]
+        assert record["ok"], (s, record.get("error"))
+    line = (
+        "[shardtrain] warning: --lr-multipliers (train.lr_multipliers): 'backbone' names only parameters that do "
+        "not train in this run (frozen by FrozenBackbone.build_model() or --freeze-layers): its factor changes nothing"
+    )
+    assert runs["launch"]["output"].count(line) == len(LR_ON_FROZEN), runs["launch"]["output"][-3000:]

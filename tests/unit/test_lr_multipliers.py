@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from shardtrain.config.settings import ConfigError, parse_cli
-from shardtrain.strategies.optim import base_lr, build_scheduler, param_groups, part_prefixes
+from shardtrain.strategies.optim import base_lr, build_scheduler, idle_keys, param_groups, part_prefixes
 
 TINY = ["--config", "configs/multimodal_tiny.yaml"]
 
@@ -69,6 +69,14 @@ def test_a_key_that_matches_nothing_lists_the_parts_and_modules():
     line = str(e.value)
     assert "lr_multipliers" in line and "'txt'" in line and "text, image, fusion" in line and "head" in line
     assert "\n" not in line
+
+
+def test_a_key_whose_parameters_all_stay_frozen_is_idle():
+    names = [n for n, _ in Fusion().named_parameters()]
+    prefixes = part_prefixes({"text": 0.1, "text.1": 0.5, "fusion": 2.0}, PARTS, names)
+    training = {n for n in names if not n.startswith("text.1.")}  # the LayerNorm frozen for the whole run
+    assert idle_keys(prefixes, training) == ["text.1"]
+    assert idle_keys(prefixes, set(names)) == []
 
 
 def test_no_multipliers_leaves_the_groups_as_they_were():
