@@ -38,7 +38,7 @@ def part_prefixes(multipliers: dict[str, float], parts: dict[str, str], names: I
     out = {}
 
     def covers(prefix: str) -> bool:
-        return any(n == prefix or n.startswith(prefix + ".") for n in names)
+        return any(_covers(prefix, n) for n in names)
 
     for key, factor in multipliers.items():
         prefix = parts.get(key, key).rstrip(".")
@@ -67,7 +67,7 @@ def _covers(prefix: str, name: str) -> bool:
 
 def _part_of(name: str, prefixes: dict[str, tuple]) -> str:
     """The longest prefix that covers `name`; "" for none."""
-    matches = [p for p in prefixes if name == p or name.startswith(p + ".")]
+    matches = [p for p in prefixes if _covers(p, name)]
     return max(matches, key=len) if matches else ""
 
 
