@@ -95,7 +95,7 @@ class DDPStrategy(NativeStrategy):
     def set_frozen(self, names, frozen):
         super().set_frozen(names, frozen)
         # DDP fixes the set of parameters it reduces when it is built; re-wrap to include them.
-        self.model = self._wrap()
+        self._new_reducer()
 
     def describe(self):
         return {
