@@ -90,6 +90,16 @@ shardtrain_srun() {
     echo "shardtrain-slurm: MASTER_ADDR=$MASTER_ADDR MASTER_PORT=$MASTER_PORT OMP_NUM_THREADS=$OMP_NUM_THREADS"
     echo "shardtrain-slurm: launch: ${cmd[*]}"
 
+    # Every check a mistake can fail (flags, config, data, the output folder), once, here, at the world size srun
+    # will start: left to the tasks, each would print the same line, and --kill-on-bad-exit would end the job as
+    # 143 (peers still checking terminated), not shardtrain's 2, whenever one task finished its checks first.
+    local check_rc=0
+    SLURM_NTASKS="$ntasks" python -u shardtrain/main.py "${args[@]}" --check-only || check_rc=$?
+    if ((check_rc != 0)); then
+        echo "shardtrain-slurm: the checks before a launch failed (exit $check_rc): no task started" >&2
+        return "$check_rc"
+    fi
+
     # srun runs in the background so the batch shell can react to signals while it trains: bash defers a
     # trap until its foreground child exits. A signal sent to the batch shell only (`--signal=B:USR1@N`,
     # or a site whose preemption signals the batch shell) is passed on to srun, which forwards it to every

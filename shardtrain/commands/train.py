@@ -7,10 +7,10 @@ import os
 
 
 def main(argv: list[str]) -> int:
-    from shardtrain.config.settings import parse_cli
+    from shardtrain.config.settings import parse_cli, wants_check_only
 
     args = [a for a in argv if not a.startswith(("--local_rank", "--local-rank"))]  # the deepspeed launcher adds it
-    cfg = parse_cli(args)
+    cfg = parse_cli(args, check_only=True)
     from shardtrain.runtime.chatter import quiet_libraries
 
     # Before a user's workload module is imported below: one that imports transformers at its top (and so
@@ -47,6 +47,9 @@ def main(argv: list[str]) -> int:
     refuse_to_overwrite(cfg)
     if note and os.environ.get("RANK", "0") == "0":
         print(f"shardtrain: {note}", flush=True)
+    if wants_check_only(args):
+        print("shardtrain: --check-only: every check made before a launch passed; nothing started", flush=True)
+        return 0
     from shardtrain.runtime.launch import maybe_relaunch
 
     code = maybe_relaunch(cfg, args)

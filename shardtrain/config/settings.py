@@ -921,9 +921,21 @@ class _OneLineParser(argparse.ArgumentParser):
         raise ConfigError(f"{message}{hint} (shardtrain train --help lists every flag)")
 
 
-def build_arg_parser(prog: str = "shardtrain train") -> argparse.ArgumentParser:
+# `shardtrain train` only: what to do with the settings, not one of them (no YAML key, not in the saved config).
+CHECK_ONLY = "--check-only"
+
+
+def build_arg_parser(prog: str = "shardtrain train", check_only: bool = False) -> argparse.ArgumentParser:
     parser = _OneLineParser(prog=prog, description="Train with DDP, FSDP or DeepSpeed ZeRO.", allow_abbrev=False)
     parser.add_argument("--config", help="YAML config file (sections: " + ", ".join(SECTIONS) + ")")
+    if check_only:
+        parser.add_argument(
+            CHECK_ONLY,
+            action="store_true",
+            help="make every check that runs before any process starts (flags, config, the files and data they "
+            "name, the output folder) and exit: 0 when all pass, else 2 with the first problem; nothing is "
+            "launched, loaded or written (a login node's seconds instead of a queued job's failure)",
+        )
     for name, (_section, _f, typ) in FIELDS.items():
         names = [flag_of(name)] + FLAG_ALIASES.get(name, [])
         if typ in (bool, Optional[bool], RecomputeSetting):
@@ -980,10 +992,15 @@ def _dashed_flag(arg: str) -> str:
     return "--" + name[2:].replace("_", "-") + sep + value
 
 
-def parse_cli(argv: list[str]) -> Config:
+def wants_check_only(argv: list[str]) -> bool:
+    return any(_dashed_flag(a) == CHECK_ONLY for a in argv)
+
+
+def parse_cli(argv: list[str], check_only: bool = False) -> Config:
     """`shardtrain train`'s flags (and a --config file under them) as a validated Config: the YAML, then the
-    flags, then SageMaker's environment for what neither set, then validate()'s resolution."""
-    parser = build_arg_parser()
+    flags, then SageMaker's environment for what neither set, then validate()'s resolution. `check_only`: the
+    parser also takes train's --check-only (the caller acts on it: wants_check_only)."""
+    parser = build_arg_parser(check_only=check_only)
     # SageMaker passes hyperparameter names verbatim: `--per_device_batch_size 8` must work too.
     dashed = [_dashed_flag(a) for a in argv]
     args, unknown = parser.parse_known_args(dashed)

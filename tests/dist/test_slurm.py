@@ -156,6 +156,29 @@ def test_3xa100_fsdp(slurm_env, mm_data, tmp_path):
     assert len(s["train_loss"]) == 3 and s["eval"]["n_examples"] == 64, s
 
 
+def test_a_mistake_ends_the_job_with_one_line_and_exit_2_before_any_task(slurm_env, mm_data, tmp_path):
+    """A batch too large for each rank's share of the data at the job's world size. Each task used to refuse it
+    itself: three copies of the line, and srun's 143 when one task was through its checks first and
+    --kill-on-bad-exit terminated the others (`sacct` then reads like a preemption)."""
+    job, rc = submit(
+        "train_3xa100.sbatch",
+        tmp_path,
+        slurm_env,
+        {
+            "CONFIG": "configs/multimodal_tiny.yaml",
+            "DEVICE": "cpu",
+            "DATA_DIR": mm_data,
+            "OUTPUT_DIR": tmp_path / "out",
+            "EXTRA_ARGS": f"--per-device-batch-size 100 {COMMON}",
+        },
+    )
+    assert rc == 2, f"job {job.id} exit {rc}\n{job.logs()}"
+    errors = [line for line in job.err.splitlines() if line.startswith("shardtrain: error: ")]
+    assert len(errors) == 1 and "256 examples // world size 3 = 85" in errors[0], job.logs()
+    assert "srun: " not in job.err and "no task started" in job.err, job.logs()
+    assert not (tmp_path / "out").exists()
+
+
 def test_4xv100_ddp(slurm_env, ld_data, tmp_path):
     # The script's own strategy: DDP, shardtrain plan's pick (tests/dist/test_seed_setup.py); fp32 because fp16
     # needs a GPU. DS_CONFIG (DeepSpeed under srun) is exercised by the multinode test.

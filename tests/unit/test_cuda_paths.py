@@ -370,6 +370,8 @@ def test_srun_train_gives_each_task_its_cpus_per_task(tmp_path):
     fake.mkdir()
     (fake / "srun").write_text('#!/bin/bash\necho "OMP=$OMP_NUM_THREADS ARGS=$*"\n')
     (fake / "scontrol").write_text("#!/bin/bash\necho node1\n")
+    # The checks the script makes once before srun (tests/dist/test_slurm.py runs the real ones)
+    (fake / "python").write_text('#!/bin/bash\necho "CHECK NTASKS=$SLURM_NTASKS ARGS=$*"\n')
     for f in fake.iterdir():
         f.chmod(0o755)
     config = tmp_path / "c.yaml"
@@ -392,6 +394,8 @@ def test_srun_train_gives_each_task_its_cpus_per_task(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     (line,) = [x for x in run.stdout.splitlines() if x.startswith("OMP=")]
     assert line.startswith("OMP=5 ") and "--cpus-per-task=5" in line
+    (check,) = [x for x in run.stdout.splitlines() if x.startswith("CHECK ")]
+    assert check.startswith("CHECK NTASKS=4 ARGS=-u shardtrain/main.py ") and check.endswith(" --check-only")
 
 
 # ---- 8. FSDP under bf16: 16-bit all-gathers, fp32 reduce-scatters, fp32 BatchNorm -------------------------------

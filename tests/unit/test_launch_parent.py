@@ -73,6 +73,42 @@ def test_parent_still_refuses_bad_input_before_launch(mm_data, tmp_path):
     assert "LAUNCH" not in run.stdout and "bad.json" in run.stderr, run.stdout + run.stderr
 
 
+def test_check_only_makes_the_checks_and_starts_nothing(mm_data, tmp_path):
+    """`train --check-only` (a login node's check before a queued job; slurm/srun_train.sh's before srun): the
+    parent's checks, at the world size it would launch, then exit 0 with no launch, no torch and no output folder."""
+    args = [
+        "--config",
+        str(REPO / "configs" / "multimodal_tiny.yaml"),
+        "--data-dir",
+        str(mm_data),
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--nproc",
+        "3",
+        "--check-only",
+    ]
+
+    def parent(*extra):
+        return subprocess.run(
+            [sys.executable, "-c", PARENT, *args, *extra],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env=test_env(),
+            timeout=120,
+        )
+
+    run = parent()
+    result = json.loads(run.stdout.split("RESULT ", 1)[1]) if "RESULT " in run.stdout else None
+    assert result == {"code": 0, "heavy": []} and "LAUNCH" not in run.stdout, run.stdout + run.stderr
+    assert "--check-only: every check made before a launch passed" in run.stdout
+    assert not (tmp_path / "out").exists()
+    # 256 examples: 100 a rank fits 2 ranks, not these 3
+    run = parent("--per-device-batch-size", "100")
+    assert "LAUNCH" not in run.stdout and 'RESULT {"code": 2,' in run.stdout, run.stdout + run.stderr
+    assert "256 examples // world size 3 = 85" in run.stderr.strip().splitlines()[-1], run.stderr
+
+
 def test_the_world_size_before_launch_is_the_launchers_or_nproc(monkeypatch):
     """What the pre-launch checks size the job by (the training set's share per rank, DeepSpeed's batch)."""
     from shardtrain.config.settings import parse_cli
