@@ -22,26 +22,26 @@ print("RESULT", json.dumps({"code": code, "heavy": heavy}))
 """
 
 
+def parent(mm_data, tmp_path, *extra: str) -> subprocess.CompletedProcess:
+    """The parent of `train --nproc N` on the tiny multimodal config, with `extra` flags."""
+    args = ["--config", str(REPO / "configs" / "multimodal_tiny.yaml"), "--data-dir", str(mm_data)]
+    return subprocess.run(
+        [sys.executable, "-c", PARENT, *args, "--output-dir", str(tmp_path / "out"), *extra],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=test_env(),
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize(
     "strategy",
     [["--strategy", "ddp"], ["--strategy", "fsdp"], ["--ds", str(REPO / "ds_configs" / "zero2.json")]],
     ids=["ddp", "fsdp", "zero2"],
 )
 def test_parent_checks_and_launches_without_torch(mm_data, tmp_path, strategy):
-    args = [
-        "--config",
-        str(REPO / "configs" / "multimodal_tiny.yaml"),
-        "--data-dir",
-        str(mm_data),
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--nproc",
-        "2",
-        *strategy,
-    ]
-    run = subprocess.run(
-        [sys.executable, "-c", PARENT, *args], capture_output=True, text=True, cwd=REPO, env=test_env(), timeout=120
-    )
+    run = parent(mm_data, tmp_path, "--nproc", "2", *strategy)
     lines = {
         line.split(" ", 1)[0]: line.split(" ", 1)[1]
         for line in run.stdout.splitlines()
@@ -55,56 +55,20 @@ def test_parent_checks_and_launches_without_torch(mm_data, tmp_path, strategy):
 
 def test_parent_still_refuses_bad_input_before_launch(mm_data, tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
-    args = [
-        "--config",
-        str(REPO / "configs" / "multimodal_tiny.yaml"),
-        "--data-dir",
-        str(mm_data),
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--nproc",
-        "2",
-        "--ds",
-        str(tmp_path / "bad.json"),
-    ]
-    run = subprocess.run(
-        [sys.executable, "-c", PARENT, *args], capture_output=True, text=True, cwd=REPO, env=test_env(), timeout=120
-    )
+    run = parent(mm_data, tmp_path, "--nproc", "2", "--ds", str(tmp_path / "bad.json"))
     assert "LAUNCH" not in run.stdout and "bad.json" in run.stderr, run.stdout + run.stderr
 
 
 def test_check_only_makes_the_checks_and_starts_nothing(mm_data, tmp_path):
     """`train --check-only` (a login node's check before a queued job; slurm/srun_train.sh's before srun): the
     parent's checks, at the world size it would launch, then exit 0 with no launch, no torch and no output folder."""
-    args = [
-        "--config",
-        str(REPO / "configs" / "multimodal_tiny.yaml"),
-        "--data-dir",
-        str(mm_data),
-        "--output-dir",
-        str(tmp_path / "out"),
-        "--nproc",
-        "3",
-        "--check-only",
-    ]
-
-    def parent(*extra):
-        return subprocess.run(
-            [sys.executable, "-c", PARENT, *args, *extra],
-            capture_output=True,
-            text=True,
-            cwd=REPO,
-            env=test_env(),
-            timeout=120,
-        )
-
-    run = parent()
+    run = parent(mm_data, tmp_path, "--nproc", "3", "--check-only")
     result = json.loads(run.stdout.split("RESULT ", 1)[1]) if "RESULT " in run.stdout else None
     assert result == {"code": 0, "heavy": []} and "LAUNCH" not in run.stdout, run.stdout + run.stderr
     assert "--check-only: every check made before a launch passed" in run.stdout
     assert not (tmp_path / "out").exists()
     # 256 examples: 100 a rank fits 2 ranks, not these 3
-    run = parent("--per-device-batch-size", "100")
+    run = parent(mm_data, tmp_path, "--nproc", "3", "--check-only", "--per-device-batch-size", "100")
     assert "LAUNCH" not in run.stdout and 'RESULT {"code": 2,' in run.stdout, run.stdout + run.stderr
     assert "256 examples // world size 3 = 85" in run.stderr.strip().splitlines()[-1], run.stderr
 
