@@ -41,9 +41,9 @@ def _resolve(ckpt: str | Path, which: str = "final") -> Path:
     if not path.exists():
         raise ConfigError(f"export: checkpoint not found: {path}")
     found = checkpoint.find_checkpoint(path, which, label="export")
-    run = path if (path / "checkpoints").is_dir() else path.parent if path.name == "checkpoints" else None
-    if run is not None and which == "final":  # a run folder stands for the model it ended with
-        _refuse_older_than_run(run, found, path)
+    root = checkpoint.checkpoints_root_given(path)
+    if root is not None and which == "final":  # a run folder stands for the model it ended with
+        _refuse_older_than_run(root.parent, found, path)
     return found
 
 

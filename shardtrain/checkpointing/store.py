@@ -411,14 +411,22 @@ def read_trainer_state(path: Path) -> dict:
     return state
 
 
+def checkpoints_root_given(path: Path) -> Path | None:
+    """The checkpoints folder of a run folder (OUT) or the folder itself (OUT/checkpoints); None for another
+    folder (a step directory). A run folder comes first, whatever its name: SageMaker's is /opt/ml/checkpoints."""
+    if (path / "checkpoints").is_dir():
+        return path / "checkpoints"
+    return path if path.name == "checkpoints" else None
+
+
 def find_resume_dir(resume: str, output_dir: str | Path, label: str = "--resume") -> Path | None:
     if resume == "none":
         return None
     if resume == "auto":
         return latest_committed(checkpoints_root(output_dir))
     path = Path(resume)
-    if path.name in ("checkpoints",) or (path / "checkpoints").is_dir():
-        root = path if path.name == "checkpoints" else path / "checkpoints"
+    root = checkpoints_root_given(path)
+    if root is not None:
         path = latest_committed(root) or path
     if not is_committed(path):
         from shardtrain.config.settings import ConfigError
@@ -440,8 +448,8 @@ def find_checkpoint(source: str | Path, which: str, label: str) -> Path:
         return find_resume_dir(str(path), path, label=label)
     from shardtrain.config.settings import ConfigError
 
-    root = path if path.name == "checkpoints" else path / "checkpoints"
-    if not root.is_dir():
+    root = checkpoints_root_given(path)
+    if root is None or not root.is_dir():
         raise ConfigError(
             f"{label} --checkpoint best: {path} is not a run's folder (OUT or OUT/checkpoints); a step "
             f"directory is one checkpoint already: name it without --checkpoint"

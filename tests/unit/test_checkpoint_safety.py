@@ -124,6 +124,24 @@ def test_slurm_requeue_survives_the_sigterm_it_causes(tmp_path, monkeypatch):
     assert (tmp_path / "scontrol.log").read_text() == "requeue 814\n"
 
 
+def test_a_run_folder_named_checkpoints_is_a_run_folder(tmp_path):
+    """SageMaker's run folder is /opt/ml/checkpoints: export, predict and --resume took it for OUT/checkpoints
+    and said it held no committed checkpoint (trial F). OUT/checkpoints itself still works, and so does best."""
+    run = tmp_path / "opt" / "ml" / "checkpoints"
+    for step in (2, 4):
+        committed = checkpoint.checkpoints_root(run) / checkpoint.step_dir_name(step)
+        committed.mkdir(parents=True)
+        (committed / checkpoint.TRAINER_STATE).write_text(json.dumps({"step": step}))
+        (committed / checkpoint.COMMIT_MARKER).write_text("ok\n")
+    (checkpoint.checkpoints_root(run) / checkpoint.BEST).write_text("step-000002\n")
+    latest = run / "checkpoints" / "step-000004"
+    assert checkpoint.find_resume_dir(str(run), tmp_path) == latest
+    assert checkpoint.find_resume_dir(str(run / "checkpoints"), tmp_path) == latest
+    assert checkpoint.find_checkpoint(run, "final", "export") == latest
+    assert checkpoint.find_checkpoint(run, "best", "export") == run / "checkpoints" / "step-000002"
+    assert checkpoint.find_checkpoint(run / "checkpoints", "best", "export").name == "step-000002"
+
+
 def _committed_step(root, step: int, weight: torch.Tensor):
     """A committed checkpoint of a one-tensor model, written by DCP as a run writes its `model_optim/`."""
     import torch.distributed.checkpoint as dcp
