@@ -77,7 +77,7 @@ def _as_flags(overrides: dict) -> list[str]:
 
 
 def _run(argv: list[str], instance) -> dict:
-    from shardtrain.checkpointing.store import refuse_to_overwrite
+    from shardtrain.checkpointing.store import refuse_another_workloads_checkpoint, refuse_to_overwrite
     from shardtrain.config.settings import parse_cli
     from shardtrain.runtime.launch import maybe_relaunch
     from shardtrain.strategies import check_strategy_config
@@ -87,6 +87,7 @@ def _run(argv: list[str], instance) -> dict:
     check_strategy_config(cfg)
     check_planned_settings(cfg, type(instance) if instance is not None else workload_class(cfg))
     refuse_to_overwrite(cfg)
+    refuse_another_workloads_checkpoint(cfg)
     code = maybe_relaunch(cfg, argv)
     if code is not None:
         if code != 0:

@@ -504,6 +504,42 @@ def refuse_to_overwrite(cfg) -> None:
         )
 
 
+def refuse_another_workloads_checkpoint(cfg) -> None:
+    """The checkpoint this run would resume from (its folder's newest under --resume auto, or the one --resume
+    names) holds the other built-in's model: not this run's to resume. In its own folder it said "nothing to
+    train" at --max-steps and exited 0, the model never trained; a --resume PATH was refused only by the weights'
+    names, after the data and a tokenizer folder were made. Checked by `train` before any process starts. (A
+    user's workload under a new module path is the same workload renamed: its weights are checked when they load.)"""
+    from shardtrain.config.settings import (
+        BUILTIN_WORKLOADS,
+        ConfigError,
+        recorded_workload_target,
+        where,
+        workload_target,
+    )
+
+    c = cfg.checkpoint
+    found = find_resume_dir(c.resume, c.output_dir)
+    if found is None:
+        return
+    theirs = recorded_workload_target(read_trainer_state(found).get("config") or {})
+    ours = workload_target(cfg)
+    builtins = set(BUILTIN_WORKLOADS.values())
+    if not theirs or theirs == ours or not (theirs in builtins or ours in builtins):
+        return
+    shown = {target: short for short, target in BUILTIN_WORKLOADS.items()}
+    theirs, ours = shown.get(theirs, theirs), shown.get(ours, ours)
+    if found.parent.resolve() == checkpoints_root(c.output_dir).resolve():
+        raise ConfigError(
+            f"{where('output_dir')} {c.output_dir} holds a run of {theirs} ({found.name}), and this run trains "
+            f"{ours}: choose another --output-dir, or start over in it with --resume none --overwrite-output-dir"
+        )
+    raise ConfigError(
+        f"{where('resume')} {c.resume}: a checkpoint of {theirs} ({found.name}), and this run trains {ours}: "
+        f"name a checkpoint of {ours}, or start afresh with --resume none"
+    )
+
+
 def clear_previous_run(output_dir: str | Path) -> None:
     """Rank 0, before anything of the new run is written (--overwrite-output-dir)."""
     out = Path(output_dir)

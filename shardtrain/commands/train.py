@@ -40,11 +40,12 @@ def main(argv: list[str]) -> int:
 
         check_tracking_servers(cfg.log.report_to)
     from shardtrain.checkpointing.output_lock import check_output_dir_free
-    from shardtrain.checkpointing.store import refuse_to_overwrite
+    from shardtrain.checkpointing.store import refuse_another_workloads_checkpoint, refuse_to_overwrite
 
     if "RANK" not in os.environ:  # one process, or the parent of --nproc; a rank's rank 0 takes the lock itself
         check_output_dir_free(cfg.checkpoint.output_dir)
     refuse_to_overwrite(cfg)
+    refuse_another_workloads_checkpoint(cfg)
     if note and os.environ.get("RANK", "0") == "0":
         print(f"shardtrain: {note}", flush=True)
     if wants_check_only(args):

@@ -10,15 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from shardtrain.config.settings import (
-    BUILTIN_WORKLOADS,
-    Config,
-    ConfigError,
-    flag_of,
-    recorded_workload_target,
-    where,
-    workload_target,
-)
+from shardtrain.config.settings import Config, ConfigError, flag_of, where
 from shardtrain.strategies.optim import lr_lambda
 
 SCHEDULE = ("max_steps", "lr", "warmup_steps", "lr_scheduler")
@@ -32,22 +24,6 @@ class ResumeChanges:
 
     def line(self, step: int) -> str:
         return f"resuming from step {step} with changed settings: {'; '.join(self.changes)}"
-
-
-def check_same_workload(saved_state: dict, cfg: Config, output_dir, checkpoint_name: str) -> None:
-    """A run folder that holds another built-in's run is not this run's to resume: at --max-steps it said "nothing
-    to train" and exited 0, the model never trained; past it, the refusal came after the data was tokenised. (A
-    user's workload under a new module path is the same workload renamed: not refused here, its weights are
-    checked when they load.)"""
-    theirs, ours = recorded_workload_target(saved_state.get("config") or {}), workload_target(cfg)
-    builtins = set(BUILTIN_WORKLOADS.values())
-    if theirs and theirs != ours and (theirs in builtins or ours in builtins):
-        shown = {target: short for short, target in BUILTIN_WORKLOADS.items()}
-        raise ConfigError(
-            f"{where('output_dir')} {output_dir} holds a run of {shown.get(theirs, theirs)} ({checkpoint_name}), "
-            f"and this run trains {shown.get(ours, ours)}: choose another --output-dir, or start over in it with "
-            f"--resume none --overwrite-output-dir"
-        )
 
 
 def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeChanges:

@@ -26,7 +26,7 @@ from shardtrain.loop.best import BestCheckpoint, stopped_early
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.evaluate import evaluate
 from shardtrain.loop.oom import OOMRecovery
-from shardtrain.loop.resume_changes import check_same_workload, data_changes, resume_changes
+from shardtrain.loop.resume_changes import data_changes, resume_changes
 from shardtrain.loop.run_info import describe_run, measured_shape_prediction, predicted_memory, skipped
 from shardtrain.loop.saves import Saves
 from shardtrain.loop.step_health import BadStepPolicy, agree
@@ -392,8 +392,6 @@ class Trainer:
         self.resumed_here = self.resume_dir is not None and (
             self.resume_dir.parent.resolve() == checkpoint.checkpoints_root(self.out).resolve()
         )
-        if self.resumed_here:
-            check_same_workload(self.state, cfg, self.out, self.resume_dir.name)
         torn = checkpoint.cut_short(checkpoint.checkpoints_root(self.out), self.resume_dir)
         if torn and cfg.checkpoint.resume == "auto" and self.dist.is_rank0:
             self.console.info(

@@ -4,6 +4,7 @@ That parent never trains: importing torch there (~2 s, ~1 s more at exit) only d
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -71,6 +72,32 @@ def test_check_only_makes_the_checks_and_starts_nothing(mm_data, tmp_path):
     run = parent(mm_data, tmp_path, "--nproc", "3", "--check-only", "--per-device-batch-size", "100")
     assert "LAUNCH" not in run.stdout and 'RESULT {"code": 2,' in run.stdout, run.stdout + run.stderr
     assert "256 examples // world size 3 = 85" in run.stderr.strip().splitlines()[-1], run.stderr
+
+
+def test_the_other_built_ins_checkpoint_is_refused_before_launch(mm_data, tmp_path):
+    """A Longformer run's checkpoint under the multimodal config: in the run's own folder (--resume auto) and
+    named by --resume (it was refused only by the weights' names, after the launch, the data and a tokenizer
+    folder: trial F, 16.6 s). One line each, nothing launched, no folder made."""
+    from shardtrain.checkpointing import store
+
+    longformer_run = tmp_path / "longformer_run"
+    step = store.checkpoints_root(longformer_run) / store.step_dir_name(6)
+    step.mkdir(parents=True)
+    (step / store.TRAINER_STATE).write_text(json.dumps({"step": 6, "config": {"model": {"name": "longformer"}}}))
+    (step / store.COMMIT_MARKER).write_text("ok\n")
+
+    named = parent(mm_data, tmp_path, "--nproc", "2", "--resume", str(longformer_run))
+    assert "LAUNCH" not in named.stdout and 'RESULT {"code": 2,' in named.stdout, named.stdout + named.stderr
+    assert named.stderr.strip().splitlines()[-1] == (
+        f"shardtrain: error: --resume (checkpoint.resume) {longformer_run}: a checkpoint of longformer "
+        "(step-000006), and this run trains multimodal: name a checkpoint of multimodal, or start afresh with "
+        "--resume none"
+    )
+    assert not (tmp_path / "out").exists()
+    shutil.move(longformer_run, tmp_path / "out")
+    own = parent(mm_data, tmp_path, "--nproc", "2", "--resume", "auto")
+    assert "LAUNCH" not in own.stdout and "holds a run of longformer (step-000006)" in own.stderr, own.stderr
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["checkpoints"]
 
 
 def test_the_world_size_before_launch_is_the_launchers_or_nproc(monkeypatch):
