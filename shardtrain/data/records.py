@@ -91,16 +91,28 @@ OTHER_FORMS = (".csv", ".tsv", ".json", ".parquet")
 
 def other_forms(root: Path, split: str) -> str:
     """Where the folder holds the split in another form (a SageMaker channel with train.csv): how to name it."""
+    import os
+
+    from shardtrain.config.sagemaker_env import in_sagemaker
+
+    # Under SageMaker the user sets hyperparameters, not flags: name them as the estimator spells them.
+    sagemaker = in_sagemaker(os.environ)
     if (root / "dataset_dict.json").is_file() or (root / "state.json").is_file():
         # datasets' save_to_disk (a DatasetDict, or one Dataset): its .json files are metadata, not records.
-        return f"; the folder is a `datasets` save_to_disk folder: name it with --dataset-name {root}"
+        named = f"the hyperparameter dataset_name={root}" if sagemaker else f"--dataset-name {root}"
+        return f"; the folder is a `datasets` save_to_disk folder: name it with {named}"
     flag = "--train-file" if split == "train" else "--validation-file"
     found = sorted(p.name for p in root.iterdir() if p.is_file() and p.suffix in OTHER_FORMS)
     if not found:
         return ""
+    if sagemaker:
+        named = f"the hyperparameter {flag[2:].replace('-', '_')}={root / found[0]}"
+        columns = "the hyperparameters text_column_names / label_column_name"
+    else:
+        named, columns = flag, "--text-column-names / --label-column-name"
     return (
-        f"; the folder holds {', '.join(found[:3])}{' ...' if len(found) > 3 else ''}: name it with {flag} "
-        f"(and --text-column-names / --label-column-name for other column names), as docs/data.md shows"
+        f"; the folder holds {', '.join(found[:3])}{' ...' if len(found) > 3 else ''}: name it with {named} "
+        f"(and {columns} for other column names), as docs/data.md shows"
     )
 
 

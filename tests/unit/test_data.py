@@ -441,6 +441,22 @@ def test_a_relative_data_dir_not_found_names_the_working_directory(tmp_path, mon
         split_path(saved, "train")
 
 
+def test_under_sagemaker_a_csv_channel_is_named_by_its_hyperparameter(tmp_path, monkeypatch):
+    """A SageMaker user sets hyperparameters: the line named the flag --train-file (trial F)."""
+    from shardtrain.data.records import split_path
+
+    channel = tmp_path / "train"
+    channel.mkdir()
+    (channel / "train.csv").write_text("text,label\n")
+    monkeypatch.setenv("SM_CHANNEL_TRAIN", str(channel))
+    with pytest.raises(ConfigError) as refused:
+        split_path(channel, "train")
+    assert str(refused.value).endswith(
+        f"the folder holds train.csv: name it with the hyperparameter train_file={channel / 'train.csv'} (and the "
+        "hyperparameters text_column_names / label_column_name for other column names), as docs/data.md shows"
+    )
+
+
 def test_check_data_usage_names_the_training_flags_a_source_is_given_by(capsys):
     """The usage line had listed only check-data's own flags, though a source is named by train's: a user reading
     --help did not see that `--train-file` or `--dataset-name` work here."""
