@@ -106,6 +106,9 @@ class JsonlWorkload(Workload):
         return train, validation
 
     def labels(self) -> ClassLabels | None:
+        if self._labels is None and self.cfg.data.label_names:
+            # predict --file and export read a run's classes from its config: datasets() never runs there
+            return ClassLabels(self.cfg.model.num_labels, tuple(self.cfg.data.label_names))
         return self._labels
 
     def collate(self, samples):

@@ -49,6 +49,7 @@ from shardtrain.workloads.adapters import apply_lora, base_fingerprint, check_sa
 from shardtrain.workloads.base import (
     CheckedCollate,
     Workload,
+    check_class_metric,
     check_head_fits_classes,
     check_loss,
     declared_outputs,
@@ -422,6 +423,7 @@ class Trainer:
         if unread and self.dist.is_rank0:
             self.console.warn(unread)
         self.labels = self.workload.labels()  # what the data decided of the classes: the run's state
+        check_class_metric(self.cfg, self.workload, self.labels)
         if self.labels and self.labels.names and self.dist.is_rank0:
             write_label_file(self.cfg, list(self.labels.names))  # any workload's, for the export and its readers
         # What the planner and the banner describe: the user's config with the data's classes in it.

@@ -6,6 +6,11 @@ from __future__ import annotations
 SHOWN_AS = {"macro_f1": "macro-F1"}
 
 
+def shown_as(key: str) -> str:
+    """A class's F1 (`f1_negative`) reads `F1 negative`."""
+    return SHOWN_AS.get(key) or (f"F1 {key[3:]}" if key.startswith("f1_") else key)
+
+
 def metrics_line(result: dict, sep: str = ", ", before: dict | None = None) -> str:
     """`accuracy 0.9375, macro-F1 0.9370, 128 examples`; a workload's own keys as it names them. `before`: each
     number's change from that result, as `export --int8 --eval` shows INT8 against fp32."""
@@ -15,9 +20,7 @@ def metrics_line(result: dict, sep: str = ", ", before: dict | None = None) -> s
             parts.append(f"{value} examples")
         elif isinstance(value, float):
             change = before.get(key) if before else None
-            parts.append(
-                f"{SHOWN_AS.get(key, key)} {value:.4f}" + (f" ({value - change:+.4f})" if change is not None else "")
-            )
+            parts.append(f"{shown_as(key)} {value:.4f}" + (f" ({value - change:+.4f})" if change is not None else ""))
         else:
-            parts.append(f"{SHOWN_AS.get(key, key)} {value}")
+            parts.append(f"{shown_as(key)} {value}")
     return sep.join(parts)

@@ -22,6 +22,7 @@ import difflib
 import importlib
 import inspect
 import os
+import re
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -104,7 +105,8 @@ class Workload:
         return {"confusion": torch.bincount(idx, minlength=n * n).double().view(n, n)}
 
     def metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        return classification_metrics(sums["confusion"])
+        labels = self.labels()
+        return classification_metrics(sums["confusion"], labels.names if labels is not None else ())
 
     def loss_items(self, lengths: list[int]) -> float:
         """Under --max-tokens-per-batch, micro-batches hold different numbers of texts: how many items the loss of
@@ -320,10 +322,13 @@ def labels_of(batch, method: str) -> torch.Tensor:
     )
 
 
-def classification_metrics(confusion: torch.Tensor) -> dict:
+def classification_metrics(confusion: torch.Tensor, names: tuple | list = ()) -> dict:
     """Accuracy, and macro-F1 as scikit-learn's f1_score(average="macro") gives it: over the classes that occur
     as a label or a prediction. A class absent from both is left out, not counted as F1 0: a small prediction
-    file without one class scored a model right on every row 0.67."""
+    file without one class scored a model right on every row 0.67. Then each class's own F1 (`f1_<name>`, by
+    the class names in `names`, else the class ids), for the classes with examples: a fixed evaluation set
+    gives the same keys at every evaluation, so a logger's chart and --metric-for-best-model f1_<name> can rely
+    on them; a class without examples has no F1 to report."""
     import torch
 
     confusion = confusion.double().cpu()
@@ -334,7 +339,18 @@ def classification_metrics(confusion: torch.Tensor) -> dict:
     f1 = torch.where(precision + recall > 0, 2 * precision * recall / (precision + recall), torch.zeros_like(tp))
     seen = (confusion.sum(0) + confusion.sum(1)) > 0
     macro_f1 = f1[seen].mean().item() if bool(seen.any()) else 0.0
-    return {"accuracy": tp.sum().item() / max(total, 1), "macro_f1": macro_f1, "n_examples": int(total)}
+    result = {"accuracy": tp.sum().item() / max(total, 1), "macro_f1": macro_f1}
+    support = confusion.sum(1)
+    for i in range(len(tp)):
+        if support[i] > 0:
+            result[class_f1_key(names[i] if i < len(names) else str(i))] = f1[i].item()
+    result["n_examples"] = int(total)
+    return result
+
+
+def class_f1_key(name: str) -> str:
+    """`f1_<class name>`, in characters every logger takes as a metric name (MLflow's are the fewest)."""
+    return "f1_" + re.sub(r"[^\w.\- /]", "_", str(name))
 
 
 def _named_inputs(module: nn.Module) -> tuple[list[inspect.Parameter], bool]:
@@ -594,12 +610,30 @@ def check_metric_for_best_model(cfg: Config, cls: type[Workload]) -> None:
     name = cfg.train.metric_for_best_model
     if name is None or cls.metrics is not Workload.metrics:
         return
-    if name in DEFAULT_METRICS or (name.startswith("eval_") and name[5:] in DEFAULT_METRICS):
+    bare = name.removeprefix("eval_")
+    if bare in DEFAULT_METRICS or bare.startswith("f1_"):  # a class's F1: its name is checked once data is read
         return
     loss = " (they have no loss: return one from your metric_sums and metrics to choose by it)"
     raise ConfigError(
         f"{where('metric_for_best_model')} {name}: not among {cls.__name__}.metrics()' keys "
-        f"({', '.join(DEFAULT_METRICS)})" + (loss if name.removeprefix("eval_").endswith("loss") else "")
+        f"({', '.join(DEFAULT_METRICS)}, f1_<class>)" + (loss if bare.endswith("loss") else "")
+    )
+
+
+def check_class_metric(cfg: Config, workload: Workload, labels: ClassLabels | None) -> None:
+    """--metric-for-best-model f1_<class> against the classes the data decided, before the first step rather
+    than at the first evaluation: a class name that is none of them, with the default metrics."""
+    name = (cfg.train.metric_for_best_model or "").removeprefix("eval_")
+    if not name.startswith("f1_") or type(workload).metrics is not Workload.metrics:
+        return
+    classes = list(labels.names) if labels is not None and labels.names else None
+    if classes is None and labels is not None:
+        classes = [str(i) for i in range(labels.count)]
+    if classes is None or name in {class_f1_key(c) for c in classes}:
+        return  # no classes known ahead: loop/best.py checks the first evaluation's keys
+    raise ConfigError(
+        f"{where('metric_for_best_model')} {cfg.train.metric_for_best_model}: no such class; the data's classes "
+        f"give {', '.join(class_f1_key(c) for c in classes)}"
     )
 
 

@@ -194,6 +194,9 @@ def test_a_longformer_export_is_two_lines_of_plain_transformers_and_reproduces_p
     assert [p.get("truncated", False) for p in preds] == longer, (sum(longer), out)
     metrics = printed_metrics(out, "file")
     assert metrics["n_examples"] == 30 == sum("true_label" in p for p in preds)
+    # Each class's F1 by the run's class names, as its evaluations logged them (the ids, f1_0, before)
+    scored = {f"f1_{p['true_label']}" for p in preds if "true_label" in p}
+    assert {key for key in metrics if key.startswith("f1_")} == scored and "f1_0" not in scored, metrics
     assert metrics["accuracy"] == pytest.approx(
         sum(p["label"] == p["true_label"] for p in preds if "true_label" in p) / 30
     )

@@ -113,10 +113,10 @@ def test_a_metric_the_default_metrics_lack_is_refused_before_any_process_starts(
         check_metric_for_best_model(cfg, builtin)
     assert str(e.value) == (
         f"--metric-for-best-model (train.metric_for_best_model) eval_loss: not among {builtin.__name__}.metrics()' "
-        "keys (accuracy, macro_f1, n_examples) (they have no loss: return one from your metric_sums and metrics to "
-        "choose by it)"
+        "keys (accuracy, macro_f1, n_examples, f1_<class>) (they have no loss: return one from your metric_sums and "
+        "metrics to choose by it)"
     )
-    for fine in ("eval_macro_f1", "accuracy"):
+    for fine in ("eval_macro_f1", "accuracy", "f1_negative", "eval_f1_2"):
         check_metric_for_best_model(parse_cli(["--eval-every", "10", "--metric-for-best-model", fine]), builtin)
 
     class OwnMetrics(Workload):
@@ -124,6 +124,30 @@ def test_a_metric_the_default_metrics_lack_is_refused_before_any_process_starts(
             return {"loss": 0.0}
 
     check_metric_for_best_model(cfg, OwnMetrics)  # its keys are known at its first evaluation (below)
+
+
+def test_a_class_f1_names_one_of_the_datas_classes_before_the_first_step():
+    """f1_<class> can only be checked once the data has named the classes: in the run, before its first step."""
+    from shardtrain.config.labels import ClassLabels
+    from shardtrain.workloads.base import check_class_metric, workload_class
+
+    cfg = parse_cli(["--eval-every", "10", "--metric-for-best-model", "f1_negtive"])
+    builtin = object.__new__(workload_class(cfg))
+    sentiment = ClassLabels(3, ("negative", "neutral", "positive"))
+    with pytest.raises(ConfigError) as e:
+        check_class_metric(cfg, builtin, sentiment)
+    assert str(e.value) == (
+        "--metric-for-best-model (train.metric_for_best_model) f1_negtive: no such class; the data's classes give "
+        "f1_negative, f1_neutral, f1_positive"
+    )
+    check_class_metric(
+        parse_cli(["--eval-every", "10", "--metric-for-best-model", "eval_f1_neutral"]), builtin, sentiment
+    )
+    check_class_metric(parse_cli(["--eval-every", "10", "--metric-for-best-model", "f1_1"]), builtin, ClassLabels(3))
+    with pytest.raises(ConfigError, match="the data's classes give f1_0, f1_1$"):
+        check_class_metric(
+            parse_cli(["--eval-every", "10", "--metric-for-best-model", "f1_2"]), builtin, ClassLabels(2)
+        )
 
 
 def test_a_metric_the_workload_does_not_return_is_one_line_naming_the_flag():

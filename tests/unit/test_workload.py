@@ -319,6 +319,44 @@ def test_macro_f1_leaves_out_a_class_no_example_has_nor_any_prediction():
     assert classification_metrics(torch.zeros(3, 3))["macro_f1"] == 0.0
 
 
+def test_each_class_with_examples_gets_its_own_f1_by_name():
+    """Per-class F1 (sentiment users watch the negative class): the keys name the classes, in characters every
+    logger takes, and a class without examples has none (its F1 would be a prediction count, not a score)."""
+    from shardtrain.observability.metric_text import metrics_line
+    from shardtrain.workloads.base import classification_metrics
+
+    # true x predicted: 4 negatives (3 right), 4 neutrals (2 right), no positives but 1 predicted
+    confusion = torch.tensor([[3.0, 1.0, 0.0], [1.0, 2.0, 1.0], [0.0, 0.0, 0.0]])
+    named = classification_metrics(confusion, ("negative", "neutral", "very positive :)"))
+    assert list(named) == ["accuracy", "macro_f1", "f1_negative", "f1_neutral", "n_examples"]
+    assert named["f1_negative"] == pytest.approx(0.75) and named["f1_neutral"] == pytest.approx(2 / 3.5)
+    assert list(classification_metrics(torch.eye(3), ("a/b", "x:y", "z"))) == [
+        "accuracy",
+        "macro_f1",
+        "f1_a/b",
+        "f1_x_y",
+        "f1_z",
+        "n_examples",
+    ]
+    assert "f1_0" in classification_metrics(confusion)  # no names: the class ids
+    assert metrics_line(named) == (
+        "accuracy 0.6250, macro-F1 0.4405, F1 negative 0.7500, F1 neutral 0.5714, 8 examples"
+    )
+
+
+def test_a_built_in_names_a_runs_classes_where_its_data_is_not_read():
+    """predict --file and export load the run's config, not its data: the per-class F1 keys are still the class
+    names the run logged (predict's file metrics said f1_0, f1_1, f1_2 for a run that logged f1_negative)."""
+    from shardtrain.config.labels import ClassLabels
+    from shardtrain.workloads.base import workload_class
+
+    sentiment = ClassLabels(3, ("negative", "neutral", "positive"))
+    cfg = sentiment.applied_to(parse_cli(["--config", str(REPO / "configs" / "longformer_tiny.yaml")]))
+    workload = workload_class(cfg)(cfg)
+    assert workload.labels() == sentiment
+    assert "f1_neutral" in workload.metrics({"confusion": torch.eye(3)})
+
+
 @pytest.mark.parametrize("label", [7, -1])
 def test_a_validation_label_outside_the_models_classes_is_one_line_naming_it(label):
     """A trial's workload had label 7 in its validation data alone, with 2 classes: the run trained every step, then
