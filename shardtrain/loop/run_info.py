@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from shardtrain.config.geometry import BatchGeometry
 from shardtrain.config.recompute import RecomputePlan
 from shardtrain.config.settings import Config
@@ -105,14 +107,63 @@ def parameter_counts(strategy, frozen: set[str]) -> dict:
     """Counts of the full (unsharded) model; DTensor shards report their global shape. `frozen`: --freeze-layers'
     parameters (frozen at the start, even if unfreeze_at_step comes later) and those build_model froze."""
     total = trainable = 0
+    names = []
     for name, p in strategy.named_parameters():
         n = strategy.full_numel(p)
         total += n
+        names.append(name)
         if name not in frozen:
             trainable += n
     adapters = describe_adapters(strategy.unwrapped)
     counts = {"params_total": total, "params_trainable": trainable, "params_frozen": total - trainable}
-    return {**counts, **({"adapters": adapters} if adapters else {})}
+    # A PEFT model's base is frozen whole by design, and the adapters line says what trains instead.
+    parts = frozen_parts(names, frozen) if not adapters else []
+    return {**counts, **({"frozen_parts": parts} if parts else {}), **({"adapters": adapters} if adapters else {})}
+
+
+def frozen_parts(names: list[str], frozen: set[str]) -> list[str]:
+    """The frozen parameters as the fewest modules that hold only frozen ones, in model order, a run of numbered
+    siblings as one range: `image.conv1, image.bn1, image.layer1, text.encoder.layer.0-3`. What the user's
+    build_model() or --freeze-layers froze, said by name in the banner (a count alone could not be checked)."""
+
+    def prefixes(name: str) -> list[str]:
+        pieces = name.split(".")
+        return [".".join(pieces[:i]) for i in range(1, len(pieces) + 1)]
+
+    held, held_frozen = Counter(), Counter()  # parameters under each prefix, and how many of them are frozen
+    for name in names:
+        for prefix in prefixes(name):
+            held[prefix] += 1
+            held_frozen[prefix] += name in frozen
+    parts: list[str] = []
+    for name in names:
+        if name in frozen:
+            # the shortest prefix (a module, or the parameter itself) under which everything is frozen
+            part = next(p for p in prefixes(name) if held_frozen[p] == held[p])
+            if part not in parts:
+                parts.append(part)
+    return _ranges(parts)
+
+
+def _ranges(parts: list[str]) -> list[str]:
+    """`a.layer.0, a.layer.1, a.layer.2` -> `a.layer.0-2`: consecutive numbered siblings as one range."""
+    out: list[str] = []
+    for part in parts:
+        head, _, last = part.rpartition(".")
+        previous = out[-1] if out else ""
+        prev_head, _, prev_last = previous.rpartition(".")
+        first, _, end = prev_last.partition("-")
+        if (
+            head
+            and head == prev_head
+            and last.isdigit()
+            and (end or first).isdigit()
+            and int(last) == int(end or first) + 1
+        ):
+            out[-1] = f"{head}.{first}-{last}"
+        else:
+            out.append(part)
+    return out
 
 
 def skipped(ds) -> list:

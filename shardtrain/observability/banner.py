@@ -63,7 +63,9 @@ def format_banner(info: dict) -> str:
         lines.append(f"  cuda math   {', '.join(on) + ' on' if on else 'TF32 and cudnn.benchmark off'}{switch}")
     lines.append(
         f"  params      {info['params_total']:,} total | {info['params_trainable']:,} trainable | "
-        f"{info['params_frozen']:,} frozen" + (f" | adapters: {info['adapters']}" if info.get("adapters") else "")
+        f"{info['params_frozen']:,} frozen"
+        + _named(info.get("frozen_parts") or [])
+        + (f" | adapters: {info['adapters']}" if info.get("adapters") else "")
     )
     if info.get("max_tokens_per_batch"):  # the samples per micro-batch follow the texts' lengths
         lines.append(
@@ -125,3 +127,11 @@ def _recompute_text(info: dict) -> str:
         return f"{asked}: {info['recompute_choice']}"
     share = done / blocks if blocks else 0.0
     return f"{asked}: {done} of {blocks} blocks (recompute ~{100 * recompute_time_share(share):.0f}% of step time)"
+
+
+def _named(parts: list[str], shown: int = 8) -> str:
+    """` (image.conv1, image.layer1, text.embeddings)`: the frozen modules, the first `shown` of them."""
+    if not parts:
+        return ""
+    more = f", +{len(parts) - shown} more" if len(parts) > shown else ""
+    return f" ({', '.join(parts[:shown])}{more})"

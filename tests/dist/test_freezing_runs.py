@@ -311,6 +311,7 @@ def test_what_the_users_build_model_froze_stays_frozen(runs):
         run = runs[name]
         summary = json.loads((Path(run["dir"]) / "summary.json").read_text())
         assert (summary["params_total"], summary["params_frozen"]) == (total, at_start), (name, summary)
+        assert summary["frozen_parts"] == ["backbone", "blocks"], (name, summary["frozen_parts"])  # as the banner
         final = read_portable(Path(run["dir"]) / "checkpoints" / f"step-{STEPS:06d}", optimizer=True)
         moved = sorted(n for n in held if not torch.equal(final["model"][n], built[n]))
         with_state = sorted(k for k in final["optim"] if k.rsplit(".", 1)[0] in backbone)

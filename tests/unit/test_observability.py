@@ -70,6 +70,41 @@ def test_banner_shows_ranks_strategy_batch_arithmetic_and_data():
     assert "no prediction: test" in text
 
 
+def test_banner_names_the_frozen_modules():
+    """Trial E's banner counted the 183,840 parameters its own build_model() froze, but named none of them: the
+    user could not see which layers the run would leave alone."""
+    from shardtrain.loop.run_info import frozen_parts
+
+    names = [
+        "text.embeddings.word_embeddings.weight",
+        "text.embeddings.LayerNorm.weight",
+        *(f"text.encoder.layer.{i}.{w}.weight" for i in range(4) for w in ("query", "value")),
+        "image.conv1.weight",
+        "image.bn1.weight",
+        "image.bn1.bias",
+        "image.layer1.0.conv1.weight",
+        "image.layer2.0.conv1.weight",
+        "head.fc.weight",
+    ]
+    frozen = {n for n in names if n.startswith(("text.embeddings", "image.conv1", "image.bn1", "image.layer1"))}
+    frozen |= {f"text.encoder.layer.{i}.{w}.weight" for i in (0, 1, 2) for w in ("query", "value")}
+    frozen.add("text.encoder.layer.3.query.weight")  # a part of a block: the parameter's own path
+    parts = frozen_parts(names, frozen)
+    assert parts == [
+        "text.embeddings",
+        "text.encoder.layer.0-2",
+        "text.encoder.layer.3.query",
+        "image.conv1",
+        "image.bn1",
+        "image.layer1",
+    ]
+    assert frozen_parts(names, set()) == [] and frozen_parts(names, set(names)) == ["text", "image", "head"]
+    text = format_banner(run_info(frozen_parts=parts))
+    assert "234,567 frozen (text.embeddings, text.encoder.layer.0-2, text.encoder.layer.3.query, image.conv1, " in text
+    many = format_banner(run_info(frozen_parts=[f"m{i}" for i in range(11)]))
+    assert "234,567 frozen (m0, m1, m2, m3, m4, m5, m6, m7, +3 more)" in many
+
+
 def test_banner_says_when_a_step_is_bigger_than_the_training_set():
     """A trial's 512 examples at a global batch of 2,048 read `1 steps/epoch`: each step was four epochs."""
     text = format_banner(run_info(train_examples=512, global_batch_size=2048, steps_per_epoch=1))
