@@ -131,13 +131,15 @@ class JsonlWorkload(Workload):
     @classmethod
     def check_before_launch(cls, cfg) -> str | None:
         from shardtrain.builtin_workloads.settings import Builtins
+        from shardtrain.config.labels import check_class_metric
         from shardtrain.data.precheck import check_splits
         from shardtrain.runtime.hub import check_hub_names
         from shardtrain.runtime.launch import launch_world_size
 
         Builtins.check_text_model(cfg)
         # A typo on line 7 of the records, or 3 records for 4 ranks, should not wait for N processes and a model.
-        check_splits(cfg, launch_world_size(cfg))
+        classes = check_splits(cfg, launch_world_size(cfg))
+        check_class_metric(cfg, classes)  # --metric-for-best-model f1_<class>, now that the data named the classes
         # Hub names last (the probe may wait seconds): reachable, cached (offline by itself), or one line now.
         return check_hub_names(cfg)
 

@@ -10,6 +10,7 @@ the user's config (`resolved.labels` beside `config`), and whoever rebuilds the 
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 
 
@@ -43,3 +44,26 @@ def run_config_dict(state: dict) -> dict:
         config.setdefault("model", {})["num_labels"] = labels["num_labels"]
         config.setdefault("data", {})["label_names"] = list(labels.get("label_names") or [])
     return config
+
+
+def class_f1_key(name: str) -> str:
+    """`f1_<class name>`: a class's F1 among the default metrics, in characters every logger takes as a metric
+    name (MLflow's are the fewest)."""
+    return "f1_" + re.sub(r"[^\w.\- /]", "_", str(name))
+
+
+def check_class_metric(cfg, labels: ClassLabels | None) -> None:
+    """--metric-for-best-model f1_<class> against the classes `labels` holds (the names, else the ids), as soon as
+    they are known: before any process starts where the data is read there (the built-ins' pre-launch check),
+    else before the first step; never at the first evaluation. Only for the default metrics (the caller's to
+    know)."""
+    from shardtrain.config.settings import ConfigError, where
+
+    asked = cfg.train.metric_for_best_model or ""
+    if labels is None or not asked.removeprefix("eval_").startswith("f1_"):
+        return
+    keys = [class_f1_key(c) for c in (labels.names or [str(i) for i in range(labels.count)])]
+    if asked.removeprefix("eval_") not in keys:
+        raise ConfigError(
+            f"{where('metric_for_best_model')} {asked}: no such class; the data's classes give {', '.join(keys)}"
+        )

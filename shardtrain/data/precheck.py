@@ -7,6 +7,7 @@ the others' checks.
 from __future__ import annotations
 
 from shardtrain.config.geometry import no_batch_problem
+from shardtrain.config.labels import ClassLabels
 from shardtrain.config.settings import ConfigError, reads_images, record_kinds, where
 from shardtrain.data.image_cache import open_image_cache, open_source_image_cache
 from shardtrain.data.layouts import check_num_labels, layout_files
@@ -21,12 +22,13 @@ from shardtrain.data.records import (
 from shardtrain.data.sources import column_values, image_key, load_splits, source_of
 
 
-def check_splits(cfg, world_size: int = 1) -> None:
+def check_splits(cfg, world_size: int = 1) -> ClassLabels | None:
     """Both splits' records, before any process, process group or model exists: the first bad one raises
     `file:line: message`. Cheap (no torch, no image decoding; images are only checked to exist). With
     --skip-bad-samples only the files must exist: the dataset skips and counts the bad records. A training set
     too small for one micro-batch per rank at `world_size` ranks is refused here too, not by every rank after
-    the launch, the data and the model."""
+    the launch, the data and the model. Returns the classes where the check learnt them (None: a published
+    layout's, known once it is read)."""
     if source_of(cfg) != "data_dir":
         # Columns, labels, num_labels and every row of another source: what load_splits raises on each rank
         # later, once, now. Images are only checked to exist here, as below.
@@ -39,7 +41,7 @@ def check_splits(cfg, world_size: int = 1) -> None:
                 if table is not None:  # missing or stale: one line now, as below
                     open_source_image_cache(cfg, split, [image_key(v) for v in column_values(table, "image")])
         _check_one_batch_fits(cfg, len(splits.train), world_size)
-        return
+        return splits.labels
     if cfg.data.dataset_format:
         # A published layout: its files and folders, not its thousands of posts (read once, by the run).
         layout_files(cfg.data.dataset_format, cfg.data.data_dir)
@@ -49,7 +51,7 @@ def check_splits(cfg, world_size: int = 1) -> None:
             from shardtrain.data.splits import open_layout_image_cache
 
             open_layout_image_cache(cfg, read_layout(cfg.data.dataset_format, cfg.data.data_dir))
-        return
+        return None
     kind = data_kind(cfg)
     for split, limit in (("train", cfg.data.max_train_samples), ("validation", cfg.data.max_eval_samples)):
         path = config_split_path(cfg, split)
@@ -68,6 +70,7 @@ def check_splits(cfg, world_size: int = 1) -> None:
             raise ConfigError(f"{where('data_dir')}: no usable records in {path}")
         if split == "train":
             _check_one_batch_fits(cfg, good, world_size)
+    return ClassLabels(cfg.model.num_labels, tuple(cfg.data.label_names))  # the records' ids, named by the config
 
 
 def _check_one_batch_fits(cfg, examples: int, world_size: int) -> None:

@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardtrain.config.labels import ClassLabels
+from shardtrain.config.labels import ClassLabels, class_f1_key
+from shardtrain.config.labels import check_class_metric as check_class_metric_names
 from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, value_of, where, workload_target
 
 if TYPE_CHECKING:
@@ -348,11 +349,6 @@ def classification_metrics(confusion: torch.Tensor, names: tuple | list = ()) ->
     return result
 
 
-def class_f1_key(name: str) -> str:
-    """`f1_<class name>`, in characters every logger takes as a metric name (MLflow's are the fewest)."""
-    return "f1_" + re.sub(r"[^\w.\- /]", "_", str(name))
-
-
 def _named_inputs(module: nn.Module) -> tuple[list[inspect.Parameter], bool]:
     params = list(inspect.signature(module.forward).parameters.values())
     named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -621,20 +617,10 @@ def check_metric_for_best_model(cfg: Config, cls: type[Workload]) -> None:
 
 
 def check_class_metric(cfg: Config, workload: Workload, labels: ClassLabels | None) -> None:
-    """--metric-for-best-model f1_<class> against the classes the data decided, before the first step rather
-    than at the first evaluation: a class name that is none of them, with the default metrics."""
-    name = (cfg.train.metric_for_best_model or "").removeprefix("eval_")
-    if not name.startswith("f1_") or type(workload).metrics is not Workload.metrics:
-        return
-    classes = list(labels.names) if labels is not None and labels.names else None
-    if classes is None and labels is not None:
-        classes = [str(i) for i in range(labels.count)]
-    if classes is None or name in {class_f1_key(c) for c in classes}:
-        return  # no classes known ahead: loop/best.py checks the first evaluation's keys
-    raise ConfigError(
-        f"{where('metric_for_best_model')} {cfg.train.metric_for_best_model}: no such class; the data's classes "
-        f"give {', '.join(class_f1_key(c) for c in classes)}"
-    )
+    """--metric-for-best-model f1_<class> against the classes the data decided, before the first step, for a
+    workload with the default metrics (config/labels.py; a workload's own are checked at its first evaluation)."""
+    if type(workload).metrics is Workload.metrics:
+        check_class_metric_names(cfg, labels)
 
 
 def check_workload_args(cfg: Config, cls: type[Workload]) -> None:
@@ -650,7 +636,6 @@ def _args_error(cls: type[Workload], cfg: Config, e: TypeError) -> ConfigError:
     """The constructor's own TypeError, and for an unknown keyword the argument meant (as a YAML key's typo is
     answered) and those the constructor takes."""
     import difflib
-    import re
 
     line = f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}"
     unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))

@@ -74,6 +74,21 @@ def test_check_only_makes_the_checks_and_starts_nothing(mm_data, tmp_path):
     assert "256 examples // world size 3 = 85" in run.stderr.strip().splitlines()[-1], run.stderr
 
 
+def test_a_class_metric_is_checked_against_the_datas_classes_before_launch(mm_data, tmp_path):
+    """--metric-for-best-model f1_<class> names a class the data has: checked by --check-only and before any
+    process starts (trial G: --check-only passed `f1_negtive`, and the job failed after its ranks started)."""
+    csv = tmp_path / "reviews.csv"
+    csv.write_text("review,sentiment\n" + "".join(f"text {i},{('negative', 'positive')[i % 2]}\n" for i in range(16)))
+    text_only = ["--config", str(REPO / "configs" / "longformer_tiny.yaml")]  # the later --config is the one read
+    named = [*text_only, "--train-file", str(csv), "--text-column-names", "review", "--label-column-name", "sentiment"]
+    for source, typo, fine in ((named, "f1_negtive", "f1_negative"), (["--data-dir", str(mm_data)], "f1_3", "f1_2")):
+        args = ["--nproc", "2", "--eval-every", "10", *source, "--check-only", "--metric-for-best-model"]
+        refused = parent(mm_data, tmp_path, *args, typo)
+        assert 'RESULT {"code": 2,' in refused.stdout, refused.stdout + refused.stderr
+        assert f"{typo}: no such class; the data's classes give" in refused.stderr, refused.stderr
+        assert 'RESULT {"code": 0,' in parent(mm_data, tmp_path, *args, fine).stdout
+
+
 def test_the_other_built_ins_checkpoint_is_refused_before_launch(mm_data, tmp_path):
     """A Longformer run's checkpoint under the multimodal config: in the run's own folder (--resume auto) and
     named by --resume (it was refused only by the weights' names, after the launch, the data and a tokenizer
