@@ -327,9 +327,8 @@ def classification_metrics(confusion: torch.Tensor, names: tuple | list = ()) ->
     """Accuracy, and macro-F1 as scikit-learn's f1_score(average="macro") gives it: over the classes that occur
     as a label or a prediction. A class absent from both is left out, not counted as F1 0: a small prediction
     file without one class scored a model right on every row 0.67. Then each class's own F1 (`f1_<name>`, by
-    the class names in `names`, else the class ids), for the classes with examples: a fixed evaluation set
-    gives the same keys at every evaluation, so a logger's chart and --metric-for-best-model f1_<name> can rely
-    on them; a class without examples has no F1 to report."""
+    the class names in `names`, else the class ids), for those same classes, so that macro-F1 is the mean of
+    the F1s shown. An evaluation set with examples of every class gives the same keys at every evaluation."""
     import torch
 
     confusion = confusion.double().cpu()
@@ -341,9 +340,8 @@ def classification_metrics(confusion: torch.Tensor, names: tuple | list = ()) ->
     seen = (confusion.sum(0) + confusion.sum(1)) > 0
     macro_f1 = f1[seen].mean().item() if bool(seen.any()) else 0.0
     result = {"accuracy": tp.sum().item() / max(total, 1), "macro_f1": macro_f1}
-    support = confusion.sum(1)
     for i in range(len(tp)):
-        if support[i] > 0:
+        if seen[i]:
             result[class_f1_key(names[i] if i < len(names) else str(i))] = f1[i].item()
     result["n_examples"] = int(total)
     return result
