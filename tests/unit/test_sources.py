@@ -323,6 +323,32 @@ def test_a_class_spelt_two_ways_is_refused_unless_label_names_lists_both(tmp_pat
     assert list(kept.labels.names) == ["Pos", "neg", "pos"]
 
 
+def test_a_rare_label_spelt_like_a_common_one_is_refused_but_numbered_classes_are_not(tmp_path):
+    """Trial G's training file had one `postive` among 239 `positive`: the run trained a fourth class on it, and
+    check-data and --check-only said nothing."""
+    from shardtrain.data.check import check_source
+    from shardtrain.data.sources import load_splits
+
+    rows = [[f"text {i}", ("positive", "negative")[i % 2]] for i in range(40)]
+    rows[6][1] = "postive"
+    f = write_csv(tmp_path / "reviews.csv", ["review", "sentiment"], rows)
+    cfg = config(train_file=str(f), text_column_names=["review"], label_column_name="sentiment")
+    message = (
+        f"{f} row 6 (line 8 if no field spans lines): label 'postive' (1 row of column 'sentiment') beside "
+        "'positive' (19 rows): a typo would train a class of its own; fix the row, or list every class in "
+        "--label-names (data.label_names) to keep them apart"
+    )
+    with pytest.raises(ConfigError) as e:
+        load_splits(cfg)
+    assert str(e.value) == message and check_source(cfg) == [message]
+    kept = load_splits(replace_fields(cfg, label_names=["negative", "positive", "postive"]))
+    assert kept.labels.count == 3
+    numbered = [[f"text {i}", "label_1" if i else "label_2"] for i in range(40)]
+    f = write_csv(tmp_path / "numbered.csv", ["review", "sentiment"], numbered)
+    cfg = config(train_file=str(f), text_column_names=["review"], label_column_name="sentiment")
+    assert list(load_splits(cfg).labels.names) == ["label_1", "label_2"]
+
+
 def test_an_image_that_fails_to_decode_mid_run_is_named_by_its_file_and_line(tmp_path):
     """An image is decoded when the run loads it (predict --file, --train-file): a jsonl row is named by its line,
     as check-data names it, and a held-out validation row by the file it came from (it used to be `row N`, from 0,
