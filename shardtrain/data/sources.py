@@ -367,6 +367,29 @@ def _read_file(file: str, flag: str) -> RawSplit:
     return RawSplit(ds, file, path.resolve().parent, names)
 
 
+def _read_saved_split(folder: str) -> RawSplit:
+    """`predict --file` on a folder that `Dataset.save_to_disk` wrote: one split, its rows in order (trial G's
+    data was in that form, and --file took files only). A DatasetDict's folder holds one such folder per split."""
+    import json
+
+    import datasets
+
+    path = Path(folder)
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits") or []
+        example = path / (splits[-1] if splits else "validation")
+        raise ConfigError(
+            f"predict --file {folder}: a DatasetDict's save_to_disk folder (splits: {', '.join(splits)}): name one "
+            f"split's folder, e.g. --file {example}"
+        )
+    if not (path / "state.json").is_file():
+        raise ConfigError(
+            f"predict --file {folder}: a folder, and not one that datasets' save_to_disk wrote (no state.json): "
+            f"name a csv, json, jsonl or parquet file, or such a folder"
+        )
+    return RawSplit(datasets.load_from_disk(str(path)), folder, path.resolve(), RowNames(folder))
+
+
 def _root_cause(e: BaseException) -> BaseException:
     # datasets wraps the parser's error in DatasetGenerationError("An error occurred while generating...").
     while e.__cause__ is not None:
@@ -860,7 +883,7 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
     None: the column `id` where the file has one."""
     _quiet_datasets()
     d = cfg.data
-    raw = _read_file(file, "file")
+    raw = _read_saved_split(file) if Path(file).is_dir() else _read_file(file, "file")
     have = list(raw.ds.column_names)
     images = "need" if is_builtin_workload(cfg) and reads_images(cfg) else "skip"
     for column in d.text_column_names + ([d.image_column_name] if images == "need" else []):

@@ -43,6 +43,27 @@ def run_config(tmp_path):
     return cfg
 
 
+def test_a_save_to_disk_split_is_a_file_to_predict_with_its_unlabelled_rows(tmp_path):
+    """Trial G kept its data as `DatasetDict.save_to_disk`: `predict --file` took files only (`unknown extension
+    ''`), and the run's --dataset-name path refuses an unlabelled row. One split's folder is now read as a file
+    is: every row in order, unlabelled ones too; the DatasetDict's own folder names its splits."""
+    import datasets
+
+    cfg = run_config(tmp_path)
+    rows = {"id": ["a", "b", "c"], "document": ["one", "two", "three"], "category": ["law", None, "arts"]}
+    datasets.DatasetDict({"validation": datasets.Dataset.from_dict(rows)}).save_to_disk(tmp_path / "saved")
+    read = prediction_rows(cfg, str(tmp_path / "saved" / "validation"), None)
+    assert list(read.table["label"]) == [1, -1, 0] and read.labelled == 2 and read.ids == ["a", "b", "c"]
+    with pytest.raises(ConfigError) as e:
+        prediction_rows(cfg, str(tmp_path / "saved"), None)
+    assert str(e.value) == (
+        f"predict --file {tmp_path / 'saved'}: a DatasetDict's save_to_disk folder (splits: validation): name one "
+        f"split's folder, e.g. --file {tmp_path / 'saved' / 'validation'}"
+    )
+    with pytest.raises(ConfigError, match="a folder, and not one that datasets' save_to_disk wrote"):
+        prediction_rows(cfg, str(tmp_path), None)
+
+
 def test_a_file_without_labels_is_every_row_in_order_with_its_ids(tmp_path):
     cfg = run_config(tmp_path)
     new = write_csv(tmp_path / "new.csv", ["id", "document"], [[f"n{i}", f"new text {i}"] for i in range(7)])
