@@ -31,6 +31,12 @@ def check_tracking_servers(report_to: list[str], env: Mapping[str, str] | None =
                 f"{where('report_to')} mlflow: MLFLOW_TRACKING_URI {uri} does not answer ({why}): start the server "
                 f"or point MLFLOW_TRACKING_URI at one, or drop mlflow from --report-to to train without it"
             )
+    if "mlflow" in report_to and uri and _mlflow_refuses_file_store(uri, env):
+        raise ConfigError(
+            f"{where('report_to')} mlflow: MLFLOW_TRACKING_URI {uri} is a file store, which MLflow 3 refuses unless "
+            f"MLFLOW_ALLOW_FILE_STORE=true: set that, or point MLFLOW_TRACKING_URI at a tracking server, or "
+            f"unset it for the run folder's own store (OUT/mlruns)"
+        )
     if "wandb" in report_to and _wandb_online(env):
         base = env.get("WANDB_BASE_URL") or WANDB_DEFAULT_BASE
         why = probe(base)
@@ -39,6 +45,15 @@ def check_tracking_servers(report_to: list[str], env: Mapping[str, str] | None =
                 f"{where('report_to')} wandb: {base} does not answer ({why}): WANDB_MODE=offline logs the run "
                 f"here for `wandb sync` later, or drop wandb from --report-to"
             )
+
+
+def _mlflow_refuses_file_store(uri: str, env: Mapping[str, str]) -> bool:
+    """A `file:` URI or a plain path is MLflow's file store, which MLflow 3 refuses without MLFLOW_ALLOW_FILE_STORE
+    (mlflow/store/tracking/file_store.py): the run trained on with `mlflow off` and one warning (trial G)."""
+    from urllib.parse import urlparse
+
+    file_store = urlparse(uri).scheme in ("", "file")
+    return file_store and env.get("MLFLOW_ALLOW_FILE_STORE", "").strip().lower() not in ("true", "1")
 
 
 def _wandb_online(env: Mapping[str, str]) -> bool:

@@ -40,8 +40,25 @@ def test_an_mlflow_server_that_does_not_answer_is_one_line_in_seconds(answering_
     assert line.startswith(f"--report-to (log.report_to) mlflow: MLFLOW_TRACKING_URI {uri} does not answer (")
     assert "drop mlflow from --report-to" in line and "\n" not in line
     check_tracking_servers(["mlflow"], {"MLFLOW_TRACKING_URI": answering_server})  # answers: nothing to say
-    check_tracking_servers(["mlflow"], {"MLFLOW_TRACKING_URI": "file:///tmp/mlruns"})  # a store, not a server
+    allowed = {"MLFLOW_TRACKING_URI": "file:///tmp/mlruns", "MLFLOW_ALLOW_FILE_STORE": "true"}
+    check_tracking_servers(["mlflow"], allowed)  # a store, not a server
     check_tracking_servers(["mlflow"], {})  # unset: a file store in the run folder
+
+
+def test_a_file_store_mlflow_3_refuses_is_one_line_before_launch():
+    """MLFLOW_TRACKING_URI=file:... without MLFLOW_ALLOW_FILE_STORE passed --check-only, then the run trained with
+    MLflow off and one warning (trial G): MLflow 3 refuses its file store unless that is set."""
+    for uri in ("file:///tmp/mlruns", "/tmp/mlruns", "mlruns"):
+        with pytest.raises(ConfigError) as e:
+            check_tracking_servers(["mlflow"], {"MLFLOW_TRACKING_URI": uri})
+        assert str(e.value) == (
+            f"--report-to (log.report_to) mlflow: MLFLOW_TRACKING_URI {uri} is a file store, which MLflow 3 "
+            "refuses unless MLFLOW_ALLOW_FILE_STORE=true: set that, or point MLFLOW_TRACKING_URI at a tracking "
+            "server, or unset it for the run folder's own store (OUT/mlruns)"
+        )
+        check_tracking_servers(["mlflow"], {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "1"})
+        check_tracking_servers(["tensorboard"], {"MLFLOW_TRACKING_URI": uri})
+    check_tracking_servers(["mlflow"], {"MLFLOW_TRACKING_URI": "sqlite:///mlflow.db"})
 
 
 def test_wandb_online_with_no_answer_says_how_to_log_offline(answering_server):
