@@ -46,23 +46,27 @@ def run_config_dict(state: dict) -> dict:
     return config
 
 
-def class_f1_key(name: str) -> str:
-    """`f1_<class name>`: a class's F1 among the default metrics, in characters every logger takes as a metric
-    name (MLflow's are the fewest)."""
-    return "f1_" + re.sub(r"[^\w.\- /]", "_", str(name))
+# Each class's own numbers among the default metrics: `f1_negative`, `precision_negative`, `recall_negative`.
+CLASS_METRICS = ("f1", "precision", "recall")
+
+
+def class_metric_key(metric: str, name: str) -> str:
+    """`<metric>_<class name>`, in characters every logger takes as a metric name (MLflow's are the fewest)."""
+    return f"{metric}_" + re.sub(r"[^\w.\- /]", "_", str(name))
 
 
 def check_class_metric(cfg, labels: ClassLabels | None) -> None:
-    """--metric-for-best-model f1_<class> against the classes `labels` holds (the names, else the ids), as soon as
-    they are known: before any process starts where the data is read there (the built-ins' pre-launch check),
-    else before the first step; never at the first evaluation. Only for the default metrics (the caller's to
-    know)."""
+    """--metric-for-best-model f1_<class> (or precision_, recall_) against the classes `labels` holds (the names,
+    else the ids), as soon as they are known: before any process starts where the data is read there (the
+    built-ins' pre-launch check), else before the first step; never at the first evaluation. Only for the
+    default metrics (the caller's to know)."""
     from shardtrain.config.settings import ConfigError, where
 
     asked = cfg.train.metric_for_best_model or ""
-    if labels is None or not asked.removeprefix("eval_").startswith("f1_"):
+    metric = asked.removeprefix("eval_").split("_", 1)[0]
+    if labels is None or metric not in CLASS_METRICS or "_" not in asked.removeprefix("eval_"):
         return
-    keys = [class_f1_key(c) for c in (labels.names or [str(i) for i in range(labels.count)])]
+    keys = [class_metric_key(metric, c) for c in (labels.names or [str(i) for i in range(labels.count)])]
     if asked.removeprefix("eval_") not in keys:
         raise ConfigError(
             f"{where('metric_for_best_model')} {asked}: no such class; the data's classes give {', '.join(keys)}"

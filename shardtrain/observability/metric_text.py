@@ -11,11 +11,20 @@ def shown_as(key: str) -> str:
     return SHOWN_AS.get(key) or (f"F1 {key[3:]}" if key.startswith("f1_") else key)
 
 
+def _with_its_f1(key: str, result: dict) -> bool:
+    """A class's precision or recall beside its F1 (the default metrics): the line shows the F1, eval.jsonl and
+    the loggers all three. A workload's own `precision_macro` has no `f1_macro` beside it, and is shown."""
+    metric, _, name = key.partition("_")
+    return metric in ("precision", "recall") and f"f1_{name}" in result
+
+
 def metrics_line(result: dict, sep: str = ", ", before: dict | None = None) -> str:
     """`accuracy 0.9375, macro-F1 0.9370, 128 examples`; a workload's own keys as it names them. `before`: each
     number's change from that result, as `export --int8 --eval` shows INT8 against fp32."""
     parts = []
     for key, value in result.items():
+        if _with_its_f1(key, result):
+            continue
         if key == "n_examples":
             parts.append(f"{value} examples")
         elif isinstance(value, float):

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardtrain.config.labels import ClassLabels, class_f1_key
+from shardtrain.config.labels import CLASS_METRICS, ClassLabels, class_metric_key
 from shardtrain.config.labels import check_class_metric as check_class_metric_names
 from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, value_of, where, workload_target
 
@@ -326,9 +326,10 @@ def labels_of(batch, method: str) -> torch.Tensor:
 def classification_metrics(confusion: torch.Tensor, names: tuple | list = ()) -> dict:
     """Accuracy, and macro-F1 as scikit-learn's f1_score(average="macro") gives it: over the classes that occur
     as a label or a prediction. A class absent from both is left out, not counted as F1 0: a small prediction
-    file without one class scored a model right on every row 0.67. Then each class's own F1 (`f1_<name>`, by
-    the class names in `names`, else the class ids), for those same classes, so that macro-F1 is the mean of
-    the F1s shown. An evaluation set with examples of every class gives the same keys at every evaluation."""
+    file without one class scored a model right on every row 0.67. Then each class's own F1, precision and
+    recall (`f1_<name>`, `precision_<name>`, `recall_<name>`, by the class names in `names`, else the class ids;
+    scikit-learn's zero_division=0), for those same classes, so that macro-F1 is the mean of the F1s shown. An
+    evaluation set with examples of every class gives the same keys at every evaluation."""
     import torch
 
     confusion = confusion.double().cpu()
@@ -340,9 +341,10 @@ def classification_metrics(confusion: torch.Tensor, names: tuple | list = ()) ->
     seen = (confusion.sum(0) + confusion.sum(1)) > 0
     macro_f1 = f1[seen].mean().item() if bool(seen.any()) else 0.0
     result = {"accuracy": tp.sum().item() / max(total, 1), "macro_f1": macro_f1}
-    for i in range(len(tp)):
-        if seen[i]:
-            result[class_f1_key(names[i] if i < len(names) else str(i))] = f1[i].item()
+    for metric, values in zip(CLASS_METRICS, (f1, precision, recall)):
+        for i in range(len(tp)):
+            if seen[i]:
+                result[class_metric_key(metric, names[i] if i < len(names) else str(i))] = values[i].item()
     result["n_examples"] = int(total)
     return result
 
@@ -605,12 +607,13 @@ def check_metric_for_best_model(cfg: Config, cls: type[Workload]) -> None:
     if name is None or cls.metrics is not Workload.metrics:
         return
     bare = name.removeprefix("eval_")
-    if bare in DEFAULT_METRICS or bare.startswith("f1_"):  # a class's F1: its name is checked once data is read
+    if bare in DEFAULT_METRICS or bare.startswith(tuple(f"{m}_" for m in CLASS_METRICS)):  # class: checked later
         return
     loss = " (they have no loss: return one from your metric_sums and metrics to choose by it)"
     raise ConfigError(
         f"{where('metric_for_best_model')} {name}: not among {cls.__name__}.metrics()' keys "
-        f"({', '.join(DEFAULT_METRICS)}, f1_<class>)" + (loss if bare.endswith("loss") else "")
+        f"({', '.join(DEFAULT_METRICS)}, f1_<class>, precision_<class>, recall_<class>)"
+        + (loss if bare.endswith("loss") else "")
     )
 
 

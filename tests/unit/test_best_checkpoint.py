@@ -113,10 +113,10 @@ def test_a_metric_the_default_metrics_lack_is_refused_before_any_process_starts(
         check_metric_for_best_model(cfg, builtin)
     assert str(e.value) == (
         f"--metric-for-best-model (train.metric_for_best_model) eval_loss: not among {builtin.__name__}.metrics()' "
-        "keys (accuracy, macro_f1, n_examples, f1_<class>) (they have no loss: return one from your metric_sums and "
-        "metrics to choose by it)"
+        "keys (accuracy, macro_f1, n_examples, f1_<class>, precision_<class>, recall_<class>) (they have no loss: "
+        "return one from your metric_sums and metrics to choose by it)"
     )
-    for fine in ("eval_macro_f1", "accuracy", "f1_negative", "eval_f1_2"):
+    for fine in ("eval_macro_f1", "accuracy", "f1_negative", "eval_f1_2", "recall_negative", "precision_0"):
         check_metric_for_best_model(parse_cli(["--eval-every", "10", "--metric-for-best-model", fine]), builtin)
 
     class OwnMetrics(Workload):
@@ -144,6 +144,13 @@ def test_a_class_f1_names_one_of_the_datas_classes_before_the_first_step():
         parse_cli(["--eval-every", "10", "--metric-for-best-model", "eval_f1_neutral"]), builtin, sentiment
     )
     check_class_metric(parse_cli(["--eval-every", "10", "--metric-for-best-model", "f1_1"]), builtin, ClassLabels(3))
+    check_class_metric(
+        parse_cli(["--eval-every", "10", "--metric-for-best-model", "recall_negative"]), builtin, sentiment
+    )
+    with pytest.raises(ConfigError, match="recall_negtive: no such class; the data's classes give recall_negative, "):
+        check_class_metric(
+            parse_cli(["--eval-every", "10", "--metric-for-best-model", "recall_negtive"]), builtin, sentiment
+        )
     with pytest.raises(ConfigError, match="the data's classes give f1_0, f1_1$"):
         check_class_metric(
             parse_cli(["--eval-every", "10", "--metric-for-best-model", "f1_2"]), builtin, ClassLabels(2)

@@ -319,34 +319,43 @@ def test_macro_f1_leaves_out_a_class_no_example_has_nor_any_prediction():
     assert classification_metrics(torch.zeros(3, 3))["macro_f1"] == 0.0
 
 
-def test_each_class_with_examples_gets_its_own_f1_by_name():
-    """Per-class F1 (sentiment users watch the negative class): the keys name the classes, in characters every
-    logger takes, for the classes macro-F1 averages (a label or a prediction), so that it is their mean (trial G
-    read a macro of 0.6256 beside 0.909 and 0.968: the predicted-only class's 0 was left out)."""
+def test_each_class_gets_its_own_f1_precision_and_recall_by_name():
+    """Per-class numbers (sentiment users watch the negative class, often its recall): the keys name the classes,
+    in characters every logger takes, for the classes macro-F1 averages (a label or a prediction), so that it is
+    the mean of the F1s (trial G read a macro of 0.6256 beside 0.909 and 0.968: the predicted-only class's 0 was
+    left out). The eval line shows the F1s; eval.jsonl and the loggers all three."""
     from shardtrain.observability.metric_text import metrics_line
     from shardtrain.workloads.base import classification_metrics
 
     # true x predicted: 4 negatives (3 right), 4 neutrals (2 right), no positives but 1 predicted
     confusion = torch.tensor([[3.0, 1.0, 0.0], [1.0, 2.0, 1.0], [0.0, 0.0, 0.0]])
     named = classification_metrics(confusion, ("negative", "neutral", "very positive :)"))
-    assert list(named) == ["accuracy", "macro_f1", "f1_negative", "f1_neutral", "f1_very positive __", "n_examples"]
+    classes = ("negative", "neutral", "very positive __")
+    assert list(named) == [
+        "accuracy",
+        "macro_f1",
+        *(f"{metric}_{c}" for metric in ("f1", "precision", "recall") for c in classes),
+        "n_examples",
+    ]
     assert named["f1_negative"] == pytest.approx(0.75) and named["f1_neutral"] == pytest.approx(2 / 3.5)
+    assert (named["precision_negative"], named["recall_negative"]) == (0.75, 0.75)
+    assert (named["precision_neutral"], named["recall_neutral"]) == (pytest.approx(2 / 3), 0.5)
+    assert (named["precision_very positive __"], named["recall_very positive __"]) == (0.0, 0.0)  # zero_division=0
     per_class = [v for k, v in named.items() if k.startswith("f1_")]
     assert named["macro_f1"] == pytest.approx(sum(per_class) / len(per_class))
     assert "f1_2" not in classification_metrics(torch.tensor([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 0]]))  # neither
-    assert list(classification_metrics(torch.eye(3), ("a/b", "x:y", "z"))) == [
-        "accuracy",
-        "macro_f1",
+    assert [k for k in classification_metrics(torch.eye(3), ("a/b", "x:y", "z")) if k.startswith("f1_")] == [
         "f1_a/b",
         "f1_x_y",
         "f1_z",
-        "n_examples",
     ]
-    assert "f1_0" in classification_metrics(confusion)  # no names: the class ids
+    assert "recall_0" in classification_metrics(confusion)  # no names: the class ids
     assert metrics_line(named) == (
         "accuracy 0.6250, macro-F1 0.4405, F1 negative 0.7500, F1 neutral 0.5714, F1 very positive __ 0.0000, "
         "8 examples"
     )
+    own = {"accuracy": 0.5, "precision_macro": 0.25}  # a workload's own: no F1 of that name beside it, shown
+    assert metrics_line(own) == "accuracy 0.5000, precision_macro 0.2500"
 
 
 def test_a_built_in_names_a_runs_classes_where_its_data_is_not_read():
