@@ -9,10 +9,12 @@ Only cheap checks happen here; decoding images is `images.py`'s job.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from shardtrain.config.sagemaker_env import in_sagemaker
 from shardtrain.config.settings import (
     BUILTIN_WORKLOADS,
     ConfigError,
@@ -91,10 +93,6 @@ OTHER_FORMS = (".csv", ".tsv", ".json", ".parquet")
 
 def other_forms(root: Path, split: str) -> str:
     """Where the folder holds the split in another form (a SageMaker channel with train.csv): how to name it."""
-    import os
-
-    from shardtrain.config.sagemaker_env import in_sagemaker
-
     # Under SageMaker the user sets hyperparameters, not flags: name them as the estimator spells them.
     sagemaker = in_sagemaker(os.environ)
     if (root / "dataset_dict.json").is_file() or (root / "state.json").is_file():
