@@ -4,7 +4,7 @@ launch.py, the launch lines of the README, the docs pages and train.py).
 
 The plan is computed for real, through the CLI users run (about 1.5 min of CPU: activations measured on
 longformer-base's shape at 1024 and 1536 tokens). The sbatch script runs for real too, outside Slurm, with an
-`srun` that only exits: its own "launch:" line says what it would start.
+`srun` (and a `python` for its checks) that only exits: its own "launch:" line says what it would start.
 """
 
 from __future__ import annotations
@@ -60,7 +60,9 @@ def documented_launch_lines() -> dict[str, list[str]]:
 def sbatch_launch(tmp_path) -> list[str]:
     shims = tmp_path / "bin"
     shims.mkdir()
-    for name in ("srun", "scontrol"):  # srun: start nothing; scontrol: no job to describe
+    # srun: start nothing; scontrol: no job to describe; python: the checks the script makes before srun, which
+    # tests/dist/test_slurm.py runs for real (here the shipped config's data/longdoc is not there)
+    for name in ("srun", "scontrol", "python"):
         (shims / name).write_text("#!/bin/sh\nexit 0\n")
         (shims / name).chmod(0o755)
     env = {k: v for k, v in test_env().items() if k not in ("CONFIG", "DS_CONFIG", "STRATEGY", "PRECISION")}
