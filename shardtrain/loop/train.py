@@ -41,7 +41,7 @@ from shardtrain.runtime.distributed import barrier, broadcast_object, gather_ran
 from shardtrain.runtime.gpu_guard import check_devices
 from shardtrain.runtime.preemption import StopFlag, requeue_if_slurm
 from shardtrain.runtime.shared_dir import require_shared_output_dir
-from shardtrain.runtime.startup_gc import restore_collections
+from shardtrain.runtime.startup_gc import freeze_start_up, restore_collections
 from shardtrain.runtime.training_rng import aside, seed_training_stream
 from shardtrain.strategies import make_strategy
 from shardtrain.strategies.optim import base_lr
@@ -456,6 +456,7 @@ class Trainer:
         self.model_factory = make_model_factory(self.workload, cfg.train.seed, self.device, self.startup)
         freeze = cfg.model.freeze_layers
         self.frozen = set(self.workload.freezable_parameter_names(freeze)) if freeze else set()
+        freeze_start_up()  # the set-up's full collections skip the imported heap (runtime/startup_gc.py)
         with construction_memory(self.dist) as self.built:  # peak host RSS while the strategy materialises it
             self.strategy.setup(self.model_factory, self.frozen)
         # A LoRA model's checkpoints leave its frozen base out and name it instead; rank 0 built it whole.

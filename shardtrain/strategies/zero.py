@@ -16,6 +16,7 @@ from torch import nn
 from shardtrain.checkpointing.dcp_state import EXTRA_FILE, save_portable, save_portable_async
 from shardtrain.checkpointing.unpickle_guard import check_torch_file
 from shardtrain.config.settings import ConfigError, where
+from shardtrain.runtime.startup_gc import freeze_start_up
 from shardtrain.strategies.base import StepResult, Strategy, checkpoint_group, extra_state, load_extra_state
 from shardtrain.strategies.capabilities import Freezing, MemoryIntrospection, Resizing, ShardGuard
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
@@ -101,6 +102,8 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
             # the patched signature. Import it first.
             import torch._dynamo  # noqa: F401
 
+            # DeepSpeed's and torch._dynamo's imports too: ZeRO-3's set-up calls gc.collect() (runtime/startup_gc.py).
+            freeze_start_up()
             # Rank 0 alone materialises the weights, pretrained ones included, in host memory; every rank
             # then builds a partitioned copy under zero.Init (no rank ever holds the full model on the
             # device) and rank 0 fills it in, one module gathered at a time.
