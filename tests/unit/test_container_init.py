@@ -37,19 +37,20 @@ def test_a_stop_reaches_only_the_workers_below_it_not_another_job_on_the_host(tm
     driver = subprocess.Popen(
         [sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, {str(script)!r}])"]
     )
-    try:
-        import psutil
+    import psutil
 
+    try:
         worker = _wait_for(lambda: [c.pid for c in psutil.Process(driver.pid).children()])
         both = {other_job.pid, *worker}
         assert _wait_for(lambda: both <= set(container_init.training_workers(root=os.getpid())))
         assert container_init.training_workers(root=driver.pid) == worker
     finally:
+        # The worker first: once the driver is killed it belongs to init and no longer shows among our children.
+        for p in psutil.Process().children(recursive=True):
+            p.kill()
         for p in (other_job, driver):
             p.kill()
             p.wait()
-        for p in psutil.Process().children(recursive=True):
-            p.kill()
 
 
 def test_help_and_a_command_that_does_not_exist_are_one_line(capsys):
