@@ -105,13 +105,22 @@ def main(argv: list[str]) -> int:
     recorded = dataset_info(args.dir)
     kind = args.kind or recorded.get("kind") or guess_kind(args.dir)
     num_labels = args.num_labels or recorded.get("num_labels") or 3
-    problems = check_data(args.dir, kind, num_labels, chosen_by=chosen_by)
+    counts: dict = {}
+    problems = check_data(args.dir, kind, num_labels, chosen_by=chosen_by, counts=counts)
     for line in problems:
         print(line)
     if problems and args.num_labels is None and any("is outside 0.." in p for p in problems):
         print(f"(labels were checked against {num_labels} classes: pass --num-labels with the model's num_labels)")
+    _print_counts(counts, "record")
     print(f"{len(problems)} problem(s) in {args.dir}" if problems else f"{args.dir}: no problems found")
     return 1 if problems else 0
+
+
+def _print_counts(counts: dict, row: str) -> None:
+    from shardtrain.data.check import count_lines
+
+    for line in count_lines(counts, row):
+        print(line)
 
 
 def _kind_chosen_by(argv: list[str]) -> str:
@@ -162,14 +171,18 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
         return _check_workload(cfg, args)
     if cfg.data.dataset_format:
         return _check_layout(cfg.data.data_dir, cfg.data.dataset_format)
+    counts: dict = {}
     if source_of(cfg) == "data_dir":
         what = cfg.data.data_dir
-        problems = check_data(what, data_kind(cfg), cfg.model.num_labels, chosen_by=_kind_chosen_by(rest))
+        problems = check_data(
+            what, data_kind(cfg), cfg.model.num_labels, chosen_by=_kind_chosen_by(rest), counts=counts
+        )
     else:
-        problems = check_source(cfg)
+        problems = check_source(cfg, counts=counts)
         what = ", ".join(_source_names(cfg))
         for line in problems:
             print(line)
+        _print_counts(counts, "row")
         print(
             f"{len(problems)} problem(s): {_where_problems_are(problems, _source_names(cfg))}"
             if problems
@@ -178,6 +191,7 @@ def _check_source_main(folder: str | None, rest: list[str]) -> int:
         return 1 if problems else 0
     for line in problems:
         print(line)
+    _print_counts(counts, "record")
     print(f"{len(problems)} problem(s) in {what}" if problems else f"{what}: no problems found")
     return 1 if problems else 0
 

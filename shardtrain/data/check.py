@@ -17,11 +17,16 @@ from shardtrain.data.records import (
 )
 
 
-def check_data(data_dir, kind: str, num_labels: int = 3, chosen_by: str = "--kind") -> list[str]:
+def check_data(
+    data_dir, kind: str, num_labels: int = 3, chosen_by: str = "--kind", counts: dict | None = None
+) -> list[str]:
     """Scan both splits: each record, and each image fully decoded. Returns `file:line: message` strings.
     `chosen_by`: the flag that chose the kind. Records of the other kind are pointed to what reads them in its
     terms: `--kind`, `--workload`, or (for a config, whose model.name another --workload would contradict) the
-    workload alone."""
+    workload alone. `counts`: receives each split file's usable records by label ({path: {label: n}}, in label
+    order)."""
+    from collections import Counter
+
     kind = normalize_kind(kind)
     problems = []
     for split in ("train", "validation"):
@@ -31,7 +36,7 @@ def check_data(data_dir, kind: str, num_labels: int = 3, chosen_by: str = "--kin
             if str(e) not in problems:  # a missing folder is one problem, not one per split
                 problems.append(str(e))
             continue
-        n_good, found = 0, []
+        n_good, found, labels = 0, [], Counter()
         for rec, problem in iter_split(path, kind, num_labels):
             if rec is not None and has_images(kind):
                 err = image_problem(path.parent / rec.image)
@@ -41,6 +46,9 @@ def check_data(data_dir, kind: str, num_labels: int = 3, chosen_by: str = "--kin
                 found.append(problem)
             else:
                 n_good += 1
+                labels[rec.label] += 1
+        if counts is not None:
+            counts[str(path)] = dict(sorted(labels.items()))
         if n_good == 0 and all_lack_images(found):
             # Text records checked as image records: one line, not one per record.
             text_only = record_kinds()[1]
@@ -71,15 +79,38 @@ def check_layout(data_dir, fmt: str) -> tuple[list[str], list[str]]:
     return layout.report_lines(), problems
 
 
-def check_source(cfg) -> list[str]:
+def check_source(cfg, counts: dict | None = None) -> list[str]:
     """Every problem of the source a training config names (--dataset-name, --train-file, --train-dir): each bad
     row by file:line or row index (images fully decoded), each empty split; or the one problem that stops the
-    source being read at all (a missing file or column, mixed label types, a num_labels the data contradicts)."""
+    source being read at all (a missing file or column, mixed label types, a num_labels the data contradicts).
+    `counts`: receives each split's usable rows by class ({split: {name: n}}, in class-id order)."""
+    from collections import Counter
+
     from shardtrain.data.sources import load_splits
 
     problems: list[str] = []
     try:
-        load_splits(cfg, check_images=reads_images(cfg), report=problems)
+        splits = load_splits(cfg, check_images=reads_images(cfg), report=problems)
     except ConfigError as e:
         problems.append(str(e))
+        return problems
+    if counts is not None:
+        names = dict(enumerate(splits.label_names))
+        for split in ("train", "validation"):
+            table = getattr(splits, split)
+            if table is not None:
+                ids = Counter(table["label"])
+                counts[split] = {names.get(i, i): ids[i] for i in sorted(ids)}
     return problems
+
+
+def count_lines(counts: dict, row: str = "row") -> list[str]:
+    """One line per split: what a run would train or evaluate on, and each class's share, so that an imbalance
+    (or a class missing from one split) shows before a run does."""
+    lines = []
+    for split, by_label in counts.items():
+        total = sum(by_label.values())
+        if total:
+            shares = ", ".join(f"{label} {n} ({100 * n / total:.0f}%)" for label, n in by_label.items())
+            lines.append(f"{split}: {total} usable {row}{'s' if total != 1 else ''}; by label: {shares}")
+    return lines

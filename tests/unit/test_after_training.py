@@ -197,6 +197,34 @@ def test_check_data_counts_the_problems_in_the_file_they_are_in(tmp_path, capsys
     assert last == f"3 problem(s): 3 in {val}", last  # two rows, and then no usable row in it
 
 
+def test_check_data_on_clean_data_counts_each_splits_rows_by_class(tmp_path, capsys):
+    """Trial G's user, whose data was 60% positive, saw only "no problems found": the classes' shares are what an
+    imbalanced (or a split missing a class) shows in before training. Class names for a source, ids for a folder."""
+    names = ["negative"] * 2 + ["positive"] * 6
+    train = write_csv(tmp_path / "train.csv", ["review", "sentiment"], [[f"t{i}", n] for i, n in enumerate(names)])
+    val = write_csv(tmp_path / "val.csv", ["review", "sentiment"], [["a", "positive"], ["b", "positive"]])
+    flags = ["--text-column-names", "review", "--label-column-name", "sentiment", "--validation-file", str(val)]
+    argv = ["check-data", "--config", str(REPO / "configs/longformer_tiny.yaml"), "--train-file", str(train)]
+    assert cli.main(argv + flags) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "train: 8 usable rows; by label: negative 2 (25%), positive 6 (75%)",
+        "validation: 2 usable rows; by label: positive 2 (100%)",
+        f"{train}, {val}: no problems found",
+    ], out
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for split, labels in (("train", [2, 0, 2, 1]), ("validation", [1])):
+        lines = [json.dumps({"text": f"text {i}", "label": label}) for i, label in enumerate(labels)]
+        (folder / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    assert cli.main(["check-data", str(folder), "--kind", "longdoc"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [
+        f"{folder / 'train.jsonl'}: 4 usable records; by label: 0 1 (25%), 1 1 (25%), 2 2 (50%)",
+        f"{folder / 'validation.jsonl'}: 1 usable record; by label: 1 1 (100%)",
+    ], out
+
+
 def test_plan_prints_the_launch_flags_and_takes_data_flags(tmp_path, capsys):
     train = write_csv(tmp_path / "train.csv", ["document", "label"], [["some words here", "x"]] * 4)
     assert (
