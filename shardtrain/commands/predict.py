@@ -36,6 +36,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from shardtrain.config.errors import BadRow
 from shardtrain.config.labels import run_config_dict
 from shardtrain.config.settings import ConfigError
 
@@ -606,12 +607,25 @@ def predicted_data(source: Source, args) -> tuple:
         from shardtrain.data.split_dataset import SplitDataset
 
         read = prediction_rows(cfg, args.file, args.id_column)
+        if read.empty and os.environ.get("RANK", "0") == "0":
+            print(
+                f"predict: {len(read.empty)} row{'s' if len(read.empty) > 1 else ''} of {args.file} "
+                f"{'have' if len(read.empty) > 1 else 'has'} no text, e.g. {read.row_names(read.empty[0])}: "
+                f"predicted from the special tokens alone (training refuses such rows as bad)",
+                flush=True,
+            )
         # Not tokenised ahead: collate tokenises (truncating at data.max_length) as the ahead-of-time map does.
         data = SplitDataset(
             read.table, read.origin, cfg.data.image_size, reads_images(cfg), [], row_names=read.row_names
         )
         return data, column_values(read.table, "row"), read.ids
-    train, validation = splits_of(workload)
+    try:
+        train, validation = splits_of(workload)
+    except BadRow as e:
+        raise BadRow(
+            f"{e} (predict reads a --split as training does; --file F predicts every row of F, one without a label "
+            f"or a text too)"
+        ) from None
     data = train if args.split == "train" else validation
     if data is None:
         raise ConfigError(

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from shardtrain.config.errors import BadRow
 from shardtrain.config.labels import ClassLabels, run_config_dict
 from shardtrain.config.settings import (
     FIELDS,
@@ -720,7 +721,7 @@ def _canonical(
         if problem is not None:
             message = f"{r.name(rows[i])}: {problem}"
             if not skip:
-                raise ConfigError(message)
+                raise BadRow(message)
             problems.append(message)
             continue
         out["row"].append(rows[i])
@@ -874,6 +875,7 @@ class PredictionRows:
     origin: str
     labelled: int  # rows with a label (metrics are over these)
     row_names: RowNames  # how messages name its rows (file:line for jsonl)
+    empty: list[int] = field(default_factory=list)  # rows with no text (training refuses them; predicted here)
 
 
 def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> PredictionRows:
@@ -920,11 +922,13 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
     out: dict[str, list] = {"row": [], "text": [], "label": []}
     if image_values is not None:
         out["image"] = []
-    labelled = 0
+    labelled, empty = 0, []
     for i in range(len(raw.ds)):
         parts = [t[i] if t[i] is None or isinstance(t[i], str) else str(t[i]) for t in texts]
         out["row"].append(i)
         out["text"].append(d.text_column_delimiter.join(p for p in parts if p is not None))
+        if not out["text"][-1].strip():
+            empty.append(i)
         value, label = labels[i], -1
         if not (_missing(value) or _unlabelled(value) or value == ""):
             label, problem = _label_id(
@@ -949,4 +953,4 @@ def prediction_rows(cfg: Config, file: str, id_column: Optional[str]) -> Predict
         features["image"] = datasets.Image(decode=False) if image_is_feature else datasets.Value("string")
     table = datasets.Dataset.from_dict(out, features=datasets.Features(features))
     ids = column_values(raw.ds, id_column) if id_column else None
-    return PredictionRows(table, ids, file, labelled, raw.row_names)
+    return PredictionRows(table, ids, file, labelled, raw.row_names, empty)

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 from torch.utils.data import Dataset
 
+from shardtrain.config.errors import BadRow
 from shardtrain.config.labels import ClassLabels
 from shardtrain.config.settings import Config, ConfigError, pad_multiple, reads_images, record_kinds, where
 from shardtrain.data.image_cache import ImageCache, UndecodableImage, open_image_cache
@@ -110,7 +111,7 @@ def read_split(
                 rec, problem = None, f"{path}:{rec.line}: cannot decode image {rec.image}: {err}"
         if problem:
             if not skip_bad:
-                raise ConfigError(problem)
+                raise BadRow(problem)
             skipped.append(problem)
             continue
         records.append(rec)

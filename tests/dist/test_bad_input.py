@@ -152,6 +152,31 @@ def test_predict_says_which_rows_skip_bad_samples_left_out(previous, tmp_path, c
     assert len((tmp_path / "p.jsonl").read_text().splitlines()) == previous.summary["train_examples"]
 
 
+def test_predict_names_the_way_to_rows_training_refuses(previous, mm_data, tmp_path, capsys):
+    """Trial G: a split with an unlabelled row stopped predict with training's message alone, and predict --file
+    predicted a row with no text without a word. In this process, as above."""
+    from shardtrain import cli
+
+    run_dir = str(previous.output_dir)
+    data = copy_data(mm_data, tmp_path / "data", lambda lines: [record(lines, 3, label=...), *lines[3:6]])
+    capsys.readouterr()
+    flags = ["--split", "train", "--data-dir", str(data), "--skip-bad-samples", "false"]
+    assert cli.main(["predict", run_dir, *flags, "--output", str(tmp_path / "s.jsonl")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"shardtrain: error: {data / 'train.jsonl'}:1: ") and "\n" not in err, err
+    assert err.endswith("--file F predicts every row of F, one without a label or a text too)"), err
+    lines = (mm_data / "validation.jsonl").read_text().splitlines()[:4]
+    (tmp_path / "images").symlink_to(mm_data / "images")
+    (tmp_path / "some.jsonl").write_text("\n".join([lines[0], record(lines, 2, text=""), *lines[2:]]) + "\n")
+    assert (
+        cli.main(["predict", run_dir, "--file", str(tmp_path / "some.jsonl"), "--output", str(tmp_path / "f.jsonl")])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert f"predict: 1 row of {tmp_path / 'some.jsonl'} has no text, e.g. {tmp_path / 'some.jsonl'}:2: " in out, out
+    assert len((tmp_path / "f.jsonl").read_text().splitlines()) == 4
+
+
 # ---- config: all fail before torch is imported (or, for the strategy's own files, before any process group)
 
 
