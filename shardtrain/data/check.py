@@ -36,7 +36,7 @@ def check_data(
             if str(e) not in problems:  # a missing folder is one problem, not one per split
                 problems.append(str(e))
             continue
-        n_good, found, labels = 0, [], Counter()
+        found, labels = [], Counter()
         for rec, problem in iter_split(path, kind, num_labels):
             if rec is not None and has_images(kind):
                 err = image_problem(path.parent / rec.image)
@@ -45,11 +45,10 @@ def check_data(
             if problem:
                 found.append(problem)
             else:
-                n_good += 1
                 labels[rec.label] += 1
         if counts is not None:
             counts[str(path)] = dict(sorted(labels.items()))
-        if n_good == 0 and all_lack_images(found):
+        if not labels and all_lack_images(found):
             # Text records checked as image records: one line, not one per record.
             text_only = record_kinds()[1]
             reader = workload_reading(text_only)
@@ -57,7 +56,7 @@ def check_data(
                 chosen_by, f", which the {reader} workload reads"
             )
             found = [f"{path}: no record names an image: these are {text_only} records{fix}"]
-        elif n_good == 0:
+        elif not labels:
             found.append(f"{path}: no usable records")
         problems += found
     return problems
