@@ -105,6 +105,9 @@ def deepspeed_ops() -> dict:
     if not _has_module("deepspeed"):
         return {**info, "ops": {}}
     os.environ.setdefault("DS_ACCELERATOR", "cpu" if not _cuda_available() else "cuda")
+    from shardtrain.strategies.deepspeed_import import import_deepspeed
+
+    import_deepspeed()
     from deepspeed.accelerator import get_accelerator
 
     accel = get_accelerator()

@@ -19,6 +19,7 @@ from shardtrain.config.settings import ConfigError, where
 from shardtrain.runtime.startup_gc import freeze_start_up
 from shardtrain.strategies.base import StepResult, Strategy, checkpoint_group, extra_state, load_extra_state
 from shardtrain.strategies.capabilities import Freezing, MemoryIntrospection, Resizing, ShardGuard
+from shardtrain.strategies.deepspeed_import import import_deepspeed
 from shardtrain.strategies.ds_config import describe_ds, resolve_ds_config
 from shardtrain.strategies.root import workload_root
 
@@ -91,7 +92,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         """The model and its engine, with the `frozen_now` parameters frozen. `weights_from_memory`: the
         caller copies every weight in afterwards (_rebuild), so nothing is loaded or copied from rank 0."""
         _use_own_ninja()
-        import deepspeed
+        deepspeed = import_deepspeed()
 
         build_model = self._build_model
         rank0 = self.dist.is_rank0

@@ -93,6 +93,7 @@ def main(plan_path: str, out_dir: str) -> int:
             handle.remove()
         bn = watch.report(forwards=cfg.train.max_steps * cfg.train.grad_accum)
         record["seconds"] = time.perf_counter() - t0
+        record["mlflow_imported"] = "mlflow" in sys.modules  # no run here reports to MLflow
         rank0 = dist.get_rank() == 0
         run_dir = Path(cfg.checkpoint.output_dir)
         if summary is not None and rank0:

@@ -1,0 +1,66 @@
+"""DeepSpeed is imported without the MLflow client its autotuner imports (shardtrain/strategies/deepspeed_import.py),
+and a later `import mlflow` still works."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from launch import REPO
+from launch import test_env as launch_env
+
+from shardtrain.strategies.deepspeed_import import import_deepspeed
+
+# What deepspeed/autotuning/autotuner.py does at its top, in a package of the same name.
+FAKE_DEEPSPEED = """
+try:
+    import mlflow
+    has_mlflow = True
+except Exception:
+    has_mlflow = False
+"""
+
+
+def fake_deepspeed(tmp_path, monkeypatch):
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text(FAKE_DEEPSPEED)
+    (tmp_path / "mlflow").mkdir()
+    (tmp_path / "mlflow" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("deepspeed", "mlflow"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+
+
+def test_deepspeed_does_not_see_mlflow_and_mlflow_imports_afterwards(tmp_path, monkeypatch):
+    fake_deepspeed(tmp_path, monkeypatch)
+    ds = import_deepspeed()
+    assert ds.has_mlflow is False and "mlflow" not in sys.modules
+    import mlflow
+
+    assert mlflow.__file__.startswith(str(tmp_path))
+    assert import_deepspeed() is ds  # imported once
+
+
+def test_an_mlflow_imported_before_is_left_as_it_is(tmp_path, monkeypatch):
+    fake_deepspeed(tmp_path, monkeypatch)
+    import mlflow
+
+    assert import_deepspeed().has_mlflow is True and sys.modules["mlflow"] is mlflow
+
+
+def test_the_pinned_deepspeed_imports_without_mlflow():
+    """The real libraries, in a fresh process: nothing else in DeepSpeed needs the client at import."""
+    code = (
+        "import sys\n"
+        "from shardtrain.strategies.deepspeed_import import import_deepspeed\n"
+        "import_deepspeed()\n"
+        "from deepspeed.autotuning import autotuner\n"
+        "print(autotuner.has_mlflow, 'mlflow' in sys.modules)\n"
+        "import mlflow\n"
+        "print(hasattr(mlflow, 'start_run'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "False", "True"], out.stdout
