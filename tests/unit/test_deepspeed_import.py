@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from launch import REPO
 from launch import test_env as launch_env
 
@@ -21,18 +22,23 @@ except Exception:
 """
 
 
+@pytest.fixture
 def fake_deepspeed(tmp_path, monkeypatch):
+    """A fake deepspeed and mlflow first on sys.path, neither imported; this process's own entries (the real
+    libraries, where earlier tests imported them) are put back afterwards, and the fakes dropped."""
     (tmp_path / "deepspeed").mkdir()
     (tmp_path / "deepspeed" / "__init__.py").write_text(FAKE_DEEPSPEED)
     (tmp_path / "mlflow").mkdir()
     (tmp_path / "mlflow" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
+    saved = {name: sys.modules.pop(name) for name in ("deepspeed", "mlflow") if name in sys.modules}
+    yield
     for name in ("deepspeed", "mlflow"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+        sys.modules.pop(name, None)
+    sys.modules.update(saved)
 
 
-def test_deepspeed_does_not_see_mlflow_and_mlflow_imports_afterwards(tmp_path, monkeypatch):
-    fake_deepspeed(tmp_path, monkeypatch)
+def test_deepspeed_does_not_see_mlflow_and_mlflow_imports_afterwards(tmp_path, fake_deepspeed):
     ds = import_deepspeed()
     assert ds.has_mlflow is False and "mlflow" not in sys.modules
     import mlflow
@@ -41,8 +47,7 @@ def test_deepspeed_does_not_see_mlflow_and_mlflow_imports_afterwards(tmp_path, m
     assert import_deepspeed() is ds  # imported once
 
 
-def test_an_mlflow_imported_before_is_left_as_it_is(tmp_path, monkeypatch):
-    fake_deepspeed(tmp_path, monkeypatch)
+def test_an_mlflow_imported_before_is_left_as_it_is(fake_deepspeed):
     import mlflow
 
     assert import_deepspeed().has_mlflow is True and sys.modules["mlflow"] is mlflow
