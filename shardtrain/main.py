@@ -14,7 +14,10 @@ _here = os.path.dirname(os.path.abspath(__file__))
 if sys.path and os.path.abspath(sys.path[0] or ".") == _here:
     sys.path[0] = os.path.dirname(_here)
 
-from shardtrain.cli import run_command  # noqa: E402
+from shardtrain.runtime.process_exit import end_without_teardown_at_exit, exit_with  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(run_command("train", sys.argv[1:]))
+    end_without_teardown_at_exit()  # first: it runs after every exit handler registered later
+    from shardtrain.cli import run_command
+
+    exit_with(run_command("train", sys.argv[1:]))
