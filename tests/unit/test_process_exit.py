@@ -27,13 +27,13 @@ _alive_until_teardown = _Teardown()
 """
 
 
-def run_python(args: list[str], tmp_path, check: bool = False):
+def run_python(args: list[str], tmp_path):
     site = tmp_path / "site"
     site.mkdir(exist_ok=True)
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
     env = launch.test_env()
     env["PYTHONPATH"] = os.pathsep.join((str(site), env["PYTHONPATH"]))
-    return launch.run([sys.executable, *args], timeout=120, env=env, check=check)
+    return launch.run([sys.executable, *args], timeout=120, env=env, check=False)
 
 
 def console_script_target() -> str:
@@ -58,7 +58,7 @@ def test_every_entry_point_ends_without_the_teardown_and_keeps_its_exit_code(tmp
 def test_what_the_process_still_does_at_its_end(tmp_path):
     script = textwrap.dedent(
         """
-        import atexit, sys, threading, time
+        import atexit, threading, time
         from shardtrain.runtime.process_exit import end_without_teardown_at_exit, exit_with
 
         end_without_teardown_at_exit()
