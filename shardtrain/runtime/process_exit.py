@@ -6,12 +6,13 @@ torch and transformers (close to a million objects) that is ~2 s of CPU spent af
 alternated pairs). The ranks already end without it (runtime/distributed.py's teardown_and_exit).
 
 So the entry points (`python -m shardtrain`, the `shardtrain` console script, shardtrain/main.py) register
-`_end_without_teardown` before anything else is imported. Exit handlers run in the reverse order of
-registration, so it runs last: after Python has joined the non-daemon threads and run every other exit handler
-(logging's, multiprocessing's, the loggers' clients', weakref finalizers such as TemporaryDirectory's). It then
-flushes stdout and stderr and ends the process with the command's exit code. What it skips is only the
-teardown. An exception that escapes the command leaves the code unset, and Python's own exit prints it as usual.
-A command called from Python (cli.main) never comes here: that process goes on as before.
+`_end_without_teardown` before the command's imports (libraries register theirs as they are imported). Exit
+handlers run in the reverse order of registration, so it runs last: after Python has joined the non-daemon
+threads and run every other exit handler (logging's, multiprocessing's, the loggers' clients', weakref
+finalizers such as TemporaryDirectory's). It then flushes stdout and stderr and ends the process with the
+command's exit code. What it skips is only the teardown. An exception that escapes the command leaves the code
+unset, and Python's own exit prints it as usual. A command called from Python (cli.main) never comes here: that
+process goes on as before.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+from typing import NoReturn
 
 _exit_code: int | None = None
 
@@ -28,7 +30,7 @@ def end_without_teardown_at_exit() -> None:
     atexit.register(_end_without_teardown)
 
 
-def exit_with(code: int) -> None:
+def exit_with(code: int) -> NoReturn:
     """sys.exit(code), remembering the code for the last exit handler."""
     global _exit_code
     _exit_code = code
