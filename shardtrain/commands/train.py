@@ -3,8 +3,6 @@ process starts or any model loads; then the launch (`--nproc`) or, inside a laun
 
 from __future__ import annotations
 
-import os
-
 
 def main(argv: list[str]) -> int:
     from shardtrain.config.settings import parse_cli, wants_check_only
@@ -35,24 +33,24 @@ def main(argv: list[str]) -> int:
     check_planned_settings(cfg, workload)
     check_metric_for_best_model(cfg, workload)
     note = workload.check_before_launch(cfg)
-    if os.environ.get("RANK", "0") == "0":  # the process that will open the loggers' runs
+    from shardtrain.runtime.launch import launch_rank, maybe_relaunch
+
+    if launch_rank() == 0:  # the process that will open the loggers' runs
         from shardtrain.observability.servers import check_tracking_servers
 
         check_tracking_servers(cfg.log.report_to)
     from shardtrain.checkpointing.output_lock import check_output_dir_free
     from shardtrain.checkpointing.store import refuse_another_workloads_checkpoint, refuse_to_overwrite
 
-    if "RANK" not in os.environ:  # one process, or the parent of --nproc; a rank's rank 0 takes the lock itself
+    if launch_rank() == 0:  # another rank that took the lock, even for an instant, could refuse its rank 0
         check_output_dir_free(cfg.checkpoint.output_dir)
     refuse_to_overwrite(cfg)
     refuse_another_workloads_checkpoint(cfg)
-    if note and os.environ.get("RANK", "0") == "0":
+    if note and launch_rank() == 0:
         print(f"shardtrain: {note}", flush=True)
     if wants_check_only(args):
         print("shardtrain: --check-only: every check made before a launch passed; nothing started", flush=True)
         return 0
-    from shardtrain.runtime.launch import maybe_relaunch
-
     code = maybe_relaunch(cfg, args)
     if code is not None:
         return code

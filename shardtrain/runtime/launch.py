@@ -18,6 +18,15 @@ def under_launcher() -> bool:
     return "RANK" in env or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
 
 
+def launch_rank() -> int:
+    """This process's rank before any process group: the launcher's RANK, or srun's SLURM_PROCID (it sets no RANK;
+    runtime/distributed.py maps it later), else 0."""
+    env = os.environ
+    if "RANK" in env:
+        return int(env["RANK"])
+    return int(env.get("SLURM_PROCID", "0")) if int(env.get("SLURM_NTASKS", "1")) > 1 else 0
+
+
 def resolve_nproc(cfg: Config) -> int:
     if cfg.parallel.nproc != "auto":
         return int(cfg.parallel.nproc)

@@ -75,3 +75,23 @@ def test_the_lock_dies_with_its_process_and_taking_it_changes_nothing(holder):
     # A run that then fails leaves a previous run's folder byte for byte as it was (tests/dist/test_bad_input.py).
     assert (lock_file.read_bytes(), lock_file.stat().st_mtime_ns) == before
     lock.release()
+
+
+@pytest.mark.parametrize("procid", ["0", "1"])
+def test_under_srun_only_rank_0_checks_the_folder(holder, tmp_path, capsys, monkeypatch, procid):
+    """srun sets SLURM_PROCID, not RANK. A task 1 that took the lock for an instant to check it refused its own
+    rank 0, which was taking it to train (CI: a requeued job ended with "another run is training in it")."""
+    out, proc = holder  # here the holder stands in for this job's rank 0, already training
+    (tmp_path / "tiny_task.py").write_text(TASK)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", procid)
+    code = cli.main(["train", "--workload", "tiny_task:Tiny", "--output-dir", str(out), "--check-only"])
+    err = capsys.readouterr().err
+    if procid == "0":  # rank 0, or the batch shell's one check before srun: a run in the folder is refused
+        assert code == 2 and f"another run is training in it (pid {proc.pid}" in err, err
+    else:
+        assert code == 0 and err == "", err
