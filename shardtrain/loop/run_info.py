@@ -74,6 +74,7 @@ def predicted_memory(
     task: str,
     is_rank0: bool,
     recompute: RecomputePlan,
+    cuda: bool = False,
 ) -> dict:
     """The banner's memory prediction (rank 0; {} elsewhere). The planner knows the built-ins' architectures from
     the config alone (`vocab_size`: their tokenizer's, None for a pretrained model); a user's model it has not
@@ -86,11 +87,11 @@ def predicted_memory(
             f"(docs/your-own-model.md; shardtrain plan --workload counts its model states)"
         }
     geometry = geometry.at_token_budget(cfg)
-    return memory_prediction(geometry.applied_to(cfg), geometry.world, vocab_size, recompute=recompute)
+    return memory_prediction(geometry.applied_to(cfg), geometry.world, vocab_size, recompute=recompute, cuda=cuda)
 
 
 def measured_shape_prediction(
-    cfg: Config, geometry: BatchGeometry, vocab_size, per_rank: dict, recompute: RecomputePlan
+    cfg: Config, geometry: BatchGeometry, vocab_size, per_rank: dict, recompute: RecomputePlan, cuda: bool = False
 ) -> dict:
     """The banner's prediction again, at the [micro-batch, tokens] each rank measured (rank 0; {} elsewhere):
     the banner's is for max_length, and a batch is only as long as its longest text."""
@@ -98,7 +99,7 @@ def measured_shape_prediction(
         return {}
     c = geometry.applied_to(cfg)
     return {
-        rank: memory_prediction(c, geometry.world, vocab_size, rec.get("batch"), recompute)
+        rank: memory_prediction(c, geometry.world, vocab_size, rec.get("batch"), recompute, cuda)
         for rank, rec in per_rank.items()
     }
 

@@ -497,8 +497,16 @@ class Trainer:
     def _describe_run(self) -> None:
         """The banner's facts (summary.json `run`), the data's report lines, and the tracker that prints them."""
         cfg, d = self.cfg, self.dist
+        on_cuda = d.device.type == "cuda"  # CUDA's dropout and attention kernels save less than the CPU's
         prediction = predicted_memory(
-            self.model_cfg, self.geometry, self.vocab_size, self.predictable, self.task, d.is_rank0, self.recompute
+            self.model_cfg,
+            self.geometry,
+            self.vocab_size,
+            self.predictable,
+            self.task,
+            d.is_rank0,
+            self.recompute,
+            on_cuda,
         )
         self.run_info = describe_run(
             self.model_cfg,
@@ -545,6 +553,14 @@ class Trainer:
             **({"base": self.base} if self.base else {}),  # a LoRA run's base, left out of the checkpoint
         }
 
+    def _predicted_at_measured_shapes(self, per_rank: dict) -> dict:
+        if not self.predictable:
+            return {}
+        on_cuda = self.dist.device.type == "cuda"
+        return measured_shape_prediction(
+            self.model_cfg, self.geometry, self.vocab_size, per_rank, self.recompute, on_cuda
+        )
+
     def _resolved(self) -> dict:
         """What the run decided, kept apart from the user's config: the batch geometry, the data's classes."""
         labels = {"labels": self.labels.as_record()} if self.labels else {}
@@ -578,11 +594,7 @@ class Trainer:
             "memory": {
                 **mem.summary(),
                 "construction": self.built.per_rank,
-                "predicted": (
-                    measured_shape_prediction(self.model_cfg, self.geometry, self.vocab_size, mem.last, self.recompute)
-                    if self.predictable
-                    else {}
-                ),
+                "predicted": self._predicted_at_measured_shapes(mem.last),
             },
             "oom_recovery": self.oom.summary(),
             "profile": self.profiler.summary(),

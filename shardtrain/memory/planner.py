@@ -35,6 +35,8 @@ ZeRO-3 trains with DeepSpeed's own linear: zero.Init swaps it in for torch.nn.fu
 the process ("mem_efficient_linear", on by default). It saves its input as it is, where torch's linear on a
 non-contiguous input (Longformer's transposed hidden states) saves the contiguous copy it makes: 15% fewer
 activations on a 4-layer Longformer. ZeRO-3 rows are measured with a linear that saves what it saves.
+For a GPU, dropout and attention are measured as CUDA's fused kernels save them (_kernels_of): the CPU's own keep
+more (a mask in the input's dtype; attention's L x L weights under dropout).
 
 The model is counted with the vocabulary the run's tokenizer will have (shardtrain.data.tokenizer.
 planned_vocab_size); the banner passes the run's own tokenizer length.
@@ -204,18 +206,55 @@ def _saved_bytes(
     gathered_16bit: bool = False,
     ds_linear: bool = False,
     layers: int | None = None,
+    cuda: bool = False,
 ) -> int:
     """Bytes saved for backward by one forward + loss at this batch and length (batch >= 2: BatchNorm in
     train mode rejects one value per channel, which a small image pooled to 1x1 would give).
     `gathered_16bit`: FSDP's 16-bit all-gathers (strategies/fsdp.py mixed_precision_policy): the weights arrive
     in 16 bits, so autocast saves no cast copy of them, and each BatchNorm, in the norms' fp32 unit, casts its input up
-    to fp32 (saving that) and hands back 16 bits; emulated here on the plain model."""
+    to fp32 (saving that) and hands back 16 bits; emulated here on the plain model.
+    `cuda`: dropout and attention save what CUDA's kernels save (_kernels_of)."""
     from shardtrain.runtime.training_rng import aside
 
     # Seeded, so a measurement is the same every time, and aside: the model and inputs it draws must not move
     # the training stream of the run whose banner this is (runtime/training_rng.py).
-    with aside(seed=0), _linear_of(ds_linear):
+    with aside(seed=0), _linear_of(ds_linear), _kernels_of(cuda):
         return _measured(cfg).saved_bytes(layers, seq_len, recompute, precision, batch, gathered_16bit)
+
+
+@contextlib.contextmanager
+def _kernels_of(cuda: bool):
+    """Dropout and attention as a CUDA run's kernels save them, where the plan is for a GPU: the measurement runs
+    on CPU, whose kernels keep more for backward.
+    - Dropout: CPU's at::dropout keeps its random mask in the input's dtype (2 or 4 bytes an element); CUDA's fused
+      kernel, torch.native_dropout, a bool mask (1 byte). native_dropout runs on CPU too, so it is called here.
+    - Attention (scaled_dot_product_attention) with dropout: CPU has no fused kernel for it and falls back to the
+      math path, which keeps the L x L weights, their mask and fp32 copies of q, k, v; CUDA's flash and memory-
+      efficient kernels keep q, k, v, the output, the mask and an fp32 row statistic, and draw the dropout mask
+      again from a seed in backward. CPU's flash kernel, which it takes without dropout, keeps exactly those.
+    The GPU runs of benchmarks/results/gpu_suite.json (H200, transformers 5.24) saw what this leaves out: the
+    CPU-measured plan was 32% over the fusion model's peak at 128 tokens and 10% over Longformer's at 4096."""
+    import torch
+    import torch.nn.functional as F
+
+    if not cuda:
+        yield
+        return
+    own_dropout, own_attention = F.dropout, F.scaled_dot_product_attention
+
+    def fused_dropout(input, p=0.5, training=True, inplace=False):
+        if training and 0 < p < 1 and not inplace and input.numel() > 0:  # at::dropout's test for the fused kernel
+            return torch.native_dropout(input, p, True)[0]
+        return own_dropout(input, p, training, inplace)
+
+    def fused_attention(query, key, value, attn_mask=None, dropout_p=0.0, *args, **kwargs):
+        return own_attention(query, key, value, attn_mask, 0.0, *args, **kwargs)
+
+    F.dropout, F.scaled_dot_product_attention = fused_dropout, fused_attention
+    try:
+        yield
+    finally:
+        F.dropout, F.scaled_dot_product_attention = own_dropout, own_attention
 
 
 @contextlib.contextmanager
@@ -299,6 +338,7 @@ def _activation_model(
     lengths: tuple[int, ...],
     gathered_16bit: bool = False,
     ds_linear: bool = False,
+    cuda: bool = False,
 ):
     """(per-sample bytes outside the layers, per-sample bytes per layer) as functions of the length, and the
     per-forward bytes (weight copies, BatchNorm statistics) outside the layers and per layer."""
@@ -307,7 +347,7 @@ def _activation_model(
     cfg = from_dict(json.loads(cfg_json))
     per_sample, per_forward = {}, {}
     for n in (1, 2):
-        how = {"gathered_16bit": gathered_16bit, "ds_linear": ds_linear, "layers": n}
+        how = {"gathered_16bit": gathered_16bit, "ds_linear": ds_linear, "layers": n, "cuda": cuda}
         at2 = [_saved_bytes(cfg, length, recompute, precision, **how) for length in lengths]
         per_forward[n] = max(0, 2 * at2[0] - _saved_bytes(cfg, lengths[0], recompute, precision, batch=4, **how))
         per_sample[n] = [(b - per_forward[n]) / 2 for b in at2]
@@ -328,6 +368,7 @@ def activation_bytes(
     planned_length: int | None = None,
     gathered_16bit: bool = False,
     ds_linear: bool = False,
+    cuda: bool = False,
 ) -> dict:
     """Predicted bytes saved for backward per micro-batch, and one layer's worth (the recompute working set).
     `recompute`: the share of the blocks checkpointed (True: all). Between none and all the saved bytes are
@@ -335,7 +376,8 @@ def activation_bytes(
     one kind (Longformer's layers) is the per-layer measurement exactly.
     `planned_length`: the length the measurement is planned for (default seq_len); the end of a run evaluates
     the banner's fit (planned for max_length) at the length a batch really had.
-    `ds_linear`: measured with DeepSpeed's linear, which ZeRO-3 trains with (see the module docstring)."""
+    `ds_linear`: measured with DeepSpeed's linear, which ZeRO-3 trains with (see the module docstring).
+    `cuda`: for a run on CUDA, whose dropout and attention kernels save less (_kernels_of)."""
     w = _window(cfg)
     if w:
         seq_len = -(-seq_len // w) * w
@@ -345,12 +387,12 @@ def activation_bytes(
 
     def saved(checkpointed: bool) -> float:
         fixed, per_layer, fixed_forward, layer_forward = _activation_model(
-            cfg_json, checkpointed, precision, lengths, gathered_16bit, ds_linear
+            cfg_json, checkpointed, precision, lengths, gathered_16bit, ds_linear, cuda
         )
         return batch * (fixed(seq_len) + layers * per_layer(seq_len)) + fixed_forward + layers * layer_forward
 
     _, per_layer_full, _, layer_forward_full = _activation_model(
-        cfg_json, False, precision, lengths, gathered_16bit, ds_linear
+        cfg_json, False, precision, lengths, gathered_16bit, ds_linear, cuda
     )
     share = float(recompute)
     total = saved(False) if share == 0 else saved(False) + share * (saved(True) - saved(False))
@@ -370,7 +412,7 @@ def gpu_bytes(
 ):
     """(bytes per rank on the GPU by part, host bytes per rank) for one variant at this micro-batch and share of
     checkpointed blocks: model states, activations at max_length (or at `seq_len`, from the same measurement),
-    and backward's working set."""
+    and backward's working set. `cuda`: a run on CUDA, with its context and its kernels' saved tensors."""
     gathered = gathers_16bit(variant, precision)
     states = model_states(variant, m, n, precision)
     act = activation_bytes(
@@ -383,6 +425,7 @@ def gpu_bytes(
         planned_length=cfg.data.max_length,
         gathered_16bit=gathered,
         ds_linear=trains_with_ds_linear(variant),
+        cuda=cuda,
     )
     g = dict(states["gpu"])
     g["activations"] = act["saved"]
@@ -678,13 +721,19 @@ def variant_of(cfg) -> str:
 
 
 def predict_run(
-    cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None, recompute=None
+    cfg,
+    world_size: int,
+    vocab_size: int | None = None,
+    batch_shape: list | None = None,
+    recompute=None,
+    cuda: bool = False,
 ) -> dict:
     """Per-rank prediction (GiB) for the run this config describes. The startup banner shows it at the
     config's micro-batch and max_length (the largest batch the run can meet: padding is to the longest text
     of each batch), with the run's own `vocab_size` (None: planned, as `plan` does). The end of the run
     repeats it at `batch_shape`, the [micro-batch, tokens] a rank's memory was measured at, with the same fit.
-    `recompute`: the run's RecomputePlan (None: what the config says, which must not be auto)."""
+    `recompute`: the run's RecomputePlan (None: what the config says, which must not be auto). `cuda`: the run
+    trains on CUDA (activations as its kernels save them; no context: the allocator's peak does not see it)."""
     from shardtrain.config.recompute import RecomputePlan
 
     m = count_model(cfg, vocab_size=vocab_size)
@@ -705,6 +754,7 @@ def predict_run(
         gathered_16bit=gathered,
         planned_length=cfg.data.max_length,
         ds_linear=trains_with_ds_linear(variant),
+        cuda=cuda,
     )
     g = s["gpu"]
     return {
@@ -722,14 +772,19 @@ def predict_run(
 
 
 def memory_prediction(
-    cfg, world_size: int, vocab_size: int | None = None, batch_shape: list | None = None, recompute=None
+    cfg,
+    world_size: int,
+    vocab_size: int | None = None,
+    batch_shape: list | None = None,
+    recompute=None,
+    cuda: bool = False,
 ) -> dict:
     """predict_run for the startup banner and summary.json: a run is never stopped by its advice, so a failure
     (or --predict-memory false) becomes a one-entry {"note": why} the banner prints instead."""
     if not cfg.log.predict_memory:
         return {"note": "not predicted (--predict-memory false)"}
     try:
-        return predict_run(cfg, world_size, vocab_size, batch_shape, recompute)
+        return predict_run(cfg, world_size, vocab_size, batch_shape, recompute, cuda)
     except Exception as e:  # noqa: BLE001 - a prediction is advice; it must not stop a run
         return {"note": f"no prediction: planner failed ({type(e).__name__}: {str(e)[:120]})"}
 

@@ -288,6 +288,45 @@ def test_zero3_activations_are_measured_with_deepspeeds_linear():
         assert g["activations"] == at_max[variant.startswith("zero3")], variant
 
 
+def test_a_gpu_plan_measures_dropout_and_attention_as_cudas_kernels_save_them():
+    """The planner measures on CPU, where dropout keeps its mask in the input's dtype and attention with dropout
+    falls back to the math path (the L x L weights, their mask, fp32 copies of q, k, v). CUDA's fused kernels
+    keep a bool mask, and q, k, v, the output and a row statistic. Measured with the CPU's kernels, the plan was
+    10 to 33% over the step peaks of the H200 run (benchmarks/results/gpu_suite.json)."""
+    import torch.nn.functional as F
+
+    from shardtrain.memory.planner import _kernels_of, activation_bytes, count_model
+
+    own = (F.dropout, F.scaled_dot_product_attention)
+    x = torch.randn(64, 128, requires_grad=True)
+    b, h, length, d = 2, 4, 32, 8
+    q, k, v = (torch.randn(b, h, length, d, requires_grad=True) for _ in range(3))
+
+    def drop():
+        return F.dropout(x, 0.1, training=True)
+
+    def attend():
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+
+    def saved(cuda: bool, op) -> int:
+        with _kernels_of(cuda), SavedActivations(backward=False) as s:
+            op()
+        return s.bytes
+
+    assert saved(False, drop) == 4 * x.numel() and saved(True, drop) == x.numel()  # an fp32 mask; a bool one
+    q_k_v_out_and_row_statistic = 4 * (4 * b * h * length * d + b * h * length)
+    assert saved(True, attend) == q_k_v_out_and_row_statistic
+    assert saved(False, attend) >= q_k_v_out_and_row_statistic + 4 * 2 * b * h * length * length
+    assert (F.dropout, F.scaled_dot_product_attention) == own  # put back
+    # Through the planner, the tiny multimodal model (SDPA attention) with the shipped configs' dropout.
+    cfg = parse_cli(
+        ["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--data-dir", "/nonexistent", "--dropout", "0.1"]
+    )
+    m = count_model(cfg)
+    on_cpu, on_cuda = (activation_bytes(cfg, 4, 64, 0.0, "bf16", m.layers, cuda=c)["saved"] for c in (False, True))
+    assert on_cuda < 0.95 * on_cpu, (on_cuda, on_cpu)  # 8% less here, where the images dominate
+
+
 def test_plan_proposes_the_largest_token_budget_that_fits_at_every_text_length(tmp_path):
     """--max-tokens-per-batch N from the per-token activation model: N // L texts of length L fit for every L up
     to max_length, and one window more does not at some L. The budget holds at least the recommended

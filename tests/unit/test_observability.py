@@ -114,7 +114,7 @@ def test_banner_says_when_a_step_is_bigger_than_the_training_set():
 def test_memory_prediction_falls_back_to_a_note(monkeypatch):
     import shardtrain.memory.planner as planner
 
-    def broken(cfg, world_size, vocab_size, batch_shape, recompute):
+    def broken(cfg, world_size, vocab_size, batch_shape, recompute, cuda):
         raise RuntimeError("cannot measure")
 
     monkeypatch.setattr(planner, "predict_run", broken)
@@ -122,7 +122,7 @@ def test_memory_prediction_falls_back_to_a_note(monkeypatch):
     monkeypatch.setattr(
         planner,
         "predict_run",
-        lambda cfg, n, vocab, shape, recompute: {"variant": "zero2", "params_gib": 2.5, "activations_gib": 0.25},
+        lambda cfg, n, vocab, shape, recompute, cuda: {"variant": "zero2", "params_gib": 2.5, "activations_gib": 0.25},
     )
     text = format_banner(run_info(memory_prediction=memory_prediction(Config(), 2)))
     assert "variant zero2, params 2.50 GiB, activations 256.0 MiB" in text
