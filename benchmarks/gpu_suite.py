@@ -215,13 +215,15 @@ def case_args(case, work: Path, data: dict, dry: bool) -> list[str]:
 
 
 # ---- one case, in this process ----------------------------------------------------------------------------
-def planner_prediction(cfg) -> dict:
+def planner_prediction(cfg, cuda: bool | None = None) -> dict:
     """`shardtrain plan`'s whole row for this case (model states, activations, communication buffers, overhead)
-    at world size 1, without the CUDA context (the allocator's peak does not see it)."""
-    from shardtrain.memory.planner import GIB, plan, variant_of
+    at world size 1, without the CUDA context (the allocator's peak does not see it). `cuda`: activations as
+    CUDA's kernels save them (memory/planner.py _kernels_of); None: where the case trains."""
+    from shardtrain.memory.planner import CUDA_CONTEXT, GIB, plan, variant_of
 
+    cuda = cfg.parallel.device == "cuda" if cuda is None else cuda
     try:
-        p = plan(cfg, 1, float("inf"), cuda=False)
+        p = plan(cfg, 1, float("inf"), cuda=cuda)
         variant = variant_of(cfg)
         row = next(
             r
@@ -230,10 +232,12 @@ def planner_prediction(cfg) -> dict:
         )
     except Exception as e:  # noqa: BLE001 - a prediction that fails is a finding, not a failed case
         return {"predicted_peak_gib": None, "note": f"planner failed: {type(e).__name__}: {str(e)[:200]}"}
+    context = CUDA_CONTEXT if cuda else 0.0
+    parts = {**row["gpu_bytes"], "overhead": row["gpu_bytes"]["overhead"] - context}
     return {
-        "predicted_peak_gib": row["total_bytes"] / GIB,
+        "predicted_peak_gib": (row["total_bytes"] - context) / GIB,
         "variant": variant,
-        "parts_gib": {k: v / GIB for k, v in row["gpu_bytes"].items()},
+        "parts_gib": {k: v / GIB for k, v in parts.items()},
         "note": "shardtrain plan's total for the case's variant: params + grads + optimizer + activations + "
         "comm + overhead, CUDA context left out",
     }
