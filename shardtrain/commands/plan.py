@@ -38,6 +38,12 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--gpus", type=int, required=True)
     parser.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
     parser.add_argument("--per-device-batch-size", type=int)
+    parser.add_argument(
+        "--grad-accum",
+        "--gradient-accumulation-steps",
+        type=int,
+        help="as in train: the global batch planned is per-device batch x this x --gpus",
+    )
     parser.add_argument("--max-length", type=int)
     parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"])
     parser.add_argument(
@@ -109,10 +115,10 @@ def launch_line(p: dict, args, argv: list[str]) -> str | None:
         # Under a token budget the micro-batch is the budget's: the user's --per-device-batch-size (length groups,
         # OOM recovery's unit) stays, and a budget that does not fit gives way to the largest that does.
         budget = min(asked, fits) if fits else asked
-        given = _without(argv, ("--gpus", "--gpu", "--max-tokens-per-batch"), ("--json", "--debug"))
+        given = _without(argv, ("--gpus", "--gpu", "--max-tokens-per-batch", *ACCUM_FLAGS), ("--json", "--debug"))
         batch = ["--max-tokens-per-batch", str(budget)]
     else:
-        given = _without(argv, ("--gpus", "--gpu", "--per-device-batch-size"), ("--json", "--debug"))
+        given = _without(argv, ("--gpus", "--gpu", "--per-device-batch-size", *ACCUM_FLAGS), ("--json", "--debug"))
         batch = ["--per-device-batch-size", str(rec["micro_batch_size"])]
     flags = ["--nproc", str(args.gpus), *given, *shown, *batch, "--grad-accum", str(rec["grad_accum"])]
     if rec["activation_checkpointing"] == "auto":  # the fewest blocks that fit: the run chooses them again
@@ -120,6 +126,10 @@ def launch_line(p: dict, args, argv: list[str]) -> str | None:
     elif rec["activation_checkpointing"]:
         flags.append("--activation-checkpointing")
     return "shardtrain train " + " ".join(flags)
+
+
+# The launch line says the recommendation's accumulation (the global batch kept), not the one plan was given.
+ACCUM_FLAGS = ("--grad-accum", "--gradient-accumulation-steps")
 
 
 def _without(argv: list[str], with_value: tuple, alone: tuple) -> list[str]:
@@ -145,6 +155,7 @@ def _plan_config(args):
 
     given = {
         "per_device_batch_size": args.per_device_batch_size,
+        "grad_accum": args.grad_accum,
         "max_length": args.max_length,
         "precision": args.precision,
         "memory_budget_gb": args.memory_budget_gb,

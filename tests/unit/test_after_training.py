@@ -291,6 +291,25 @@ def test_plan_takes_the_memory_budget_the_shipped_config_suggests(capsys):
     assert "--memory-budget-gb (parallel.memory_budget_gb) must be positive" in capsys.readouterr().err
 
 
+def test_plan_takes_trains_grad_accum_and_plans_its_global_batch(capsys):
+    """A train command's flags pasted into plan were refused at `--grad-accum 4` ("unrecognized arguments"), and
+    without it plan planned the config's global batch, a quarter of the run's."""
+    import json
+
+    base = ["plan", "--config", "configs/longformer_tiny.yaml", "--gpus", "2", "--gpu", "v100-16gb", "--json"]
+    for flag in ("--grad-accum", "--gradient-accumulation-steps"):  # train's flag and its HF spelling
+        assert cli.main([*base, "--per-device-batch-size", "2", flag, "4"]) == 0
+        planned = json.loads(capsys.readouterr().out)
+        assert planned["global_batch_size"] == 2 * 4 * 2, planned["global_batch_size"]
+        rec, launch = planned["recommendation"], planned["launch"]
+        assert rec["micro_batch_size"] * rec["grad_accum"] * 2 == 16, rec
+        # One accumulation in the launch line: the recommendation's, which keeps the global batch.
+        assert launch.count("--grad-accum") == 1 and "--gradient-accumulation-steps" not in launch, launch
+        assert f"--grad-accum {rec['grad_accum']}" in launch, launch
+    assert cli.main([*base, "--grad-accum", "0"]) == 2
+    assert "--grad-accum (train.grad_accum) must be positive, got 0" in capsys.readouterr().err
+
+
 def test_plan_with_a_token_budget_plans_the_largest_micro_batch_the_budget_holds(capsys):
     """`plan --max-tokens-per-batch` planned at --per-device-batch-size: with 4 texts of 256 to a budget of 1,024
     and the config's 2, its table and launch line were for half the activations the run would meet."""
