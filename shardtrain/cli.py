@@ -175,13 +175,17 @@ def report_once(msg: str, secondary: bool) -> None:
     shard) is still said, by that rank, after the wait. `secondary` errors (a collective failing because
     another rank died) are only ever consequences, so rank 0 waits before saying those too.
     """
-    rank = int(os.environ.get("RANK", "0"))
+    from shardtrain.runtime.launch import launch_rank, launcher_world_size
+
+    # srun's tasks have no RANK until the loop maps SLURM_PROCID: each one took itself for rank 0 and said the
+    # same config error, once per task.
+    rank = launch_rank()
     preemption = sys.modules.get("shardtrain.runtime.preemption")  # looked up: nothing to import on this path
     if secondary and preemption is not None and preemption.stop_received():
         # A stop signal came first: the launcher stopping the job after another rank said its error (rank 0 was
         # still inside the collective, and its stop handler only set a flag), or a preemption. Not news.
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and (rank != 0 or secondary):
+    if launcher_world_size() > 1 and (rank != 0 or secondary):
         import signal
         import time
 

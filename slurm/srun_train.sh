@@ -91,8 +91,8 @@ shardtrain_srun() {
     echo "shardtrain-slurm: launch: ${cmd[*]}"
 
     # Every check a mistake can fail (flags, config, data, the output folder), once, here, at the world size srun
-    # will start: left to the tasks, each would print the same line, and --kill-on-bad-exit would end the job as
-    # 143 (peers still checking terminated), not shardtrain's 2, whenever one task finished its checks first.
+    # will start: left to the tasks (task 0 says the error, the others wait to be stopped), --kill-on-bad-exit
+    # would end the job as 143 (peers still checking terminated), not shardtrain's 2.
     local check_rc=0
     SLURM_NTASKS="$ntasks" python -u shardtrain/main.py "${args[@]}" --check-only || check_rc=$?
     if ((check_rc != 0)); then

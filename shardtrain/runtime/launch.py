@@ -18,6 +18,13 @@ def under_launcher() -> bool:
     return "RANK" in env or "LOCAL_RANK" in env or int(env.get("SLURM_NTASKS", "1")) > 1
 
 
+def launcher_world_size() -> int:
+    """The ranks the launcher started: WORLD_SIZE, or srun's SLURM_NTASKS (mapped later, as launch_rank); 1 outside
+    a launcher."""
+    env = os.environ
+    return int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+
+
 def launch_rank() -> int:
     """This process's rank before any process group: the launcher's RANK, or srun's SLURM_PROCID (it sets no RANK;
     runtime/distributed.py maps it later), else 0."""
@@ -40,8 +47,7 @@ def launch_world_size(cfg: Config) -> int:
     """The ranks this job will have, before any process group: the launcher's count inside one (torchrun and the
     deepspeed launcher set WORLD_SIZE, srun SLURM_NTASKS), else what `--nproc` resolves to."""
     if under_launcher():
-        env = os.environ
-        return int(env.get("WORLD_SIZE") or env.get("SLURM_NTASKS") or 1)
+        return launcher_world_size()
     return resolve_nproc(cfg)
 
 

@@ -64,6 +64,31 @@ def test_other_ranks_speak_only_if_still_alive(capsys, monkeypatch):
     assert capsys.readouterr().err == "shardtrain: error (rank 1): data/train.jsonl:7: empty text\n"
 
 
+@pytest.mark.parametrize("procid", ["0", "1"])
+def test_under_plain_srun_one_task_says_a_config_error(capsys, monkeypatch, procid):
+    """`srun python shardtrain/main.py` (main.py's docstring): srun sets SLURM_PROCID and SLURM_NTASKS, no RANK
+    until the loop maps them. Every task took itself for rank 0 and said the error at once: one line per task."""
+    import signal
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_PROCID", procid)
+    waited = []
+    monkeypatch.setattr("time.sleep", waited.append)  # srun --kill-on-bad-exit stops task 1 in that time
+    old = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli.run_guarded(fail_with(ConfigError("data/train.jsonl:7: empty text")), []) == 2
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    said = capsys.readouterr().err
+    if procid == "0":
+        assert waited == [] and said == "shardtrain: error: data/train.jsonl:7: empty text\n", said
+    else:
+        assert waited == [cli.QUIET_SECONDS], waited
+        assert said == "shardtrain: error (rank 1): data/train.jsonl:7: empty text\n", said
+
+
 def test_lost_peer_errors_are_secondary():
     assert cli._lost_peer(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]"))
     assert not cli._lost_peer(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
