@@ -179,6 +179,25 @@ def test_a_mistake_ends_the_job_with_one_line_and_exit_2_before_any_task(slurm_e
     assert not (tmp_path / "out").exists()
 
 
+def test_a_users_own_srun_line_says_a_mistake_once(slurm_env, mm_data, tmp_path):
+    """A user's own job script: `srun python shardtrain/main.py` (main.py's docstring), without the shipped
+    scripts' check in the batch shell. srun sets SLURM_PROCID, not RANK, and each task took itself for rank 0:
+    the same error line once per task."""
+    script = tmp_path / "own.sbatch"
+    args = tiny_args("multimodal", mm_data, tmp_path / "out", "--per-device-batch-size", "200")
+    script.write_text(
+        "#!/bin/bash\n"
+        "#SBATCH --ntasks=2 --output=train_%j.out --error=train_%j.err\n"
+        f"cd {REPO}\n"
+        f"srun --kill-on-bad-exit=1 python -u shardtrain/main.py {' '.join(map(str, args))}\n"
+    )
+    job, rc = submit(str(script), tmp_path, slurm_env, {})
+    assert rc != 0, job.logs()
+    errors = [line for line in job.err.splitlines() if line.startswith("shardtrain: error")]
+    assert len(errors) == 1 and errors[0].startswith("shardtrain: error: "), job.logs()
+    assert "256 examples // world size 2 = 128" in errors[0], job.logs()
+
+
 def test_4xv100_ddp(slurm_env, ld_data, tmp_path):
     # The script's own strategy: DDP, shardtrain plan's pick (tests/dist/test_seed_setup.py); fp32 because fp16
     # needs a GPU. DS_CONFIG (DeepSpeed under srun) is exercised by the multinode test.
