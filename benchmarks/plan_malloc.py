@@ -41,10 +41,14 @@ sys.exit(main(sys.argv[2:]))
 ARMS = ("glibc_default", "keep_freed_blocks")
 
 
-def sample(arm: str) -> dict:
+def sample(arm: str, probe: str = PROBE, plan_args: list[str] = PLAN) -> dict:
+    """One fresh interpreter running `probe` with `arm` and the plan's arguments (benchmarks/plan_zero_products.py
+    runs its own probe through this too)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.monotonic()
-    done = subprocess.run([sys.executable, "-c", PROBE, arm, *PLAN, "--json"], env=env, capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, arm, *plan_args, "--json"], env=env, capture_output=True, text=True
+    )
     wall, after = time.monotonic() - started, resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode != 0:
         raise SystemExit(f"{arm}: plan exited {done.returncode}:\n{done.stderr[-2000:]}")

@@ -8,6 +8,8 @@ windows 21% low. Full attention may grow as L², so the multimodal model is meas
 The vocabulary is the one the run's tokenizer has, or will have (shardtrain/data/tokenizer.py
 planned_vocab_size: a BPE trained on a small corpus stops short of tokenizer_vocab_size, 566 of 1000 on the tiny
 multimodal data).
+The weights are zeros (_built_without_random_init), so the forward's products are known without computing them
+(_ShapesOnly).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 
 from shardtrain.config.settings import Config, pad_multiple, replace_fields
 from shardtrain.memory.planner import ModelCount, count_built
@@ -108,7 +112,7 @@ class BuiltinMemoryModel:
         amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision != "fp32")
         # Forward + loss only: what is saved for backward is known once the forward is done, and no backward runs
         # (the hooks hold the saved tensors, not the graph, so dropping the outputs releases them).
-        with SavedActivations(backward=False) as saved, amp:
+        with SavedActivations(backward=False) as saved, amp, _ShapesOnly():
             logits = model(**inputs)
             loss = F.cross_entropy(logits.float(), torch.zeros(batch, dtype=torch.long))
         # Reference counting frees the model and its saved tensors here; no gc.collect(): a full collection walks
@@ -133,6 +137,57 @@ def _built_without_random_init(cfg: Config, vocab: int | None):
         for p in model.parameters():
             p.zero_()
     return model
+
+
+aten = torch.ops.aten
+# Products that are zero where an operand is: (first operand, second operand, the term added to them or None).
+_PRODUCTS = {
+    aten.mm.default: (0, 1, None),
+    aten.bmm.default: (0, 1, None),
+    aten.addmm.default: (1, 2, 0),
+    aten.baddbmm.default: (1, 2, 0),
+    aten.convolution.default: (0, 1, 2),
+}
+
+
+class _ShapesOnly(TorchDispatchMode):
+    """The measurement's forward without the work whose result is known: what it saves for backward depends on
+    shapes, not values (_built_without_random_init), and on zero weights most of its time went to computing zeros.
+    - A matrix product or convolution with an all-zero operand (a weight, or an activation made of them) and a zero
+      or absent added term is zero: the result is allocated with the shape, strides and dtype the kernel's own meta
+      function gives, and filled with zeros, the values the kernel would have computed. Autograd, above this mode,
+      saves the operands as it does for the computed product.
+    - Dropout drops nothing: its mask is drawn as all ones (CPU's at::dropout draws it with bernoulli_, the fused
+      kernel that _kernels_of emulates with native_dropout returns it as bools), so the mask and the output have
+      their own bytes and dtype, and no random number is drawn.
+    `shardtrain plan` for configs/longformer_4096.yaml went from 43.1 to 21.5 s of CPU, for
+    configs/multimodal_sentiment.yaml from 19.4 to 13.5 s, each plan the same to the byte
+    (benchmarks/plan_zero_products.py; benchmarks/plan_seed_setups.py gives the same plans for every seed setup)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        operands = _PRODUCTS.get(func)
+        if operands is not None and _is_zero_product(args, *operands):
+            shape = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
+            return torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype).zero_()
+        if func is aten.native_dropout.default and args[2]:
+            keep = 1 / (1 - args[1]) if args[1] < 1 else 0.0
+            return args[0] * keep, torch.ones_like(args[0], dtype=torch.bool)
+        if func is aten.bernoulli_.float:
+            return args[0].fill_(1)
+        return func(*args, **kwargs)
+
+
+def _is_zero_product(args, first: int, second: int, added: int | None) -> bool:
+    a, b = args[first], args[second]
+    small, large = (a, b) if a.numel() <= b.numel() else (b, a)
+    if small.any() and large.any():
+        return False
+    return added is None or args[added] is None or not args[added].any()
+
+
+def _meta(x):
+    return x.to("meta") if isinstance(x, torch.Tensor) else x
 
 
 def arch_only(cfg: Config) -> Config:

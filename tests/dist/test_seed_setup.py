@@ -2,7 +2,7 @@
 (configs/longformer_4096.yaml's launch comment and settings, slurm/train_4xv100.sbatch, examples/sagemaker/
 launch.py, the launch lines of the README, the docs pages and train.py).
 
-The plan is computed for real, through the CLI users run (about 1.5 min of CPU: activations measured on
+The plan is computed for real, through the CLI users run (about 20 s of CPU: activations measured on
 longformer-base's shape at 1024 and 1536 tokens). The sbatch script runs for real too, outside Slurm, with an
 `srun` (and a `python` for its checks) that only exits: its own "launch:" line says what it would start.
 """
