@@ -823,7 +823,7 @@ def _plan_table(p: dict, with_activations: bool) -> list[str]:
         ("save/GPU", ">", lambda r: _gib(r["save_host_bytes_per_gpu"])),
         ("fits", "<", lambda r: "yes" if r[fits] else "NO"),
         ("headroom", ">", lambda r: _gib(r["headroom_bytes"])),
-        ("cost", ">", lambda r: str(r["relative_cost"])),
+        ("cost", ">", lambda r: f"{r['relative_cost']:.2f}"),
         ("paper", ">", lambda r: _gib(r["zero_paper"]) if "zero_paper" in r else "-"),
     ]
     return format_table(

@@ -201,6 +201,9 @@ def test_plan_tables_widen_each_column_to_its_widest_cell():
         assert [len(re.split(r" {2,}", line)) for line in table] == [n_columns] * 3, "\n".join(table)
         assert len({len(line) for line in table}) == 1, "\n".join(table)
         assert "zero3_offload_with_a_long_name  " in table[1] and "123456.78" in table[1], table[1]
+    # The cost column in two decimals, as every other figure: it read "1.0" above "2.926".
+    costs = [re.split(r" {2,}", line)[-2] for line in _table_lines(builtin)[1:]]
+    assert costs == ["2.93", "1.00"], costs
 
 
 def test_the_activation_measurement_frees_its_models_without_a_full_collection(monkeypatch):
