@@ -18,6 +18,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
+import time
 from pathlib import Path
 
 from shardtrain.config.settings import ConfigError, where
@@ -46,22 +47,35 @@ def hold_output_dir(output_dir: str | os.PathLike) -> OutputLock | None:
     path = Path(output_dir) / LOCK_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno in (errno.EACCES, errno.EAGAIN):
+    # A lock that no process on this machine holds once it is looked up was either taken on another machine of a
+    # shared filesystem, or held here for an instant and let go (another job's check_output_dir_free, below):
+    # taken again for a second before another machine is named, so an instant check refuses nobody.
+    deadline = time.monotonic() + VANISHED_HOLDER_SECONDS
+    while True:
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return OutputLock(fd)
+        except OSError as e:
+            if e.errno not in (errno.EACCES, errno.EAGAIN):
+                os.close(fd)
+                return None  # ENOLCK, ENOSYS, EOPNOTSUPP: no locks on this filesystem
+        holder = _local_holder(path)
+        if holder is not None or time.monotonic() >= deadline:
+            os.close(fd)
             raise ConfigError(
-                f"{where('output_dir')} {output_dir}: another run is training in it ({_holder(path)}); wait for "
-                f"it to end or stop it, or choose another --output-dir"
-            ) from None
-        return None  # ENOLCK, ENOSYS, EOPNOTSUPP: no locks on this filesystem
-    return OutputLock(fd)
+                f"{where('output_dir')} {output_dir}: another run is training in it "
+                f"({holder or 'a process on another machine'}); wait for it to end or stop it, or choose another "
+                f"--output-dir"
+            )
+        time.sleep(0.05)
 
 
-def _holder(path: Path) -> str:
-    """Who holds the lock, from the kernel's table of this machine's locks (/proc/locks: `N: POSIX ADVISORY WRITE
-    PID MAJOR:MINOR:INODE ...`, the device numbers in hex)."""
+VANISHED_HOLDER_SECONDS = 1.0
+
+
+def _local_holder(path: Path) -> str | None:
+    """Who holds the lock on this machine, from the kernel's table of its locks (/proc/locks: `N: POSIX ADVISORY
+    WRITE PID MAJOR:MINOR:INODE ...`, the device numbers in hex); None where no process here holds it."""
     st = path.stat()
     file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     try:
@@ -72,7 +86,7 @@ def _holder(path: Path) -> str:
                     return f"pid {fields[4]} on {socket.gethostname()}"
     except OSError:
         pass
-    return "a process on another machine"
+    return None
 
 
 def check_output_dir_free(output_dir: str | os.PathLike) -> None:

@@ -95,3 +95,38 @@ def test_under_srun_only_rank_0_checks_the_folder(holder, tmp_path, capsys, monk
         assert code == 2 and f"another run is training in it (pid {proc.pid}" in err, err
     else:
         assert code == 0 and err == "", err
+
+
+def test_a_lock_held_for_an_instant_refuses_nobody_and_one_held_elsewhere_is_named(tmp_path, monkeypatch):
+    """A lock that no process here holds once /proc/locks is read was let go in between (another job's instant
+    check before its launch) or is held on another machine of a shared filesystem. The first refused a run that
+    could have trained, naming "a process on another machine"; it is now taken again, and only a lock that stays
+    held for a second is refused as another machine's."""
+    import errno
+    import fcntl
+    import time
+
+    from shardtrain.checkpointing import output_lock
+
+    real_lockf, refusals = fcntl.lockf, []
+
+    def held_elsewhere(times):
+        def lockf(fd, how):
+            if len(refusals) < times:
+                refusals.append(how)
+                raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+            return real_lockf(fd, how)
+
+        return lockf
+
+    monkeypatch.setattr(fcntl, "lockf", held_elsewhere(1))  # let go before /proc/locks was read
+    lock = hold_output_dir(tmp_path / "run")
+    assert lock is not None and len(refusals) == 1
+    lock.release()
+
+    refusals.clear()
+    monkeypatch.setattr(fcntl, "lockf", held_elsewhere(10**6))  # held on another machine throughout
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=r"another run is training in it \(a process on another machine\)"):
+        hold_output_dir(tmp_path / "run")
+    assert output_lock.VANISHED_HOLDER_SECONDS <= time.monotonic() - started < 3 * output_lock.VANISHED_HOLDER_SECONDS
