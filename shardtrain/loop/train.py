@@ -424,13 +424,14 @@ class Trainer:
             self.console.warn(unread)
         self.labels = self.workload.labels()  # what the data decided of the classes: the run's state
         check_class_metric(self.cfg, self.workload, self.labels)
-        if self.labels and self.labels.names and self.dist.is_rank0:
-            write_label_file(self.cfg, list(self.labels.names))  # any workload's, for the export and its readers
         # What the planner and the banner describe: the user's config with the data's classes in it.
         self.model_cfg = self.labels.applied_to(self.cfg) if self.labels else self.cfg
         if self.state:
             check_resumed_labels(self.state, self.labels)  # class ids mean the data's classes
             self.changed.changes += data_changes(self.state, getattr(train_ds, "source", None))  # said at resume
+        # Once a resume has been checked: a refused one left its checkpoints' folder naming the refused classes.
+        if self.labels and self.labels.names and self.dist.is_rank0:
+            write_label_file(self.cfg, list(self.labels.names))  # any workload's, for the export and its readers
         d = self.dist
         self.loaders = build_loaders(
             self.cfg,

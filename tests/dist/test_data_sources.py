@@ -270,3 +270,29 @@ def test_check_data_reads_a_source_as_training_does_and_train_refuses_before_lau
         and "--num-labels (model.num_labels)=3, but the data has 2 classes (false, true)" in refused.output
         and "ChildFailedError" not in refused.output
     ), refused.tail()
+
+
+def test_a_resume_refused_for_other_classes_leaves_the_folders_labels_as_they_were(ld_data, tmp_path):
+    """labels.json says which class each output id of the folder's checkpoints stands for. A resume on data with
+    another class was refused, but only after it had written the new classes over it: a pipeline reading the folder
+    then named the checkpoints' outputs wrongly, without an error."""
+    for name, classes in (("two", "ab"), ("three", "abc")):
+        with open(tmp_path / f"{name}.csv", "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["text", "label"])
+            w.writerows([f"words of record {i}", classes[i % len(classes)]] for i in range(24))
+    out = tmp_path / "run"
+
+    def train(data: str, *flags: str):
+        files = ["--train-file", str(tmp_path / data), "--validation-file", str(tmp_path / data)]
+        return cli(["train", *tiny_args("longformer", ld_data, out, "--nproc", "1", *files, *flags)], check=False)
+
+    first = train("two.csv", "--max-steps", "2", "--per-device-batch-size", "4", "--eval-every", "0")
+    assert first.returncode == 0, first.tail()
+    labels = (out / "labels.json").read_bytes()
+    assert json.loads(labels)["id2label"] == {"0": "a", "1": "b"}
+    refused = train("three.csv", "--max-steps", "4", "--per-device-batch-size", "4", "--resume", "auto")
+    assert refused.returncode == 2 and "trained on the classes ['a', 'b'], but the data now has" in refused.output, (
+        refused.tail()
+    )
+    assert (out / "labels.json").read_bytes() == labels
