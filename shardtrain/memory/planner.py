@@ -805,6 +805,11 @@ def _gib(b: float) -> str:
     return f"{b / GIB:.2f}"
 
 
+def _capacity_gib(p: dict) -> str:
+    """The memory planned for, as given: 16, or a --memory-budget-gb of 2.5 (it read "2", under a fitting 2.29)."""
+    return f"{p['capacity_bytes'] / GIB:.2f}".rstrip("0").rstrip(".")
+
+
 def _plan_table(p: dict, with_activations: bool) -> list[str]:
     """The per-variant table of `plan` (built-in models: activations too) and of `plan --workload` (model
     states only, which fit or not before activations)."""
@@ -850,7 +855,7 @@ def format_plan(p: dict, gpu_name: str) -> str:
     vocab = f"vocabulary {p['vocab_size']:,}: {p['vocab_source']}" if p.get("vocab_size") else ""
     lines = [
         f"plan: {p['model_params']:,} parameters{f' ({vocab})' if vocab else ''} on {p['gpus']} x {gpu_name} "
-        f"({p['capacity_bytes'] / GIB:.0f} GiB), "
+        f"({_capacity_gib(p)} GiB), "
         f"{p['precision']}, micro-batch {p['micro_batch_size']}{_budget_note(p)}, seq {p['seq_len']}, global batch "
         f"{p['global_batch_size']}  (GiB per GPU)",
         *_plan_table(p, with_activations=True),
@@ -860,7 +865,7 @@ def format_plan(p: dict, gpu_name: str) -> str:
         lines.append(
             f"recommendation: {rec['variant']} with activation checkpointing "
             f"{_ac_cell(rec, short=False)}, micro-batch {rec['micro_batch_size']} x "
-            f"accum {rec['grad_accum']} ({_gib(rec['total_bytes'])} GiB of {p['capacity_bytes'] / GIB:.0f})"
+            f"accum {rec['grad_accum']} ({_gib(rec['total_bytes'])} GiB of {_capacity_gib(p)})"
             + (f" -- {p['note']}" if p["note"] else "")
         )
         if p.get("max_tokens_per_batch"):
@@ -950,7 +955,7 @@ def format_workload_plan(p: dict, gpu_name: str) -> str:
     lines = [
         f"plan: {p['workload']}, {p['model_params']:,} parameters{frozen} (largest block "
         f"{p['largest_unit_params']:,}) on "
-        f"{p['gpus']} x {gpu_name} ({p['capacity_bytes'] / GIB:.0f} GiB), {p['precision']}  (GiB per GPU)",
+        f"{p['gpus']} x {gpu_name} ({_capacity_gib(p)} GiB), {p['precision']}  (GiB per GPU)",
         *_plan_table(p, with_activations=False),
     ]
     lines.append(f"activations: {p['activations']}; no recommendation without them (fits: model states only)")

@@ -393,7 +393,10 @@ def test_plan_proposes_the_largest_token_budget_that_fits_at_every_text_length(t
     limit = capacity * (1 - HEADROOM)
     assert all(total(budget, L) <= limit for L in budget_lengths(cfg) if budget // L)
     assert any(total(budget + window, L) > limit for L in budget_lengths(cfg))
-    assert f"--max-tokens-per-batch {budget} fits" in format_plan(p, "test gpu")
+    text = format_plan(p, "test gpu")
+    assert f"--max-tokens-per-batch {budget} fits" in text
+    # The budget as given: it read "(0 GiB)" and "(0.21 GiB of 0)", a recommendation over its own budget.
+    assert "test gpu (0.25 GiB)" in text and " GiB of 0.25)" in text, text
 
 
 def test_a_plan_without_a_memory_limit_proposes_no_token_budget(tmp_path):
