@@ -446,6 +446,17 @@ SHIPPED_DS_CONFIGS = {
     name: REPO / "ds_configs" / f"{name}.json" for name in ("zero2", "zero3", "zero2_offload", "zero3_offload")
 }
 
+# Values `plan` prints that are not this setting's: what to write instead. plan's table names FSDP with another
+# policy file as a variant of its own; "did you mean 'zero3_offload'?" sent such a user to DeepSpeed.
+NAMED_ELSEWHERE = {
+    "strategy": {
+        "fsdp_offload": "is plan's name for FSDP with its offload policy: --strategy fsdp --fsdp-policy "
+        "fsdp_policies/offload.yaml",
+        "fsdp_sgo": "is plan's name for FSDP sharding gradients and optimizer state only (SHARD_GRAD_OP): "
+        "--strategy fsdp --fsdp-policy fsdp_policies/shard_grad_op.yaml",
+    }
+}
+
 # Hugging Face TrainingArguments spellings accepted as aliases of ours.
 FLAG_ALIASES = {
     "per_device_batch_size": ["--per-device-train-batch-size"],
@@ -664,6 +675,8 @@ def _coerce(name: str, value: Any, typ: Any, origin_desc: str) -> Any:
     if origin is Union:
         return _coerce_optional(name, value, typ, origin_desc)
     if origin is Literal:
+        if value in NAMED_ELSEWHERE.get(name, {}):
+            raise ConfigError(f"{origin_desc}: '{value}' {NAMED_ELSEWHERE[name][value]}")
         return _coerce_choice(value, get_args(typ), origin_desc)
     if typ not in _COERCERS:
         raise AssertionError(f"unhandled type {typ} for {name}")

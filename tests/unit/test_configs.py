@@ -246,6 +246,20 @@ def test_strategy_names_the_shipped_ds_config_from_any_cwd(name, tmp_path, monke
     assert resolve_ds_config(cfg, world_size=2)["zero_optimization"]["stage"] == int(name[4])
 
 
+@pytest.mark.parametrize("variant, policy", [("fsdp_offload", "offload"), ("fsdp_sgo", "shard_grad_op")])
+def test_a_plan_variant_given_as_strategy_names_the_flags_that_run_it(variant, policy, tmp_path):
+    """plan's table names FSDP with another policy file as a variant of its own. As --strategy it was "not one of
+    ddp, fsdp, ...; did you mean 'zero3_offload'?": DeepSpeed, not the FSDP that plan had weighed."""
+    for args in (["--strategy", variant], ["--config", str(tmp_path / "c.yaml")]):
+        (tmp_path / "c.yaml").write_text(f"parallel:\n  strategy: {variant}\n")
+        with pytest.raises(ConfigError) as refused:
+            parse_cli([*args, "--output-dir", str(tmp_path / "o")])
+        message = str(refused.value)
+        assert f"'{variant}' is plan's name for FSDP" in message and "did you mean" not in message, message
+        assert message.endswith(f"--strategy fsdp --fsdp-policy fsdp_policies/{policy}.yaml"), message
+        assert (REPO / "fsdp_policies" / f"{policy}.yaml").is_file()
+
+
 def test_strategy_name_and_another_ds_is_a_contradiction(tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps(STAGE2))
