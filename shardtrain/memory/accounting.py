@@ -233,7 +233,7 @@ def format_table(per_rank: dict, step: int, predicted: dict | None = None) -> st
         lines.append(
             f"{'plan ' + rank:>6} "
             + "".join(f"{pred[f'{c}_gib'] * 1024:13.2f}" if f"{c}_gib" in pred else f"{'-':>13}" for c in cols)
-            + f"  (at {pred['batch']})"
+            + f"  (the plan at the measured {pred['batch']}; the banner's was at full length)"
         )
     cuda = [p for p in PHASES if f"{p}/peak" in next(iter(per_rank.values()), {})]
     if cuda:

@@ -20,3 +20,16 @@ def test_torchaos_8bit_optimizer_state_is_counted_by_its_codes_and_scales():
     assert counted["optimizer"] == sum(inner.values())
     assert counted["optimizer"] >= 2 * 64 * 256  # one byte per element for each moment, plus scales
     assert counted["model_state"] == counted["optimizer"]
+
+
+def test_the_end_tables_plan_rows_say_they_are_at_the_measured_batch():
+    """The banner plans at full length (16 x 64 tokens on the tiny config) and each `plan r` row under the end-of-run
+    table at the batch that rank measured (16 x 20): a row that said only "(at 16 x 20 tokens)" read as a second,
+    different prediction for the same run."""
+    from shardtrain.memory.accounting import MIB, format_table
+
+    measured = {"0": {"params": 10 * MIB, "activations": 7 * MIB}}
+    predicted = {"0": {"params_gib": 10 / 1024, "activations_gib": 7.1 / 1024, "batch": "16 x 20 tokens"}}
+    plan_row = format_table(measured, 2, predicted).splitlines()[-1]
+    assert plan_row.startswith("plan 0") and "7.10" in plan_row, plan_row
+    assert plan_row.endswith("(the plan at the measured 16 x 20 tokens; the banner's was at full length)"), plan_row
