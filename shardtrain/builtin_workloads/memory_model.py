@@ -169,7 +169,8 @@ class _ShapesOnly(TorchDispatchMode):
         operands = _PRODUCTS.get(func)
         if operands is not None and _is_zero_product(args, *operands):
             shape = func(*tree_map(_meta, args), **tree_map(_meta, kwargs))
-            return torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype).zero_()
+            device = args[operands[0]].device
+            return torch.empty_strided(shape.shape, shape.stride(), dtype=shape.dtype, device=device).zero_()
         if func is aten.native_dropout.default and args[2]:
             keep = 1 / (1 - args[1]) if args[1] < 1 else 0.0
             return args[0] * keep, torch.ones_like(args[0], dtype=torch.bool)
