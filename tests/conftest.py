@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hosts as namespace_hosts_module  # noqa: E402
+import launch  # noqa: E402
 from local_slurm import local_slurm  # noqa: E402,F401 - the session's Slurm cluster, stopped at its end
 
 
@@ -37,6 +38,14 @@ def namespace_hosts():
     finally:
         for hosts in built:
             hosts.teardown()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def driver_service():
+    """This worker's serving launch of tests/dist/matrix_driver.py (tests/launch.py: DriverService), if a plan
+    started one, ends with the session."""
+    yield
+    launch.DriverService.stop_current()
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -161,7 +170,7 @@ def pytest_runtest_protocol(item, nextitem):
 
     def cpu() -> float:
         own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + launch.SERVED_CPU[0]
 
     start_cpu, start = cpu(), time.monotonic()
     yield

@@ -217,23 +217,138 @@ def run_plan(
     env: dict | None = None,
     extra_launcher_args: list[str] = (),
 ) -> tuple[Run, dict]:
-    """Many configurations in one launch of tests/dist/matrix_driver.py: (the launch, results by run name).
-    Fails with the launch's tail when it did not exit 0 or a planned run is missing from the results. Under
-    `--max-restarts N` (extra_launcher_args) a restarted driver runs the plan again from its first run."""
+    """Many configurations through tests/dist/matrix_driver.py: (the launch, or this plan's part of it, and the
+    results by run name). Fails with the output's tail when the plan did not finish or a planned run is missing
+    from the results. A plan with the tests' own environment and launcher runs in this pytest worker's serving
+    launch (DriverService), after the plans that ran there before it; one with `env` or `extra_launcher_args`
+    gets a launch of its own. Under `--max-restarts N` a restarted driver runs the plan again from its first run."""
     (root / "plan.json").write_text(json.dumps(plan))
-    run = torchrun(
-        [str(root / "plan.json"), str(root)],
-        script=DRIVER,
-        timeout=timeout,
-        check=False,
-        env=env,
-        extra_launcher_args=extra_launcher_args,
-    )
+    if env is None and not extra_launcher_args:
+        run = DriverService.current().run(root / "plan.json", root, timeout)
+    else:
+        run = torchrun(
+            [str(root / "plan.json"), str(root)],
+            script=DRIVER,
+            timeout=timeout,
+            check=False,
+            env=env,
+            extra_launcher_args=extra_launcher_args,
+        )
     results_file = root / "results.json"
     results = json.loads(results_file.read_text()) if results_file.exists() else {}
     missing = [p["name"] for p in plan if p["name"] not in results]
     assert run.returncode == 0 and not missing, f"exit {run.returncode}, did not run: {missing}\n{run.tail(tail)}"
     return run, results
+
+
+# CPU seconds the serving launches spent on jobs, not yet in RUSAGE_CHILDREN (tests/conftest.py's CPU log).
+SERVED_CPU = [0.0]
+
+
+def _log_served(plan: Path, cpu_s: float) -> None:
+    if not os.environ.get("SHARDTRAIN_TEST_CPU_LOG"):
+        return
+    line = {"launch": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], "served": str(plan), "cpu_s": cpu_s}
+    with open(os.environ["SHARDTRAIN_TEST_CPU_LOG"], "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+class DriverService:
+    """One launch of tests/dist/matrix_driver.py --serve per pytest worker, which runs the plans of every test
+    file that worker gets: the launch's start (torchrun's agent, each rank's imports, DeepSpeed's first engine;
+    about 12 CPU-s on the dev machine) is paid once per worker instead of once per file. Started at the first
+    plan; a plan that ended the launch (a failure, a probe) leaves the next one a new launch. tests/conftest.py
+    stops it at the end of the session."""
+
+    _current: "DriverService | None" = None
+
+    def __init__(self):
+        import tempfile
+
+        self.queue = Path(tempfile.mkdtemp(prefix="shardtrain-driver-"))
+        self.log_path = self.queue / "output.log"
+        self.cmd = torchrun_cmd(["--serve", str(self.queue), str(os.getpid())], script=DRIVER)
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=test_env(), stdout=self.log, stderr=subprocess.STDOUT)
+        self.jobs = 0
+
+    @classmethod
+    def current(cls) -> "DriverService":
+        if cls._current is None or cls._current.proc.poll() is not None:
+            cls._current = cls()
+        return cls._current
+
+    @classmethod
+    def stop_current(cls) -> None:
+        if cls._current is not None:
+            cls._current.stop()
+            cls._current = None
+
+    def run(self, plan: Path, out: Path, timeout: float) -> Run:
+        import time
+
+        job, self.jobs = self.jobs, self.jobs + 1
+        start, cpu = self.log_path.stat().st_size, self._cpu()
+        request = self.queue / f"job-{job}.json"
+        request.with_suffix(".tmp").write_text(json.dumps({"plan": str(plan), "out": str(out)}))
+        request.with_suffix(".tmp").rename(request)
+        done, deadline = self.queue / f"done-{job}.json", time.monotonic() + timeout
+        while not done.exists() and self.proc.poll() is None:
+            if time.monotonic() > deadline:
+                dump_stacks(self.proc.pid)
+                self._end(kill=True)
+                raise AssertionError(f"timed out after {timeout}s (a hang?): {plan}\n{self._output(start)[-30000:]}")
+            time.sleep(0.05)
+        finished = done.exists()
+        spent = self._cpu() - cpu
+        SERVED_CPU[0] += spent
+        if not finished or json.loads(done.read_text())["retire"]:
+            self._end()
+        _log_served(plan, spent)
+        return Run(self.cmd, 0 if finished else (self.proc.returncode or 1), self._output(start), None)
+
+    def stop(self) -> None:
+        (self.queue / "stop").touch()
+        self._end()
+
+    def _end(self, kill: bool = False) -> None:
+        # Reaped, the launch's whole CPU lands in this process's RUSAGE_CHILDREN, where the jobs' share already
+        # counted (SERVED_CPU) would count twice.
+        SERVED_CPU[0] -= self._cpu()
+        try:
+            if not kill:
+                self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            kill = True
+        if kill:
+            kill_tree(self.proc.pid)
+            self.proc.wait()
+        self.log.close()
+        if DriverService._current is self:
+            DriverService._current = None
+
+    def _output(self, start: int) -> str:
+        with open(self.log_path, errors="replace") as f:
+            f.seek(start)
+            return f.read()
+
+    def _cpu(self) -> float:
+        """CPU seconds of the launch's processes so far (they are reaped only when it ends)."""
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return 0.0
+        total = 0.0
+        for p in procs:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.NoSuchProcess:
+                pass
+        return total
 
 
 def torchrun_nodes_cmd(

@@ -9,11 +9,20 @@ OUT_DIR/results.json after every run, so a crash still leaves what ran before it
   "weights": true      also write the initial weights and the weights in every saved checkpoint (safetensors)
   "expect_error": true a probe: an exception is recorded instead of ending the launch (keep probes last:
                        after a failure inside a collective the process group is not trusted any more)
+
+    torchrun --nproc_per_node=2 tests/dist/matrix_driver.py --serve QUEUE_DIR OWNER_PID
+
+The same, for many plans one after another (tests/launch.py's run_plan: one such launch per pytest worker
+instead of one per test file). Each job is QUEUE_DIR/job-N.json, {"plan": PLAN.json, "out": OUT_DIR}; rank 0
+writes QUEUE_DIR/done-N.json once every rank has finished it. A plan with a probe, or one that imported MLflow
+(which the matrix test checks no run does), ends the launch after its job: later plans get a fresh process.
+It also ends at QUEUE_DIR/stop, or when OWNER_PID (the pytest worker) is gone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -173,6 +182,43 @@ def read_checkpoint_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(str(ckpt), tag="engine")
 
 
+def serve(queue: Path, owner: int) -> int:
+    rank0 = os.environ.get("RANK", "0") == "0"
+    job = 0
+    while True:
+        request = queue / f"job-{job}.json"
+        while not request.exists():
+            if (queue / "stop").exists() or not _alive(owner):
+                return 0
+            time.sleep(0.05)
+        spec = json.loads(request.read_text())
+        plan = json.loads(Path(spec["plan"]).read_text())
+        mlflow_before = "mlflow" in sys.modules
+        if rank0:
+            print(f"[matrix] job {job}: {spec['plan']}", flush=True)
+        main(spec["plan"], spec["out"])
+        retire = any(e.get("expect_error") for e in plan) or ("mlflow" in sys.modules and not mlflow_before)
+        barrier()
+        if rank0:
+            done = queue / f"done-{job}.json"
+            done.with_suffix(".tmp").write_text(json.dumps({"retire": retire}))
+            done.with_suffix(".tmp").rename(done)
+        if retire:
+            return 0
+        job += 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 if __name__ == "__main__":
-    code = main(sys.argv[1], sys.argv[2])
+    if sys.argv[1] == "--serve":
+        code = serve(Path(sys.argv[2]), int(sys.argv[3]))
+    else:
+        code = main(sys.argv[1], sys.argv[2])
     teardown_and_exit(code)

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launch import REPO, cli, predicted_metrics, strategy_variants, test_env, torchrun
+from launch import REPO, cli, predicted_metrics, run_plan, strategy_variants, test_env
 
-DRIVER = REPO / "tests" / "dist" / "matrix_driver.py"
 STRATEGIES = ("ddp", "fsdp", "zero2", "zero3")
 LORA_STRATEGIES = (*STRATEGIES, "zero3_offload")
 LORA_LR = "1e-2"  # the adapters start at zero (peft's B): a full fine-tune's 1e-3 barely moves them in 10 steps
@@ -257,9 +256,7 @@ def examples(mm_data, tmp_path_factory) -> dict:
             flags,
             [*fusion_freeze, "--precision", "bf16", "--max-steps", "2", "--unfreeze-at-step", "2"],
         )
-    (root / "plan.json").write_text(json.dumps(plan))
-    torchrun([str(root / "plan.json"), str(root)], script=DRIVER, timeout=1500)
-    return json.loads((root / "results.json").read_text())
+    return run_plan(plan, root, timeout=1500)[1]
 
 
 def check_parity(results: dict, example: str, loss_rtol: float = LOSS_RTOL, strategies=STRATEGIES) -> dict:
