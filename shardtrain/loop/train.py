@@ -163,32 +163,35 @@ class Trainer:
             return self.finished
         restore_collections()  # start-up ran with rare collections (runtime/startup_gc.py)
         self.strategy.train()
-        while self.step < self.cfg.train.max_steps:
-            t0 = now()
-            with self.profiler.step(self.step + 1):  # --profile-steps: nothing outside its range
-                outcome = self.train_step()
-            if outcome.redo:
-                continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
-            self._log_step(outcome, now() - t0)
-            self.preempted = outcome.stop
-            if self._saves_before_final_eval():
-                self._save_final()  # an evaluation that fails must not take the trained model with it
-            if self._eval_due():  # also decides the best checkpoint and early stopping, every rank alike
-                self.evaluate(final=self.step >= self.cfg.train.max_steps)
-            if self._save_due():
-                self.save()
-            if self.preempted:
-                self._stop_for_preemption()
-                break
-            if self.best.stop:  # --early-stopping-patience: ends as a finished run does
-                self.stopped_early = True
-                self.console.info(self.best.stop_line(self.step))
-                break
-        self._end()
-        # No batch is read after this: the DataLoader workers end here, not whenever their loader is freed. A
-        # preempted job has seconds left (Slurm's KillWait) and its step ends only once they are gone.
-        self.loaders.close()
-        return self._summarise()
+        try:
+            while self.step < self.cfg.train.max_steps:
+                t0 = now()
+                with self.profiler.step(self.step + 1):  # --profile-steps: nothing outside its range
+                    outcome = self.train_step()
+                if outcome.redo:
+                    continue  # the optimizer never stepped: redo the same samples at the smaller micro-batch
+                self._log_step(outcome, now() - t0)
+                self.preempted = outcome.stop
+                if self._saves_before_final_eval():
+                    self._save_final()  # an evaluation that fails must not take the trained model with it
+                if self._eval_due():  # also decides the best checkpoint and early stopping, every rank alike
+                    self.evaluate(final=self.step >= self.cfg.train.max_steps)
+                if self._save_due():
+                    self.save()
+                if self.preempted:
+                    self._stop_for_preemption()
+                    break
+                if self.best.stop:  # --early-stopping-patience: ends as a finished run does
+                    self.stopped_early = True
+                    self.console.info(self.best.stop_line(self.step))
+                    break
+            self._end()
+            # No batch is read after this: the DataLoader workers end here, not whenever their loader is freed. A
+            # preempted job has seconds left (Slurm's KillWait) and its step ends only once they are gone.
+            self.loaders.close()
+            return self._summarise()
+        finally:
+            self.strategy.close()  # a later run in this process starts as it would in a process of its own
 
     def train_step(self) -> StepOutcome:
         """One optimizer step over `geometry.accum` micro-batches, then the step's one all-reduce, after which

@@ -31,10 +31,11 @@ With activation checkpointing the same measurement runs with the blocks checkpoi
 needs one block's activations again while it is recomputed, which goes into overhead.
 DeepSpeed fp16 keeps 16-bit weights, so there are no weight copies to save; it is measured as autocast all
 the same (an upper bound by those copies).
-ZeRO-3 trains with DeepSpeed's own linear: zero.Init swaps it in for torch.nn.functional.linear, for the rest of
-the process ("mem_efficient_linear", on by default). It saves its input as it is, where torch's linear on a
-non-contiguous input (Longformer's transposed hidden states) saves the contiguous copy it makes: 15% fewer
-activations on a 4-layer Longformer. ZeRO-3 rows are measured with a linear that saves what it saves.
+ZeRO-3 trains with DeepSpeed's own linear: zero.Init swaps it in for torch.nn.functional.linear, until the run
+ends ("mem_efficient_linear", on by default; strategies/zero.py gives torch's back). It saves its input as it
+is, where torch's linear on a non-contiguous input (Longformer's transposed hidden states) saves the contiguous
+copy it makes: 15% fewer activations on a 4-layer Longformer. ZeRO-3 rows are measured with a linear that
+saves what it saves.
 For a GPU, dropout and attention are measured as CUDA's fused kernels save them (_kernels_of): the CPU's own keep
 more (a mask in the input's dtype; attention's L x L weights under dropout).
 
@@ -260,7 +261,7 @@ def _kernels_of(cuda: bool):
 @contextlib.contextmanager
 def _linear_of(ds_linear: bool):
     """torch.nn.functional.linear as the run will have it: DeepSpeed's for ZeRO-3 (see the module docstring),
-    otherwise whichever this process has (a ZeRO-3 run before this one in the process leaves DeepSpeed's)."""
+    otherwise torch's (a ZeRO-3 run before this one in the process gave it back at its end)."""
     import torch.nn.functional as F
 
     if not ds_linear:

@@ -148,6 +148,12 @@ class Strategy(ABC):
         self.sync_buffers()
         self.model.eval()
 
+    def close(self) -> None:
+        """The run is over: what the strategy changed in the process for it goes back, so that a later run in the
+        same process (shardtrain.fit called again) trains as it would in a process of its own. Only ZeRO-3 changes
+        anything (strategies/zero.py)."""
+        return None
+
     def autocast(self) -> ContextManager:
         if self.precision == "fp32":
             return contextlib.nullcontext()

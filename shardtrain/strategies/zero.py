@@ -160,6 +160,19 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         self._inner = model
         self._frozen_now = set(frozen_now)
 
+    def close(self) -> None:
+        # zero.Init swaps DeepSpeed's memory-efficient linear in for torch.nn.functional.linear, and it "will persist
+        # unless manually reset" (DeepSpeed's own log line). Left in place, every later run in the process trained
+        # with it: an FSDP run after a ZeRO-3 one differed from the same run in a fresh process in the 8th digit of
+        # its loss by step 5 (its backward computes in another order).
+        if self.stage != 3:
+            return
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+        from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses as patcher
+
+        if torch.nn.functional.linear is zero3_linear_wrap and hasattr(patcher, "linear_bk"):
+            torch.nn.functional.linear = patcher.linear_bk
+
     def _param_device(self):
         return "cpu" if self.info["offload_param"] == "cpu" else None
 

@@ -46,6 +46,8 @@ from shardtrain.config.settings import parse_cli  # noqa: E402
 from shardtrain.loop.train import Trainer  # noqa: E402
 from shardtrain.runtime.distributed import barrier, teardown_and_exit  # noqa: E402
 
+TORCH_LINEAR = torch.nn.functional.linear  # before any run: ZeRO-3's zero.Init swaps in DeepSpeed's
+
 
 class BatchNormWatch:
     """A global forward hook: the dtypes BatchNorm weights and inputs have in training forwards. It runs before
@@ -103,6 +105,7 @@ def main(plan_path: str, out_dir: str) -> int:
         bn = watch.report(forwards=cfg.train.max_steps * cfg.train.grad_accum)
         record["seconds"] = time.perf_counter() - t0
         record["mlflow_imported"] = "mlflow" in sys.modules  # no run here reports to MLflow
+        record["torch_linear_after"] = torch.nn.functional.linear is TORCH_LINEAR
         rank0 = dist.get_rank() == 0
         run_dir = Path(cfg.checkpoint.output_dir)
         if summary is not None and rank0:
