@@ -216,14 +216,18 @@ def run_plan(
     tail: int = 40,
     env: dict | None = None,
     extra_launcher_args: list[str] = (),
+    fresh: bool = False,
 ) -> tuple[Run, dict]:
     """Many configurations through tests/dist/matrix_driver.py: (the launch, or this plan's part of it, and the
     results by run name). Fails with the output's tail when the plan did not finish or a planned run is missing
     from the results. A plan with the tests' own environment and launcher runs in this pytest worker's serving
     launch (DriverService), after the plans that ran there before it; one with `env` or `extra_launcher_args`
-    gets a launch of its own. Under `--max-restarts N` a restarted driver runs the plan again from its first run."""
+    gets a launch of its own, and so does a `fresh` one: a reference compared bit for bit with runs in processes
+    of their own. (A process's history moves the last bits: the kill tests' FSDP and ZeRO-2 references, served
+    after other files' plans, differed from their killed runs in the seventh digit of the loss from step 2 on.)
+    Under `--max-restarts N` a restarted driver runs the plan again from its first run."""
     (root / "plan.json").write_text(json.dumps(plan))
-    if env is None and not extra_launcher_args:
+    if env is None and not extra_launcher_args and not fresh:
         run = DriverService.current().run(root / "plan.json", root, timeout)
     else:
         run = torchrun(

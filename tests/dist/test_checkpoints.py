@@ -58,7 +58,7 @@ def uninterrupted(mm_data, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("uninterrupted")
     reference = {s: args(mm_data, root / s, s, "--max-steps", "6", "--dropout", "0.1") for s in STRATEGIES}
     on_two = [{"name": s, "args": a} for s, a in reference.items() if s not in KILL_TEST_NPROC]
-    run_plan(on_two, root, timeout=600)
+    run_plan(on_two, root, timeout=600, fresh=True)  # compared bit for bit with the main.py runs
     for s, nproc in KILL_TEST_NPROC.items():
         torchrun(reference[s], nproc=nproc, timeout=600)
     return {s: root / s for s in STRATEGIES}
