@@ -223,8 +223,9 @@ def run_plan(
     from the results. A plan with the tests' own environment and launcher runs in this pytest worker's serving
     launch (DriverService), after the plans that ran there before it; one with `env` or `extra_launcher_args`
     gets a launch of its own, and so does a `fresh` one: a reference compared bit for bit with runs in processes
-    of their own. (A process's history moves the last bits: the kill tests' FSDP and ZeRO-2 references, served
-    after other files' plans, differed from their killed runs in the seventh digit of the loss from step 2 on.)
+    of their own, which whatever a library leaves behind in a process would move first. (Served after other
+    files' plans, the kill tests' FSDP and ZeRO-2 references once differed from their killed runs in the seventh
+    digit: an earlier ZeRO-3 run had left DeepSpeed's linear in torch's place, which shardtrain now gives back.)
     Under `--max-restarts N` a restarted driver runs the plan again from its first run."""
     (root / "plan.json").write_text(json.dumps(plan))
     if env is None and not extra_launcher_args and not fresh:
