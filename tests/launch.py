@@ -301,16 +301,17 @@ class DriverService:
         while not done.exists() and self.proc.poll() is None:
             if time.monotonic() > deadline:
                 dump_stacks(self.proc.pid)
+                output = self._output(start)
                 self._end(kill=True)
-                raise AssertionError(f"timed out after {timeout}s (a hang?): {plan}\n{self._output(start)[-30000:]}")
+                raise AssertionError(f"timed out after {timeout}s (a hang?): {plan}\n{output[-30000:]}")
             time.sleep(0.05)
         finished = done.exists()
-        spent = self._cpu() - cpu
+        spent, output = self._cpu() - cpu, self._output(start)
         SERVED_CPU[0] += spent
         if not finished or json.loads(done.read_text())["retire"]:
             self._end()
         _log_served(plan, spent)
-        return Run(self.cmd, 0 if finished else (self.proc.returncode or 1), self._output(start), None)
+        return Run(self.cmd, 0 if finished else (self.proc.returncode or 1), output, None)
 
     def stop(self) -> None:
         (self.queue / "stop").touch()
@@ -329,6 +330,9 @@ class DriverService:
             kill_tree(self.proc.pid)
             self.proc.wait()
         self.log.close()
+        import shutil
+
+        shutil.rmtree(self.queue, ignore_errors=True)
         if DriverService._current is self:
             DriverService._current = None
 
