@@ -98,6 +98,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         rank0 = self.dist.is_rank0
         # Attach deepspeed.comm to our process group; zero.Init reads its world size from there.
         deepspeed.init_distributed(dist_backend=self.dist.backend)
+        _unlink_shared_allreduce_buffer(self.dist.rank)
         if self.stage == 3:
             # zero.Init patches torch.Tensor.__new__; torch._dynamo, imported lazily inside it, rejects
             # the patched signature. Import it first.
@@ -757,6 +758,27 @@ def _z3_set_full(param, value: torch.Tensor, key: str | None) -> None:
     part.data[: mine.numel()].copy_(mine)
     if opt._swappable_optimizer_subgroup(group_idx):
         opt._optimizer_states_and_gradient_swap_out(group_idx)
+
+
+def _unlink_shared_allreduce_buffer(rank: int) -> None:
+    """DeepSpeed's CPU all-reduce (its shm_comm op, where LOCAL_SIZE says every rank is on this machine: the
+    `deepspeed` launcher sets it) puts a 66 MiB buffer per rank in /dev/shm and never removes it (shm.cpp's
+    shared_close is never called): every such job left them in memory until a reboot, 5.2 GB of this dev machine's
+    24 by the time it was noticed. Once every rank has mapped every rank's buffer (init_distributed returns after
+    that, hence the barrier), the names can go: the mappings stay until each process ends, however it ends."""
+    import contextlib
+    import os
+
+    from deepspeed.accelerator import get_accelerator
+
+    from shardtrain.runtime.distributed import barrier
+
+    if get_accelerator().device_name() != "cpu" or not os.path.isdir("/dev/shm"):
+        return
+    barrier()
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
 
 
 def _use_own_ninja() -> None:

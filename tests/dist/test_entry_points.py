@@ -4,6 +4,7 @@ launcher, and `python -m shardtrain train --nproc 2` (the demo's path). The broa
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 from launch import REPO, cli, deepspeed_launcher, tiny_args, torchrun
@@ -69,6 +70,10 @@ def test_strategy_through_main_py(entry, data_dirs, tmp_path):
     assert "Traceback" not in run.output
     # Library chatter stays hidden on every rank (ZeRO-3's reduce_scatter_tensor FutureWarning came every step).
     assert "FutureWarning" not in run.output, run.tail()
+    if launcher is deepspeed_launcher:  # its LOCAL_SIZE turns on DeepSpeed's shared-memory all-reduce on CPU
+        port = run.cmd[run.cmd.index("--master_port") + 1]
+        left = [p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*")]
+        assert left == [], f"{left}: 66 MiB each, in memory until a reboot"
 
 
 def test_demo_settings_learn_the_synthetic_data(tmp_path):
