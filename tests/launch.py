@@ -261,7 +261,7 @@ def _log_served(plan: Path, cpu_s: float) -> None:
 class DriverService:
     """One launch of tests/dist/matrix_driver.py --serve per pytest worker, which runs the plans of every test
     file that worker gets: the launch's start (torchrun's agent, each rank's imports, DeepSpeed's first engine;
-    about 12 CPU-s on the dev machine) is paid once per worker instead of once per file. Started at the first
+    about 11 CPU-s on the dev machine) is paid once per worker instead of once per file. Started at the first
     plan; a plan that ended the launch (a failure, a probe) leaves the next one a new launch. tests/conftest.py
     stops it at the end of the session."""
 
