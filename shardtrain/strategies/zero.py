@@ -98,7 +98,7 @@ class ZeroStrategy(Freezing, Resizing, MemoryIntrospection, ShardGuard, Strategy
         rank0 = self.dist.is_rank0
         # Attach deepspeed.comm to our process group; zero.Init reads its world size from there.
         deepspeed.init_distributed(dist_backend=self.dist.backend)
-        _unlink_shared_allreduce_buffer(self.dist.rank)
+        _unlink_shared_allreduce_buffer(self.dist.rank, self.dist.world_size)
         if self.stage == 3:
             # zero.Init patches torch.Tensor.__new__; torch._dynamo, imported lazily inside it, rejects
             # the patched signature. Import it first.
@@ -760,12 +760,14 @@ def _z3_set_full(param, value: torch.Tensor, key: str | None) -> None:
         opt._optimizer_states_and_gradient_swap_out(group_idx)
 
 
-def _unlink_shared_allreduce_buffer(rank: int) -> None:
+def _unlink_shared_allreduce_buffer(rank: int, world_size: int) -> None:
     """DeepSpeed's CPU all-reduce (its shm_comm op, where LOCAL_SIZE says every rank is on this machine: the
     `deepspeed` launcher sets it) puts a 66 MiB buffer per rank in /dev/shm and never removes it (shm.cpp's
     shared_close is never called): every such job left them in memory until a reboot, 5.2 GB of this dev machine's
     24 by the time it was noticed. Once every rank has mapped every rank's buffer (init_distributed returns after
-    that, hence the barrier), the names can go: the mappings stay until each process ends, however it ends."""
+    that, hence the barrier), the names can go: the mappings stay until each process ends, however it ends.
+    Only where DeepSpeed made them (shm_interface.cpp's test: LOCAL_SIZE equals the world size), so a torchrun
+    or multi-node job, which has none, pays no barrier."""
     import contextlib
     import os
 
@@ -774,6 +776,8 @@ def _unlink_shared_allreduce_buffer(rank: int) -> None:
     from shardtrain.runtime.distributed import barrier
 
     if get_accelerator().device_name() != "cpu" or not os.path.isdir("/dev/shm"):
+        return
+    if os.environ.get("LOCAL_SIZE", "").strip() != str(world_size):
         return
     barrier()
     addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
