@@ -207,7 +207,7 @@ def run_cell(cname: str, strategy: str, order: list[str], a, steps: dict, data: 
     total, warmup = steps[cname]
     gb = global_batch_of(CONFIGS[cname], a.nproc)
     skipped = {
-        c: f"runs on the {' and '.join(ONLY_ON[c])} cells only (issue 18: where its users are)"
+        c: f"runs on the {' and '.join(ONLY_ON[c])} cells only: where its users are"
         for c in order
         if cname not in ONLY_ON.get(c, (cname,))
     }

@@ -71,6 +71,21 @@ def test_every_relative_link_reaches_a_file_and_heading(page):
     assert broken == []
 
 
+# The pages a user reads. The project's issue tracker is not among them: "issue 25" tells a reader nothing.
+USER_PAGES = [*PAGES, *sorted((REPO / "examples").glob("*/README.md"))]
+TRACKER_REFERENCE = re.compile(r"\b[Ii]ssues? #?\d+")
+
+
+def test_user_pages_say_what_happened_not_which_issue():
+    named = [
+        f"{page.relative_to(REPO)}:{n}: {m.group(0)}"
+        for page in USER_PAGES
+        for n, line in enumerate(page.read_text().splitlines(), 1)
+        for m in TRACKER_REFERENCE.finditer(line)
+    ]
+    assert named == [], "pages name tracker issues instead of saying what they mean:\n" + "\n".join(named)
+
+
 # ---- repository paths named in comments and docstrings ---------------------------------------------------------
 # A comment that names a file the re-layout moved sends its reader nowhere. Every path-looking word in a comment or
 # docstring of the Python and shell files below must name a file or folder of the repository, from the repository's
