@@ -11,6 +11,7 @@ import importlib
 import os
 import sys
 
+from shardtrain.config.errors import with_where_raised
 from shardtrain.config.settings import ConfigError
 
 COMMANDS = {  # name: (module whose main(argv) runs it, help)
@@ -92,7 +93,6 @@ def run_guarded(fn, argv: list[str]) -> int:
         if isinstance(e, ConfigError):
             report_once(str(e), secondary=False)
             return 2
-        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
         lost = _lost_peer(e)
         # Across hosts the raw gloo line ("Connection closed by peer") does not say which failure it was.
         if lost:
@@ -103,62 +103,8 @@ def run_guarded(fn, argv: list[str]) -> int:
             # its workers within ~0.1 s, before a quiet wait would end; so one line per node, not per job.
             _say(f"shardtrain: error: {explained}")
             return 1
-        report_once(explained or _with_where_raised(e, first), secondary=lost)
+        report_once(explained or with_where_raised(e), secondary=lost)
         return 1
-
-
-def _with_where_raised(e: BaseException, first: str) -> str:
-    """`Type: message (raised in MyTask.loss, my_tasks.py:42; --debug shows the traceback)`: where the user's own
-    code (a workload method, their model, their Dataset) raised, when it did, so that a bare `KeyError: 'label'`
-    points at the method to fix rather than at the data. A DataLoader worker's error arrives wrapped by torch
-    (`Caught FileNotFoundError in DataLoader worker process 0.`, the original traceback as text): its own
-    last line is the message, and its frames say where."""
-    import re
-    import traceback
-
-    text = str(e)
-    worker = re.match(r"Caught \w+ (in DataLoader worker process \d+)\.", text)
-    if worker and "Traceback" in text:
-        message = next(line for line in reversed(text.strip().splitlines()) if line.strip()).strip()
-        frames = [(f, int(n), name) for f, n, name in re.findall(r'File "([^"]+)", line (\d+), in (\S+)', text)]
-        where = _users_frame(frames)
-        where = f"{where}, {worker.group(1)}" if where else worker.group(1)
-    else:
-        message = f"{type(e).__name__}: {first}"
-        frames = []
-        for frame, line in traceback.walk_tb(e.__traceback__):
-            owner = frame.f_locals.get("self", frame.f_locals.get("cls"))
-            owner = owner if isinstance(owner, type) else type(owner) if owner is not None else None
-            name = f"{owner.__name__}.{frame.f_code.co_name}" if owner else frame.f_code.co_name
-            frames.append((frame.f_code.co_filename, line, name))
-        where = _users_frame(frames)
-    return (
-        f"{message} (raised in {where}; --debug shows the traceback)"
-        if where
-        else f"{message} (--debug shows the traceback)"
-    )
-
-
-def _users_frame(frames: list[tuple[str, int, str]]) -> str | None:
-    """`name, file:line` of the deepest frame in the user's own code: not shardtrain's, not the standard
-    library's or an installed package's."""
-    from pathlib import Path
-
-    ours = Path(__file__).resolve().parent
-    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix)}
-    for filename, line, name in reversed(frames):
-        if filename.startswith("<"):
-            continue
-        path = Path(filename).resolve()
-        if (
-            ours in path.parents
-            or installed & set(path.parents)
-            or {"site-packages", "dist-packages"} & set(path.parts)
-        ):
-            continue
-        shown = path.relative_to(Path.cwd()) if Path.cwd() in path.parents else path
-        return f"{name}, {shown}:{line}"
-    return None
 
 
 # How long a rank that is not the one to speak waits before it speaks anyway. torchrun (and the deepspeed

@@ -28,9 +28,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardtrain.config.errors import with_where_raised
 from shardtrain.config.labels import CLASS_METRICS, ClassLabels, class_metric_key
 from shardtrain.config.labels import check_class_metric as check_class_metric_names
-from shardtrain.config.settings import BUILTIN_WORKLOADS, Config, ConfigError, value_of, where, workload_target
+from shardtrain.config.settings import (
+    BUILTIN_WORKLOADS,
+    Config,
+    ConfigError,
+    located,
+    value_of,
+    where,
+    workload_target,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -146,18 +155,28 @@ class Workload:
 
     @classmethod
     def check_before_launch(cls, cfg: Config) -> str | None:
-        """`shardtrain train` calls it once per process before any rank starts or any model loads, with the class
-        (no instance): checks of what the run will read that fail fast in one line (a ConfigError), such as a
-        data file's records or hub names. Returns a note to print, or None. The default checks `--peft lora`
-        against the model, built on the meta device (shapes only, seconds): a --target-modules name that matches
-        nothing, or a model that has adapters already, is one line before any process starts. Anything else a
-        meta build raises is left to the run's own build, which says it with the run's context."""
-        if not cfg.peft.peft or "RANK" in os.environ:  # only the parent of a --nproc launch: the ranks would all fail
+        """`shardtrain train` calls it once, in the process that starts the ranks (and under --check-only), with the
+        class: checks of what the run will read that fail fast in one line (a ConfigError), such as a data file's
+        records or hub names. Returns a note to print, or None. The default:
+        - constructs the workload, as every rank will: a file or hub name its __init__ reads (a tokenizer by name,
+          offline) is one line before any process starts, not one from the ranks after the launch. Anything else
+          __init__ raises here (a rank's environment it reads, a device) is left to the ranks;
+        - checks `--peft lora` against the model, built on the meta device (shapes only, seconds): a
+          --target-modules name that matches nothing, or a model that has adapters already, is one line. Anything
+          else a meta build raises is left to the run's own build, which says it with the run's context."""
+        if "RANK" in os.environ:  # only the parent of a --nproc launch (and --check-only): the ranks would all fail
+            return None
+        try:
+            workload = load_workload(cfg)
+        except ConfigError:
+            raise
+        except Exception:  # noqa: BLE001 - not a setting's fault that a parent process could judge
+            return None
+        if not cfg.peft.peft:
             return None
         import torch
 
         try:
-            workload = load_workload(cfg)
             workload.loads_weights = False
             with torch.device("meta"):
                 workload.build_model()
@@ -537,7 +556,7 @@ def workload_class(cfg: Config) -> type[Workload]:
     module_name, sep, attr = target.partition(":")
     if not sep or not module_name or not attr or "/" in module_name or module_name.endswith(".py"):
         raise ConfigError(
-            f"{where('workload')}: '{target}' is not a workload; write a dotted module path and a class, "
+            f"{located(cfg, 'workload')}: '{target}' is not a workload; write a dotted module path and a class, "
             f"e.g. {_as_target(module_name or target, attr)}, or a built-in: {', '.join(BUILTIN_WORKLOADS)}"
             f"{_nearest_builtin(target)}"
         )
@@ -545,7 +564,7 @@ def workload_class(cfg: Config) -> type[Workload]:
         module = importlib.import_module(module_name)
     except ImportError as e:
         raise ConfigError(
-            f"{where('workload')}: cannot import {module_name} ({e}); the config file's folder and "
+            f"{located(cfg, 'workload')}: cannot import {module_name} ({e}); the config file's folder and "
             f"the working directory are on the import path"
         ) from None
     from shardtrain.runtime.chatter import quiet_late_imports
@@ -559,7 +578,7 @@ def workload_class(cfg: Config) -> type[Workload]:
             n for n, v in vars(module).items() if isinstance(v, type) and issubclass(v, Workload) and v is not Workload
         ]
         raise ConfigError(
-            f"{where('workload')}: {module_name} has no Workload subclass named {attr}"
+            f"{located(cfg, 'workload')}: {module_name} has no Workload subclass named {attr}"
             + (f" (it has {', '.join(found)})" if found else "")
         )
     return cls
@@ -638,7 +657,7 @@ def _args_error(cls: type[Workload], cfg: Config, e: TypeError) -> ConfigError:
     answered) and those the constructor takes."""
     import difflib
 
-    line = f"{where('workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}"
+    line = f"{located(cfg, 'workload_args')}: {cls.__name__}({', '.join(cfg.workload.workload_args)}): {e}"
     unknown = re.search(r"unexpected keyword argument '(\w+)'", str(e))
     if unknown:
         params = inspect.signature(cls).parameters.values()
@@ -666,5 +685,7 @@ def load_workload(cfg: Config) -> Workload:
         workload = cls(cfg, **cfg.workload.workload_args)
     except TypeError as e:
         raise _args_error(cls, cfg, e) from None
+    except OSError as e:  # a file or hub name its __init__ reads (a tokenizer by name, offline): the user's to fix
+        raise ConfigError(f"{located(cfg, 'workload')}: constructing {cls.__name__}: {with_where_raised(e)}") from e
     apply_lora(workload, cfg.peft)  # --peft lora: its build_model returns the model with adapters
     return workload

@@ -110,6 +110,14 @@ TASKS = textwrap.dedent("""
 
             return Measure()
 
+    class OfflineTokenizer(Tiny):
+        # The README's example: a tokenizer by hub name in __init__, on a machine with neither the hub nor the name
+        def __init__(self, cfg, **args):
+            super().__init__(cfg, **args)
+            from transformers import AutoTokenizer
+
+            self.tokenizer = AutoTokenizer.from_pretrained("shardtrain-test/never-downloaded")
+
     class FrozenBlocks(Tiny):
         def build_model(self):
             model = Net()
@@ -193,6 +201,33 @@ def test_train_runs_a_workloads_own_check_before_any_process_starts(tasks, capsy
     code, _, err = run_cli(capsys, "train", "--workload", "user_tasks:CheckedData", "--output-dir", str(out))
     assert code == 2 and err.strip() == "shardtrain: error: CheckedData: /data/rows.parquet is not there", err
     assert not out.exists()
+
+
+def test_train_constructs_the_workload_before_any_process_starts_and_names_what_it_loads(tasks, capsys, monkeypatch):
+    """The README's example offline: --check-only passed, then every rank failed after the launch with
+    transformers' line, which names no model (exit 1). Now the parent constructs the workload as the ranks will,
+    and its __init__'s failure is one line, exit 2, naming the name it loaded, the method and the YAML line."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    (tasks / "run.yaml").write_text("workload:\n  target: user_tasks:OfflineTokenizer\n")
+    out = tasks / "run"
+    argv = ["train", "--config", "run.yaml", "--nproc", "2", "--output-dir", str(out)]
+    for extra in (["--check-only"], []):
+        code, printed, err = run_cli(capsys, *argv, *extra)
+        assert code == 2 and err.count("\n") == 1, err
+        assert err.startswith(
+            "shardtrain: error: run.yaml:2: workload.target: constructing OfflineTokenizer: OSError: "
+        )
+        assert "(loading 'shardtrain-test/never-downloaded'; raised in OfflineTokenizer.__init__, user_tasks.py:" in err
+        assert "starting 2 processes" not in printed and not out.exists()
+
+
+def test_a_workload_named_in_yaml_is_refused_with_its_file_and_line(tasks, capsys):
+    (tasks / "run.yaml").write_text("train:\n  max_steps: 3\nworkload:\n  target: user_tasks:Tinny\n")
+    code, _, err = run_cli(capsys, "train", "--config", "run.yaml", "--check-only")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("shardtrain: error: run.yaml:4: workload.target: user_tasks has no Workload subclass named")
 
 
 def test_plan_names_the_workload_method_that_fails(tasks, capsys):
