@@ -30,6 +30,7 @@ import argparse
 import copy
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -715,7 +716,7 @@ def launch_workers(argv: list[str], nproc: int, parts: Path) -> int:
     return launch_local(
         nproc,
         ["-m", "shardtrain", "predict", *rest],
-        shown=f"-m shardtrain predict {' '.join(rest)}",
+        shown=f"-m shardtrain predict {shlex.join(rest)}",
         extra_env={PARTS_ENV: str(parts)},
     )
 

@@ -4,6 +4,7 @@ Instead it re-launches itself under torch's elastic launcher with one process pe
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -62,7 +63,13 @@ def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
     # The workers see RANK and never relaunch; torchrun's own parser would also reject `--nproc`
     # anywhere on its command line as an ambiguous prefix of --nproc-per-node.
     argv = without_flag(argv, "--nproc")
-    return launch_local(nproc, [str(main_py), *argv], shown=f"shardtrain/main.py {' '.join(argv)}")
+    return launch_local(nproc, [str(main_py), *argv], shown=f"{copyable(main_py)} {shlex.join(argv)}")
+
+
+def copyable(path: Path) -> str:
+    """The path as the printed launch line can name it from this working directory: relative under it, else whole
+    (from an example's folder, `shardtrain/main.py` named a file that is not there)."""
+    return str(path.relative_to(Path.cwd())) if Path.cwd() in path.parents else str(path)
 
 
 def launch_local(nproc: int, program: list[str], shown: str, extra_env: dict | None = None) -> int:

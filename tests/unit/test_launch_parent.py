@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from launch import REPO, test_env
@@ -129,3 +130,22 @@ def test_the_world_size_before_launch_is_the_launchers_or_nproc(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "6")  # a torchrun worker of two nodes
     assert launch_world_size(cfg) == 6
+
+
+def test_the_launch_line_printed_can_be_pasted_from_where_it_was_typed(tmp_path, monkeypatch):
+    """From an example's folder, with a JSON --workload-args: the line named `shardtrain/main.py`, a file that is
+    not there, and joined the arguments with spaces, so the JSON split into several."""
+    import shlex
+
+    import shardtrain.runtime.launch as launch
+    from shardtrain.config.settings import parse_cli
+
+    for name in ("RANK", "LOCAL_RANK", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    lines = []
+    monkeypatch.setattr(launch, "launch_local", lambda nproc, program, shown, **_: lines.append(shown) or 0)
+    monkeypatch.chdir(tmp_path)
+    argv = ["--config", str(REPO / "configs" / "multimodal_tiny.yaml"), "--workload-args", '{"n": 8}', "--nproc", "2"]
+    assert launch.maybe_relaunch(parse_cli(argv, check_only=True), argv) == 0
+    words = shlex.split(lines[0])
+    assert Path(words[0]).is_file() and words[1:] == argv[:4], lines
