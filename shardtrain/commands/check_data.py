@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     from pathlib import Path
 
     from shardtrain.data import check_data
-    from shardtrain.data.synthetic import dataset_info
+    from shardtrain.data.synthetic import DATASET_INFO, dataset_info
 
     chosen_by = "--kind"
     if args.config or args.workload:
@@ -110,7 +110,8 @@ def main(argv: list[str]) -> int:
     for line in problems:
         print(line)
     if problems and args.num_labels is None and any("is outside 0.." in p for p in problems):
-        print(f"(labels were checked against {num_labels} classes: pass --num-labels with the model's num_labels)")
+        source = f"as {DATASET_INFO} records" if recorded.get("num_labels") else "the default"
+        print(f"(labels checked against {num_labels} classes, {source}; a model with more: check-data --num-labels N)")
     _print_counts(counts, "record")
     print(f"{len(problems)} problem(s) in {args.dir}" if problems else f"{args.dir}: no problems found")
     return 1 if problems else 0
