@@ -66,7 +66,7 @@ def data_and_model(
     Every contender sees shardtrain's data: the text tokenised ahead through the same datasets.map cache
     (collate only pads), and the samples of each optimizer step the ones shardtrain's loader takes. Without
     the first, the others tokenised in collate on the training process while shardtrain did not, which was
-    its whole 12-31% lead on the Longformer cells (issue 29)."""
+    its whole 12-31% lead on the Longformer cells."""
     out = Path(cfg.checkpoint.output_dir)
     tok = build_tokenizer(cfg, out, rank == 0, barrier)
     train_ds, _ = build_datasets(cfg, tok)

@@ -1,4 +1,4 @@
-"""LoRA checkpoints against a full fine-tune's (issue 27 item 1): bytes per checkpoint and seconds per save, on the
+"""LoRA checkpoints against a full fine-tune's: bytes per checkpoint and seconds per save, on the
 example text classifier (examples/hf_text_classifier/) with a BERT base of ~30M parameters saved as a local
 pretrained folder, 2 CPU ranks, under DDP and ZeRO-3.
 

@@ -1,4 +1,4 @@
-"""ZeRO checkpoints that scale (issue 28): what one save and one load cost per rank under ZeRO-2 and ZeRO-3 against
+"""ZeRO checkpoints that scale: what one save and one load cost per rank under ZeRO-2 and ZeRO-3 against
 FSDP, at 1, 2 and 4 processes, on a 67M-parameter MLP (16 x Linear(2048, 2048), fp32, AdamW).
 
     ~/.cache/shardtrain/venv/bin/python benchmarks/zero_checkpoint.py   -> benchmarks/results/zero_checkpoint.json
@@ -182,7 +182,7 @@ def worker(a) -> int:
             gc.collect()
             with RssPeak() as mem:
                 t0 = time.perf_counter()
-                if name == "zero3_gathered":  # the save before issue 28: engine files + the gathered portable form
+                if name == "zero3_gathered":  # the old save: engine files + the gathered form
                     strategy.engine.save_checkpoint(str(ckpt), tag="engine", save_latest=False)
                     model_sd, optim_state = strategy._portable_state()
                     save_portable(ckpt, model_sd, optim_state, strategy._extra(), info.is_rank0)

@@ -294,9 +294,9 @@ def test_predict_with_a_users_workload_from_a_zero2_checkpoint(examples, tmp_pat
 
 
 def test_the_text_classifiers_export_is_two_lines_of_plain_transformers(examples, mm_data, tmp_path):
-    """Issue 32 item 1 for a user's workload: the example's export (its Workload.export: save_pretrained of the
-    model and of its tokenizer, truncating at its max_length) loads in a fresh process with transformers'
-    Auto classes alone and agrees with `shardtrain predict EXPORT` on every validation row."""
+    """A user's workload's export, reloaded by plain transformers: the example's export (its Workload.export:
+    save_pretrained of the model and of its tokenizer, truncating at its max_length) loads in a fresh process with
+    transformers' Auto classes alone and agrees with `shardtrain predict EXPORT` on every validation row."""
     from plain_transformers import fresh
 
     r = examples["hf_text_classifier/zero2"]
@@ -327,7 +327,7 @@ def as_base_name(name: str) -> str:
 
 
 def test_lora_trains_only_the_adapters_on_every_strategy_with_parity(examples):
-    """Issue 27 item 1: --peft lora on a pretrained base under ddp, fsdp, zero2, zero3 and zero3 with offload:
+    """--peft lora on a pretrained base under ddp, fsdp, zero2, zero3 and zero3 with offload:
     the same adapters train (parity with DDP: step-1 grad norm within 1e-5, 10-step losses within 1e-4). Each
     checkpoint holds the adapters, the head and their optimizer state only, and names the base; resumed under
     another strategy (the base rebuilt from its pretrained weights, the adapters read from the checkpoint) the
@@ -362,7 +362,7 @@ def test_lora_trains_only_the_adapters_on_every_strategy_with_parity(examples):
 
 
 def test_lora_adapters_of_zero3_load_in_peft_itself_and_merge_into_plain_transformers(examples, mm_data, tmp_path):
-    """Issue 27 item 1 (the peers' ZeRO-3 bug: empty adapters saved): ZeRO-3's export is peft's own format. A
+    """The peers' ZeRO-3 bug (empty adapters saved), not ours: ZeRO-3's export is peft's own format. A
     fresh process loads it with PeftModel.from_pretrained(base, EXPORT): the adapters are the trained values in
     the checkpoint, and the model predicts what `shardtrain predict RUN` predicts. The --merge export loads with
     AutoModelForSequenceClassification alone and predicts the same. (ZeRO-3 with offload writes its adapters
@@ -456,7 +456,7 @@ def test_custom_fusion_batchnorm_stays_fp32_under_bf16(examples):
 
 
 def test_the_reports_moduledict_code_trains_resumes_and_exports_on_every_strategy(examples, tmp_path):
-    """Issue 25, item 4: the multimodal report's code as it is (examples/moduledict_fusion/): an nn.ModuleDict with
+    """The multimodal report's code as it is (examples/moduledict_fusion/): an nn.ModuleDict with
     no forward of its own, (text_input_dict, image, label) samples through the default collate, a forward that calls
     model["text"], model["img"] and model["fusion"], a nested batch. It trains under every strategy with parity
     against DDP, a resume from step 5 logs the uninterrupted run's losses, and `shardtrain export` rebuilds the

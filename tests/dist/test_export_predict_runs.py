@@ -1,4 +1,4 @@
-"""Issue 32: after training on the user's own data (CSV files with `id,document,category`, string labels,
+"""After training on the user's own data (CSV files with `id,document,category`, string labels,
 trained with flags only), the export loads with plain transformers and reproduces `predict`, predict takes new
 unlabelled files row for row with their ids, `export --eval` reads the run's own data source, and a resume on
 other data says so. One launch of 2 ranks (tests/dist/matrix_driver.py) trains a tiny Longformer, a tiny
@@ -144,7 +144,7 @@ def runs(ld_data, mm_data, tmp_path_factory) -> dict:
                 "0",
             ],
         },
-        # Issue 32 item 6: the Longformer run resumed on another file (60 -> 20 rows) for one more step, into
+        # The Longformer run resumed on another file (60 -> 20 rows) for one more step, into
         # a folder of its own (with the run's tokenizer, as a resume in place would have) to leave `ld` as is.
         {
             "name": "ld_changed",

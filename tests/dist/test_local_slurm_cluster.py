@@ -69,7 +69,7 @@ print("TASK " + json.dumps({**out, "visible": visible}), flush=True)
 
 @pytest.mark.slurm
 def test_srun_gpus_per_task_gives_each_rank_its_one_gpu(local_slurm, tmp_path: Path) -> None:
-    """srun --gpus-per-task=1: each task sees one GPU, its own, and every rank uses it as cuda:0 (issue 26 item 3);
+    """srun --gpus-per-task=1: each task sees one GPU, its own, and every rank uses it as cuda:0;
     with the node's GPUs visible to every task, the local rank picks one."""
     import json
     import sys

@@ -4,7 +4,7 @@ The flat package's last commit (FLAT_PACKAGE) is unpacked from git and trains th
 (DeepSpeed's engine files are pickles, the format most likely to name a module path) with its own
 `shardtrain/main.py`, saving at step 2 on its way. Today's code then resumes that step-2 checkpoint for the third
 step, which must log the loss the old run logged, and exports it. Both read the gathered portable form DeepSpeed
-wrote beside its engine files then: today's ZeRO ranks each read their own partition out of it (issue 28); the
+wrote beside its engine files then: today's ZeRO ranks each read their own partition out of it; the
 second test does so under ZeRO-3, from the last commit before each rank wrote only its own partition (GATHERED_FORM).
 """
 

@@ -1,4 +1,4 @@
-"""The first way into LoRA (issue 27 item 1): a user's own workload whose build_model returns a PeftModel, written
+"""The first way into LoRA: a user's own workload whose build_model returns a PeftModel, written
 as users write theirs (get_peft_model on a from_pretrained model), in a file beside its config. Its base stays
 frozen, its checkpoints hold only the adapters, the head and their optimizer state, and a ZeRO-3 resume of its
 DDP checkpoint goes on exactly; export writes peft's adapter format."""

@@ -1,4 +1,4 @@
-"""ZeRO checkpoints written once, each rank its own partition (issue 28, docs/checkpoints.md "ZeRO checkpoints").
+"""ZeRO checkpoints written once, each rank its own partition (docs/checkpoints.md "ZeRO checkpoints").
 
 ONE launch of tests/dist/matrix_driver.py (2 CPU ranks, the tiny multimodal model, dropout 0.1 as shipped): ZeRO-2
 and ZeRO-3 with DeepSpeed's engine files asked for (`--engine-files`), and ZeRO-3 as it runs by default.

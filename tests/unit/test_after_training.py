@@ -1,4 +1,4 @@
-"""Issue 32, in one process: what `predict --file` reads (every row, in order, labels optional, the user's ids),
+"""After training, in one process: what `predict --file` reads (every row, in order, labels optional, the user's ids),
 the content hash that compare, parity --runs and a resume judge the data by, and the smaller traps (where a
 relative data path is read from, check-data's per-file count, plan's launch line and flag errors). The trained
 round trips: tests/dist/test_export_predict_runs.py."""

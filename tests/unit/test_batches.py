@@ -1,4 +1,4 @@
-"""Batches of any nesting (issue 25, item 4): every tensor in dicts, lists, tuples, namedtuples, dataclasses and
+"""Batches of any nesting: every tensor in dicts, lists, tuples, namedtuples, dataclasses and
 BatchEncodings moves to the device; the default collate batches the multimodal report's `(text_input_dict, image,
 label)` tuples (and dataclasses); the one root module every strategy wraps has exactly the model's names."""
 

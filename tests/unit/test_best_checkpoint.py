@@ -1,4 +1,4 @@
-"""The best checkpoint and early stopping in one process (issue 27 item 2): HF Trainer's rule, checked against HF's
+"""The best checkpoint and early stopping in one process: HF Trainer's rule, checked against HF's
 own code; the metric's name and its one-line errors; the record a resume continues; the start-up refusals;
 `checkpoints/best` written at the commit and never pruned; `--checkpoint best|final`; the report's line. The real
 2-process runs (four strategies, kill -9 and resume) are in tests/dist/test_checkpoints.py."""

@@ -1,5 +1,5 @@
-"""The checkpoint settings of issue 28: DeepSpeed's engine files only when asked, and the planner's host memory of
-a save per rank (shown in the banner)."""
+"""The checkpoint settings of per-rank ZeRO saves: DeepSpeed's engine files only when asked, and the planner's host
+memory of a save per rank (shown in the banner)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 26, items 1-9: the CUDA-only paths, checked on this CPU machine. Where CUDA is needed it is faked:
+"""The CUDA-only paths, checked on this CPU machine. Where CUDA is needed it is faked:
 torch's FakeTensorMode makes tensors that say device cuda:0 without a GPU (so a collective's input device can be
 checked), and torch.cuda.is_available / device_count, the process group and the NCCL backend name are mocked.
 """

@@ -71,7 +71,7 @@ def test_every_relative_link_reaches_a_file_and_heading(page):
     assert broken == []
 
 
-# The pages a user reads. The project's issue tracker is not among them: "issue 25" tells a reader nothing.
+# The pages a user reads. The project's tracker is not among them: an issue's number tells a reader nothing.
 USER_PAGES = [*PAGES, *sorted((REPO / "examples").glob("*/README.md"))]
 TRACKER_REFERENCE = re.compile(r"\b[Ii]ssues? #?\d+")
 
@@ -234,3 +234,17 @@ def test_comments_and_docstrings_name_only_paths_that_exist():
         if not exists_in_repo(word)
     ]
     assert not broken, "comments and docstrings name paths that do not exist:\n" + "\n".join(broken)
+
+
+def test_comments_and_docstrings_say_what_happened_not_which_issue():
+    # As for the user pages: the tracker is not part of the repository, and a clone's reader cannot open its issues.
+    suspects = [path for path in code_files() if TRACKER_REFERENCE.search(path.read_text())]
+    named = [
+        f"{path.relative_to(REPO)}:{n}: {m.group(0)}"
+        for path in suspects
+        for n, text in comment_texts(path)
+        for m in TRACKER_REFERENCE.finditer(text)
+    ]
+    assert named == [], "comments and docstrings name tracker issues instead of saying what they mean:\n" + "\n".join(
+        named
+    )

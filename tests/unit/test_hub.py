@@ -144,7 +144,7 @@ def test_local_folders_and_random_init_need_no_hub(tmp_path):
 
 
 def test_offline_error_says_how_to_train_with_nothing_downloaded(tmp_path, hub_env, monkeypatch):
-    """Issue 32 item 7: a new user offline is told the way that needs no download, not only "download it"."""
+    """A new user offline is told the way that needs no download, not only "download it"."""
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     cfg = config(tmp_path, "--pretrained", "true", "--text-model", "some-org/some-model")
     with pytest.raises(ConfigError) as e:

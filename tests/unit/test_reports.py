@@ -149,7 +149,7 @@ def data_source(train: str, validation: str, **extra) -> dict:
 
 
 def test_compare_and_parity_judge_the_data_by_what_was_read_not_the_unused_data_dir(tmp_path, capsys):
-    """Issue 32 item 5: two --train-file runs on the same rows are comparable, whatever data_dir default each
+    """Two --train-file runs on the same rows are comparable, whatever data_dir default each
     config carried; the same path with other rows is not."""
     same = data_source("a" * 64, "b" * 64)
     a = write_run(tmp_path / "ld", config(**{"data.data_dir": "data/longdoc", "data.train_file": "docs.csv"}), **same)
@@ -230,7 +230,7 @@ def test_report_html_shows_formatted_values_not_python_dicts(tmp_path):
     )
     html = write_report(run).read_text()
     assert "{'" not in html and "{&#x27;" not in html and "0.009512430056929588" not in html
-    # The unit is the value's (issue 32: `params_gib 0.3 MiB` read as a contradiction), not the key's.
+    # The unit is the value's (`params_gib 0.3 MiB` read as a contradiction), not the key's.
     assert "<th>params</th><td>9.7 MiB</td>" in html and "<th>host</th><td>1.50 GiB</td>" in html
     assert "params_gib" not in html
     assert "<th>validation</th><td>2</td>" in html and "<td>5,078,403</td>" in html
