@@ -66,6 +66,11 @@ def _users_frame(frames: list[tuple[str, int, str]]) -> str | None:
             or {"site-packages", "dist-packages"} & set(path.parts)
         ):
             continue
-        shown = path.relative_to(Path.cwd()) if Path.cwd() in path.parents else path
-        return f"{name}, {shown}:{line}"
+        return f"{name}, {as_seen_from_cwd(path)}:{line}"
     return None
+
+
+def as_seen_from_cwd(path: Path) -> str:
+    """An absolute path as a user in this working directory can type it: relative under it, else whole (from an
+    example's folder, `shardtrain/main.py` named a file that is not there)."""
+    return str(path.relative_to(Path.cwd())) if Path.cwd() in path.parents else str(path)

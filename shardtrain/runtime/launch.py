@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+from shardtrain.config.errors import as_seen_from_cwd
 from shardtrain.config.settings import Config
 from shardtrain.runtime.preemption import STOP_SIGNALS
 
@@ -63,13 +64,7 @@ def maybe_relaunch(cfg: Config, argv: list[str]) -> int | None:
     # The workers see RANK and never relaunch; torchrun's own parser would also reject `--nproc`
     # anywhere on its command line as an ambiguous prefix of --nproc-per-node.
     argv = without_flag(argv, "--nproc")
-    return launch_local(nproc, [str(main_py), *argv], shown=f"{copyable(main_py)} {shlex.join(argv)}")
-
-
-def copyable(path: Path) -> str:
-    """The path as the printed launch line can name it from this working directory: relative under it, else whole
-    (from an example's folder, `shardtrain/main.py` named a file that is not there)."""
-    return str(path.relative_to(Path.cwd())) if Path.cwd() in path.parents else str(path)
+    return launch_local(nproc, [str(main_py), *argv], shown=f"{as_seen_from_cwd(main_py)} {shlex.join(argv)}")
 
 
 def launch_local(nproc: int, program: list[str], shown: str, extra_env: dict | None = None) -> int:
