@@ -657,11 +657,13 @@ MAX_TOKEN_BUDGET = 1 << 24  # the search's ceiling: 16M tokens per micro-batch, 
 
 def budget_lengths(cfg) -> list[int]:
     """The text lengths a token-budget micro-batch is checked at: every window multiple up to max_length
-    (Longformer), else halvings of max_length down to 16."""
+    (Longformer pads to one), else halvings of max_length down to a one-token text. The short end matters where
+    a sample costs memory its text does not (an image): N tokens of 8-token texts are N // 8 samples, and a
+    budget checked from 16 tokens up ran the multimodal configs out of memory on short posts."""
     top, w = cfg.data.max_length, _window(cfg)
     if w:
         return list(range(w, -(-top // w) * w + 1, w))
-    return sorted({max(16, top >> k) for k in range(12)})
+    return sorted({max(1, top >> k) for k in range(top.bit_length())})
 
 
 def token_budget(cfg, row: dict, m: ModelCount, n: int, precision: str, capacity: float, cuda: bool) -> int | None:
@@ -852,6 +854,24 @@ def _budget_note(p: dict) -> str:
     return f" (--max-tokens-per-batch {asked} at seq {p['seq_len']}: the largest it holds)" if asked else ""
 
 
+def _token_budget_line(p: dict, rec: dict) -> list[str]:
+    """The budget, where it holds at least the recommended micro-batch of full-length texts. A smaller one (that
+    fits the shortest texts) would make every step smaller than the recommendation's, so it is not offered."""
+    budget, full = p.get("max_tokens_per_batch"), p["seq_len"]
+    if not budget:
+        return []
+    if budget // full < rec["micro_batch_size"]:
+        return [
+            f"token budget: none suits: one that fits 1-token texts too holds {budget // full} texts of {full}, under "
+            f"the micro-batch of {rec['micro_batch_size']} (a sample's memory is mostly not its text's; keep "
+            "--per-device-batch-size)"
+        ]
+    return [
+        f"token budget: --max-tokens-per-batch {budget} fits with it at every text length up to {full} "
+        "(micro-batches sized by tokens for variable-length data; see docs/data.md)"
+    ]
+
+
 def format_plan(p: dict, gpu_name: str) -> str:
     vocab = f"vocabulary {p['vocab_size']:,}: {p['vocab_source']}" if p.get("vocab_size") else ""
     lines = [
@@ -869,11 +889,7 @@ def format_plan(p: dict, gpu_name: str) -> str:
             f"accum {rec['grad_accum']} ({_gib(rec['total_bytes'])} GiB of {_capacity_gib(p)})"
             + (f" -- {p['note']}" if p["note"] else "")
         )
-        if p.get("max_tokens_per_batch"):
-            lines.append(
-                f"token budget: --max-tokens-per-batch {p['max_tokens_per_batch']} fits with it at every text length "
-                f"up to {p['seq_len']} (micro-batches sized by tokens for variable-length data; see docs/data.md)"
-            )
+        lines += _token_budget_line(p, rec)
     else:
         lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
     lines.append(

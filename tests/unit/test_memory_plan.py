@@ -370,6 +370,33 @@ def test_the_measurement_computes_no_product_of_zero_weights_and_saves_the_same_
     assert shortcut == computed
 
 
+def test_a_token_budget_fits_the_shortest_texts_too_or_is_not_offered(tmp_path):
+    """The multimodal configs' plan offered a budget checked from 16-token texts up (--max-tokens-per-batch 11968
+    for the report's config on 3 x A100 40GB), and 8-token posts then made micro-batches of 1,496 samples: 68 GiB
+    by the plan's own table. The budget now fits down to one-token texts. Here (the tiny config in 0.2 GiB) it
+    holds fewer full-length texts than the recommended micro-batch, as the images cost the same at any text
+    length, so none is offered."""
+    from shardtrain.memory.planner import HEADROOM, budget_lengths, count_model, format_plan, gpu_bytes
+
+    cfg = parse_cli(["--config", str(REPO / "configs/multimodal_tiny.yaml"), "--output-dir", str(tmp_path)])
+    capacity = 0.2 * GIB
+    p = plan(cfg, 2, capacity, cuda=False)
+    rec, budget = p["recommendation"], p["max_tokens_per_batch"]
+    assert budget_lengths(cfg)[0] == 1 and budget_lengths(cfg)[-1] == cfg.data.max_length
+    m = count_model(cfg)
+
+    def total(length):
+        g, _ = gpu_bytes(cfg, rec["variant"], m, 2, budget // length, "fp32", 0.0, False, seq_len=length)
+        return sum(g.values())
+
+    assert rec["checkpointed_blocks"] == 0
+    assert all(total(length) <= capacity * (1 - HEADROOM) for length in (1, 2, 3, 5, 8, 16, 32, 64))
+    assert budget // cfg.data.max_length < rec["micro_batch_size"]
+    text = format_plan(p, "test gpu")
+    assert "token budget: none suits: one that fits 1-token texts too holds" in text, text
+    assert "--max-tokens-per-batch" not in text
+
+
 def test_plan_proposes_the_largest_token_budget_that_fits_at_every_text_length(tmp_path):
     """--max-tokens-per-batch N from the per-token activation model: N // L texts of length L fit for every L up
     to max_length, and one window more does not at some L. The budget holds at least the recommended
