@@ -193,6 +193,15 @@ def tensor_shapes(metadata) -> dict[str, tuple]:
     return {k: tuple(v.size) for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
+class ModelMismatch(ConfigError):
+    """A checkpoint whose tensors are not the model's: the loop says which checkpoint, which settings changed
+    since, and the way out (loop/train.py); anything else that loads one says this line."""
+
+    def __init__(self, ckpt_dir: Path, detail: str):
+        super().__init__(f"--resume {ckpt_dir}: checkpoint is from another model: {detail}")
+        self.detail = detail
+
+
 def check_model_fits(ckpt_dir: Path, wanted: dict[str, tuple], saved: dict[str, tuple], leave_out=frozenset()) -> None:
     """One line listing the parameters that are missing, unexpected or differently shaped. `leave_out`: names
     that may be in the checkpoint or not (a LoRA base: a full checkpoint has it, an adapter-only one not)."""
@@ -212,7 +221,7 @@ def check_model_fits(ckpt_dir: Path, wanted: dict[str, tuple], saved: dict[str, 
             )
             if items
         ]
-        raise ConfigError(f"--resume {ckpt_dir}: checkpoint is from another model: " + "; ".join(parts))
+        raise ModelMismatch(ckpt_dir, "; ".join(parts))
 
 
 def load_dcp(ckpt_dir: Path, model, optimizer, load_optimizer: bool = True, warn=print, leave_out=frozenset()) -> dict:

@@ -15,6 +15,23 @@ from shardtrain.strategies.optim import lr_lambda
 
 SCHEDULE = ("max_steps", "lr", "warmup_steps", "lr_scheduler")
 GEOMETRY = ("per_device_batch_size", "grad_accum")
+SAID_WITH_THEIR_EFFECT = {*SCHEDULE, *GEOMETRY, "max_tokens_per_batch", "optim"}
+# Every other setting of these sections is named when it differs from the checkpoint's: a resume with another
+# --weight-decay, --dropout or --max-length trained on without a word, and summary.json then recorded it.
+COMPARED_SECTIONS = ("workload", "model", "peft", "data", "train")
+NOT_COMPARED = {
+    # where the data is read from: data_changes compares what it holds (a moved file is the same data)
+    "data_dir", "eval_data_dir", "train_file", "validation_file", "train_dir", "validation_dir", "image_cache",
+    # how batches are loaded and what is reported, not what is trained
+    "num_workers", "pin_memory", "preprocessing_num_workers", "log_every", "memory_every",
+    # the tests' fault hooks
+    "inject_oom_above", "inject_oom", "inject_nan_at_steps",
+}  # fmt: skip
+# Settings a resume cannot apply, and why.
+KEPT_FROM_THE_RUN = {
+    "tokenizer_vocab_size": "not applied: the run's trained tokenizer is kept (a new one would renumber the "
+    "vocabulary under the checkpoint)",
+}
 
 
 @dataclass
@@ -80,7 +97,36 @@ def resume_changes(saved_state: dict, cfg: Config, world_size: int) -> ResumeCha
             f"{flag_of('max_tokens_per_batch')} {saved_budget} -> {budget}: the rest of the epoch is cut into "
             f"micro-batches of the new budget from the exact next sample"
         )
+    changes += setting_changes(saved_state.get("config") or {}, cfg, skip=SAID_WITH_THEIR_EFFECT)
     return ResumeChanges(changes, schedule_changed)
+
+
+def setting_changes(saved_config: dict, cfg: Config, sections=COMPARED_SECTIONS, skip=frozenset()) -> list[str]:
+    """`--flag old -> new` for each setting of `sections` that differs from the checkpoint's config (a dict
+    setting: the keys that differ), in the config's order."""
+    now = cfg.to_dict()
+    changes = []
+    for section in sections:
+        before, after = saved_config.get(section) or {}, now.get(section) or {}
+        for key, new in after.items():
+            if key in skip or key in NOT_COMPARED or key not in before or before[key] == new:
+                continue
+            old = before[key]
+            if isinstance(old, dict) and isinstance(new, dict):
+                differ = [
+                    f"{k} {_shown(old.get(k))} -> {_shown(new.get(k))}"
+                    for k in {**old, **new}
+                    if old.get(k) != new.get(k)
+                ]
+                changes.append(f"{flag_of(key)} {', '.join(differ)}")
+            else:
+                kept = KEPT_FROM_THE_RUN.get(key)
+                changes.append(f"{flag_of(key)} {_shown(old)} -> {_shown(new)}" + (f": {kept}" if kept else ""))
+    return changes
+
+
+def _shown(value) -> str:
+    return "unset" if value is None else str(value)
 
 
 def data_changes(saved_state: dict, data_source: dict | None) -> list[str]:

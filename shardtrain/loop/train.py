@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from shardtrain.checkpointing import store as checkpoint
+from shardtrain.checkpointing.dcp_state import ModelMismatch
 from shardtrain.checkpointing.final_model import export_final_model_if_missing, final_model_folder, write_final_model
 from shardtrain.checkpointing.output_lock import hold_output_dir
 from shardtrain.config.settings import Config, ConfigError, profile_range
@@ -26,7 +27,7 @@ from shardtrain.loop.best import BestCheckpoint, stopped_early
 from shardtrain.loop.elastic import membership
 from shardtrain.loop.evaluate import evaluate
 from shardtrain.loop.oom import OOMRecovery
-from shardtrain.loop.resume_changes import data_changes, resume_changes
+from shardtrain.loop.resume_changes import data_changes, resume_changes, setting_changes
 from shardtrain.loop.run_info import describe_run, measured_shape_prediction, predicted_memory, skipped
 from shardtrain.loop.saves import Saves
 from shardtrain.loop.step_health import BadStepPolicy, agree
@@ -404,6 +405,25 @@ class Trainer:
             )
         return self.resumed_here and (self.state["step"] >= cfg.train.max_steps or stopped_early(self.state, cfg.train))
 
+    def _another_model(self, e: ModelMismatch) -> str:
+        """The checkpoint's tensors are not this model's: a config changed the model's sizes (the same workload,
+        so refuse_another_workloads_checkpoint let it through). Which checkpoint (the user may never have named
+        one), the settings that differ from its run's, and the way out."""
+        cfg = self.cfg
+        found = (
+            f"the checkpoint --resume auto found, {self.resume_dir},"
+            if cfg.checkpoint.resume == "auto"
+            else f"--resume {self.resume_dir}:"
+        )
+        differ = setting_changes(self.state.get("config") or {}, cfg, sections=("workload", "model", "peft", "data"))
+        since = f"; changed since its run: {', '.join(differ)}" if differ else ""
+        way_out = (
+            "train into another --output-dir, or start over in it with --resume none --overwrite-output-dir"
+            if self.resumed_here
+            else "name a checkpoint of this model, or start afresh with --resume none"
+        )
+        return f"{found} is from another model: {e.detail}{since}: {way_out}"
+
     def _nothing_to_train(self, cfg: Config) -> dict:
         step, patience = self.state["step"], cfg.train.early_stopping_patience
         why, more = (
@@ -478,7 +498,10 @@ class Trainer:
             self.strategy.set_frozen(self.frozen, False)
         # Adapters only (a LoRA run's checkpoint): they fit the base they were trained on, which build_model rebuilt.
         check_same_base(state.get("base"), self.base, f"--resume {self.resume_dir}", self.task)
-        self.strategy.load(self.resume_dir, state)  # a foreign strategy's checkpoint goes through the portable form
+        try:
+            self.strategy.load(self.resume_dir, state)  # a foreign strategy's: through the portable form
+        except ModelMismatch as e:
+            raise ConfigError(self._another_model(e)) from None
         self.loaders.train.load_state_dict(state["data"])
         self.step = state["step"]
         self.console.info(f"resumed from {self.resume_dir} at step {self.step}")

@@ -294,6 +294,19 @@ def test_every_finished_run_keeps_its_end_and_a_changed_resume_says_so(ld_data, 
         other.output
     ), other.tail()
     assert "nothing to train" not in other.output and (out / "summary.json").read_bytes() == before
+    # The same workload at another size: the checkpoint the user never named is named, with what changed since
+    # its run and the way out (it said `--resume runs/x/...: checkpoint is from another model: ...` alone).
+    resized = cli(["train", *extend, "--max-steps", "8", "--num-labels", "5", "--nproc", "1"], check=False)
+    error = resized.output.strip().splitlines()[-1]
+    assert resized.returncode == 2 and error.startswith(
+        f"shardtrain: error: the checkpoint --resume auto found, {checkpoints_root(out) / 'step-000006'}, is from "
+        "another model: shape checkpoint vs model"
+    ), resized.tail()
+    assert error.endswith(
+        "; changed since its run: --num-labels 3 -> 5: train into another --output-dir, or start over in it with "
+        "--resume none --overwrite-output-dir"
+    ), error
+    assert (out / "summary.json").read_bytes() == before
 
     unsaved = tmp_path / "unsaved"
     torchrun(
