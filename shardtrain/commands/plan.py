@@ -35,8 +35,13 @@ def main(argv: list[str]) -> int:
     parser = _OneLineParser(prog="shardtrain plan", allow_abbrev=False)
     parser.add_argument("--config", help="the training config (optional with --workload)")
     add_workload_flags(parser)
-    parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--gpu", required=True, help=f"one of {', '.join(GPUS)}")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs the run trains on, all nodes together")
+    parser.add_argument(
+        "--gpu",
+        required=True,
+        help=f"one of {', '.join(GPUS)} (or their short names: a100, v100, l4, ...); another card's name "
+        "with --memory-budget-gb",
+    )
     parser.add_argument("--per-device-batch-size", type=int)
     parser.add_argument(
         "--grad-accum",
@@ -76,9 +81,9 @@ def main(argv: list[str]) -> int:
     cfg = _plan_config(args)
     if args.gpus < 1:
         raise ConfigError(f"--gpus must be positive, got {args.gpus}")
-    gpu = resolve_gpu(args.gpu)
     # The memory the run's auto choices fit in: the card's, or --memory-budget-gb (from the flag or the config)
     budget = cfg.parallel.memory_budget_gb
+    gpu = resolve_gpu(args.gpu, budget)
     capacity = budget * GIB if budget is not None else gpu.memory_gib * GIB
     memory_model = memory_model_of(cfg)
     if memory_model is None:

@@ -73,6 +73,15 @@ GPUS = {
     "v100-32gb": GPU("V100 32GB", 32.0, False),
     "h100-80gb": GPU("H100 80GB", 80.0, True),
     "h200-141gb": GPU("H200 141GB", 141.0, True),
+    # The 16-48 GB cards of cloud instances (SageMaker's g4dn, g5, g6 and g6e) and workstations.
+    "t4-16gb": GPU("T4 16GB", 16.0, False),
+    "a10g-24gb": GPU("A10G 24GB", 24.0, True),
+    "a10-24gb": GPU("A10 24GB", 24.0, True),
+    "l4-24gb": GPU("L4 24GB", 24.0, True),
+    "rtx3090-24gb": GPU("RTX 3090 24GB", 24.0, True),
+    "rtx4090-24gb": GPU("RTX 4090 24GB", 24.0, True),
+    "l40s-48gb": GPU("L40S 48GB", 48.0, True),
+    "a6000-48gb": GPU("RTX A6000 48GB", 48.0, True),
 }
 GPU_ALIASES = {
     "a100": "a100-40gb",
@@ -83,6 +92,14 @@ GPU_ALIASES = {
     "v100-32": "v100-32gb",
     "h100": "h100-80gb",
     "h200": "h200-141gb",
+    "t4": "t4-16gb",
+    "a10g": "a10g-24gb",
+    "a10": "a10-24gb",
+    "l4": "l4-24gb",
+    "rtx3090": "rtx3090-24gb",
+    "rtx4090": "rtx4090-24gb",
+    "l40s": "l40s-48gb",
+    "a6000": "a6000-48gb",
 }
 # Resident outside the allocator's view: the CUDA context and kernels (~0.3-0.5 GiB on A100/H100).
 CUDA_CONTEXT = 0.5 * GIB
@@ -556,13 +573,20 @@ def paper_formula(variant: str, psi: int, n: int) -> dict:
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------
-def resolve_gpu(name: str) -> GPU:
+def resolve_gpu(name: str, memory_budget_gb: float | None = None) -> GPU:
+    """A card of the table; another one by its name when --memory-budget-gb says how much memory to plan for
+    (assumed to have bf16: every card since the A100's generation does)."""
     from shardtrain.config.settings import ConfigError
 
     key = GPU_ALIASES.get(name.lower(), name.lower())
-    if key not in GPUS:
-        raise ConfigError(f"--gpu {name}: unknown GPU; known: {', '.join(GPUS)}")
-    return GPUS[key]
+    if key in GPUS:
+        return GPUS[key]
+    if memory_budget_gb is not None:
+        return GPU(name, memory_budget_gb, True)
+    raise ConfigError(
+        f"--gpu {name}: unknown GPU; known: {', '.join(GPUS)} (another card: --gpu NAME --memory-budget-gb "
+        "its memory in GB)"
+    )
 
 
 def plan(
@@ -894,8 +918,11 @@ def format_plan(p: dict, gpu_name: str) -> str:
         lines.append("recommendation: nothing fits, even at micro-batch 1: more or bigger GPUs")
     lines.append(
         "AC k/B: the fewest of B blocks to checkpoint that fit (--activation-checkpointing auto); "
-        "cost: relative step time (heuristic ranking: communication, offload, recompute); paper: ZeRO "
-        "paper model states (fp16 weights, K=12); save/GPU: host RAM a checkpoint save adds per GPU"
+        "activ: saved activations of one micro-batch; comm: collective buffers; overh: the transient peak "
+        "(gathered shards, a recomputed block) and the CUDA context; "
+        f"fits: total within {1 - HEADROOM:.0%} of the memory (headroom: what is left); "
+        "cost: relative step time (heuristic ranking: communication, offload, recompute); "
+        "paper: ZeRO paper model states (fp16 weights, K=12); save/GPU: host RAM a checkpoint save adds per GPU"
     )
     return "\n".join(lines)
 

@@ -100,8 +100,20 @@ def test_model_state_formulas():
 
 def test_unknown_gpu_is_a_config_error():
     assert resolve_gpu("A100").memory_gib == 40 and not resolve_gpu("v100-16gb").bf16
-    with pytest.raises(ConfigError, match="--gpu h300: unknown GPU; known: a100-40gb"):
+    with pytest.raises(ConfigError, match="--gpu h300: unknown GPU; known: a100-40gb.*--memory-budget-gb"):
         resolve_gpu("h300")
+
+
+def test_the_cloud_instances_cards_are_known_and_any_other_plans_with_its_memory_given(tmp_path, capsys):
+    """SageMaker's g5 (A10G) and g6 (L4) cards were unknown, and `--gpu l4 --memory-budget-gb 22` was refused
+    for the name before the budget was read."""
+    from shardtrain.commands.plan import main
+
+    assert (resolve_gpu("a10g").memory_gib, resolve_gpu("L4").memory_gib, resolve_gpu("t4").bf16) == (24, 24, False)
+    config = str(REPO / "configs/multimodal_tiny.yaml")
+    assert main(["--config", config, "--gpus", "2", "--gpu", "MI300X", "--memory-budget-gb", "22"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert " on 2 x MI300X (22 GiB), fp32, micro-batch 16" in first, first
 
 
 def test_nothing_fits_gives_a_smaller_micro_batch_with_the_same_global_batch(tmp_path):
