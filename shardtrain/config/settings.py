@@ -1237,7 +1237,7 @@ def _validate(cfg: Config) -> Config:
     profile_range(cfg.log.profile_steps, cfg.train.max_steps)
     check_not_negative(cfg, *NOT_NEGATIVE)
     _check_best_metric(cfg.train)
-    _check_early_stopping(cfg.train, cfg.checkpoint)
+    _check_early_stopping(cfg.train, cfg.checkpoint, cfg.log)
     _check_unfreeze_at_step(cfg.model, cfg.train)
     _check_lora(cfg)
     cfg = replace_fields(cfg, inject_nan_at_steps=_nan_steps(cfg.train.inject_nan_at_steps))
@@ -1356,7 +1356,7 @@ def _check_best_metric(t: TrainConfig) -> None:
         raise ConfigError(f"{where('early_stopping_threshold')} must be >= 0, got {t.early_stopping_threshold}")
 
 
-def _check_early_stopping(t: TrainConfig, c: CheckpointConfig) -> None:
+def _check_early_stopping(t: TrainConfig, c: CheckpointConfig, log: LogConfig) -> None:
     """The best checkpoint is chosen at the evaluations during training: --eval-every 0 has none."""
     asked = "early_stopping_patience" if t.early_stopping_patience is not None else "metric_for_best_model"
     if tracks_best(t) and t.eval_every == 0:
@@ -1368,6 +1368,12 @@ def _check_early_stopping(t: TrainConfig, c: CheckpointConfig) -> None:
         raise ConfigError(
             f"{where('final_model_checkpoint')} best: no best checkpoint is kept; set "
             f"--metric-for-best-model NAME (or --early-stopping-patience N)"
+        )
+    if c.final_model_checkpoint == "best" and not c.final_model_dir and not logs_model_artifact(log):
+        # It was a silent no-op: HF's load_best_model_at_end users expect the best model somewhere.
+        raise ConfigError(
+            f"{where('final_model_checkpoint')} best chooses what --final-model-dir gets, and none is set (SageMaker "
+            f"sets it): set --final-model-dir DIR, or after the run `shardtrain export RUN DIR --checkpoint best`"
         )
 
 

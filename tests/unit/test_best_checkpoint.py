@@ -221,6 +221,17 @@ def test_start_up_refuses_what_cannot_work_in_one_line():
         parse_cli(["--eval-every", "2", "--early-stopping-patience", "0"])
     with pytest.raises(ConfigError, match=r"^--early-stopping-threshold .* must be >= 0, got -0.1"):
         parse_cli(["--eval-every", "2", "--early-stopping-patience", "1", "--early-stopping-threshold=-0.1"])
+    # It had no effect without a folder to write the final model to, and said nothing.
+    with pytest.raises(ConfigError) as e:
+        parse_cli(["--eval-every", "2", "--metric-for-best-model", "accuracy", "--final-model-checkpoint", "best"])
+    assert str(e.value) == (
+        "--final-model-checkpoint (checkpoint.final_model_checkpoint) best chooses what --final-model-dir gets, and "
+        "none is set (SageMaker sets it): set --final-model-dir DIR, or after the run `shardtrain export RUN DIR "
+        "--checkpoint best`"
+    )
+    cfg = parse_cli(["--eval-every", "2", "--metric-for-best-model", "accuracy", "--final-model-checkpoint", "best",
+                     "--final-model-dir", "final"])  # fmt: skip
+    assert cfg.checkpoint.final_model_checkpoint == "best"
     cfg = parse_cli(["--eval_steps", "2", "--early_stopping_patience", "3", "--greater_is_better", "false"])
     t = cfg.train
     assert (t.early_stopping_patience, t.greater_is_better, t.metric_for_best_model) == (3, False, None)
