@@ -173,7 +173,15 @@ class BestCheckpoint:
         r = self.record
         if self.saves_at(step):
             was = f" (was {_shown(before.value)} at step {before.step})" if before and before.step is not None else ""
-            return f"step {step}: new best {r.metric} {_shown(value)}{was}: checkpoints/best"
+            line = f"step {step}: new best {r.metric} {_shown(value)}{was}: checkpoints/best"
+            if r.evals_without_improvement and self.patience is not None:
+                # Better, but not by more than the threshold: HF counts it against the patience, and the early-
+                # stopping line right after a "new best" read as a contradiction without this.
+                line += (
+                    f"; not better by more than {self.threshold:g} (--early-stopping-threshold): "
+                    f"{r.evals_without_improvement} of {self.patience} evaluations without an improvement"
+                )
+            return line
         patience = f" of {self.patience}" if self.patience is not None else ""
         best = f"best {_shown(r.value)} at step {r.step}" if r.step is not None else "no finite value yet"
         return (

@@ -92,6 +92,21 @@ def test_the_default_metric_is_the_first_key_and_patience_stops_the_run():
     assert best.summary()["checkpoint"] == "step-000002" and best.summary()["patience"] == 2
 
 
+def test_a_new_best_within_the_threshold_says_it_counts_against_the_patience():
+    """`new best ... (was 0.873)` and then `early stopping: did not improve by more than 0.001` at the same step
+    read as a contradiction: HF's rule (a new best at any gain, an improvement only above the threshold) is now
+    said on the new best's line."""
+    best = tracker(early_stopping_patience=1, early_stopping_threshold=0.01)
+    best.observe(2, METRICS)
+    best.observe(4, {**METRICS, "accuracy": METRICS["accuracy"] + 0.005})
+    line = best.console.lines[-1]
+    assert line.endswith(
+        "checkpoints/best; not better by more than 0.01 (--early-stopping-threshold): 1 of 1 evaluations without "
+        "an improvement"
+    ), line
+    assert best.stop and best.record.step == 4
+
+
 def test_loss_names_default_to_lower_is_better_and_hf_eval_prefix_is_accepted():
     best = tracker(metric_for_best_model="eval_val_loss")
     best.observe(1, {"val_loss": 2.0})
