@@ -182,7 +182,8 @@ class Trainer:
                 if self.preempted:
                     self._stop_for_preemption()
                     break
-                if self.best.stop:  # --early-stopping-patience: ends as a finished run does
+                # --early-stopping-patience ends the run as a finished one ends; at max_steps it has finished anyway
+                if self.best.stop and self.step < self.cfg.train.max_steps:
                     self.stopped_early = True
                     self.console.info(self.best.stop_line(self.step))
                     break
@@ -429,7 +430,7 @@ class Trainer:
         why, more = (
             (f"--max-steps is {cfg.train.max_steps}", "--max-steps")
             if step >= cfg.train.max_steps
-            else (f"the run stopped early there (--early-stopping-patience {patience})", "--early-stopping-patience")
+            else (f"its patience ran out there (--early-stopping-patience {patience})", "--early-stopping-patience")
         )
         self.console.info(
             f"nothing to train: {self.resume_dir} is at step {step} and {why}; summary.json and the checkpoints "

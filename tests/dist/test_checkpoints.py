@@ -378,6 +378,9 @@ def test_best_checkpoint_and_early_stopping_on_every_strategy_across_a_kill(mm_d
         {"name": s, "args": args(mm_data, tmp_path / s, s, *EARLY, *extra, *final_model(s, extra))}
         for s, extra in BEST_RUNS.items()
     ]
+    # The patience running out at --max-steps itself: a run that finished, not one that stopped early.
+    at_end = ["--early-stopping-threshold", "1.0", "--max-steps", "3"]
+    plan.append({"name": "at_end", "args": args(mm_data, tmp_path / "at_end", "ddp", *EARLY, *at_end)})
     env = test_env(SHARDTRAIN_FAULT="step@3:1", SHARDTRAIN_FAULT_ONCE_DIR=tmp_path / "fired")
     run, _ = run_plan(plan, tmp_path, timeout=900, env=env, extra_launcher_args=["--max-restarts", "2"])
     assert run.output.count("[fault injection]") == 1, run.tail()
@@ -404,3 +407,6 @@ def test_best_checkpoint_and_early_stopping_on_every_strategy_across_a_kill(mm_d
         assert (saved["step"], saved["evals_without_improvement"]) == (best, 2), (strategy, saved)
     exported = json.loads((tmp_path / "ddp" / "final_model" / "shardtrain_export.json").read_text())
     assert exported["checkpoint"] == str(checkpoints_root(tmp_path / "ddp") / "step-000001")
+    at_end = json.loads((tmp_path / "at_end" / "summary.json").read_text())
+    assert at_end["final_step"] == 3 and at_end["stopped_by"] is None, at_end
+    assert at_end["best"]["evals_without_improvement"] == 2, at_end["best"]
