@@ -634,7 +634,7 @@ def predicted_data(source: Source, args) -> tuple:
             f"split for this data"
         )
     left_out = getattr(data, "skipped", None) or []
-    if left_out and os.environ.get("RANK", "0") == "0":  # trial G: 4 of 30 rows went missing without a word
+    if left_out and os.environ.get("RANK", "0") == "0":  # 4 of 30 rows had gone missing without a word
         print(
             f"predict: --skip-bad-samples left {len(left_out)} rows of the {args.split} split out, e.g. "
             f"{left_out[0]}; --file F predicts every row of F, unlabelled ones too",

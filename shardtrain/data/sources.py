@@ -369,7 +369,7 @@ def _read_file(file: str, flag: str) -> RawSplit:
 
 
 def _read_saved_split(folder: str) -> RawSplit:
-    """`predict --file` on a folder that `Dataset.save_to_disk` wrote: one split, its rows in order (trial G's
+    """`predict --file` on a folder that `Dataset.save_to_disk` wrote: one split, its rows in order (a user's
     data was in that form, and --file took files only). A DatasetDict's folder holds one such folder per split."""
     import json
 
@@ -596,7 +596,7 @@ def _refuse_one_class_spelt_two_ways(r: RawSplit, column: str, values: list, fou
 
 
 def _refuse_a_rare_near_spelling(r: RawSplit, column: str, values: list, found: list[str]) -> None:
-    """`postive` in one row beside `positive` in 239 became a fourth class in silence (trial G): a label of at
+    """`postive` in one row beside `positive` in 239 became a fourth class in silence: a label of at
     most 1% of the rows (at least 2) spelt within a letter or two of one ten times as frequent is a typo far more
     often than a class. Names that differ only in their digits (`label_1`, `label_2`) are classes."""
     import difflib

@@ -49,7 +49,7 @@ def check_tracking_servers(report_to: list[str], env: Mapping[str, str] | None =
 
 def _mlflow_refuses_file_store(uri: str, env: Mapping[str, str]) -> bool:
     """A `file:` URI or a plain path is MLflow's file store, which MLflow 3 refuses without MLFLOW_ALLOW_FILE_STORE
-    (its tracking FileStore): the run trained on with `mlflow off` and one warning (trial G)."""
+    (its tracking FileStore): the run trained on with `mlflow off` and one warning."""
     from urllib.parse import urlparse
 
     file_store = urlparse(uri).scheme in ("", "file")

@@ -141,8 +141,8 @@ def test_skip_policy_skips_on_every_rank_and_counts(previous):
 
 
 def test_predict_says_which_rows_skip_bad_samples_left_out(previous, tmp_path, capsys):
-    """Predicting a split of a --skip-bad-samples run left its bad rows out without a word (trial G: 26 lines for
-    30 rows). In this process, through the console script's own function: its work is a CPU forward."""
+    """Predicting a split of a --skip-bad-samples run left its bad rows out without a word (a user's trial: 26
+    lines for 30 rows). In this process, through the console script's own function: its work is a CPU forward."""
     from shardtrain import cli
 
     capsys.readouterr()
@@ -153,7 +153,7 @@ def test_predict_says_which_rows_skip_bad_samples_left_out(previous, tmp_path, c
 
 
 def test_predict_names_the_way_to_rows_training_refuses(previous, mm_data, tmp_path, capsys):
-    """Trial G: a split with an unlabelled row stopped predict with training's message alone, and predict --file
+    """A split with an unlabelled row stopped predict with training's message alone, and predict --file
     predicted a row with no text without a word. In this process, as above."""
     from shardtrain import cli
 

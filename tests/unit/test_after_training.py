@@ -44,7 +44,7 @@ def run_config(tmp_path):
 
 
 def test_a_save_to_disk_split_is_a_file_to_predict_with_its_unlabelled_rows(tmp_path):
-    """Trial G kept its data as `DatasetDict.save_to_disk`: `predict --file` took files only (`unknown extension
+    """A user kept their data as `DatasetDict.save_to_disk`: `predict --file` took files only (`unknown extension
     ''`), and the run's --dataset-name path refuses an unlabelled row. One split's folder is now read as a file
     is: every row in order, unlabelled ones too; the DatasetDict's own folder names its splits."""
     import datasets
@@ -198,7 +198,7 @@ def test_check_data_counts_the_problems_in_the_file_they_are_in(tmp_path, capsys
 
 
 def test_check_data_on_clean_data_counts_each_splits_rows_by_class(tmp_path, capsys):
-    """Trial G's user, whose data was 60% positive, saw only "no problems found": the classes' shares are what an
+    """A user whose data was 60% positive saw only "no problems found": the classes' shares are what an
     imbalanced (or a split missing a class) shows in before training. Class names for a source, ids for a folder."""
     names = ["negative"] * 2 + ["positive"] * 6
     train = write_csv(tmp_path / "train.csv", ["review", "sentiment"], [[f"t{i}", n] for i, n in enumerate(names)])

@@ -126,7 +126,7 @@ def test_slurm_requeue_survives_the_sigterm_it_causes(tmp_path, monkeypatch):
 
 def test_a_run_folder_named_checkpoints_is_a_run_folder(tmp_path):
     """SageMaker's run folder is /opt/ml/checkpoints: export, predict and --resume took it for OUT/checkpoints
-    and said it held no committed checkpoint (trial F). OUT/checkpoints itself still works, and so does best."""
+    and said it held no committed checkpoint. OUT/checkpoints itself still works, and so does best."""
     run = tmp_path / "opt" / "ml" / "checkpoints"
     for step in (2, 4):
         committed = checkpoint.checkpoints_root(run) / checkpoint.step_dir_name(step)

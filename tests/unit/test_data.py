@@ -442,7 +442,7 @@ def test_a_relative_data_dir_not_found_names_the_working_directory(tmp_path, mon
 
 
 def test_under_sagemaker_a_csv_channel_is_named_by_its_hyperparameter(tmp_path, monkeypatch):
-    """A SageMaker user sets hyperparameters: the line named the flag --train-file (trial F)."""
+    """A SageMaker user sets hyperparameters: the line named the flag --train-file."""
     from shardtrain.data.records import split_path
 
     channel = tmp_path / "train"

@@ -77,7 +77,7 @@ def test_check_only_makes_the_checks_and_starts_nothing(mm_data, tmp_path):
 
 def test_a_class_metric_is_checked_against_the_datas_classes_before_launch(mm_data, tmp_path):
     """--metric-for-best-model f1_<class> names a class the data has: checked by --check-only and before any
-    process starts (trial G: --check-only passed `f1_negtive`, and the job failed after its ranks started)."""
+    process starts (a user's --check-only passed `f1_negtive`, and the job failed after its ranks started)."""
     csv = tmp_path / "reviews.csv"
     csv.write_text("review,sentiment\n" + "".join(f"text {i},{('negative', 'positive')[i % 2]}\n" for i in range(16)))
     text_only = ["--config", str(REPO / "configs" / "longformer_tiny.yaml")]  # the later --config is the one read
@@ -93,7 +93,7 @@ def test_a_class_metric_is_checked_against_the_datas_classes_before_launch(mm_da
 def test_the_other_built_ins_checkpoint_is_refused_before_launch(mm_data, tmp_path):
     """A Longformer run's checkpoint under the multimodal config: in the run's own folder (--resume auto) and
     named by --resume (it was refused only by the weights' names, after the launch, the data and a tokenizer
-    folder: trial F, 16.6 s). One line each, nothing launched, no folder made."""
+    folder: 16.6 s in a user's trial). One line each, nothing launched, no folder made."""
     from shardtrain.checkpointing import store
 
     longformer_run = tmp_path / "longformer_run"

@@ -71,7 +71,7 @@ def test_banner_shows_ranks_strategy_batch_arithmetic_and_data():
 
 
 def test_banner_names_the_frozen_modules():
-    """Trial E's banner counted the 183,840 parameters its own build_model() froze, but named none of them: the
+    """A user's banner counted the 183,840 parameters its own build_model() froze, but named none of them: the
     user could not see which layers the run would leave alone."""
     from shardtrain.loop.run_info import frozen_parts
 

@@ -324,7 +324,7 @@ def test_a_class_spelt_two_ways_is_refused_unless_label_names_lists_both(tmp_pat
 
 
 def test_a_rare_label_spelt_like_a_common_one_is_refused_but_numbered_classes_are_not(tmp_path):
-    """Trial G's training file had one `postive` among 239 `positive`: the run trained a fourth class on it, and
+    """A user's training file had one `postive` among 239 `positive`: the run trained a fourth class on it, and
     check-data and --check-only said nothing."""
     from shardtrain.data.check import check_source
     from shardtrain.data.sources import load_splits

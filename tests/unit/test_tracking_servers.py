@@ -47,7 +47,7 @@ def test_an_mlflow_server_that_does_not_answer_is_one_line_in_seconds(answering_
 
 def test_a_file_store_mlflow_3_refuses_is_one_line_before_launch():
     """MLFLOW_TRACKING_URI=file:... without MLFLOW_ALLOW_FILE_STORE passed --check-only, then the run trained with
-    MLflow off and one warning (trial G): MLflow 3 refuses its file store unless that is set."""
+    MLflow off and one warning: MLflow 3 refuses its file store unless that is set."""
     for uri in ("file:///tmp/mlruns", "/tmp/mlruns", "mlruns"):
         with pytest.raises(ConfigError) as e:
             check_tracking_servers(["mlflow"], {"MLFLOW_TRACKING_URI": uri})

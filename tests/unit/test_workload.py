@@ -322,7 +322,7 @@ def test_macro_f1_leaves_out_a_class_no_example_has_nor_any_prediction():
 def test_each_class_gets_its_own_f1_precision_and_recall_by_name():
     """Per-class numbers (sentiment users watch the negative class, often its recall): the keys name the classes,
     in characters every logger takes, for the classes macro-F1 averages (a label or a prediction), so that it is
-    the mean of the F1s (trial G read a macro of 0.6256 beside 0.909 and 0.968: the predicted-only class's 0 was
+    the mean of the F1s (a user read a macro of 0.6256 beside 0.909 and 0.968: the predicted-only class's 0 was
     left out). The eval line shows the F1s; eval.jsonl and the loggers all three."""
     from shardtrain.observability.metric_text import metrics_line
     from shardtrain.workloads.base import classification_metrics
