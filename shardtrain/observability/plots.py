@@ -10,7 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from shardtrain.observability.runlog import MEMORY_PARTS, MIB  # noqa: E402
+from shardtrain.observability.metric_text import shown_as  # noqa: E402
+from shardtrain.observability.runlog import MEMORY_PARTS, MIB, headline_metrics  # noqa: E402
 
 COLORS = {"params": "#4c72b0", "grads": "#dd8452", "optimizer": "#55a868", "comm": "#8172b3", "activations": "#c44e52"}
 
@@ -23,29 +24,31 @@ def _save(fig, path: Path, rect=(0, 0, 1, 1)) -> Path:
 
 
 def curves(runs, path: Path) -> Path:
-    """Training loss (left) and eval accuracy / macro-F1 (right) against the optimizer step."""
+    """Training loss (left) and the evaluations' headline metrics (right: accuracy and macro-F1, or a workload's
+    own first two) against the optimizer step."""
     fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
+    shown = headline_metrics(runs)
     for run in runs:
         ax_loss.plot([r["step"] for r in run.steps], [r["loss"] for r in run.steps], label=run.label)
-        if run.evals:
-            (line,) = ax_eval.plot(
-                [e["step"] for e in run.evals],
-                [e["accuracy"] for e in run.evals],
-                marker="o",
-                label=f"{run.label} accuracy",
-            )
-            ax_eval.plot(
-                [e["step"] for e in run.evals],
-                [e["macro_f1"] for e in run.evals],
-                marker="s",
-                linestyle="--",
-                color=line.get_color(),
-                label=f"{run.label} macro-F1",
-            )
+        color = None
+        for n, key in enumerate(shown):
+            points = [(e["step"], e[key]) for e in run.evals if isinstance(e.get(key), (int, float))]
+            if points:
+                (line,) = ax_eval.plot(
+                    *zip(*points),
+                    marker="os"[n % 2],
+                    linestyle="-" if n == 0 else "--",
+                    color=color,
+                    label=f"{run.label} {shown_as(key)}",
+                )
+                color = line.get_color()
+    values = [e[k] for run in runs for e in run.evals for k in shown if isinstance(e.get(k), (int, float))]
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
-    ax_eval.set(title="evaluation", xlabel="step", ylabel="score", ylim=(0, 1.05))
+    ax_eval.set(title="evaluation", xlabel="step", ylabel="score" if shown[:1] == ["accuracy"] else " / ".join(shown))
+    if values and all(0 <= v <= 1 for v in values):
+        ax_eval.set_ylim(0, 1.05)
     ax_eval.set_xlim(ax_loss.get_xlim())  # one step axis for both panels, even with a single eval point
-    if not any(run.evals for run in runs):
+    if not values:
         ax_eval.text(0.5, 0.5, "no evaluation records", ha="center", va="center", transform=ax_eval.transAxes)
     for ax in (ax_loss, ax_eval):
         ax.grid(alpha=0.3)

@@ -12,10 +12,16 @@ from pathlib import Path
 
 from shardtrain.config.settings import ConfigError
 from shardtrain.observability.comparable import WORKLOAD, differences, in_groups
-from shardtrain.observability.runlog import MEMORY_PARTS, MIB, RunLog, load_run, load_runs
+from shardtrain.observability.metric_text import shown_as
+from shardtrain.observability.runlog import MEMORY_PARTS, MIB, RunLog, headline_metrics, load_run, load_runs
 from shardtrain.observability.step_profile import PARTS, profile_rows
 
-COLUMNS = ("run", "strategy", "world", "memory/rank MiB", "samples/s", "final loss", "accuracy", "macro-F1")
+COLUMNS = ("run", "strategy", "world", "memory/rank MiB", "samples/s", "final loss")
+
+
+def columns(runs: list[RunLog]) -> tuple[str, ...]:
+    """The fixed columns, then the runs' headline metrics (accuracy and macro-F1, or a workload's own)."""
+    return (*COLUMNS, *(shown_as(k) for k in headline_metrics(runs)))
 
 
 def _fmt(value, spec: str) -> str:
@@ -23,7 +29,7 @@ def _fmt(value, spec: str) -> str:
 
 
 def table_rows(runs: list[RunLog]) -> list[list[str]]:
-    rows = []
+    rows, shown = [], headline_metrics(runs)
     for run in runs:
         info = run.summary.get("run") or run.summary
         ev = run.eval_result
@@ -35,15 +41,14 @@ def table_rows(runs: list[RunLog]) -> list[list[str]]:
                 _fmt(run.memory_per_rank_mib(), ".1f"),
                 _fmt(run.samples_per_sec, ".1f"),
                 _fmt(run.final_loss, ".4f"),
-                _fmt(ev.get("accuracy"), ".4f"),
-                _fmt(ev.get("macro_f1"), ".4f"),
+                *(_fmt(ev.get(k), ".4f") if isinstance(ev.get(k), (int, float)) else "-" for k in shown),
             ]
         )
     return rows
 
 
-def text_table(rows: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(COLUMNS)]
+def text_table(header: tuple[str, ...], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
 
     def line(cells):
         return "  ".join(
@@ -51,7 +56,7 @@ def text_table(rows: list[list[str]]) -> str:
             for i, (c, w) in enumerate(zip(cells, widths))
         )
 
-    return "\n".join([line(COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
+    return "\n".join([line(header), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def difference_warnings(runs: list[RunLog]) -> list[str]:
@@ -219,7 +224,7 @@ def write_report(
     info = run.summary.get("run") or {}
     # strategy_settings repeats the strategy's keys, which the run block holds at its top level.
     settings = {k: v for k, v in info.items() if k not in ("ranks", "strategy_settings")}
-    parts = [f"<h1>shardtrain run: {html.escape(run.label)}</h1>", _html_table(COLUMNS, table_rows([run]))]
+    parts = [f"<h1>shardtrain run: {html.escape(run.label)}</h1>", _html_table(columns([run]), table_rows([run]))]
     parts += best_lines(run.summary)
     if info.get("ranks"):
         parts += [
@@ -263,11 +268,11 @@ def write_compare(run_dirs: list[str], out: str | Path) -> tuple[Path, str]:
     out.mkdir(parents=True, exist_ok=True)
     rows = table_rows(runs)
     warned, verdict_lines = difference_warnings(runs), verdict(runs)
-    text = "\n".join([text_table(rows), "", *(f"warning: {w}" for w in warned), *verdict_lines])
+    text = "\n".join([text_table(columns(runs), rows), "", *(f"warning: {w}" for w in warned), *verdict_lines])
     figures = _figures(runs, out)
     parts = [
         "<h1>shardtrain: strategy comparison</h1>",
-        _html_table(COLUMNS, rows),
+        _html_table(columns(runs), rows),
         *(["<ul>" + "".join(f"<li>warning: {html.escape(w)}</li>" for w in warned) + "</ul>"] if warned else []),
         "<ul>" + "".join(f"<li>{html.escape(v)}</li>" for v in verdict_lines) + "</ul>",
         *(f'<img src="{p.name}" alt="{p.stem}">' for p in figures),

@@ -99,3 +99,24 @@ def load_runs(paths) -> list[RunLog]:
         if names.count(run.path.name) > 1:
             run.alias = f"{run.path.parent.name}/{run.path.name}"
     return runs
+
+
+# The default metrics' two headline numbers; a workload with its own metrics (a causal LM's perplexity) is shown by
+# its first two, which `report` looked up as "accuracy" and failed on (KeyError) before.
+DEFAULT_HEADLINE = ("accuracy", "macro_f1")
+NOT_HEADLINE = ("step", "final", "n_examples")
+
+
+def headline_metrics(runs) -> list[str]:
+    """The eval keys a report plots and tabulates for these runs: accuracy and macro-F1 where the runs have them,
+    else the first two numeric keys of their evaluations (a class's own F1, precision and recall left out)."""
+    keys: list[str] = []
+    for run in runs:
+        for record in [*run.evals, run.eval_result]:
+            for key, value in record.items():
+                per_class = key.startswith(("f1_", "precision_", "recall_"))
+                numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+                if key not in keys and key not in NOT_HEADLINE and numeric and not per_class:
+                    keys.append(key)
+    default = [k for k in DEFAULT_HEADLINE if k in keys]
+    return default or keys[:2]

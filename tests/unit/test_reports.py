@@ -237,6 +237,21 @@ def test_report_html_shows_formatted_values_not_python_dicts(tmp_path):
     assert "<th>reduce_bucket_size</th><td>50,000,000</td>" in html
 
 
+def test_a_workload_without_accuracy_gets_its_report_with_its_own_metrics(tmp_path, capsys):
+    """examples/causal_lm evaluates perplexity only: its report failed with KeyError: 'accuracy' at the end of the
+    run, and so did `shardtrain report RUN`. Now its own first two numbers are plotted and tabulated."""
+    run = write_run(tmp_path / "lm", config())
+    summary = json.loads((run / "summary.json").read_text())
+    summary["eval"] = {"perplexity": 772.15, "loss": 6.649, "n_examples": 64}
+    (run / "summary.json").write_text(json.dumps(summary))
+    evals = [{"step": 2, "perplexity": 901.2, "loss": 6.8, "n_examples": 64}, {"step": 3, **summary["eval"]}]
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    html = write_report(run).read_text()
+    assert "<th>perplexity</th><th>loss</th>" in html and "<td>772.1500</td><td>6.6490</td>" in html, html[:3000]
+    assert (run / "curves.png").stat().st_size > 0
+    assert cli.main(["report", str(run)]) == 0, capsys.readouterr().err
+
+
 # ---- library warnings ----------------------------------------------------------------------------------------
 NOISY = """
 import sys, tempfile, warnings
