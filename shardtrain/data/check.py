@@ -9,8 +9,10 @@ from shardtrain.data.images import image_problem
 from shardtrain.data.layouts import read_layout
 from shardtrain.data.records import (
     all_lack_images,
+    all_name_their_labels,
     has_images,
     iter_split,
+    named_labels_hint,
     normalize_kind,
     split_path,
     workload_reading,
@@ -56,6 +58,8 @@ def check_data(
                 chosen_by, f", which the {reader} workload reads"
             )
             found = [f"{path}: no record names an image: these are {text_only} records{fix}"]
+        elif not labels and all_name_their_labels(found):
+            found = [f"{path}: no usable records: {named_labels_hint(path)}"]  # one line, not one per record
         elif not labels:
             found.append(f"{path}: no usable records")
         problems += found

@@ -13,10 +13,12 @@ from shardtrain.data.image_cache import open_image_cache, open_source_image_cach
 from shardtrain.data.layouts import check_num_labels, layout_files
 from shardtrain.data.records import (
     all_lack_images,
+    all_name_their_labels,
     config_split_path,
     data_kind,
     has_images,
     iter_split,
+    named_labels_hint,
     workload_reading,
 )
 from shardtrain.data.sources import column_values, image_key, load_splits, source_of
@@ -57,17 +59,21 @@ def check_splits(cfg, world_size: int = 1) -> ClassLabels | None:
         path = config_split_path(cfg, split)
         if cfg.data.image_cache is not None:
             open_image_cache(cfg, path)  # missing or stale: one line now, not one per rank after the launch
-        if cfg.data.skip_bad_samples:
-            continue
-        good = 0
+        good, skipped = 0, []
         for _rec, problem in iter_split(path, kind, cfg.model.num_labels):
+            if problem and cfg.data.skip_bad_samples:
+                skipped.append(problem)
+                continue
             if problem:
                 raise ConfigError(problem + _how_many_more(path, kind, cfg.model.num_labels))
             good += 1
             if limit is not None and good >= limit:
                 break
         if not good:
-            raise ConfigError(f"{where('data_dir')}: no usable records in {path}")
+            # Under --skip-bad-samples this passed --check-only, and the ranks found nothing to train on.
+            why = f": {named_labels_hint(path)}" if all_name_their_labels(skipped) else ""
+            skips = f" ({len(skipped)} bad records skipped by {where('skip_bad_samples')}{why})" if skipped else ""
+            raise ConfigError(f"{where('data_dir')}: no usable records in {path}{skips}")
         if split == "train":
             _check_one_batch_fits(cfg, good, world_size)
     return ClassLabels(cfg.model.num_labels, tuple(cfg.data.label_names))  # the records' ids, named by the config
@@ -112,6 +118,8 @@ def _how_many_more(path, kind: str, num_labels: int) -> str:
         text_only = record_kinds()[1]
         reader = workload_reading(text_only)
         return f" (no record of {path.name} names one: these are {text_only} records, which {reader} reads)"
+    if all_name_their_labels(problems):
+        return f" ({bad} records like it: {named_labels_hint(path)})"  # skipping them all would leave nothing
     if bad == 1:
         return f" (the only bad record in {path.name}; {where('skip_bad_samples')} leaves such records out)"
     return (

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -54,6 +55,22 @@ def workload_reading(kind: str) -> str:
 def all_lack_images(problems: list[str]) -> bool:
     """The problems of image records that are text records instead: every one a missing image field."""
     return bool(problems) and all(p.endswith(": missing field 'image'") for p in problems)
+
+
+def all_name_their_labels(problems: list[str]) -> bool:
+    """The problems of records whose labels are class names ("politics"): the normal Hugging Face jsonl, which
+    this layout does not read (its labels are ids), and --train-file does."""
+    return bool(problems) and all(re.search(r': label "[^"]*" is not an integer$', p) for p in problems)
+
+
+def named_labels_hint(path: Path) -> str:
+    """The way on for a split file whose labels are names: the same files as a data source."""
+    folder = path.parent
+    return (
+        f"{path.name}'s labels are class names: the --data-dir layout takes class ids 0..N-1; "
+        f"--train-file {folder / SPLIT_FILES['train']} --validation-file {folder / SPLIT_FILES['validation']} "
+        f"reads the same files with named classes (docs/data.md)"
+    )
 
 
 def guess_kind(data_dir) -> str:

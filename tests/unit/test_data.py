@@ -532,6 +532,38 @@ def test_a_training_set_too_small_for_a_batch_on_every_rank_is_refused_before_an
     check_splits(replace_fields(cfg, max_tokens_per_batch=512), world_size=2)
 
 
+def test_a_folder_whose_labels_are_class_names_is_pointed_to_the_flags_that_read_them(tmp_path, capsys):
+    """Hugging Face's own jsonl ({"text", "label": "politics"}) as --data-dir: check-data printed one line per
+    record, the refusal advised --skip-bad-samples (which skips them all), and with it --check-only passed a job
+    whose ranks then found no usable records. --train-file reads the same files with named classes."""
+    from shardtrain.data.precheck import check_splits
+
+    data = tmp_path / "named"
+    for split, n in (("train", 12), ("validation", 4)):
+        rows = [{"text": f"document {i} about {c}", "label": c} for i, c in enumerate(["politics", "sports"] * n)]
+        write_split(data, f"{split}.jsonl", [json.dumps(r) for r in rows])
+    hint = (
+        f"train.jsonl's labels are class names: the --data-dir layout takes class ids 0..N-1; --train-file "
+        f"{data / 'train.jsonl'} --validation-file {data / 'validation.jsonl'} reads the same files with named "
+        f"classes (docs/data.md)"
+    )
+    config = str(REPO / "configs" / "longformer_tiny.yaml")
+    cfg = parse_cli(["--config", config, "--data-dir", str(data), "--output-dir", str(tmp_path / "out")])
+    with pytest.raises(ConfigError) as e:
+        check_splits(cfg)
+    assert str(e.value) == f'{data / "train.jsonl"}:1: label "politics" is not an integer (24 records like it: {hint})'
+    with pytest.raises(ConfigError) as e:
+        check_splits(replace_fields(cfg, skip_bad_samples=True))
+    assert str(e.value) == (
+        f"--data-dir (data.data_dir): no usable records in {data / 'train.jsonl'} (24 bad records skipped by "
+        f"--skip-bad-samples (data.skip_bad_samples): {hint})"
+    )
+    assert check_data(data, "longdoc", 3)[0] == f"{data / 'train.jsonl'}: no usable records: {hint}"
+    named = parse_cli(["--config", config, "--train-file", str(data / "train.jsonl"), "--validation-file",
+                       str(data / "validation.jsonl"), "--output-dir", str(tmp_path / "out")])  # fmt: skip
+    assert check_splits(named).names == ("politics", "sports")
+
+
 def test_training_the_multimodal_model_on_text_records_is_refused_naming_what_reads_them(ld_dir, tmp_path):
     """The refusal's advice was `check-data DIR` (which, reading the folder on its own as longdoc, found no problem)
     and --skip-bad-samples (which would skip every record)."""
