@@ -49,8 +49,15 @@ shardtrain_srun() {
     # Slurm sets no MASTER_ADDR/MASTER_PORT. The first host of the allocation runs rank 0; the port comes
     # from the job id so two jobs sharing a node do not collide, and stays the same after a requeue.
     if [[ -z "${MASTER_ADDR:-}" ]]; then
-        MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n1)"
-        MASTER_ADDR="${MASTER_ADDR:-${SLURM_JOB_NODELIST%%,*}}"
+        # `|| true`: under the sbatch scripts' `set -e` a failing scontrol (a container without slurm.conf) ended
+        # the job here, silently, before the fallback below.
+        MASTER_ADDR="$(scontrol show hostnames "${SLURM_JOB_NODELIST:-localhost}" 2>/dev/null | head -n1 || true)"
+        # Without scontrol, the first host of the compressed list: gpu[01-04,07],cpu3 -> gpu01.
+        local nodes="${SLURM_JOB_NODELIST:-localhost}"
+        if [[ -z "$MASTER_ADDR" && "$nodes" =~ ^([^,\[]+)\[([0-9]+) ]]; then
+            MASTER_ADDR="${BASH_REMATCH[1]}${BASH_REMATCH[2]}"
+        fi
+        MASTER_ADDR="${MASTER_ADDR:-${nodes%%,*}}"
     fi
     export MASTER_ADDR
     export MASTER_PORT="${MASTER_PORT:-$((15000 + ${SLURM_JOB_ID:-0} % 20000))}"

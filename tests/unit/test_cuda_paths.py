@@ -398,6 +398,33 @@ def test_srun_train_gives_each_task_its_cpus_per_task(tmp_path):
     assert check.startswith("CHECK NTASKS=4 ARGS=-u shardtrain/main.py ") and check.endswith(" --check-only")
 
 
+@pytest.mark.parametrize("nodelist, first", [("gpu01", "gpu01"), ("gpu[07-09,12],cpu3", "gpu07"), ("a,b", "a")])
+def test_srun_train_without_a_working_scontrol_takes_the_first_host_of_the_nodelist(tmp_path, nodelist, first):
+    """A site where the job cannot run scontrol (a container, no slurm.conf): under the sbatch scripts' `set -euo
+    pipefail` the failed `$(scontrol show hostnames ...)` ended the job with exit 1 and no line, before the
+    fallback to SLURM_JOB_NODELIST that follows it."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text('#!/bin/bash\necho "SRUN MASTER_ADDR=$MASTER_ADDR"\n')
+    (fake / "scontrol").write_text('#!/bin/bash\necho "scontrol: error: resolve_ctls_from_dns_srv" >&2\nexit 1\n')
+    (fake / "python").write_text("#!/bin/bash\nexit 0\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    config = tmp_path / "c.yaml"
+    config.write_text("{}\n")
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "CONFIG": str(config), "SLURM_GPUS_ON_NODE": "3", "SLURM_JOB_ID": "4242",
+           "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": nodelist}  # fmt: skip
+    run = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail; source {REPO}/slurm/srun_train.sh && shardtrain_srun"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"SRUN MASTER_ADDR={first}\n" in run.stdout, run.stdout + run.stderr
+
+
 # ---- 8. FSDP under bf16: 16-bit all-gathers, fp32 reduce-scatters, fp32 BatchNorm -------------------------------
 def test_the_shipped_fsdp_policies_gather_in_16_bits_and_reduce_in_fp32():
     from shardtrain.strategies.fsdp import mixed_precision_policy, wire_dtypes
