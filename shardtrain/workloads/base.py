@@ -226,9 +226,7 @@ class Workload:
         if is_peft_model(model):
             model.save_pretrained(str(out_dir))
         else:
-            save_file(
-                {k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors")
-            )
+            save_file(_separate_tensors(model.state_dict()), str(out_dir / "model.safetensors"))
             config = getattr(model, "config", None)
             if callable(getattr(config, "save_pretrained", None)):  # a merged LoRA model's, too
                 config.architectures = [type(model).__name__]
@@ -239,6 +237,18 @@ class Workload:
         (out_dir / "workload.json").write_text(
             json.dumps({"target": target_of(type(self)), "args": self.args}, indent=1, default=str)
         )
+
+
+def _separate_tensors(state: dict) -> dict:
+    """Each name its own contiguous tensor. Tied weights (a causal LM's lm_head and input embeddings) share one,
+    which safetensors refuses ("Some tensors share memory"): `export` failed on examples/causal_lm. A copy per
+    name keeps both a strict load_state_dict and transformers' from_pretrained reading the file as it is."""
+    seen, out = set(), {}
+    for name, tensor in state.items():
+        storage = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.detach().clone() if storage in seen and tensor.numel() else tensor.detach().contiguous()
+        seen.add(storage)
+    return out
 
 
 # ---- what the framework calls, checked: a wrong return is one line naming the method --------------------

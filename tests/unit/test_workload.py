@@ -437,6 +437,33 @@ def test_builtin_blocks_are_the_models_own(name, overrides):
     assert resolve_block_classes(model, load_workload(cfg).block_classes()) == model.block_classes()
 
 
+def test_the_default_export_of_tied_embeddings_loads_strictly_and_in_plain_transformers(tmp_path):
+    """A GPT-2 ties lm_head to its input embeddings: one tensor under two names, which safetensors refused, so
+    `shardtrain export` of examples/causal_lm failed ("Some tensors share memory"). The export now loads with the
+    documented strict load_state_dict and with AutoModelForCausalLM alone, and predicts what the model does."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    class LM(Workload):
+        def build_model(self):
+            torch.manual_seed(0)
+            config = GPT2Config(vocab_size=50, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+            return AutoModelForCausalLM.from_config(config)
+
+    model = LM(Config()).build_model().eval()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    LM(Config()).export(model, tmp_path)
+    again = LM(Config()).build_model()
+    torch.nn.init.zeros_(again.get_input_embeddings().weight)
+    again.load_state_dict(load_file(str(tmp_path / "model.safetensors")))  # strict
+    plain = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        assert torch.equal(again.eval()(input_ids=ids).logits, want)
+        assert torch.allclose(plain(input_ids=ids).logits, want, atol=1e-6)
+
+
 def test_shardtrain_exports_workload_and_fit():
     import shardtrain
 
