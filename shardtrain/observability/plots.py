@@ -28,6 +28,9 @@ def curves(runs, path: Path) -> Path:
     own first two) against the optimizer step."""
     fig, (ax_loss, ax_eval) = plt.subplots(1, 2, figsize=(11, 4))
     shown = headline_metrics(runs)
+    numbers = {k: [e[k] for run in runs for e in run.evals if isinstance(e.get(k), (int, float))] for k in shown}
+    if not all(0 <= v <= 1 for k in shown for v in numbers[k]):
+        shown = shown[:1]  # a perplexity beside its log (nll): one axis would flatten the second
     for run in runs:
         ax_loss.plot([r["step"] for r in run.steps], [r["loss"] for r in run.steps], label=run.label)
         color = None
@@ -42,9 +45,10 @@ def curves(runs, path: Path) -> Path:
                     label=f"{run.label} {shown_as(key)}",
                 )
                 color = line.get_color()
-    values = [e[k] for run in runs for e in run.evals for k in shown if isinstance(e.get(k), (int, float))]
+    values = [v for k in shown for v in numbers[k]]
     ax_loss.set(title="training loss", xlabel="step", ylabel="loss")
-    ax_eval.set(title="evaluation", xlabel="step", ylabel="score" if shown[:1] == ["accuracy"] else " / ".join(shown))
+    own = shown[:1] not in ([], ["accuracy"])  # a workload's own metric names its axis
+    ax_eval.set(title="evaluation", xlabel="step", ylabel=shown_as(shown[0]) if own else "score")
     if values and all(0 <= v <= 1 for v in values):
         ax_eval.set_ylim(0, 1.05)
     ax_eval.set_xlim(ax_loss.get_xlim())  # one step axis for both panels, even with a single eval point
