@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (module, help_text) in COMMANDS.items():
             if _available(module):
                 print(f"  {name:<13}{help_text}")
+        print("\nshardtrain <command> --help: its options; the guides: README.md and docs/ in the repository")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS or not _available(COMMANDS[name][0]):
