@@ -266,11 +266,17 @@ def export_workload(ckpt_dir: Path, cfg, out: Path, int8: bool, evaluate: bool =
     }  # the run's data settings: `predict` reads them
     if evaluate:
         info["eval_fp32"] = evaluate_workload(workload, model)
-    if int8:  # build_model() + load_int8_weights(model, OUT/model_int8.pt) reads it back
+    if int8:  # build_model() (merged, for adapters) + load_int8_weights(model, OUT/model_int8.pt) reads it back
+        if is_peft_model(model):
+            # A deployable INT8 model is the merged one: quantized unmerged, the file held the base and its adapters
+            # under peft's names, which no plain architecture loads, and was compared with the adapters' size.
+            model = merged(model, f"export {ckpt_dir}")
+            info["int8_of"] = "merged"
+            info["bytes_fp32_merged"] = sum(t.numel() * t.element_size() for t in model.state_dict().values())
         save_int8(model, out / INT8_FILE)
         normal_mode(out / INT8_FILE)
         info["bytes_int8"] = (out / INT8_FILE).stat().st_size
-        info["size_reduction"] = 1 - info["bytes_int8"] / info["bytes_fp32"]
+        info["size_reduction"] = 1 - info["bytes_int8"] / info.get("bytes_fp32_merged", info["bytes_fp32"])
         if evaluate:
             info["eval_int8"] = evaluate_workload(workload, model)
     (out / EXPORT_META).write_text(json.dumps(info, indent=1, default=str))

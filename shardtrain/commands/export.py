@@ -64,6 +64,12 @@ def main(argv: list[str]) -> int:
         print(
             f"int8 (torchao: Linear and embedding weights; CPU inference only): {info['bytes_int8'] / 1e6:.2f} MB, "
             f"{size_change(info['size_reduction'])}"
+            + (
+                f" than the merged fp32 model ({info['bytes_fp32_merged'] / 1e6:.2f} MB): the INT8 copy has the "
+                "adapters merged in"
+                if info.get("int8_of") == "merged"
+                else ""
+            )
         )
     if "workload" in info:  # a user's workload: evaluated by its own metrics, if asked
         _print_evals(info)

@@ -348,7 +348,12 @@ def _export_source(path: Path, args, given: dict) -> Source:
         if own is not None:
             return own.eval()
         if args.int8:  # the workload's architecture, the int8 weights assigned (torchao's documented load)
-            return export.load_int8_weights(_build(workload, cfg), path / export.INT8_FILE)
+            from shardtrain.workloads.adapters import is_peft_model
+
+            model = _build(workload, cfg)
+            if is_peft_model(model):  # a LoRA run's INT8 copy is of the merged model (export_workload)
+                model = model.merge_and_unload()
+            return export.load_int8_weights(model, path / export.INT8_FILE)
         from safetensors.torch import load_file
 
         from shardtrain.checkpointing.export import load_fitting_weights
