@@ -365,32 +365,33 @@ def test_the_local_launcher_gives_each_rank_its_share_of_the_cpus(monkeypatch):
     assert seen == ["4", "1", "3"]
 
 
-def test_srun_train_gives_each_task_its_cpus_per_task(tmp_path):
+def srun_train(tmp_path, fakes: dict[str, str], env: dict) -> subprocess.CompletedProcess:
+    """slurm/srun_train.sh's shardtrain_srun, under the sbatch scripts' `set -euo pipefail`, with `fakes` (name:
+    script body) first on PATH for srun, scontrol and the python of its checks before srun (tests/dist/test_slurm.py
+    runs the real ones)."""
     fake = tmp_path / "bin"
     fake.mkdir()
-    (fake / "srun").write_text('#!/bin/bash\necho "OMP=$OMP_NUM_THREADS ARGS=$*"\n')
-    (fake / "scontrol").write_text("#!/bin/bash\necho node1\n")
-    # The checks the script makes once before srun (tests/dist/test_slurm.py runs the real ones)
-    (fake / "python").write_text('#!/bin/bash\necho "CHECK NTASKS=$SLURM_NTASKS ARGS=$*"\n')
-    for f in fake.iterdir():
-        f.chmod(0o755)
+    for name, body in fakes.items():
+        (fake / name).write_text(f"#!/bin/bash\n{body}\n")
+        (fake / name).chmod(0o755)
     config = tmp_path / "c.yaml"
     config.write_text("{}\n")
-    env = {
-        "PATH": f"{fake}:/usr/bin:/bin",
-        "CONFIG": str(config),
-        "SLURM_GPUS_ON_NODE": "4",
-        "SLURM_CPUS_ON_NODE": "20",
-        "SLURM_JOB_ID": "7",
-        "SLURM_NNODES": "1",
-    }
-    run = subprocess.run(
-        ["bash", "-c", f"source {REPO}/slurm/srun_train.sh && shardtrain_srun"],
-        env=env,
+    return subprocess.run(
+        ["bash", "-c", f"set -euo pipefail; source {REPO}/slurm/srun_train.sh && shardtrain_srun"],
+        env={"PATH": f"{fake}:/usr/bin:/bin", "CONFIG": str(config), "SLURM_NNODES": "1", **env},
         capture_output=True,
         text=True,
         timeout=30,
     )
+
+
+def test_srun_train_gives_each_task_its_cpus_per_task(tmp_path):
+    fakes = {
+        "srun": 'echo "OMP=$OMP_NUM_THREADS ARGS=$*"',
+        "scontrol": "echo node1",
+        "python": 'echo "CHECK NTASKS=$SLURM_NTASKS ARGS=$*"',
+    }
+    run = srun_train(tmp_path, fakes, {"SLURM_GPUS_ON_NODE": "4", "SLURM_CPUS_ON_NODE": "20", "SLURM_JOB_ID": "7"})
     assert run.returncode == 0, run.stdout + run.stderr
     (line,) = [x for x in run.stdout.splitlines() if x.startswith("OMP=")]
     assert line.startswith("OMP=5 ") and "--cpus-per-task=5" in line
@@ -403,24 +404,13 @@ def test_srun_train_without_a_working_scontrol_takes_the_first_host_of_the_nodel
     """A site where the job cannot run scontrol (a container, no slurm.conf): under the sbatch scripts' `set -euo
     pipefail` the failed `$(scontrol show hostnames ...)` ended the job with exit 1 and no line, before the
     fallback to SLURM_JOB_NODELIST that follows it."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    (fake / "srun").write_text('#!/bin/bash\necho "SRUN MASTER_ADDR=$MASTER_ADDR"\n')
-    (fake / "scontrol").write_text('#!/bin/bash\necho "scontrol: error: resolve_ctls_from_dns_srv" >&2\nexit 1\n')
-    (fake / "python").write_text("#!/bin/bash\nexit 0\n")
-    for f in fake.iterdir():
-        f.chmod(0o755)
-    config = tmp_path / "c.yaml"
-    config.write_text("{}\n")
-    env = {"PATH": f"{fake}:/usr/bin:/bin", "CONFIG": str(config), "SLURM_GPUS_ON_NODE": "3", "SLURM_JOB_ID": "4242",
-           "SLURM_NNODES": "1", "SLURM_JOB_NODELIST": nodelist}  # fmt: skip
-    run = subprocess.run(
-        ["bash", "-c", f"set -euo pipefail; source {REPO}/slurm/srun_train.sh && shardtrain_srun"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    fakes = {
+        "srun": 'echo "SRUN MASTER_ADDR=$MASTER_ADDR"',
+        "scontrol": 'echo "scontrol: error: resolve_ctls_from_dns_srv" >&2; exit 1',
+        "python": "exit 0",
+    }
+    env = {"SLURM_GPUS_ON_NODE": "3", "SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": nodelist}
+    run = srun_train(tmp_path, fakes, env)
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"SRUN MASTER_ADDR={first}\n" in run.stdout, run.stdout + run.stderr
 
